@@ -1,0 +1,183 @@
+"""LightningModule for T5 fine-tuning (offline; random init or a *local* checkpoint).
+
+Design note: the model is built from a ``T5Config`` so that nothing is fetched at
+run time; ``pretrained`` only accepts a local directory.  Validation computes
+loss + token accuracy on every batch and, on the first ``num_gen_batches``
+batches only, runs ``generate`` for text metrics (chrF, SacreBLEU, ROUGE-L --
+all pure-python in torchmetrics, no nltk/sacrebleu download needed as long as
+``rougeLsum`` and the stemmer stay off).  Generation passes ``synced_gpus=True``
+under multi-process runs so ranks whose sequences finish early keep doing
+forwards: required with ZeRO-3, where every forward gathers shards collectively.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+# Must be set before transformers is imported: never touch the HF hub at run time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torchmetrics.classification import MulticlassAccuracy  # noqa: E402
+from torchmetrics.text import CHRFScore, SacreBLEUScore  # noqa: E402
+from torchmetrics.text.rouge import ROUGEScore  # noqa: E402
+from transformers import T5Config, T5ForConditionalGeneration  # noqa: E402
+
+# Real architectures of the original T5 checkpoints (relu FFN, tied embeddings).
+T5_PRESETS: dict[str, dict[str, Any]] = {
+    "t5_tiny": dict(vocab_size=259, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16),
+    "t5_small": dict(vocab_size=32128, d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64),
+    "t5_base": dict(vocab_size=32128, d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64),
+    "t5_large": dict(vocab_size=32128, d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64),
+    "t5_3b": dict(vocab_size=32128, d_model=1024, d_ff=16384, num_layers=24, num_heads=32, d_kv=128),
+}
+
+
+def make_t5_config(preset: str = "t5_tiny", tokenizer: Any = None, **overrides: Any) -> T5Config:
+    """T5Config from a preset; special ids (and vocab for small tokenizers) come from `tokenizer`."""
+    if preset not in T5_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(T5_PRESETS)}")
+    cfg = dict(T5_PRESETS[preset], feed_forward_proj="relu", tie_word_embeddings=True)
+    if tokenizer is not None:
+        # T5 convention: decoder starts from the pad id.  A byte tokenizer's vocab (259)
+        # must replace the preset's sentencepiece vocab (32128), whatever the preset.
+        cfg.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                   decoder_start_token_id=tokenizer.pad_token_id,
+                   vocab_size=len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size)
+    else:
+        cfg.update(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    cfg.update(overrides)
+    return T5Config(**cfg)
+
+
+def load_local_t5(path: str) -> T5ForConditionalGeneration:
+    p = Path(path).expanduser()
+    if not (p.is_dir() and (p / "config.json").is_file()):
+        raise FileNotFoundError(
+            f"pretrained={path!r} is not a local model directory (need config.json + weights). "
+            "Weights are never downloaded at run time: on a machine with network access run "
+            "`T5ForConditionalGeneration.from_pretrained('t5-small').save_pretrained('/some/dir')` "
+            "(or copy a HF cache snapshot dir), then pass pretrained='/some/dir'.")
+    return T5ForConditionalGeneration.from_pretrained(str(p), local_files_only=True)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class T5FineTuner(L.LightningModule):
+    def __init__(self, preset: str = "t5_tiny", tokenizer: Any = None, pretrained: str | None = None,
+                 lr: float = 1e-3, weight_decay: float = 0.01, warmup_steps: int = 100,
+                 total_steps: int | None = None, num_gen_batches: int = 2, max_new_tokens: int = 64,
+                 dropout_rate: float = 0.1, **config_overrides: Any):
+        super().__init__()
+        # The tokenizer object is not a hyperparameter (not serialisable in general).
+        self.save_hyperparameters(ignore=["tokenizer"])
+        if tokenizer is None:
+            try:
+                from t5_data import ByteTokenizer
+            except ImportError:  # run from repo root without examples/ on sys.path
+                from examples.t5_data import ByteTokenizer
+            tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer
+        if pretrained:
+            self.model = load_local_t5(pretrained)
+            vocab = self.model.config.vocab_size
+            if tokenizer.vocab_size > vocab:
+                raise ValueError(f"tokenizer vocab {tokenizer.vocab_size} > checkpoint vocab {vocab}; "
+                                 "use the checkpoint's own tokenizer")
+        else:
+            config = make_t5_config(preset, tokenizer, dropout_rate=dropout_rate, **config_overrides)
+            self.model = T5ForConditionalGeneration(config)
+        # generate() reads generation_config, not config: keep the special ids consistent.
+        gc = self.model.generation_config
+        gc.pad_token_id, gc.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        gc.decoder_start_token_id = self.model.config.decoder_start_token_id
+        if gc.decoder_start_token_id is None:
+            gc.decoder_start_token_id = self.model.config.decoder_start_token_id = tokenizer.pad_token_id
+
+        vocab = self.model.config.vocab_size
+        self.val_acc = MulticlassAccuracy(num_classes=vocab, ignore_index=-100, average="micro")
+        self.val_chrf = CHRFScore()
+        self.val_bleu = SacreBLEUScore()  # default "13a" tokenizer: pure python, no sacrebleu pkg
+        self.val_rouge = ROUGEScore(rouge_keys=("rougeL",))  # rougeLsum/stemmer would need nltk
+        self._generated = False
+
+    def forward(self, **batch: torch.Tensor) -> Any:
+        return self.model(**batch)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self.model(**batch)
+        labels = batch["labels"]
+        self.log("val_loss", out.loss, prog_bar=True, sync_dist=True, batch_size=labels.size(0))
+        # argmax first: a (tokens x vocab) float copy for a 32k vocab is wasteful.
+        self.val_acc.update(out.logits.argmax(-1).flatten(), labels.flatten())
+        self.log("val_token_acc", self.val_acc, on_step=False, on_epoch=True)
+
+        # Same batch indices on every rank (the DistributedSampler pads ranks to equal
+        # length), so all ranks enter generate() together.
+        if batch_idx < self.hparams.num_gen_batches:
+            gen = self.model.generate(input_ids=batch["input_ids"],
+                                      attention_mask=batch["attention_mask"],
+                                      max_new_tokens=self.hparams.max_new_tokens,
+                                      do_sample=False, num_beams=1,
+                                      synced_gpus=_world_size() > 1)
+            preds = self.tokenizer.batch_decode(gen.tolist(), skip_special_tokens=True)
+            refs = self.tokenizer.batch_decode(
+                [[t for t in row if t != -100] for row in labels.tolist()], skip_special_tokens=True)
+            self.val_chrf.update(preds, [[r] for r in refs])
+            self.val_bleu.update(preds, [[r] for r in refs])
+            self.val_rouge.update(preds, refs)
+            self._generated = True
+
+    def on_validation_epoch_end(self) -> None:
+        # compute() all-gathers metric state, so every rank must call it; `_generated`
+        # is identical on all ranks for the reason given in validation_step.
+        if self._generated:
+            self.log("val_chrf", self.val_chrf.compute(), sync_dist=True)
+            self.log("val_sacrebleu", self.val_bleu.compute(), sync_dist=True)
+            self.log("val_rougeL", self.val_rouge.compute()["rougeL_fmeasure"], sync_dist=True)
+        for m in (self.val_chrf, self.val_bleu, self.val_rouge):
+            m.reset()
+        self._generated = False
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        # No weight decay on biases and norm scales (T5LayerNorm has only a weight).
+        no_decay_ids = set()
+        for mod in self.modules():
+            is_norm = "norm" in type(mod).__name__.lower()
+            for pname, p in mod.named_parameters(recurse=False):
+                if is_norm or pname == "bias":
+                    no_decay_ids.add(id(p))
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if id(p) not in no_decay_ids],
+             "weight_decay": self.hparams.weight_decay},
+            {"params": [p for p in params if id(p) in no_decay_ids], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        opt = torch.optim.AdamW(groups, lr=self.hparams.lr)
+
+        total = self.hparams.total_steps
+        if total is None:
+            est = self.trainer.estimated_stepping_batches
+            total = int(est) if est is not None and math.isfinite(est) else 10_000
+        warmup = min(self.hparams.warmup_steps, max(total - 1, 0))
+
+        def lr_lambda(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)  # never exactly 0 on the first step
+            return max(0.0, (total - step) / max(1, total - warmup))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

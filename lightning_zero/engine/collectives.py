@@ -1,0 +1,101 @@
+"""Collectives: the only place the engine talks to torch.distributed.
+
+Design note
+-----------
+Every collective the engine issues goes through here so that (a) the few API differences between torch
+releases and backends are handled once (gloo needs flat all-gather outputs; torch 2.13 renamed the
+``*_tensor`` collectives to ``*_single``; gloo has no ``AVG``), and (b) tests can count exactly how many
+collectives, and how many bytes, a training step costs (:data:`stats`). A world of size 1 -- or no
+initialized process group -- short-cuts every call, so the engine runs unchanged on one process.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class CommStats:
+    """Counts of collectives issued by this process (by op name) and the bytes they sent."""
+
+    calls: Counter = field(default_factory=Counter)
+    bytes: Counter = field(default_factory=Counter)
+
+    def record(self, op: str, tensor: torch.Tensor) -> None:
+        self.calls[op] += 1
+        self.bytes[op] += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+
+stats = CommStats()
+
+
+class _Done:
+    """Stand-in handle for work that completed synchronously (world size 1)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def world_size(group: Optional[Any] = None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank(group: Optional[Any] = None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False):
+    """Sum-reduce ``input`` (``world_size * output.numel()`` elements, rank-major) into ``output``."""
+    if world_size(group) == 1:
+        output.copy_(input.view(-1)[: output.numel()])
+        return _Done() if async_op else None
+    stats.record("reduce_scatter", input)
+    return _reduce_scatter(output, input, group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False):
+    """Gather every rank's flat ``input`` into a flat ``output`` (rank-major)."""
+    if world_size(group) == 1:
+        output.view(-1)[: input.numel()].copy_(input.view(-1))
+        return _Done() if async_op else None
+    stats.record("all_gather", input)
+    return _all_gather(output.view(-1), input.view(-1), group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, op=None, group: Optional[Any] = None, async_op: bool = False):
+    """In-place all-reduce (SUM by default; gloo has no AVG, so callers divide)."""
+    if world_size(group) == 1:
+        return _Done() if async_op else None
+    stats.record("all_reduce", tensor)
+    return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Optional[Any] = None) -> None:
+    if world_size(group) == 1:
+        return
+    stats.record("broadcast", tensor)
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    dist.broadcast(tensor, src=global_src, group=group)
+
+
+def any_true(flag: bool, device: torch.device, group: Optional[Any] = None) -> bool:
+    """True on every rank when ``flag`` is true on any rank (one tiny all-reduce)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    all_reduce(t, op=dist.ReduceOp.MAX if world_size(group) > 1 else None, group=group)
+    return bool(t.item() > 0)

@@ -1,0 +1,69 @@
+"""ZeroConfig: the validated knobs shared by the engine, the Lightning strategy and the Hydra schema.
+
+Design note
+-----------
+Every invalid combination is refused here, once, with a message that names what is allowed, so the
+strategy constructor, the Hydra config and direct engine users all fail the same way and early (at
+construction, not in the middle of the first step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+STAGES = (0, 1, 2, 3)
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(value) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    key = str(value).lower().replace("torch.", "")
+    if key not in _DTYPES:
+        raise ValueError(f"Unknown dtype {value!r}. Allowed: None, {', '.join(sorted(_DTYPES))}.")
+    return _DTYPES[key]
+
+
+@dataclass
+class ZeroConfig:
+    """What to shard and where to keep it.
+
+    stage: 0 (DDP-equivalent), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
+    offload_optimizer: fp32 master shards and optimizer state live in CPU memory; the step runs there.
+    offload_params: stage 3 only -- parameter shards live in CPU memory between uses.
+    bucket_mb: cap of one gradient/parameter communication bucket, in MiB.
+    reduce_dtype: dtype of gradient reductions (None = the compute dtype; "fp32" for exact sums).
+    broadcast_buffers: copy rank 0's buffers to all ranks before each training forward (like DDP).
+    """
+
+    stage: int = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    bucket_mb: float = 25.0
+    reduce_dtype: Optional[object] = None
+    broadcast_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in STAGES:
+            raise ValueError(f"Unknown ZeRO stage {self.stage!r}. Allowed stages: 0, 1, 2, 3.")
+        if self.offload_optimizer and self.stage == 0:
+            raise ValueError(
+                "offload_optimizer=True needs a sharded optimizer: stage 0 keeps replicated optimizer state. "
+                "Allowed: offload_optimizer with stage 1, 2 or 3."
+            )
+        if self.offload_params and self.stage != 3:
+            raise ValueError(
+                f"offload_params=True needs partitioned parameters (stage 3); got stage {self.stage}. "
+                "Allowed: offload_params with stage 3 only (use offload_optimizer for stages 1-2)."
+            )
+        if not isinstance(self.bucket_mb, (int, float)) or isinstance(self.bucket_mb, bool) or self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be a positive number of MiB; got {self.bucket_mb!r}.")
+        self.reduce_dtype = parse_dtype(self.reduce_dtype)
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_mb * 2**20))

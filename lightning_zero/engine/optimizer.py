@@ -1,0 +1,192 @@
+"""Master shards and the in-place rebinding of the user's optimizer.
+
+Design note
+-----------
+The user's optimizer object is kept: its ``param_groups`` are edited so that every managed parameter is
+replaced by its *master shard* -- the fp32 copy of this rank's slice (stages 1-3) or of the whole
+parameter (stage 0). Per-group hyper-parameters, ``optimizer.state`` and any LR scheduler bound to the
+optimizer keep working because the object and its groups are the same ones; only the tensors changed.
+
+A master shard shares storage with the parameter when nothing forces a copy (fp32 compute, no offload):
+then the optimizer updates the parameter's own slice in place and no extra fp32 copy exists, which is
+what the fp32 memory floors assume. With fp16/bf16 compute, or with the optimizer offloaded to the CPU,
+the master is a separate fp32 tensor (pinned on CUDA machines so host<->device copies can overlap).
+
+Sharding is only valid for *elementwise* optimizers: the update of each element depends on that
+element's gradient and state alone. Optimizers that look at whole tensors (LBFGS, Adafactor's factored
+moments, LAMB/LARS trust ratios, Muon/Shampoo) would silently compute something else on a shard, so they
+are refused with an error; :func:`register_shardable_optimizer` admits a custom elementwise class.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .buckets import Bucket
+
+_SHARDABLE: set[type] = {
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+}
+# torch's fused implementations run on the CPU: the offloaded step swaps them in (DESIGN.md).
+_FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def register_shardable_optimizer(cls: type) -> type:
+    """Declare a custom optimizer class elementwise, hence safe to run on shards. Usable as decorator."""
+    _SHARDABLE.add(cls)
+    return cls
+
+
+def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    if stage == 0:
+        return  # stage 0 steps whole parameters: any optimizer works
+    cls = type(optimizer)
+    if any(issubclass(cls, ok) for ok in _SHARDABLE):
+        return
+    names = sorted(c.__name__ for c in _SHARDABLE)
+    raise ValueError(
+        f"{cls.__name__} cannot run on parameter shards: ZeRO stage {stage} needs an elementwise optimizer "
+        f"(each element's update depends only on its own gradient and state). Allowed: {', '.join(names)}. "
+        "Use stage=0, or, if your optimizer is elementwise, declare it with "
+        "lightning_zero.register_shardable_optimizer(YourOptimizer)."
+    )
+
+
+class ShardedOptimizer:
+    """Owns the master shards of the managed parameters and steps the user's optimizer on them."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        buckets: list[Bucket],
+        stage: int,
+        offload: bool = False,
+    ) -> None:
+        check_shardable(optimizer, stage)
+        self.optimizer = optimizer
+        self.buckets = buckets
+        self.stage = stage
+        self.offload = offload
+        params = [p for b in buckets for p in b.params]
+        device = params[0].device if params else torch.device("cpu")
+        self.master_device = torch.device("cpu") if offload else device
+        pin = offload and torch.cuda.is_available()
+        self.masters: list[list[torch.Tensor]] = []
+        by_param: dict[int, torch.Tensor] = {}
+        for b in buckets:
+            row = []
+            for p, spec in zip(b.params, b.specs):
+                m = self._make_master(p, spec, pin)
+                row.append(m)
+                by_param[id(p)] = m
+            self.masters.append(row)
+        # per master: does it alias its parameter (fp32, not offloaded)? Then it costs no extra bytes.
+        self._aliased = [
+            m.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+            for p, m in zip(params, (m for row in self.masters for m in row))
+        ]
+        self._rebind(by_param)
+        if offload:
+            self._use_fused_cpu_kernels()
+
+    def _make_master(self, p: torch.Tensor, spec, pin: bool) -> torch.Tensor:
+        if p.dtype == torch.float32 and not self.offload:
+            if self.stage == 0:
+                return p  # DDP: the parameter is its own master
+            return p.data.view(-1)[spec.lo : spec.hi]
+        src = p.detach() if self.stage == 0 else p.detach().reshape(-1)[spec.lo : spec.hi]
+        m = src.to(device=self.master_device, dtype=torch.float32, copy=True)
+        return m.pin_memory() if pin else m
+
+    def _rebind(self, by_param: dict[int, torch.Tensor]) -> None:
+        if self.optimizer.state:
+            raise ValueError(
+                "The optimizer already holds state; ZeRO must shard it before the first step. "
+                "Create the engine right after the optimizer (restore state afterwards with load_state_dict)."
+            )
+        for group in self.optimizer.param_groups:
+            group["params"] = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
+
+    def _use_fused_cpu_kernels(self) -> None:
+        if not isinstance(self.optimizer, _FUSED_ON_CPU):
+            for group in self.optimizer.param_groups:
+                if "foreach" in group and group.get("foreach") is None:
+                    group["foreach"] = True
+            return
+        for group in self.optimizer.param_groups:
+            if group.get("differentiable") or group.get("capturable"):
+                continue
+            group["fused"], group["foreach"] = True, False
+        self.optimizer.defaults.update(fused=True, foreach=False)
+
+    @property
+    def uses_fused(self) -> bool:
+        return all(g.get("fused") for g in self.optimizer.param_groups)
+
+    # -- gradients ------------------------------------------------------------------------------
+    def assign_grads(self, grads: list[list[Optional[torch.Tensor]]]) -> None:
+        """Point each master's ``.grad`` at its reduced gradient (fp32, on the master's device)."""
+        for row, grow in zip(self.masters, grads):
+            for m, g in zip(row, grow):
+                if g is None:
+                    m.grad = None
+                elif g.dtype == m.dtype and g.device == m.device:
+                    m.grad = g.view_as(m)
+                else:
+                    m.grad = g.to(device=m.device, dtype=m.dtype, non_blocking=True).view_as(m)
+        if self.offload and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # device->host copies must land before the CPU step
+
+    def grads(self) -> list[torch.Tensor]:
+        return [m.grad for row in self.masters for m in row if m.grad is not None]
+
+    def local_sq_norm(self) -> torch.Tensor:
+        """Sum of squares of this rank's master gradients (fp32). Non-finite if any grad is."""
+        grads = self.grads()
+        if not grads:
+            return torch.zeros((), device=self.master_device)
+        norms = torch._foreach_norm(grads, 2.0)
+        return torch.stack(norms).float().pow(2).sum()
+
+    def scale_grads(self, coef: float) -> None:
+        grads = self.grads()
+        if grads and coef != 1.0:
+            torch._foreach_mul_(grads, coef)
+
+    def clamp_grads(self, value: float) -> None:
+        for g in self.grads():
+            g.clamp_(-value, value)
+
+    def clear_grads(self) -> None:
+        for row in self.masters:
+            for m in row:
+                m.grad = None
+
+    # -- update -------------------------------------------------------------------------------------
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def state_bytes(self) -> int:
+        total = 0
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    total += v.numel() * v.element_size()
+        return total
+
+    def master_bytes(self) -> int:
+        """Bytes of fp32 master storage *separate* from the parameters (0 when masters are views)."""
+        flat = (m for row in self.masters for m in row)
+        return sum(m.numel() * m.element_size() for m, a in zip(flat, self._aliased) if not a)

@@ -1,0 +1,202 @@
+"""Gradient reduction: bucketed all-reduce (stage 0) or reduce-scatter (stages 1-2) driven by backward.
+
+Design note
+-----------
+Each trainable parameter gets a post-accumulate-grad hook. The hook fires once per backward, after
+autograd has summed every use of the parameter (so tied weights are reduced once). When all members of
+a bucket are ready the bucket is launched -- but strictly in bucket order, so every rank issues the same
+collectives in the same sequence even when ranks see different unused parameters (the DDP rule). An
+autograd end-of-backward callback launches whatever is left (parameters that got no gradient count as
+zeros) and completes the reductions, so after ``backward()`` returns the reduced gradients are in place.
+
+When reductions happen is the only thing that separates stage 1 from stage 2:
+* stages 0 and 1 honour :meth:`no_sync`: under it gradients just accumulate locally in ``param.grad``
+  and no collective is issued; the boundary micro-batch reduces the accumulated sum;
+* stage 2 reduces every micro-batch into a gradient *shard* and frees the full gradient at once, so a
+  rank never holds more than a bucket or two of full-size gradients.
+In stages 1-2 the reduced slices accumulate in one flat shard per bucket; in stage 0 the all-reduced
+values are written back into ``param.grad`` (identical on every rank, so repeated syncs stay correct).
+
+Which parameters got a gradient on *any* rank is decided by one small all-reduce at :meth:`finalize`:
+a parameter that no rank used keeps ``grad=None`` exactly as under DDP, so optimizers skip it (no weight
+decay, no step count) instead of stepping on zeros.
+
+On CUDA the pack / collective / unpack sequence runs on a side stream that first waits for the compute
+stream, so reductions overlap the rest of backward; freed gradients are ``record_stream``-ed so the
+caching allocator does not hand their memory to the compute stream too early. On CPU (gloo) collectives
+are issued with ``async_op=True`` and completed at the end of backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Optional
+
+import torch
+from torch.autograd import Variable
+
+from . import collectives as C
+from .buckets import Bucket
+
+
+class GradReducer:
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        stage: int,
+        reduce_dtype: Optional[torch.dtype],
+        group: Optional[Any] = None,
+    ) -> None:
+        self.buckets = buckets
+        self.stage = stage
+        self.reduce_dtype = reduce_dtype
+        self.group = group
+        self.world_size = C.world_size(group)
+        # fp16 sums of many ranks can overflow: split the 1/N averaging into a pre- and a post-factor.
+        pre = math.sqrt(self.world_size) if reduce_dtype == torch.float16 else float(self.world_size)
+        self._pre, self._post = pre, self.world_size / pre
+        self.sync_enabled = True
+        self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
+        self._used = [torch.zeros(len(b.params), dtype=torch.bool) for b in buckets]
+        self._ready = [0] * len(buckets)
+        self._launched = [False] * len(buckets)
+        self._next = 0
+        self._pending: list[tuple] = []
+        self._in_backward = False
+        self._dirty = False  # local gradients exist that no collective has seen yet
+        device = buckets[0].params[0].device if buckets else torch.device("cpu")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(bi))
+            for bi, b in enumerate(buckets)
+            for p in b.params
+        ]
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _make_hook(self, bi: int):
+        def hook(_param: torch.Tensor) -> None:
+            self._on_grad_ready(bi)
+
+        return hook
+
+    def _syncing(self) -> bool:
+        return self.stage >= 2 or self.sync_enabled
+
+    def _on_grad_ready(self, bi: int) -> None:
+        if not self._syncing():
+            self._dirty = True
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            self._begin_cycle()
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._ready[bi] += 1
+        self._launch_in_order(upto_ready=True)
+
+    def _begin_cycle(self) -> None:
+        self._ready = [0] * len(self.buckets)
+        self._launched = [False] * len(self.buckets)
+        self._next = 0
+
+    def _launch_in_order(self, upto_ready: bool) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if upto_ready and self._ready[self._next] < len(b.params):
+                return
+            self._launch(b)
+            self._next += 1
+
+    def _end_of_backward(self) -> None:
+        self._launch_in_order(upto_ready=False)
+        self.wait()
+        self._in_backward = False
+        self._dirty = False
+
+    # -- one bucket ---------------------------------------------------------------------------
+    def _launch(self, b: Bucket) -> None:
+        grads = [p.grad for p in b.params]
+        self._used[b.index] |= torch.tensor([g is not None for g in grads])
+        dtype = self.reduce_dtype or b.params[0].dtype
+        ctx = contextlib.nullcontext()
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(b.params[0].device))
+            ctx = torch.cuda.stream(self._stream)
+        with ctx:
+            if self.stage == 0:
+                flat = b.pack_full(grads, dtype).div_(self._pre)
+                work = C.all_reduce(flat, group=self.group, async_op=True)
+                out = flat
+            else:
+                flat = b.pack_rank_major(grads, dtype).div_(self._pre)
+                out = torch.empty(b.shard_numel, dtype=dtype, device=flat.device)
+                work = C.reduce_scatter(out, flat, group=self.group, async_op=True)
+                for p in b.params:  # the full gradient is now inside ``flat``: free it
+                    if p.grad is not None and self._stream is not None:
+                        p.grad.record_stream(self._stream)
+                    p.grad = None
+            self._pending.append((b, work, flat, out))
+            if self._stream is not None:  # NCCL orders the unpack after the collective on this stream
+                self._complete(self._pending.pop())
+
+    def _complete(self, item: tuple) -> None:
+        b, work, _flat, out = item
+        work.wait()
+        if self._post != 1.0:
+            out.div_(self._post)
+        if self.stage == 0:
+            for p, red in zip(b.params, b.full_views(out)):
+                if p.grad is None:
+                    p.grad = red.to(p.dtype).clone()
+                else:
+                    p.grad.copy_(red)
+            return
+        shard = self.grad_shards[b.index]
+        if shard is None:
+            self.grad_shards[b.index] = out
+        else:
+            shard.add_(out)
+
+    def wait(self) -> None:
+        """Complete every launched reduction (their results are in place afterwards)."""
+        for item in self._pending:
+            self._complete(item)
+        self._pending.clear()
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+
+    # -- step boundary --------------------------------------------------------------------------
+    def finalize(self) -> list[torch.Tensor]:
+        """Make the reduced gradients final for an optimizer step.
+
+        Returns, per bucket, a bool mask of the parameters that got a gradient on any rank.
+        """
+        self.wait()
+        if self._dirty:  # a step after un-synced backwards only: reduce what accumulated locally
+            self._begin_cycle()
+            self._launch_in_order(upto_ready=False)
+            self.wait()
+            self._dirty = False
+        used = torch.cat(self._used).to(torch.uint8)
+        if self.world_size > 1:
+            dev = self.buckets[0].params[0].device if self.buckets else torch.device("cpu")
+            used_dev = used.to(dev)
+            C.all_reduce(used_dev, op=torch.distributed.ReduceOp.MAX, group=self.group)
+            used = used_dev.cpu()
+        masks = list(used.bool().split([len(b.params) for b in self.buckets]))
+        for u in self._used:
+            u.zero_()
+        return masks
+
+    def clear(self) -> None:
+        """Drop all gradients (full and sharded) after a step or a skipped step."""
+        self.grad_shards = [None] * len(self.buckets)
+        for b in self.buckets:
+            for p in b.params:
+                p.grad = None
+        self._dirty = False
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,60 @@
+"""A small model holding every case ZeRO must get right, and its deterministic data."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+VOCAB, DIM = 11, 6
+
+
+class ParityNet(nn.Module):
+    """Tied embedding/output, odd sizes, a 1-element param, frozen, never-used and sometimes-used params, a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)  # tied with the output projection
+        self.fc1 = nn.Linear(DIM, 13)  # 78 + 13 elements: not divisible by 2 or 4
+        self.fc2 = nn.Linear(13, DIM)
+        self.tiny = nn.Parameter(torch.tensor([0.7]))  # smaller than the world size
+        self.frozen = nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(3, 3)  # never gets a gradient
+        self.sometimes = nn.Linear(DIM, DIM)  # used on some ranks and steps only
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, DIM))
+
+    def forward(self, tokens: torch.Tensor, use_sometimes: bool = False) -> torch.Tensor:
+        h = self.frozen(self.emb(tokens) * self.gain)
+        h = h + self.fc2(torch.tanh(self.fc1(h))) * self.tiny
+        if use_sometimes:
+            h = h + self.sometimes(h)
+        return h @ self.emb.weight.t()
+
+
+def make_model(seed: int = 0) -> ParityNet:
+    torch.manual_seed(seed)
+    return ParityNet()
+
+
+def batch(step: int, rank: int, micro: int = 0, size: int = 4, seq: int = 5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randint(0, VOCAB, (size, seq), generator=g)
+
+
+def loss_fn(model: nn.Module, tokens: torch.Tensor, use_sometimes: bool) -> torch.Tensor:
+    logits = model(tokens[:, :-1], use_sometimes)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def param_groups(model: nn.Module, lr: float = 0.05):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    other = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0, "lr": lr * 0.5}]
+
+
+def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(param_groups(model), lr=0.05, betas=(0.9, 0.95))
+    if kind == "sgd":
+        return torch.optim.SGD(param_groups(model), lr=0.1, momentum=0.9)
+    raise ValueError(kind)
