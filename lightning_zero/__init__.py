@@ -1,0 +1,41 @@
+"""lightning_zero: ZeRO (stages 0-2, CPU offload, fp16/bf16) for PyTorch Lightning in pure PyTorch.
+
+Importing the package registers the strategy names (zero0, zero1, zero1_offload, zero2, zero2_offload and
+their ``_spawn`` / ``_fork`` variants) in Lightning's StrategyRegistry.
+"""
+
+from .engine import (
+    DynamicLossScaler,
+    LossScalerError,
+    StaticLossScaler,
+    ZeroConfig,
+    ZeroEngine,
+    model_state_floor,
+    register_shardable_optimizer,
+)
+from .precision import ZeroPrecision
+from .strategy import ZeroStrategy
+
+__version__ = "0.1.0"
+
+
+def _register() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    ZeroStrategy.register_strategies(StrategyRegistry)
+
+
+_register()
+
+__all__ = [
+    "DynamicLossScaler",
+    "LossScalerError",
+    "StaticLossScaler",
+    "ZeroConfig",
+    "ZeroEngine",
+    "ZeroPrecision",
+    "ZeroStrategy",
+    "__version__",
+    "model_state_floor",
+    "register_shardable_optimizer",
+]

@@ -1,0 +1,185 @@
+"""ZeroStrategy: the thin Lightning adapter around :class:`~lightning_zero.engine.ZeroEngine`.
+
+It reuses everything process-related from Lightning's DDP strategy -- launchers (popen script, spawn,
+fork), cluster environments (torchrun, SLURM, ...), process-group init (NCCL on CUDA, gloo on CPU),
+DistributedSampler arguments, reduce/all_gather/broadcast/barrier -- and replaces only the model side:
+no DistributedDataParallel wrapper; after ``configure_optimizers`` the optimizer is sharded in place by
+the engine; ``block_backward_sync`` becomes the engine's ``no_sync``; optimizer checkpoints are
+consolidated (and re-sliced on load), so a run saved on N ranks at one stage resumes on M at another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any, Generator, Mapping, Optional
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+
+from .engine import ZeroConfig, ZeroEngine
+from .precision import ZeroPrecision
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class ZeroStrategy(DDPStrategy):
+    """ZeRO data parallelism for Lightning.
+
+    Args:
+        stage: 0 (DDP-equivalent), 1 (shard optimizer state), 2 (+ gradients).
+        offload_optimizer: keep fp32 master shards and optimizer state in CPU memory, step there.
+        offload_params: stage 3 only.
+        bucket_mb: size cap of one communication bucket (MiB).
+        reduce_dtype: dtype of gradient reductions (None = compute dtype, or "fp32").
+        broadcast_buffers: copy rank 0's buffers to every rank before each training step (as DDP).
+        start_method: "popen" (re-run the script per rank, like ``ddp``), "spawn", "fork" or "forkserver".
+        process_group_backend, timeout: as for Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        bucket_mb: float = 25.0,
+        reduce_dtype: Optional[Any] = None,
+        broadcast_buffers: bool = True,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen",
+    ) -> None:
+        self.zero_config = ZeroConfig(
+            stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
+            bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
+        )
+        if self.zero_config.stage == 3:
+            raise ValueError("ZeRO stage 3 is not available yet in this release. Allowed stages: 0, 1, 2.")
+        if start_method not in _START_METHODS:
+            raise ValueError(f"Unknown start_method {start_method!r}. Allowed: {', '.join(_START_METHODS)}.")
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+        )
+        self.engine: Optional[ZeroEngine] = None
+
+    @property
+    def stage(self) -> int:
+        return self.zero_config.stage
+
+    # -- precision: any precision flag becomes a ZeroPrecision -------------------------------------
+    @property
+    def precision_plugin(self) -> ZeroPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision("32-true")
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if plugin is None or isinstance(plugin, ZeroPrecision):
+            self._precision_plugin = plugin
+        elif isinstance(plugin, MixedPrecision):
+            self._precision_plugin = ZeroPrecision(plugin.precision)
+        elif type(plugin) is Precision:
+            self._precision_plugin = ZeroPrecision("32-true")
+        else:
+            raise ValueError(
+                f"ZeroStrategy does not support the precision plugin {type(plugin).__name__}. "
+                "Allowed: precision='32-true', '16-mixed' or 'bf16-mixed', or plugins=[ZeroPrecision(...)]."
+            )
+
+    # -- setup ----------------------------------------------------------------------------------
+    def setup(self, trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        precision = self.precision_plugin
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"ZeroStrategy shards exactly one optimizer; configure_optimizers returned {len(self.optimizers)}."
+                )
+            self.engine = ZeroEngine(
+                self.lightning_module,
+                self.optimizers[0],
+                self.zero_config,
+                compute_dtype=precision.compute_dtype,
+                loss_scaler=precision.loss_scaler,
+                check_finite=precision.check_finite,
+            )
+            precision.attach(self.engine)
+        else:
+            # evaluation only: no optimizer to shard; every rank starts from rank 0's weights
+            from lightning.pytorch.strategies.ddp import _sync_module_states
+
+            _sync_module_states(self.model)
+            if precision.mixed:
+                self.model.to(precision.compute_dtype)
+        self.setup_precision_plugin()
+
+    def _setup_model(self, model):  # no DDP wrapper: the engine's hooks do the reductions
+        return model
+
+    def configure_ddp(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator:
+        if self.engine is None:
+            yield None
+            return
+        with self.engine.no_sync():
+            yield None
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:
+            self.engine.sync_buffers()
+        return super().training_step(*args, **kwargs)
+
+    # -- checkpoints: consolidated optimizer state, resharded on load ----------------------------------
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.engine is None:
+            return super().optimizer_state(optimizer)
+        return self.engine.optimizer_state_dict()
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states")
+        if not states or self.engine is None:
+            return
+        self.engine.load_optimizer_state_dict(states[0])
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.remove()
+            self.engine = None
+        super().teardown()
+
+    # -- names ------------------------------------------------------------------------------------
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        presets = {
+            "zero0": dict(stage=0),
+            "zero1": dict(stage=1),
+            "zero1_offload": dict(stage=1, offload_optimizer=True),
+            "zero2": dict(stage=2),
+            "zero2_offload": dict(stage=2, offload_optimizer=True),
+        }
+        for name, kw in presets.items():
+            for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+                strategy_registry.register(
+                    name + suffix, cls, description=f"ZeRO {kw} with start_method '{method}'",
+                    override=True, start_method=method, **kw,
+                )
