@@ -110,6 +110,10 @@ class ZeroPrecision(Precision):
             self._engine.zero_grad()  # training_step returned None: skip this step, drop its gradients
             return None
         self._engine.step()
+        if self.mixed and hasattr(model, "log"):
+            if self.loss_scaler is not None:
+                model.log("loss_scale", float(self.loss_scaler.scale), prog_bar=True, sync_dist=False)
+            model.log("skipped_steps", float(self.skipped_steps), prog_bar=self.loss_scaler is not None)
         return closure_result
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
@@ -132,4 +136,6 @@ class ZeroPrecision(Precision):
 
     @property
     def skipped_steps(self) -> int:
-        return self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
+        if self.loss_scaler is not None:
+            return self.loss_scaler.skipped_steps
+        return self._engine.skipped_steps if self._engine is not None else 0

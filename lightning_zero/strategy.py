@@ -121,6 +121,7 @@ class ZeroStrategy(DDPStrategy):
                 check_finite=precision.check_finite,
             )
             precision.attach(self.engine)
+            self._guard_scheduler_on_skipped_steps()
         else:
             # evaluation only: no optimizer to shard; every rank starts from rank 0's weights
             from lightning.pytorch.strategies.ddp import _sync_module_states
@@ -129,6 +130,19 @@ class ZeroStrategy(DDPStrategy):
             if precision.mixed:
                 self.model.to(precision.compute_dtype)
         self.setup_precision_plugin()
+
+    def _guard_scheduler_on_skipped_steps(self) -> None:
+        """A step skipped for overflow must not advance the LR schedule (as in DeepSpeed)."""
+        module, engine = self.lightning_module, self.engine
+        original = module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler, metric=None):
+            if engine.last_step_skipped:
+                return None
+            return original(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # instance attribute; removed at teardown
+        self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
 
     def _setup_model(self, model):  # no DDP wrapper: the engine's hooks do the reductions
         return model
@@ -161,7 +175,25 @@ class ZeroStrategy(DDPStrategy):
             return
         self.engine.load_optimizer_state_dict(states[0])
 
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self.engine is None or not self.precision_plugin.mixed:
+            return state
+        # the module holds fp16/bf16 copies: save the fp32 masters so a resume loses nothing
+        by_id = {id(p): f for p, f in zip(self.engine.bucket_params, self.engine.full_master_params())}
+        for name, p in self.lightning_module.named_parameters(remove_duplicate=False):
+            if id(p) in by_id:
+                state[name] = by_id[id(p)].cpu()
+        return state
+
+    def on_train_end(self) -> None:
+        if self.engine is not None:
+            self.engine.restore_fp32_module()
+
     def teardown(self) -> None:
+        if getattr(self, "_unguard", None) is not None:
+            self._unguard()
+            self._unguard = None
         if self.engine is not None:
             self.engine.remove()
             self.engine = None

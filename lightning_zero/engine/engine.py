@@ -66,17 +66,23 @@ class ZeroEngine:
             self.params, self.world_size, self.rank, self.config.bucket_bytes, sharded=self.config.stage >= 1
         )
         # masters are cut from the fp32 values before the module drops to the compute dtype
-        self.sharded = ShardedOptimizer(optimizer, self.buckets, self.config.stage, self.config.offload_optimizer)
+        self.sharded = ShardedOptimizer(
+            optimizer, self.buckets, self.config.stage, self.config.offload_optimizer, compute_dtype
+        )
         if compute_dtype is not None and compute_dtype != torch.float32:
-            for p in module.parameters():
-                if p.is_floating_point():
-                    p.data = p.data.to(compute_dtype)
+            module.to(compute_dtype)  # params and floating buffers, as DeepSpeed's module.half()
         self.reducer = GradReducer(self.buckets, self.config.stage, self.config.reduce_dtype, group)
         self._grads_final = False
         self._clip_coef: Optional[float] = None
         self._clip_value: Optional[float] = None
         self._sq_norm: Optional[torch.Tensor] = None
         self.last_step_skipped = False
+        self.skipped_steps = 0
+
+    @property
+    def bucket_params(self) -> list[nn.Parameter]:
+        """Managed parameters in bucket order (the order of masters and of full_master_params())."""
+        return [p for b in self.buckets for p in b.params]
 
     # -- setup ------------------------------------------------------------------------------------
     @staticmethod
@@ -182,6 +188,7 @@ class ZeroEngine:
         else:
             skip = overflow
         self.last_step_skipped = skip
+        self.skipped_steps += int(skip)
         if not skip:
             coef = (1.0 / self.loss_scale) * (self._clip_coef if self._clip_coef is not None else 1.0)
             self.sharded.scale_grads(coef)
@@ -212,6 +219,41 @@ class ZeroEngine:
         for b, work, out in pending:
             work.wait()
             b.unpack_rank_major(out, [p.data for p in b.params])
+
+    @torch.no_grad()
+    def full_master_params(self) -> list[torch.Tensor]:
+        """fp32 full values of every managed parameter, on every rank (one all-gather per bucket).
+
+        In mixed precision the module holds rounded copies; checkpoints and the model handed back
+        after training take these instead, so no precision is lost across a save/resume.
+        """
+        if self.config.stage == 0:
+            return [m.detach().float().view_as(p) for row, b in zip(self.sharded.masters, self.buckets)
+                    for m, p in zip(row, b.params)]
+        fulls: list[torch.Tensor] = []
+        for row, b in zip(self.sharded.masters, self.buckets):
+            dev = b.params[0].device
+            send = torch.zeros(b.shard_numel, dtype=torch.float32, device=dev)
+            for view, m in zip(b.local_views(send), row):
+                view.copy_(m)
+            out = torch.empty(b.world_size * b.shard_numel, dtype=torch.float32, device=dev)
+            C.all_gather(out, send, group=self.group)
+            outs = [torch.empty(p.shape, dtype=torch.float32, device=dev) for p in b.params]
+            b.unpack_rank_major(out, outs)
+            fulls.extend(outs)
+        return fulls
+
+    @torch.no_grad()
+    def restore_fp32_module(self) -> None:
+        """Give the module back in fp32 with the master values (end of training in mixed precision)."""
+        if self.compute_dtype in (None, torch.float32):
+            return
+        fulls = self.full_master_params()
+        for p, f in zip(self.bucket_params, fulls):
+            p.data = f
+        for t in list(self.module.parameters()) + list(self.module.buffers()):
+            if t.is_floating_point() and t.dtype != torch.float32:
+                t.data = t.data.float()
 
     def zero_grad(self) -> None:
         self.reducer.clear()

@@ -12,7 +12,8 @@ K bytes of optimizer state per parameter, a rank holds
     stage 3: (2 + 2 + 4 + K) Psi / N                      (4 + 4 + K) Psi / N
 
 (K = 8 for Adam's two moments, giving DESIGN.md's 16 Psi, 4 Psi + 12 Psi / N, ...). The floors count
-*device* bytes; with the optimizer offloaded, master and optimizer state move to host memory.
+*device* bytes; with the optimizer offloaded, master (always a separate fp32 copy then) and optimizer
+state move to host memory.
 Measurement counts real tensor bytes (no allocator guesses), so tests can compare them exactly.
 """
 
@@ -41,7 +42,7 @@ def model_state_floor(
     """Device and host bytes per rank for params, grads, master and optimizer state (the ZeRO floor)."""
     n = world_size
     p16 = 2 if mixed else 4
-    master = 4 if mixed else 0
+    master = 4 if (mixed or offload_optimizer) else 0  # an offloaded master is always a separate fp32 copy
     param = p16 * numel / (n if stage >= 3 else 1)
     grad = p16 * numel / (n if stage >= 2 else 1)
     opt = (master + state_bytes) * numel / (n if stage >= 1 else 1)

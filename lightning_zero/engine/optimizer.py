@@ -73,12 +73,15 @@ class ShardedOptimizer:
         buckets: list[Bucket],
         stage: int,
         offload: bool = False,
+        compute_dtype: Optional[torch.dtype] = None,
     ) -> None:
         check_shardable(optimizer, stage)
         self.optimizer = optimizer
         self.buckets = buckets
         self.stage = stage
         self.offload = offload
+        # a master may alias its parameter only if the parameter stays fp32 on the compute device
+        self._may_alias = compute_dtype in (None, torch.float32) and not offload
         params = [p for b in buckets for p in b.params]
         device = params[0].device if params else torch.device("cpu")
         self.master_device = torch.device("cpu") if offload else device
@@ -102,7 +105,7 @@ class ShardedOptimizer:
             self._use_fused_cpu_kernels()
 
     def _make_master(self, p: torch.Tensor, spec, pin: bool) -> torch.Tensor:
-        if p.dtype == torch.float32 and not self.offload:
+        if p.dtype == torch.float32 and self._may_alias:
             if self.stage == 0:
                 return p  # DDP: the parameter is its own master
             return p.data.view(-1)[spec.lo : spec.hi]
