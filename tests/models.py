@@ -13,7 +13,9 @@ class ParityNet(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)  # tied with the output projection
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied input/output embedding, as in T5 and GPT-2
         self.fc1 = nn.Linear(DIM, 13)  # 78 + 13 elements: not divisible by 2 or 4
         self.fc2 = nn.Linear(13, DIM)
         self.tiny = nn.Parameter(torch.tensor([0.7]))  # smaller than the world size
@@ -28,7 +30,7 @@ class ParityNet(nn.Module):
         h = h + self.fc2(torch.tanh(self.fc1(h))) * self.tiny
         if use_sometimes:
             h = h + self.sometimes(h)
-        return h @ self.emb.weight.t()
+        return self.head(h)
 
 
 def make_model(seed: int = 0) -> ParityNet:

@@ -10,7 +10,7 @@ construction, not in the middle of the first step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -38,6 +38,14 @@ class ZeroConfig:
     bucket_mb: cap of one gradient/parameter communication bucket, in MiB.
     reduce_dtype: dtype of gradient reductions (None = the compute dtype; "fp32" for exact sums).
     broadcast_buffers: copy rank 0's buffers to all ranks before each training forward (like DDP).
+    unit_classes (stage 3): module classes (or class names) whose instances are gathered/released as
+        one unit, e.g. ["T5Block"]; None = automatic by size (``unit_mb``).
+    unit_mb (stage 3): automatic policy: a module becomes a unit once it owns this many MiB of params.
+    persist_numel (stage 3): units with fewer elements stay gathered for the whole step.
+    prefetch (stage 3): all-gather the next unit (recorded order) while the current one computes.
+    order_check (stage 3): "strict" (record the first training forward, verify it across ranks, then
+        require it every step: clean errors for diverging ranks, prefetch enabled), "always" (a tiny
+        check before every gather: any consistent control flow, no prefetch) or "off".
     """
 
     stage: int = 2
@@ -46,6 +54,11 @@ class ZeroConfig:
     bucket_mb: float = 25.0
     reduce_dtype: Optional[object] = None
     broadcast_buffers: bool = True
+    unit_classes: Optional[Sequence[Union[type, str]]] = None
+    unit_mb: float = 8.0
+    persist_numel: int = 10_000
+    prefetch: bool = True
+    order_check: str = "strict"
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in STAGES:
@@ -63,6 +76,18 @@ class ZeroConfig:
         if not isinstance(self.bucket_mb, (int, float)) or isinstance(self.bucket_mb, bool) or self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be a positive number of MiB; got {self.bucket_mb!r}.")
         self.reduce_dtype = parse_dtype(self.reduce_dtype)
+        if not isinstance(self.unit_mb, (int, float)) or self.unit_mb <= 0:
+            raise ValueError(f"unit_mb must be a positive number of MiB; got {self.unit_mb!r}.")
+        if self.order_check not in ("strict", "always", "off"):
+            raise ValueError(f"order_check must be 'strict', 'always' or 'off'; got {self.order_check!r}.")
+        if self.unit_classes is not None:
+            if isinstance(self.unit_classes, (str, type)):
+                self.unit_classes = [self.unit_classes]
+            self.unit_classes = list(self.unit_classes)
+
+    @property
+    def unit_bytes(self) -> int:
+        return max(1, int(self.unit_mb * 2**20))
 
     @property
     def bucket_bytes(self) -> int:

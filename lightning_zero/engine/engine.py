@@ -31,9 +31,12 @@ from torch import nn
 
 from . import collectives as C
 from .buckets import build_buckets
+from .units import build_units, grad_buckets_for_units
 from .config import ZeroConfig
 from .memory import MemoryReport
 from .optimizer import ShardedOptimizer
+from .sharding import ShardSpec
+from .partition import ParamPartitioner, RankDivergenceError
 from .reducer import GradReducer
 from .state import consolidate_optimizer_state, load_sharded_optimizer_state
 
@@ -42,16 +45,15 @@ class ZeroEngine:
     def __init__(
         self,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Optional[torch.optim.Optimizer],
         config: Optional[ZeroConfig] = None,
         compute_dtype: Optional[torch.dtype] = None,
         loss_scaler: Optional[Any] = None,
         check_finite: bool = False,
         group: Optional[Any] = None,
     ) -> None:
-        self.config = config or ZeroConfig()
-        if self.config.stage == 3:
-            raise NotImplementedError("ZeRO stage 3 is not available in this engine yet; use stage 0, 1 or 2.")
+        """``optimizer=None`` builds an evaluation-only engine (stage 3 still partitions parameters)."""
+        self.config = cfg = config or ZeroConfig()
         self.module = module
         self.optimizer = optimizer
         self.group = group
@@ -60,24 +62,62 @@ class ZeroEngine:
         self.check_finite = check_finite or loss_scaler is not None
         self.world_size = C.world_size(group)
         self.rank = C.rank(group)
-        self.params = self._managed_params(module, optimizer)
+        self.params = self._managed_params(module, optimizer) if optimizer is not None else []
         self.sync_module_states()
-        self.buckets = build_buckets(
-            self.params, self.world_size, self.rank, self.config.bucket_bytes, sharded=self.config.stage >= 1
-        )
-        # masters are cut from the fp32 values before the module drops to the compute dtype
-        self.sharded = ShardedOptimizer(
-            optimizer, self.buckets, self.config.stage, self.config.offload_optimizer, compute_dtype
-        )
-        if compute_dtype is not None and compute_dtype != torch.float32:
-            module.to(compute_dtype)  # params and floating buffers, as DeepSpeed's module.half()
-        self.reducer = GradReducer(self.buckets, self.config.stage, self.config.reduce_dtype, group)
+        mixed = compute_dtype is not None and compute_dtype != torch.float32
+        self.partitioner: Optional[ParamPartitioner] = None
+        sources = None
+        reduce_group = group
+        if cfg.stage == 3:
+            units = build_units(module, self.world_size, self.rank, cfg.unit_classes, cfg.unit_bytes,
+                                cfg.persist_numel)
+            device = next(module.parameters()).device
+            self.partitioner = ParamPartitioner(module, units, compute_dtype, device, cfg.offload_params, group,
+                                                cfg.prefetch, cfg.order_check)
+            self.buckets, sources, self._bucket_unit = grad_buckets_for_units(
+                units, self.params, self.world_size, self.rank)
+            # reduce-scatters get their own group: they interleave with gathers differently per rank
+            if self.world_size > 1:
+                reduce_group = torch.distributed.new_group(torch.distributed.get_process_group_ranks(
+                    group or torch.distributed.group.WORLD))
+        else:
+            self.buckets = build_buckets(self.params, self.world_size, self.rank, cfg.bucket_bytes,
+                                         sharded=cfg.stage >= 1)
+        self._sources = sources
+        self.sharded: Optional[ShardedOptimizer] = None
+        if optimizer is not None:
+            # masters are cut from the fp32 values before the module drops to the compute dtype
+            self.sharded = ShardedOptimizer(optimizer, self.buckets, cfg.stage, cfg.offload_optimizer,
+                                            compute_dtype, sources)
+        if mixed:
+            module.to(compute_dtype)  # params (released ones too) and floating buffers, like module.half()
+            if self.partitioner is not None:
+                self.partitioner.cast_shards(compute_dtype)
+        self.reducer: Optional[GradReducer] = None
+        if optimizer is not None:
+            self.reducer = GradReducer(
+                self.buckets, cfg.stage, cfg.reduce_dtype, reduce_group,
+                on_bucket_complete=self._release_unit_of_bucket if self.partitioner else None,
+                on_end_of_backward=self.partitioner.end_of_backward if self.partitioner else None,
+            )
         self._grads_final = False
         self._clip_coef: Optional[float] = None
         self._clip_value: Optional[float] = None
         self._sq_norm: Optional[torch.Tensor] = None
         self.last_step_skipped = False
         self.skipped_steps = 0
+
+    def _release_unit_of_bucket(self, bucket_index: int) -> None:
+        self.partitioner.release(self._bucket_unit[bucket_index])
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Hold full parameters for a block of code (stage 3; a no-op below): generate(), export."""
+        if self.partitioner is None:
+            yield
+            return
+        with torch.no_grad(), self.partitioner.gathered():
+            yield
 
     @property
     def bucket_params(self) -> list[nn.Parameter]:
@@ -106,6 +146,17 @@ class ZeroEngine:
         with torch.no_grad():
             tensors = [p.data for p in self.module.parameters()] + [b for b in self.module.buffers()]
             _broadcast_flat(tensors, self.group)
+
+    def prepare_forward(self) -> None:
+        """Before a training/eval step: rank 0's buffers (training, like DDP); stage 3: the root unit.
+
+        Lightning calls ``training_step``, not ``forward``, so root parameters used directly in a step
+        must be gathered here rather than in a forward hook.
+        """
+        if self.module.training:
+            self.sync_buffers()
+        if self.partitioner is not None:
+            self.partitioner.gather(self.partitioner.root)
 
     def sync_buffers(self) -> None:
         if self.world_size > 1 and self.config.broadcast_buffers:
@@ -201,7 +252,17 @@ class ZeroEngine:
 
     @torch.no_grad()
     def publish_params(self) -> None:
-        """Copy the updated masters into the module's parameters (all-gather in stages 1-2)."""
+        """Copy the updated masters into the module's parameters (all-gather in stages 1-2).
+
+        Stage 3 only refreshes the unit shards; units are gathered again when next used.
+        """
+        if self.partitioner is not None:
+            for row, srcs in zip(self.sharded.masters, self._sources):
+                for m, src in zip(row, srcs):
+                    if m is not src:
+                        src.copy_(m, non_blocking=True)
+            self.partitioner.after_step()
+            return
         if self.config.stage == 0:
             for row, b in zip(self.sharded.masters, self.buckets):
                 for m, p in zip(row, b.params):
@@ -245,7 +306,14 @@ class ZeroEngine:
 
     @torch.no_grad()
     def restore_fp32_module(self) -> None:
-        """Give the module back in fp32 with the master values (end of training in mixed precision)."""
+        """Hand the module back whole and in fp32, with the master values (end of training).
+
+        Stages 0-2 in fp32 have nothing to do. Stage 3 un-partitions the module for good: every rank ends
+        with full parameters (as after DeepSpeed's ``zero_to_fp32``), and the engine is spent.
+        """
+        if self.partitioner is not None:
+            self._unpartition()
+            return
         if self.compute_dtype in (None, torch.float32):
             return
         fulls = self.full_master_params()
@@ -255,7 +323,24 @@ class ZeroEngine:
             if t.is_floating_point() and t.dtype != torch.float32:
                 t.data = t.data.float()
 
+    @torch.no_grad()
+    def _unpartition(self) -> None:
+        masters = dict(zip(map(id, self.bucket_params), self.full_master_params())) if self.sharded else {}
+        with self.partitioner.gathered():
+            full = {id(p): p.detach().clone() for p in self.module.parameters()}
+        self.partitioner.remove_hooks()
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+        for p in self.module.parameters():
+            p.data = masters.get(id(p), full[id(p)].float() if full[id(p)].is_floating_point() else full[id(p)])
+        for b in self.module.buffers():
+            if b.is_floating_point():
+                b.data = b.data.float()
+        self.partitioner = None
+
     def zero_grad(self) -> None:
+        if self.reducer is None:
+            return
         self.reducer.clear()
         self.sharded.clear_grads()
         self._grads_final = False
@@ -263,6 +348,28 @@ class ZeroEngine:
         self._sq_norm = None
 
     # -- checkpoints ----------------------------------------------------------------------------------
+    def param_names(self) -> list[str]:
+        """Fully-qualified name of each managed parameter, in bucket order (first name of a tied one)."""
+        names = {}
+        for name, p in self.module.named_parameters():
+            names.setdefault(id(p), name)
+        return [names[id(p)] for p in self.bucket_params]
+
+    def master_items(self) -> list[tuple[str, torch.Tensor, "ShardSpec", torch.Size]]:
+        """(name, master, spec, full shape) per managed parameter, in bucket order.
+
+        ``master`` is this rank's fp32 slice ``[spec.lo, spec.hi)`` of the flattened parameter (stages 1-3;
+        the slices of all ranks, in rank order, concatenate to the parameter -- ``torch.chunk`` layout),
+        or the whole fp32 parameter in stage 0 (``spec.world_size == 1``). Writing into a master and
+        calling :meth:`publish_params` updates the module.
+        """
+        out = []
+        names = iter(self.param_names())
+        for row, b in zip(self.sharded.masters, self.buckets):
+            for m, p, spec in zip(row, b.params, b.specs):
+                out.append((next(names), m, spec, p.shape))
+        return out
+
     def optimizer_state_dict(self) -> dict:
         """The full (unsharded) optimizer state, as a plain optimizer would save it. Collective call."""
         return consolidate_optimizer_state(self)
@@ -276,8 +383,9 @@ class ZeroEngine:
         def nbytes(ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
+        part = self.partitioner
         r = MemoryReport(
-            params=nbytes(self.params),
+            params=part.shard_bytes() + part.gathered_bytes() if part is not None else nbytes(self.params),
             grads=nbytes(p.grad for p in self.params),
             grad_shards=nbytes(self.reducer.grad_shards),
             master=self.sharded.master_bytes(),
@@ -285,11 +393,16 @@ class ZeroEngine:
         )
         if self.config.offload_optimizer:
             r.host = r.master + r.optimizer_state
+        if part is not None and self.config.offload_params:
+            r.host += part.shard_bytes()
         return r
 
     def remove(self) -> None:
-        """Detach hooks (the module keeps its current, full parameters)."""
-        self.reducer.remove_hooks()
+        """Detach hooks; a stage-3 module is first handed back whole (see restore_fp32_module)."""
+        if self.partitioner is not None:
+            self._unpartition()
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
 
 
 def _broadcast_flat(tensors: list[torch.Tensor], group: Optional[Any], cap: int = 64 * 2**20) -> None:

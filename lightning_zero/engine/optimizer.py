@@ -74,7 +74,10 @@ class ShardedOptimizer:
         stage: int,
         offload: bool = False,
         compute_dtype: Optional[torch.dtype] = None,
+        sources: Optional[list[list[torch.Tensor]]] = None,
     ) -> None:
+        """``sources`` (stage 3): per bucket and parameter, this rank's fp32 slice to take the master from
+        (the parameter itself no longer holds its values then)."""
         check_shardable(optimizer, stage)
         self.optimizer = optimizer
         self.buckets = buckets
@@ -88,29 +91,27 @@ class ShardedOptimizer:
         pin = offload and torch.cuda.is_available()
         self.masters: list[list[torch.Tensor]] = []
         by_param: dict[int, torch.Tensor] = {}
-        for b in buckets:
+        self._aliased: list[bool] = []  # a master aliasing its source costs no extra bytes
+        for bi, b in enumerate(buckets):
             row = []
-            for p, spec in zip(b.params, b.specs):
-                m = self._make_master(p, spec, pin)
+            for pi, (p, spec) in enumerate(zip(b.params, b.specs)):
+                src = sources[bi][pi] if sources is not None else None
+                m = self._make_master(p, spec, pin, src)
                 row.append(m)
                 by_param[id(p)] = m
             self.masters.append(row)
-        # per master: does it alias its parameter (fp32, not offloaded)? Then it costs no extra bytes.
-        self._aliased = [
-            m.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
-            for p, m in zip(params, (m for row in self.masters for m in row))
-        ]
         self._rebind(by_param)
         if offload:
             self._use_fused_cpu_kernels()
 
-    def _make_master(self, p: torch.Tensor, spec, pin: bool) -> torch.Tensor:
-        if p.dtype == torch.float32 and self._may_alias:
-            if self.stage == 0:
-                return p  # DDP: the parameter is its own master
-            return p.data.view(-1)[spec.lo : spec.hi]
-        src = p.detach() if self.stage == 0 else p.detach().reshape(-1)[spec.lo : spec.hi]
-        m = src.to(device=self.master_device, dtype=torch.float32, copy=True)
+    def _make_master(self, p: torch.Tensor, spec, pin: bool, src: Optional[torch.Tensor]) -> torch.Tensor:
+        if src is None:
+            src = p if self.stage == 0 else p.data.view(-1)[spec.lo : spec.hi]
+        alias = self._may_alias and src.dtype == torch.float32 and src.device == self.master_device
+        self._aliased.append(alias)
+        if alias:
+            return src  # stage 0: the parameter itself (DDP); else a view of this rank's slice
+        m = src.detach().to(device=self.master_device, dtype=torch.float32, copy=True)
         return m.pin_memory() if pin else m
 
     def _rebind(self, by_param: dict[int, torch.Tensor]) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.autograd import Variable
@@ -47,6 +47,8 @@ class GradReducer:
         stage: int,
         reduce_dtype: Optional[torch.dtype],
         group: Optional[Any] = None,
+        on_bucket_complete: Optional[Callable[[int], None]] = None,
+        on_end_of_backward: Optional[Callable[[], None]] = None,
     ) -> None:
         self.buckets = buckets
         self.stage = stage
@@ -57,6 +59,8 @@ class GradReducer:
         pre = math.sqrt(self.world_size) if reduce_dtype == torch.float16 else float(self.world_size)
         self._pre, self._post = pre, self.world_size / pre
         self.sync_enabled = True
+        self._on_bucket_complete = on_bucket_complete  # stage 3: release the unit's parameters
+        self._on_end_of_backward = on_end_of_backward
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
         self._used = [torch.zeros(len(b.params), dtype=torch.bool) for b in buckets]
         self._ready = [0] * len(buckets)
@@ -92,6 +96,8 @@ class GradReducer:
             self._begin_cycle()
             Variable._execution_engine.queue_callback(self._end_of_backward)
         self._ready[bi] += 1
+        if self._on_bucket_complete is not None and self._ready[bi] == len(self.buckets[bi].params):
+            self._on_bucket_complete(bi)
         self._launch_in_order(upto_ready=True)
 
     def _begin_cycle(self) -> None:
@@ -112,6 +118,8 @@ class GradReducer:
         self.wait()
         self._in_backward = False
         self._dirty = False
+        if self._on_end_of_backward is not None:
+            self._on_end_of_backward()
 
     # -- one bucket ---------------------------------------------------------------------------
     def _launch(self, b: Bucket) -> None:

@@ -1,0 +1,595 @@
+"""Sharded checkpoints: torch.distributed.checkpoint (DCP) directories that reshard and consolidate.
+
+Design note
+-----------
+A checkpoint is a directory::
+
+    ckpt/                      (written as .ckpt.zero-tmp, renamed when complete)
+      .metadata, *.distcp      DCP: "model" and "optim" tensors, each rank writing only its own slices
+      meta.pt                  everything else Lightning put in the checkpoint (loops, lr_schedulers,
+                               callbacks, epoch, global_step, version, hparams, precision/loss-scaler
+                               state) plus the optimizer's param_groups keyed by parameter *name*
+      zero_checkpoint.json     format version, world size, stage, every tensor's name/shape/dtype/layout,
+                               tied-weight aliases, which optimizer state each parameter has
+
+Every managed parameter (and every per-element optimizer state tensor) is stored *flattened*: on stages
+1-3 as a DTensor ``Shard(0)`` of the 1-D parameter over a 1-D mesh of the default group -- exactly the
+engine's ``torch.chunk`` slice ``[spec.lo, spec.hi)`` -- and on stage 0 as a plain 1-D tensor (replicated,
+DCP writes it once). Because every layout is the same global 1-D tensor, DCP's own metadata reshards:
+loading wraps the *current* engine's masters (and optimizer state) in DTensors of the current world size
+and DCP fills each rank's slice in place, N ranks -> M ranks and stage a -> stage b alike. Buffers and
+frozen parameters are stored in their natural shape. Scalars (Adam's ``step``) are plain tensors.
+
+Saving is atomic: all ranks write into a temporary sibling directory, barrier, then rank 0 moves the
+previous checkpoint aside, renames the new one into place and only then deletes the old one. A crash
+in the middle leaves the previous checkpoint untouched (a stale temporary is removed by the next save).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+FORMAT, VERSION = "lightning_zero.dcp", 1
+INFO_FILE, META_FILE, DCP_METADATA = "zero_checkpoint.json", "meta.pt", ".metadata"
+_TMP, _OLD = ".zero-tmp", ".zero-old"
+_IMPL_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")  # not restored from a checkpoint
+_PathLike = Union[str, os.PathLike]
+
+
+# -- layout --------------------------------------------------------------------------------------------
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+_MESHES: dict = {}
+
+
+def _mesh(device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, dist.get_world_size(), id(dist.distributed_c10d._get_default_group()))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _MESHES[key]
+
+
+def _flat(t: torch.Tensor, spec) -> torch.Tensor:
+    """The 1-D global view of a master-shaped tensor: a DTensor Shard(0) slice, or a plain 1-D tensor."""
+    t = t.detach()
+    if spec.world_size == 1:
+        return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(t.view(-1), _mesh(t.device.type), [Shard(0)], run_check=False,
+                              shape=torch.Size([spec.numel]), stride=(1,))
+
+
+def _aliases(module: nn.Module, preferred: Mapping[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensor entries of the state dict under their canonical names, and {alias: canonical} for tied ones."""
+    canonical: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    entries = [(k, v) for k, v in module.state_dict(keep_vars=True).items() if torch.is_tensor(v)]
+    for name, t in entries:  # a managed parameter keeps the engine's name even if it is listed later
+        if id(t) in preferred and preferred[id(t)] == name:
+            seen[id(t)] = name
+    for name, t in entries:
+        first = seen.setdefault(id(t), name)
+        if first == name:
+            canonical[name] = t.detach()
+        else:
+            aliases[name] = first
+    return canonical, aliases
+
+
+def _managed(engine) -> dict[str, tuple[torch.Tensor, Any, torch.Size]]:
+    return {} if engine is None else {n: (m, spec, shape) for n, m, spec, shape in engine.master_items()}
+
+
+# -- state dicts handed to Lightning (and to dcp.save) ---------------------------------------------------
+def sharded_model_state(module: nn.Module, engine=None) -> dict[str, torch.Tensor]:
+    """Model tensors for DCP: fp32 masters (flattened, DTensor-sharded on stages >= 1) + buffers/frozen."""
+    managed = _managed(engine)
+    params = {id(p): n for n, p in module.named_parameters()}
+    canonical, _ = _aliases(module, params)
+    return {n: (_flat(managed[n][0], managed[n][1]) if n in managed else t) for n, t in canonical.items()}
+
+
+def sharded_optimizer_state(engine) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name: per-element tensors flattened like the masters."""
+    name_of = {id(m): (n, spec) for n, (m, spec, _) in _managed(engine).items()}
+    opt = engine.optimizer
+    state: dict[str, dict] = {}
+    other: dict[str, dict] = {}
+    for group in opt.param_groups:
+        for m in group["params"]:
+            name, spec = name_of[id(m)]
+            for k, v in opt.state.get(m, {}).items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape:
+                    state.setdefault(name, {})[k] = _flat(v, spec)
+                elif torch.is_tensor(v):
+                    state.setdefault(name, {})[k] = v.detach()
+                else:
+                    other.setdefault(name, {})[k] = v
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(m)][0] for m in g["params"]]}
+              for g in opt.param_groups]
+    return {"state": state, "param_groups": groups, "nontensor_state": other}
+
+
+# -- save -------------------------------------------------------------------------------------------------
+def save_checkpoint_dir(
+    path: _PathLike,
+    model_state: Mapping[str, torch.Tensor],
+    module: nn.Module,
+    engine=None,
+    optimizer_state: Optional[Mapping[str, Any]] = None,
+    metadata: Optional[dict] = None,
+    barrier: Callable[[], None] = _barrier,
+) -> Path:
+    """Write a checkpoint directory atomically. Collective: every rank calls it with the same ``path``."""
+    path = Path(path)
+    tmp, old = path.with_name(path.name + _TMP), path.with_name(path.name + _OLD)
+    rank = _rank()
+    state_kinds = _check_optimizer_keys(optimizer_state)
+    if rank == 0:
+        _remove(tmp)  # left by a crashed save
+        tmp.mkdir(parents=True)
+    barrier()
+    tensors = {"model": dict(model_state)}
+    if optimizer_state is not None:
+        tensors["optim"] = {"state": optimizer_state["state"]}
+    dcp.save(tensors, checkpoint_id=tmp)
+    if rank == 0:
+        meta = dict(metadata or {})
+        if optimizer_state is not None:
+            meta["optimizer_states"] = [{k: v for k, v in optimizer_state.items() if k != "state"}]
+        torch.save(meta, tmp / META_FILE)
+        (tmp / INFO_FILE).write_text(json.dumps(_info(model_state, module, engine, state_kinds), indent=1))
+    barrier()
+    if rank == 0:
+        _remove(old)
+        if os.path.lexists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _remove(old)
+    barrier()
+    return path
+
+
+def _check_optimizer_keys(optimizer_state) -> Optional[dict]:
+    """Which state each parameter has; it must agree on all ranks or DCP would write a broken checkpoint."""
+    if optimizer_state is None:
+        return None
+    kinds = {n: sorted(st) for n, st in optimizer_state["state"].items()}
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, kinds)
+        for r, other in enumerate(every):
+            if other != kinds:
+                diff = sorted(n for n in set(other) | set(kinds) if other.get(n) != kinds.get(n))
+                raise RuntimeError(
+                    f"Optimizer state differs between rank {_rank()} and rank {r} for {diff[:10]}; "
+                    "cannot write a consistent sharded checkpoint."
+                )
+    return kinds
+
+
+def _info(model_state, module, engine, state_kinds) -> dict:
+    managed = _managed(engine)
+    params = {id(p): n for n, p in module.named_parameters()}
+    canonical, aliases = _aliases(module, params)
+    tensors = {}
+    for name, t in model_state.items():
+        natural = canonical[name].shape if name in canonical else t.shape
+        tensors[name] = {"shape": list(natural), "dtype": str(t.dtype).replace("torch.", ""),
+                         "flat": name in managed}
+    cfg = getattr(engine, "config", None)
+    return {
+        "format": FORMAT, "version": VERSION,
+        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        "stage": None if cfg is None else cfg.stage,
+        "torch_version": torch.__version__,
+        "tensors": tensors,
+        "aliases": {a: c for a, c in aliases.items() if c in tensors},
+        "order": [k for k, v in module.state_dict(keep_vars=True).items() if torch.is_tensor(v)],
+        "optimizer_state": state_kinds,
+    }
+
+
+def _remove(p: Path) -> None:
+    if os.path.islink(p) or p.is_file():
+        os.unlink(p)
+    elif p.is_dir():
+        shutil.rmtree(p)
+
+
+# -- read / validate ----------------------------------------------------------------------------------------
+def is_checkpoint_dir(path: _PathLike) -> bool:
+    return Path(path).is_dir() and (Path(path) / INFO_FILE).is_file()
+
+
+def read_info(path: _PathLike) -> dict:
+    """The checkpoint's json, after checking that the directory is complete. Clear errors otherwise."""
+    path = Path(path)
+    if not path.exists():
+        hint = ""
+        if path.with_name(path.name + _OLD).is_dir():
+            hint = f" A save was interrupted while replacing it: the previous checkpoint is at {path.name + _OLD}."
+        raise FileNotFoundError(f"Checkpoint directory not found: {str(path)!r}.{hint}")
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is a file, not a lightning_zero checkpoint directory.")
+    if not (path / INFO_FILE).is_file():
+        raise ValueError(
+            f"{str(path)!r} is not a complete lightning_zero checkpoint: {INFO_FILE} is missing "
+            "(an interrupted save, or not a checkpoint written by ZeroStrategy)."
+        )
+    try:
+        info = json.loads((path / INFO_FILE).read_text())
+    except ValueError as err:
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {INFO_FILE} is not valid json ({err}).") from None
+    if info.get("format") != FORMAT or int(info.get("version", 0)) > VERSION:
+        raise ValueError(f"{str(path)!r}: unsupported checkpoint format {info.get('format')!r} "
+                         f"version {info.get('version')!r} (this release reads {FORMAT} <= {VERSION}).")
+    for name in (DCP_METADATA, META_FILE):
+        if not (path / name).is_file():
+            raise FileNotFoundError(
+                f"Incomplete or corrupt checkpoint {str(path)!r}: {name} is missing.")
+    return info
+
+
+def _dcp_load(state: dict, path: Path) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures; name the broken checkpoint
+        raise ValueError(f"Reading the tensors of checkpoint {str(path)!r} failed; the directory is incomplete "
+                         f"or corrupt, or does not match the model: {err}") from err
+
+
+def check_compatible(info: dict, module: nn.Module, strict: bool = True) -> list[str]:
+    """Compare the checkpoint's tensors with the module's; raise ValueError listing every difference."""
+    canonical, _ = _aliases(module, {id(p): n for n, p in module.named_parameters()})
+    saved = info["tensors"]
+    missing = [n for n in canonical if n not in saved]
+    unexpected = [n for n in saved if n not in canonical]
+    mismatched = [f"{n}: checkpoint {tuple(saved[n]['shape'])}, model {tuple(canonical[n].shape)}"
+                  for n in canonical if n in saved and list(canonical[n].shape) != list(saved[n]["shape"])]
+    if mismatched or (strict and (missing or unexpected)):
+        parts = [f"{len(v)} {what}: " + ", ".join(v[:20]) + (" ..." if len(v) > 20 else "")
+                 for what, v in (("missing key(s)", missing), ("unexpected key(s)", unexpected),
+                                 ("shape mismatch(es)", mismatched)) if v]
+        raise ValueError("The checkpoint does not match this model (is it from another model?) -- "
+                         + "; ".join(parts))
+    return [n for n in canonical if n in saved]
+
+
+# -- load into a module / engine ------------------------------------------------------------------------------
+@torch.no_grad()
+def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bool = True,
+                     info: Optional[dict] = None) -> None:
+    """Load the model tensors into the engine's masters (in place, resharded) and the module's other tensors.
+
+    Without an engine (evaluation, or a plain model in one process) every tensor lands in the module.
+    Collective when a process group is initialized; works without one.
+    """
+    path = Path(path)
+    info = info or read_info(path)
+    names = check_compatible(info, module, strict)
+    managed = _managed(engine)
+    canonical, _ = _aliases(module, {id(p): n for n, p in module.named_parameters()})
+    targets: dict[str, torch.Tensor] = {}
+    after: list[Callable[[], None]] = []
+    for n in names:
+        flat = info["tensors"][n]["flat"]
+        if n in managed and flat:
+            m, spec, _ = managed[n]
+            targets[n] = _flat(m, spec)
+            if not m.is_contiguous() and spec.world_size == 1:
+                after.append(lambda m=m, t=targets[n]: m.copy_(t.view_as(m)))
+            continue
+        dest = canonical[n]
+        if n in managed:  # saved in natural layout (no engine at save time): load full, slice into the master
+            m, spec, _ = managed[n]
+            dest = torch.empty(info["tensors"][n]["shape"], dtype=torch.float32, device=m.device)
+            after.append(lambda m=m, spec=spec, d=dest: m.copy_(_slice(d, spec).view_as(m)))
+        if flat and not dest.is_contiguous():
+            t = torch.empty(dest.numel(), dtype=dest.dtype, device=dest.device)
+            after.append(lambda dest=dest, t=t: dest.copy_(t.view_as(dest)))
+        targets[n] = t if flat and not dest.is_contiguous() else (dest.view(-1) if flat else dest)
+    _dcp_load({"model": targets}, path)
+    for fn in after:
+        fn()
+    if engine is not None:
+        engine.publish_params()
+
+
+def _slice(full: torch.Tensor, spec) -> torch.Tensor:
+    flat = full.reshape(-1)
+    return flat if spec.world_size == 1 else flat[spec.lo : spec.hi]
+
+
+@torch.no_grad()
+def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], info: Optional[dict] = None) -> None:
+    """Load the optimizer state (moments resharded in place) and hyper-parameters by parameter name."""
+    path = Path(path)
+    info = info or read_info(path)
+    kinds = info.get("optimizer_state")
+    if kinds is None:
+        raise KeyError(f"Checkpoint {str(path)!r} holds no optimizer state (saved with weights_only=True?).")
+    opt = engine.optimizer
+    managed = _managed(engine)
+    name_of = {id(m): n for n, (m, _, _) in managed.items()}
+    saved_groups = opt_meta["param_groups"]
+    current = [[name_of[id(m)] for m in g["params"]] for g in opt.param_groups]
+    if len(saved_groups) != len(current) or any(set(s["params"]) != set(c) for s, c in zip(saved_groups, current)):
+        raise ValueError(
+            "The optimizer does not match the checkpoint: its param groups hold "
+            f"{[len(c) for c in current]} parameter(s), the checkpoint's {[len(s['params']) for s in saved_groups]}; "
+            f"names only in the checkpoint: {sorted(set(sum((s['params'] for s in saved_groups), [])) - set(sum(current, [])))[:20]}, "
+            f"only in the optimizer: {sorted(set(sum(current, [])) - set(sum((s['params'] for s in saved_groups), [])))[:20]}."
+        )
+    _init_state(opt, [managed[n][0] for n in kinds if n in managed])
+    targets: dict[str, dict[str, torch.Tensor]] = {}
+    for n, keys in kinds.items():
+        m, spec, _ = managed[n]
+        st = opt.state[m]
+        have = sorted(k for k, v in st.items() if torch.is_tensor(v))
+        if have != sorted(keys):
+            raise ValueError(f"Optimizer state of {n!r}: the checkpoint has {sorted(keys)}, this optimizer "
+                             f"{have} (another optimizer class or options?).")
+        targets[n] = {k: (_flat(st[k], spec) if st[k].dim() > 0 and st[k].shape == m.shape else st[k])
+                      for k in keys}
+    _dcp_load({"optim": {"state": targets}}, path)
+    for m in list(opt.state):  # a parameter that had no state when saved has none now
+        if name_of.get(id(m)) not in kinds:
+            del opt.state[m]
+    for n, extra in opt_meta.get("nontensor_state", {}).items():
+        opt.state[managed[n][0]].update(extra)
+    for g, s in zip(opt.param_groups, saved_groups):
+        g.update({k: v for k, v in s.items() if k not in _IMPL_KEYS})
+
+
+def _init_state(opt: torch.optim.Optimizer, masters: list[torch.Tensor]) -> None:
+    """Create the optimizer's state tensors (one step on zero gradients at lr 0; the masters are restored)."""
+    need = [m for m in masters if not opt.state.get(m)]
+    if not need:
+        return
+    keep = [m.detach().clone() for m in need]
+    grads = {id(m): getattr(m, "grad", None) for row in opt.param_groups for m in row["params"]}
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+        for m in g["params"]:
+            m.grad = None
+    for m in need:
+        m.grad = torch.zeros_like(m)
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+        for m in g["params"]:
+            m.grad = grads[id(m)]
+    for m, k in zip(need, keep):
+        m.copy_(k)
+
+
+def load_checkpoint_dir(path: _PathLike, module: nn.Module, engine=None, load_optimizer: bool = True,
+                        strict: bool = True, weights_only: Optional[bool] = None) -> dict:
+    """Engine-level load: model (and optimizer state when ``load_optimizer`` and an engine is given).
+
+    Returns the metadata dict (Lightning's loops/epoch/... plus whatever the saver passed)."""
+    info = read_info(path)
+    meta = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=weights_only)
+    load_model_state(path, module, engine, strict, info)
+    if load_optimizer and engine is not None:
+        load_optimizer_state(path, engine, meta["optimizer_states"][0], info)
+        scaler = getattr(engine, "loss_scaler", None)
+        if scaler is not None and "loss_scaler" in meta:
+            scaler.load_state_dict(meta["loss_scaler"])
+    return meta
+
+
+def save_engine_checkpoint(path: _PathLike, module: nn.Module, engine=None, metadata: Optional[dict] = None,
+                           optimizer: bool = True) -> Path:
+    """Engine-level save (no Lightning): model, optimizer state, loss-scaler state and ``metadata``."""
+    meta = dict(metadata or {})
+    scaler = getattr(engine, "loss_scaler", None)
+    if scaler is not None:
+        meta["loss_scaler"] = scaler.state_dict()
+    opt = sharded_optimizer_state(engine) if optimizer and engine is not None else None
+    return save_checkpoint_dir(path, sharded_model_state(module, engine), module, engine, opt, meta)
+
+
+# -- consolidation (one process, no process group) ----------------------------------------------------------------
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+
+
+def consolidate(ckpt_dir: _PathLike, out_path: _PathLike, dtype: torch.dtype = torch.float32) -> dict:
+    """Write the full model state dict (floating tensors in ``dtype``) loadable with ``strict=True``.
+
+    ``out_path`` ending in ``.safetensors`` is written in safetensors format, one tensor at a time (peak
+    memory: the largest tensor); anything else with ``torch.save`` (peak: the weights). Optimizer state is
+    never read. Tied weights are re-emitted under every alias. Returns {"tensors": n, "bytes": weights}.
+    """
+    path, out = Path(ckpt_dir), Path(out_path)
+    info = read_info(path)
+    spec = info["tensors"]
+
+    def empty(name):
+        d = spec[name]
+        dt = getattr(torch, d["dtype"])
+        dt = dtype if dt.is_floating_point else dt
+        return torch.empty(int(torch.Size(d["shape"]).numel()) if d["flat"] else d["shape"], dtype=dt)
+
+    def load(name):
+        t = empty(name)
+        _dcp_load({"model": {name: t}}, path)
+        return t.view(spec[name]["shape"])
+
+    order = [n for n in info["order"] if n in spec or n in info["aliases"]]
+    total = 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    if out.suffix == ".safetensors":
+        header, offset = {}, 0
+        for n in order:
+            d = spec[info["aliases"].get(n, n)]
+            dt = getattr(torch, d["dtype"])
+            dt = dtype if dt.is_floating_point else dt
+            nbytes = int(torch.Size(d["shape"]).numel()) * dt.itemsize
+            header[n] = {"dtype": _ST_DTYPES[dt], "shape": d["shape"], "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header["__metadata__"] = {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for n in order:
+                t = load(info["aliases"].get(n, n)).contiguous()
+                total += t.numel() * t.element_size()
+                if t.numel():
+                    f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+                del t
+    else:
+        sd: dict[str, torch.Tensor] = {}
+        targets = {n: empty(n) for n in spec}
+        _dcp_load({"model": targets}, path)
+        for n in order:
+            c = info["aliases"].get(n, n)
+            sd[n] = targets[c].view(spec[c]["shape"])
+            total += sd[n].numel() * sd[n].element_size() if n == c else 0
+        torch.save(sd, tmp)
+    os.replace(tmp, out)
+    return {"tensors": len(order), "bytes": total}
+
+
+# -- Lightning glue ----------------------------------------------------------------------------------------------
+_LOADED_KEY = "lightning_zero_checkpoint_dir"
+
+
+class ZeroCheckpointMixin:
+    """Strategy methods that make Lightning write and read ZeRO checkpoints.
+
+    Use as ``class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy)``; expects ``self.engine`` (None outside
+    fitting) and ``self.precision_plugin``. ``checkpoint_format``: "sharded" (default) writes DCP
+    directories; "full" writes Lightning's single file with consolidated (full, fp32) model and optimizer
+    state. Both formats load in either mode, at any world size and stage.
+    """
+
+    checkpoint_format = "sharded"
+
+    @property
+    def _zero_sharded(self) -> bool:
+        if self.checkpoint_format not in ("sharded", "full"):
+            raise ValueError(f"checkpoint_format={self.checkpoint_format!r}; allowed: 'sharded', 'full'.")
+        return self.checkpoint_format == "sharded"
+
+    @property
+    def _zero_engine(self):
+        return getattr(self, "engine", None)
+
+    # -- what Lightning puts into the checkpoint dict -----------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        engine = self._zero_engine
+        if self._zero_sharded:
+            return sharded_model_state(self.lightning_module, engine)
+        state = super().lightning_module_state_dict()
+        if engine is not None and engine.compute_dtype not in (None, torch.float32):
+            # the module holds fp16/bf16 copies: save the fp32 masters so a resume loses nothing
+            by_id = {id(p): f for p, f in zip(engine.bucket_params, engine.full_master_params())}
+            for name, p in self.lightning_module.named_parameters(remove_duplicate=False):
+                if id(p) in by_id:
+                    state[name] = by_id[id(p)].cpu()
+        return state
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        engine = self._zero_engine
+        if engine is None:
+            return super().optimizer_state(optimizer)
+        return sharded_optimizer_state(engine) if self._zero_sharded else engine.optimizer_state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if not self._zero_sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint(..., storage_options=...) is not supported for sharded "
+                            "checkpoints (they do not go through CheckpointIO).")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint = dict(checkpoint)
+        model_state = checkpoint.pop("state_dict")
+        opt_states = checkpoint.pop("optimizer_states", None)
+        engine = self._zero_engine
+        opt = opt_states[0] if opt_states and engine is not None else None
+        if opt_states is not None and opt is None:
+            checkpoint["optimizer_states"] = opt_states  # evaluation: no optimizer, an empty list
+        save_checkpoint_dir(path, model_state, self.lightning_module, engine, opt, checkpoint, barrier=self.barrier)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:  # a directory, a file, or save_last="link"'s symlink (never its target)
+            _remove(Path(filepath))
+
+    # -- restore ------------------------------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # sharded: load into the engine's masters, which exist only after setup (as FSDPStrategy does)
+        return self._zero_sharded or super().restore_checkpoint_after_setup
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        read_info(path)
+        from lightning.fabric.utilities.cloud_io import _load
+
+        meta = _load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+        meta[_LOADED_KEY] = str(path)
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        engine = self._zero_engine
+        if _LOADED_KEY in checkpoint:
+            load_model_state(checkpoint[_LOADED_KEY], self.lightning_module, engine, strict)
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if engine is not None:  # a single file loaded after setup: refresh the fp32 masters from it
+            _masters_from_full(engine, checkpoint["state_dict"])
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        engine = self._zero_engine
+        states = checkpoint.get("optimizer_states") or []
+        if engine is None or not states:
+            return
+        if _LOADED_KEY in checkpoint:
+            load_optimizer_state(checkpoint[_LOADED_KEY], engine, states[0])
+        else:
+            engine.load_optimizer_state_dict(states[0])  # a full (consolidated) state from any world size
+
+
+@torch.no_grad()
+def _masters_from_full(engine, state_dict: Mapping[str, torch.Tensor]) -> None:
+    for name, m, spec, _ in engine.master_items():
+        if name in state_dict:
+            m.copy_(_slice(state_dict[name].to(device=m.device, dtype=torch.float32), spec).view_as(m))
+    engine.publish_params()

@@ -1,0 +1,287 @@
+"""Stage 3 parameter partitioning: gather on demand, release after use, prefetch the next unit.
+
+Design note
+-----------
+Every parameter keeps its ``nn.Parameter`` object (so optimizers, hooks and ``module.weight.shape`` keep
+working) but its storage is resized to zero whenever its unit is not in use. Gathering a unit is one
+all-gather of the unit's flat shard followed by a copy-out into the parameters' re-grown storage. The
+copy goes through ``param.data`` so autograd's version counters do not move: tensors saved for backward
+stay valid across a release/re-gather cycle (FSDP2 relies on the same property).
+
+Lifecycle in a training step::
+
+    pre-forward(unit)   gather (or wait for the prefetch) ... prefetch the next unit in recorded order
+    post-forward(unit)  release (root and persistent units stay) ... arm a pre-backward hook on outputs
+    pre-backward(unit)  gather again ... prefetch the unit that backward reaches next
+    grads complete      reduce-scatter (GradReducer, on its own process group) ... release
+    end of backward     release whatever is still gathered; after the step all units are stale
+
+Order: the first training forward is recorded; while recording, every gather is preceded by a tiny
+all-gather of the unit index, so ranks that run different units fail with :class:`RankDivergenceError`
+instead of exchanging mismatched buffers (gloo aborts, NCCL hangs). The order is then compared across
+ranks once; later forwards are checked against it locally before any collective, and it drives
+prefetch. In eval mode nothing is recorded or checked: every rank must run the same forwards (use
+:meth:`gathered` around ``generate()``, which then issues no collective at all).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from . import collectives as C
+from .units import Unit
+
+
+class RankDivergenceError(RuntimeError):
+    """Ranks executed different ZeRO-3 units: their collectives would not match."""
+
+
+class ParamPartitioner:
+    def __init__(
+        self,
+        module: nn.Module,
+        units: list[Unit],
+        compute_dtype: Optional[torch.dtype],
+        device: torch.device,
+        offload_params: bool = False,
+        group: Optional[Any] = None,
+        prefetch: bool = True,
+        order_check: str = "strict",
+    ) -> None:
+        self.module = module
+        self.units = units
+        self.root = units[-1]
+        self.device = device
+        self.offload = offload_params
+        self.group = group
+        self.order_check = order_check
+        self.prefetch = prefetch and order_check == "strict"  # prefetch needs a trusted order
+        self.compute_dtype = compute_dtype
+        self.world_size = C.world_size(group)
+        self.rank = C.rank(group)
+        self.unit_of: dict[int, Unit] = {id(p): u for u in units for p in u.params}
+        self._order: list[int] = []
+        self._recording = True
+        self._verified = False
+        self._pos = 0
+        self._materialized = 0
+        self.peak_gathered_bytes = 0
+        self.prefetches = 0
+        self._handles: list[Any] = []
+        self._shard_all()
+        self._install_hooks()
+
+    # -- shards -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _shard_all(self) -> None:
+        """Cut this rank's slices (fp32 for now: masters are taken from them) and free the full params."""
+        pin = self.offload and torch.cuda.is_available()
+        for u in self.units:
+            if not u.params:
+                continue
+            full = [p.detach().float() for p in u.params]
+            packed = u.layout.pack_rank_major(full, torch.float32)
+            chunk = packed.view(self.world_size, -1)[self.rank].clone()
+            if self.offload:
+                chunk = chunk.cpu().pin_memory() if pin else chunk.cpu()
+            u.shard = chunk
+            for p in u.params:
+                # own storage of exactly the param's size, so releasing frees exactly it
+                dtype = self.compute_dtype if (self.compute_dtype and p.is_floating_point()) else p.dtype
+                p.data = torch.empty(p.shape, dtype=dtype, device=self.device)
+                p.data.untyped_storage().resize_(0)
+            u.nbytes_full = [p.numel() * p.element_size() for p in u.params]
+
+    def cast_shards(self, dtype: torch.dtype) -> None:
+        """Drop the flat shards to the compute dtype once masters have been taken from them."""
+        for u in self.units:
+            if u.shard is not None and u.shard.dtype != dtype:
+                u.shard = u.shard.to(dtype)
+                if self.offload and torch.cuda.is_available():
+                    u.shard = u.shard.pin_memory()
+
+    def shard_bytes(self) -> int:
+        return sum(u.shard.numel() * u.shard.element_size() for u in self.units if u.shard is not None)
+
+    def gathered_bytes(self) -> int:
+        """Bytes of full parameters held now, counting all-gather buffers still in flight."""
+        held = sum(u.full_bytes for u in self.units if u.gathered)
+        return held + sum(u.pending[1].numel() * u.pending[1].element_size() for u in self.units if u.pending)
+
+    # -- gather / release -----------------------------------------------------------------------------
+    def _launch_gather(self, u: Unit) -> None:
+        if u.gathered or u.pending is not None or not u.params:
+            return
+        if self.order_check == "always" or (self.order_check == "strict" and not self._verified):
+            self._check_same_unit(u)
+        send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
+        out = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=self.device)
+        u.pending = (C.all_gather(out, send, group=self.group, async_op=True), out)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+
+    def _check_same_unit(self, u: Unit) -> None:
+        if self.world_size == 1:
+            return
+        mine = torch.tensor([u.index], dtype=torch.int64, device=self.device)
+        ids = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+        C.all_gather(ids, mine, group=self.group)
+        if (ids != u.index).any():
+            names = {x.index: x.name for x in self.units}
+            seen = ", ".join(f"rank {r}: {names.get(int(i), int(i))}" for r, i in enumerate(ids.tolist()))
+            raise RankDivergenceError(
+                f"ZeRO-3 ranks diverged: they are gathering different units ({seen}). Every rank must run the "
+                "same modules in the same order; make rank-dependent modules part of the root unit "
+                "(leave them out of unit_classes) or gather everything with strategy.gathered_params()."
+            )
+
+    def _finish_gather(self, u: Unit) -> None:
+        if u.pending is None:
+            return
+        work, out = u.pending
+        work.wait()
+        for p, n in zip(u.params, u.nbytes_full):
+            p.data.untyped_storage().resize_(n)
+        u.layout.unpack_rank_major(out, [p.data for p in u.params])
+        u.pending = None
+        u.gathered = True
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+
+    def gather(self, u: Unit) -> None:
+        self._launch_gather(u)
+        self._finish_gather(u)
+
+    def release(self, u: Unit, force: bool = False) -> None:
+        if self._materialized or (u.persistent and not force):
+            return
+        if u.pending is not None:
+            self._finish_gather(u)
+        if u.gathered:
+            for p in u.params:
+                p.data.untyped_storage().resize_(0)
+            u.gathered = False
+
+    def release_all(self, include_persistent: bool = False) -> None:
+        for u in self.units:
+            self.release(u, force=include_persistent)
+
+    # -- hooks --------------------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        for u in self.units[:-1]:
+            self._handles.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
+            self._handles.append(u.module.register_forward_hook(self._make_post_forward(u)))
+        # root parameters are used by plain modules (and attributes) anywhere: gather on first touch
+        owners = {id(m): m for m in self.module.modules() for p in m.parameters(recurse=False)
+                  if self.unit_of.get(id(p)) is self.root}
+        owners[id(self.module)] = self.module
+        for m in owners.values():
+            self._handles.append(m.register_forward_pre_hook(lambda *_: self.gather(self.root)))
+
+    def _tracking(self, u: Unit) -> bool:
+        return (self.order_check == "strict" and u.module.training and torch.is_grad_enabled()
+                and not self._materialized)
+
+    def _make_pre_forward(self, u: Unit):
+        def hook(_module, _args):
+            if self._tracking(u):
+                self._track_forward(u)
+            self.gather(u)
+            if self._tracking(u) and self._verified and self.prefetch and self._pos < len(self._order):
+                self._prefetch(self.units[self._order[self._pos]])
+
+        return hook
+
+    def _track_forward(self, u: Unit) -> None:
+        if self._recording:
+            self._order.append(u.index)
+            return
+        expected = self._order[self._pos] if self._pos < len(self._order) else None
+        if expected != u.index:
+            raise RankDivergenceError(
+                f"rank {self.rank}: ZeRO-3 unit '{u.name}' ran where the recorded order has "
+                f"'{self.units[expected].name if expected is not None else '<end of forward>'}' "
+                f"(position {self._pos}). Forward order must be the same every step and on every rank; "
+                "wrap generation or other data-dependent control flow in strategy.gathered_params()."
+            )
+        self._pos += 1
+
+    def _make_post_forward(self, u: Unit):
+        def hook(_module, _args, output):
+            self.release(u)
+            if torch.is_grad_enabled() and not self._materialized:
+                tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda _grads: self._pre_backward(u), mode="any"
+                    )
+            return output
+
+        return hook
+
+    def _pre_backward(self, u: Unit) -> None:
+        self.gather(u)
+        if self._verified and self.prefetch and u.index in self._order:
+            i = len(self._order) - 1 - self._order[::-1].index(u.index)
+            if i > 0:
+                self._prefetch(self.units[self._order[i - 1]])
+
+    def _prefetch(self, u: Unit) -> None:
+        if not u.gathered and u.pending is None and u.params:
+            self.prefetches += 1
+            self._launch_gather(u)
+
+    # -- step boundaries ------------------------------------------------------------------------------
+    def end_of_backward(self) -> None:
+        for u in self.units:
+            if u.pending is not None:
+                self._finish_gather(u)
+        self.release_all()
+        self._pos = 0
+        if self._order:
+            self._recording = False
+
+    def after_step(self) -> None:
+        """Shards changed: every gathered copy is stale. Verify the recorded order once."""
+        self.release_all(include_persistent=True)
+        self._pos = 0
+        if self._order and not self._verified:
+            self._recording = False
+            self._verify_order()
+
+    def _verify_order(self) -> None:
+        digest = zlib.crc32(bytes(str(self._order), "ascii"))
+        mine = torch.tensor([len(self._order), digest], dtype=torch.int64, device=self.device)
+        allv = torch.empty(2 * self.world_size, dtype=torch.int64, device=self.device)
+        C.all_gather(allv, mine, group=self.group)
+        if (allv.view(-1, 2) != mine).any():
+            raise RankDivergenceError(
+                f"ZeRO-3 ranks recorded different unit orders in their first step (rank {self.rank}: "
+                f"{[self.units[i].name for i in self._order]}). Every rank must run the same modules."
+            )
+        self._verified = True
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Hold every parameter whole for a block (generate(), export): no collective inside."""
+        if self._materialized == 0:
+            for u in self.units:
+                self._launch_gather(u)
+            for u in self.units:
+                self._finish_gather(u)
+        self._materialized += 1
+        try:
+            yield
+        finally:
+            self._materialized -= 1
+            if self._materialized == 0:
+                self.release_all(include_persistent=True)
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
