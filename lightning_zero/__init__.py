@@ -1,7 +1,7 @@
-"""lightning_zero: ZeRO (stages 0-2, CPU offload, fp16/bf16) for PyTorch Lightning in pure PyTorch.
+"""lightning_zero: ZeRO (stages 0-3, CPU offload, fp16/bf16) for PyTorch Lightning in pure PyTorch.
 
-Importing the package registers the strategy names (zero0, zero1, zero1_offload, zero2, zero2_offload and
-their ``_spawn`` / ``_fork`` variants) in Lightning's StrategyRegistry.
+Importing the package registers the strategy names zero0, zero1, zero1_offload, zero2, zero2_offload,
+zero3, zero3_offload (each also with a ``_spawn`` and a ``_fork`` variant) in Lightning's StrategyRegistry.
 """
 
 from .engine import (
@@ -13,6 +13,7 @@ from .engine import (
     model_state_floor,
     register_shardable_optimizer,
 )
+from .engine.partition import RankDivergenceError
 from .precision import ZeroPrecision
 from .strategy import ZeroStrategy
 
@@ -30,6 +31,7 @@ _register()
 __all__ = [
     "DynamicLossScaler",
     "LossScalerError",
+    "RankDivergenceError",
     "StaticLossScaler",
     "ZeroConfig",
     "ZeroEngine",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import Any, Generator, Mapping, Optional
+from typing import Any, Generator, Mapping, Optional, Sequence
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -22,6 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 
 from .engine import ZeroConfig, ZeroEngine
+from .engine.deferred_init import has_meta_params
 from .precision import ZeroPrecision
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -31,9 +32,11 @@ class ZeroStrategy(DDPStrategy):
     """ZeRO data parallelism for Lightning.
 
     Args:
-        stage: 0 (DDP-equivalent), 1 (shard optimizer state), 2 (+ gradients).
+        stage: 0 (DDP-equivalent), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters).
         offload_optimizer: keep fp32 master shards and optimizer state in CPU memory, step there.
-        offload_params: stage 3 only.
+        offload_params: stage 3 only: parameter shards live in CPU memory between uses.
+        unit_classes, unit_mb, persist_numel, prefetch, order_check: stage 3 units (see ZeroConfig);
+            e.g. ``unit_classes=["T5Block"]``.
         bucket_mb: size cap of one communication bucket (MiB).
         reduce_dtype: dtype of gradient reductions (None = compute dtype, or "fp32").
         broadcast_buffers: copy rank 0's buffers to every rank before each training step (as DDP).
@@ -51,6 +54,11 @@ class ZeroStrategy(DDPStrategy):
         bucket_mb: float = 25.0,
         reduce_dtype: Optional[Any] = None,
         broadcast_buffers: bool = True,
+        unit_classes: Optional[Sequence[Any]] = None,
+        unit_mb: float = 8.0,
+        persist_numel: int = 10_000,
+        prefetch: bool = True,
+        order_check: str = "strict",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[Any] = None,
@@ -63,9 +71,9 @@ class ZeroStrategy(DDPStrategy):
         self.zero_config = ZeroConfig(
             stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
             bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
+            unit_classes=unit_classes, unit_mb=unit_mb, persist_numel=persist_numel, prefetch=prefetch,
+            order_check=order_check,
         )
-        if self.zero_config.stage == 3:
-            raise ValueError("ZeRO stage 3 is not available yet in this release. Allowed stages: 0, 1, 2.")
         if start_method not in _START_METHODS:
             raise ValueError(f"Unknown start_method {start_method!r}. Allowed: {', '.join(_START_METHODS)}.")
         super().__init__(
@@ -101,6 +109,11 @@ class ZeroStrategy(DDPStrategy):
             )
 
     # -- setup ----------------------------------------------------------------------------------
+    def model_to_device(self) -> None:
+        if self.stage == 3 and has_meta_params(self.model):
+            return  # the engine materializes it shard by shard on the root device
+        super().model_to_device()
+
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -119,9 +132,14 @@ class ZeroStrategy(DDPStrategy):
                 compute_dtype=precision.compute_dtype,
                 loss_scaler=precision.loss_scaler,
                 check_finite=precision.check_finite,
+                device=self.root_device,
             )
             precision.attach(self.engine)
             self._guard_scheduler_on_skipped_steps()
+        elif self.stage == 3:
+            # evaluation only, parameters still partitioned
+            self.engine = ZeroEngine(self.lightning_module, None, self.zero_config,
+                                     compute_dtype=precision.compute_dtype, device=self.root_device)
         else:
             # evaluation only: no optimizer to shard; every rank starts from rank 0's weights
             from lightning.pytorch.strategies.ddp import _sync_module_states
@@ -160,8 +178,45 @@ class ZeroStrategy(DDPStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.engine is not None:
-            self.engine.sync_buffers()
+            self.engine.prepare_forward()
         return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:
+            self.engine.prepare_forward()
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:
+            self.engine.prepare_forward()
+        return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:
+            self.engine.prepare_forward()
+        return super().predict_step(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Generator:
+        """Full parameters for a block of code (stage 3; no-op below): ``generate()``, export.
+
+        No collective runs inside, so ranks may run different numbers of forwards (unequal lengths).
+        """
+        if self.engine is None:
+            yield
+            return
+        with self.engine.gathered_params():
+            yield
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator:
+        """Stage 3: modules built in ``configure_model`` go to the meta device and are materialized
+        unit by unit, already sharded, when the engine is created (no rank ever holds the whole model)."""
+        if self.stage == 3:
+            with torch.device("meta"):
+                yield
+        else:
+            yield
 
     # -- checkpoints: consolidated optimizer state, resharded on load ----------------------------------
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -176,8 +231,12 @@ class ZeroStrategy(DDPStrategy):
         self.engine.load_optimizer_state_dict(states[0])
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        if self.engine is None or not self.precision_plugin.mixed:
+        if self.engine is not None and self.stage == 3:
+            with self.engine.gathered_params():
+                state = {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
+        else:
+            state = super().lightning_module_state_dict()
+        if self.engine is None or self.engine.sharded is None or not self.precision_plugin.mixed:
             return state
         # the module holds fp16/bf16 copies: save the fp32 masters so a resume loses nothing
         by_id = {id(p): f for p, f in zip(self.engine.bucket_params, self.engine.full_master_params())}
@@ -208,6 +267,8 @@ class ZeroStrategy(DDPStrategy):
             "zero1_offload": dict(stage=1, offload_optimizer=True),
             "zero2": dict(stage=2),
             "zero2_offload": dict(stage=2, offload_optimizer=True),
+            "zero3": dict(stage=3),
+            "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
         }
         for name, kw in presets.items():
             for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):

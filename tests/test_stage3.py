@@ -165,3 +165,32 @@ def test_stage3_eval_inference_mode_and_unequal_generation():
     for rank, (out, length) in enumerate(res):
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
         assert length == 2 + 3 + 2 * rank
+
+
+def _meta_init(rank, world_size):
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                                   torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+
+    torch.manual_seed(0)
+    eager = build()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        lazy = build()
+    engine = ZeroEngine(lazy, None, ZeroConfig(stage=3, unit_classes=["Linear"], persist_numel=0),
+                        device=torch.device("cpu"))
+    biggest_whole = max(p.numel() for p in eager.parameters())
+    held = [p.untyped_storage().nbytes() for p in lazy.parameters()]
+    x = torch.randn(3, 8)
+    out = lazy(x)
+    engine.remove()
+    return eager(x).detach(), out.detach(), held, biggest_whole, {k: v.clone() for k, v in lazy.state_dict().items()}, \
+        eager.state_dict()
+
+
+def test_meta_init_equals_eager_and_is_sharded():
+    for ref_out, out, held, _, lazy_sd, eager_sd in run_distributed(_meta_init, 2):
+        torch.testing.assert_close(out, ref_out)
+        assert sum(held) == 0  # after construction no rank holds any full parameter
+        for k in eager_sd:
+            torch.testing.assert_close(lazy_sd[k], eager_sd[k])

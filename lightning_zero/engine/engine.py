@@ -31,6 +31,7 @@ from torch import nn
 
 from . import collectives as C
 from .buckets import build_buckets
+from .deferred_init import has_meta_params
 from .units import build_units, grad_buckets_for_units
 from .config import ZeroConfig
 from .memory import MemoryReport
@@ -51,8 +52,12 @@ class ZeroEngine:
         loss_scaler: Optional[Any] = None,
         check_finite: bool = False,
         group: Optional[Any] = None,
+        device: Optional[torch.device] = None,
     ) -> None:
-        """``optimizer=None`` builds an evaluation-only engine (stage 3 still partitions parameters)."""
+        """``optimizer=None`` builds an evaluation-only engine (stage 3 still partitions parameters).
+
+        ``device``: where compute happens (default: where the parameters are; needed for a meta model).
+        """
         self.config = cfg = config or ZeroConfig()
         self.module = module
         self.optimizer = optimizer
@@ -63,7 +68,8 @@ class ZeroEngine:
         self.world_size = C.world_size(group)
         self.rank = C.rank(group)
         self.params = self._managed_params(module, optimizer) if optimizer is not None else []
-        self.sync_module_states()
+        if not has_meta_params(module):  # a meta model is broadcast unit by unit as it is built
+            self.sync_module_states()
         mixed = compute_dtype is not None and compute_dtype != torch.float32
         self.partitioner: Optional[ParamPartitioner] = None
         sources = None
@@ -71,7 +77,7 @@ class ZeroEngine:
         if cfg.stage == 3:
             units = build_units(module, self.world_size, self.rank, cfg.unit_classes, cfg.unit_bytes,
                                 cfg.persist_numel)
-            device = next(module.parameters()).device
+            device = torch.device(device) if device is not None else _compute_device(module)
             self.partitioner = ParamPartitioner(module, units, compute_dtype, device, cfg.offload_params, group,
                                                 cfg.prefetch, cfg.order_check)
             self.buckets, sources, self._bucket_unit = grad_buckets_for_units(
@@ -403,6 +409,13 @@ class ZeroEngine:
             self._unpartition()
         if self.reducer is not None:
             self.reducer.remove_hooks()
+
+
+def _compute_device(module: nn.Module) -> torch.device:
+    for t in list(module.parameters()) + list(module.buffers()):
+        if not t.is_meta:
+            return t.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _broadcast_flat(tensors: list[torch.Tensor], group: Optional[Any], cap: int = 64 * 2**20) -> None:

@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from . import collectives as C
+from .deferred_init import has_meta_params, materialize
 from .units import Unit
 
 
@@ -81,22 +82,31 @@ class ParamPartitioner:
     @torch.no_grad()
     def _shard_all(self) -> None:
         """Cut this rank's slices (fp32 for now: masters are taken from them) and free the full params."""
-        pin = self.offload and torch.cuda.is_available()
+        if has_meta_params(self.module):  # shard-as-you-build: never hold the whole model
+            by_module = {id(u.module): u for u in self.units[:-1]}
+            materialize(self.module, [u.module for u in self.units[:-1]], self.device, self.group,
+                        lambda m: self._shard_unit(by_module[id(m)]))
+            self._shard_unit(self.root)
+            return
         for u in self.units:
-            if not u.params:
-                continue
-            full = [p.detach().float() for p in u.params]
-            packed = u.layout.pack_rank_major(full, torch.float32)
-            chunk = packed.view(self.world_size, -1)[self.rank].clone()
-            if self.offload:
-                chunk = chunk.cpu().pin_memory() if pin else chunk.cpu()
-            u.shard = chunk
-            for p in u.params:
-                # own storage of exactly the param's size, so releasing frees exactly it
-                dtype = self.compute_dtype if (self.compute_dtype and p.is_floating_point()) else p.dtype
-                p.data = torch.empty(p.shape, dtype=dtype, device=self.device)
-                p.data.untyped_storage().resize_(0)
-            u.nbytes_full = [p.numel() * p.element_size() for p in u.params]
+            self._shard_unit(u)
+
+    @torch.no_grad()
+    def _shard_unit(self, u: Unit) -> None:
+        if not u.params:
+            return
+        full = [p.detach().float() for p in u.params]
+        packed = u.layout.pack_rank_major(full, torch.float32)
+        chunk = packed.view(self.world_size, -1)[self.rank].clone()
+        if self.offload:
+            chunk = chunk.cpu().pin_memory() if torch.cuda.is_available() else chunk.cpu()
+        u.shard = chunk
+        for p in u.params:
+            # own storage of exactly the param's size, so releasing frees exactly it
+            dtype = self.compute_dtype if (self.compute_dtype and p.is_floating_point()) else p.dtype
+            p.data = torch.empty(p.shape, dtype=dtype, device=self.device)
+            p.data.untyped_storage().resize_(0)
+        u.nbytes_full = [p.numel() * p.element_size() for p in u.params]
 
     def cast_shards(self, dtype: torch.dtype) -> None:
         """Drop the flat shards to the compute dtype once masters have been taken from them."""
