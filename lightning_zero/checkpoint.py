@@ -196,7 +196,8 @@ def _info(model_state, module, engine, state_kinds) -> dict:
     canonical, aliases = _aliases(module, params)
     tensors = {}
     for name, t in model_state.items():
-        natural = canonical[name].shape if name in canonical else t.shape
+        # a managed parameter's full shape comes from the engine (under stage 3 the module holds no full tensor)
+        natural = managed[name][2] if name in managed else canonical[name].shape if name in canonical else t.shape
         tensors[name] = {"shape": list(natural), "dtype": str(t.dtype).replace("torch.", ""),
                          "flat": name in managed}
     cfg = getattr(engine, "config", None)
@@ -266,9 +267,10 @@ def _dcp_load(state: dict, path: Path) -> None:
                          f"or corrupt, or does not match the model: {err}") from err
 
 
-def check_compatible(info: dict, module: nn.Module, strict: bool = True) -> list[str]:
+def check_compatible(info: dict, module: nn.Module, strict: bool = True, engine=None) -> list[str]:
     """Compare the checkpoint's tensors with the module's; raise ValueError listing every difference."""
     canonical, _ = _aliases(module, {id(p): n for n, p in module.named_parameters()})
+    canonical.update({n: torch.empty(shape, device="meta") for n, (_, _, shape) in _managed(engine).items()})
     saved = info["tensors"]
     missing = [n for n in canonical if n not in saved]
     unexpected = [n for n in saved if n not in canonical]
@@ -294,7 +296,7 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
     """
     path = Path(path)
     info = info or read_info(path)
-    names = check_compatible(info, module, strict)
+    names = check_compatible(info, module, strict, engine)
     managed = _managed(engine)
     canonical, _ = _aliases(module, {id(p): n for n, p in module.named_parameters()})
     targets: dict[str, torch.Tensor] = {}

@@ -50,8 +50,14 @@ def register_shardable_optimizer(cls: type) -> type:
 
 
 def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "LBFGS re-evaluates the loss through a closure inside step(), which ZeRO's step (reduce, step, "
+            "gather) cannot interleave with. Allowed: optimizers whose step() needs no closure "
+            "(SGD, Adam, AdamW, ...)."
+        )
     if stage == 0:
-        return  # stage 0 steps whole parameters: any optimizer works
+        return  # stage 0 steps whole parameters: any closure-free optimizer works
     cls = type(optimizer)
     if any(issubclass(cls, ok) for ok in _SHARDABLE):
         return
@@ -120,6 +126,9 @@ class ShardedOptimizer:
                 "The optimizer already holds state; ZeRO must shard it before the first step. "
                 "Create the engine right after the optimizer (restore state afterwards with load_state_dict)."
             )
+        # per group, the user's original parameter list as masters (None: frozen, never stepped), so a
+        # consolidated checkpoint lists the same parameters as a plain optimizer's would
+        self.group_layout = [[by_param.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["params"] = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
 

@@ -4,16 +4,17 @@ Design note
 -----------
 Because every rank owns the same slice of every parameter, the full optimizer state of a parameter is
 just the concatenation of its slices in rank order. Consolidation gathers each bucket's state with one
-all-gather per state key and returns, on rank 0, exactly what an unsharded optimizer over the same
-parameters would save (``state`` keyed by position in ``param_groups``, tensors shaped like the
-parameter). Loading re-slices that full state for the current world size and stage. The checkpoint is
-therefore independent of how it was sharded: N ranks -> M ranks and stage a -> stage b both just work.
+all-gather per state key and returns, on rank 0, exactly what a plain optimizer over the user's original
+``param_groups`` would save: ``state`` keyed by position (frozen parameters keep their position and have
+no state), tensors shaped like the parameter. Loading re-slices that full state for the current world
+size and stage. The result is independent of how it was sharded: N ranks -> M ranks, stage a -> stage b,
+and to or from a plain (DDP) run all just work.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -23,89 +24,112 @@ if TYPE_CHECKING:  # pragma: no cover
     from .engine import ZeroEngine
 
 
-def _master_index(engine: "ZeroEngine") -> list[tuple[int, int]]:
-    """(bucket, position) of each master in the order the optimizer's param_groups list them."""
-    where = {}
-    for bi, row in enumerate(engine.sharded.masters):
-        for pi, m in enumerate(row):
-            where[id(m)] = (bi, pi)
-    return [where[id(m)] for g in engine.optimizer.param_groups for m in g["params"]]
+def _positions(engine: "ZeroEngine") -> list[Optional[tuple[int, int]]]:
+    """Per original optimizer position: (bucket, index) of its master, or None for a frozen parameter."""
+    where = {id(m): (bi, pi) for bi, row in enumerate(engine.sharded.masters) for pi, m in enumerate(row)}
+    return [where[id(m)] if m is not None else None for g in engine.sharded.group_layout for m in g]
 
 
-def _is_sharded_value(v, engine, bi, pi) -> bool:
-    m = engine.sharded.masters[bi][pi]
-    return torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape
+def _groups_with_positions(engine: "ZeroEngine", groups: list[dict]) -> list[dict]:
+    out, pos = [], 0
+    for g, layout in zip(groups, engine.sharded.group_layout):
+        g = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+        g["params"] = list(range(pos, pos + len(layout)))
+        pos += len(layout)
+        out.append(g)
+    return out
 
 
 def consolidate_optimizer_state(engine: "ZeroEngine") -> dict:
     local = engine.optimizer.state_dict()
-    if engine.config.stage == 0:
-        return local if engine.rank == 0 else {}
-    order = _master_index(engine)
-    pos_of = {bp: i for i, bp in enumerate(order)}
-    keys = sorted({k for st in local["state"].values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
-    full_state: dict[int, dict] = {i: {} for i in range(len(order))}
-    for i, (bi, pi) in enumerate(order):
-        for k, v in local["state"].get(i, {}).items():
-            if not _is_sharded_value(v, engine, bi, pi):
-                full_state[i][k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
-    for b in engine.buckets:
-        for key in keys:
-            # every rank must join the same collectives: present = any rank has this key for this bucket
-            vals = [local["state"].get(pos_of[(b.index, pi)], {}).get(key) for pi in range(len(b.params))]
-            have = torch.tensor([v is not None for v in vals], dtype=torch.uint8, device=b.params[0].device)
-            C.all_reduce(have, op=torch.distributed.ReduceOp.MAX if engine.world_size > 1 else None,
-                         group=engine.group)
-            if not have.any():
-                continue
-            send = torch.zeros(b.shard_numel, dtype=torch.float32, device=b.params[0].device)
-            for view, v in zip(b.local_views(send), vals):
-                if v is not None:
-                    view.copy_(v.reshape(-1))
-            out = torch.empty(b.world_size * b.shard_numel, dtype=torch.float32, device=send.device)
-            C.all_gather(out, send, group=engine.group)
-            if engine.rank != 0:
-                continue
-            fulls = [torch.empty(p.shape, dtype=torch.float32, device=send.device) for p in b.params]
-            b.unpack_rank_major(out, fulls)
-            for pi, (f, present) in enumerate(zip(fulls, have.tolist())):
-                if present:
-                    full_state[pos_of[(b.index, pi)]][key] = f.cpu()
+    positions = _positions(engine)
+    # torch numbers the masters in param_groups order: map them to (bucket, index)
+    local_bp = [bp for bp in positions if bp is not None]
+    by_bp = {bp: local["state"].get(i, {}) for i, bp in enumerate(local_bp)}
+    keys = sorted({k for st in by_bp.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
+    full_by_bp: dict[tuple[int, int], dict] = {bp: {} for bp in local_bp}
+    for (bi, pi), st in by_bp.items():
+        m = engine.sharded.masters[bi][pi]
+        for k, v in st.items():
+            if not (torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape):
+                full_by_bp[(bi, pi)][k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+            elif engine.config.stage == 0:
+                full_by_bp[(bi, pi)][k] = v.detach().cpu().clone()
+    if engine.config.stage >= 1:
+        for b in engine.buckets:
+            dev = b.params[0].device
+            for key in keys:
+                vals = [by_bp.get((b.index, pi), {}).get(key) for pi in range(len(b.params))]
+                # every rank joins the same collectives: present = any rank has this key for this param
+                have = torch.tensor([v is not None for v in vals], dtype=torch.uint8, device=dev)
+                C.all_reduce(have, op=torch.distributed.ReduceOp.MAX if engine.world_size > 1 else None,
+                             group=engine.group)
+                if not have.any():
+                    continue
+                send = torch.zeros(b.shard_numel, dtype=torch.float32, device=dev)
+                for view, v in zip(b.local_views(send), vals):
+                    if v is not None:
+                        view.copy_(v.reshape(-1))
+                out = torch.empty(b.world_size * b.shard_numel, dtype=torch.float32, device=dev)
+                C.all_gather(out, send, group=engine.group)
+                if engine.rank != 0:
+                    continue
+                fulls = [torch.empty(p.shape, dtype=torch.float32, device=dev) for p in b.params]
+                b.unpack_rank_major(out, fulls)
+                for pi, (f, present) in enumerate(zip(fulls, have.tolist())):
+                    if present:
+                        full_by_bp[(b.index, pi)][key] = f.cpu()
     if engine.rank != 0:
         return {}
-    state = {i: st for i, st in full_state.items() if st}
-    return {"state": state, "param_groups": local["param_groups"]}
+    state = {i: full_by_bp[bp] for i, bp in enumerate(positions) if bp is not None and full_by_bp[bp]}
+    return {"state": state, "param_groups": _groups_with_positions(engine, local["param_groups"])}
 
 
 def load_sharded_optimizer_state(engine: "ZeroEngine", full: dict) -> None:
     if "state" not in full or "param_groups" not in full:
         raise ValueError("Not an optimizer state dict: expected the keys 'state' and 'param_groups'.")
-    order = _master_index(engine)
-    n_saved = sum(len(g["params"]) for g in full["param_groups"])
-    if n_saved != len(order) or len(full["param_groups"]) != len(engine.optimizer.param_groups):
+    layout = engine.sharded.group_layout
+    saved = [len(g["params"]) for g in full["param_groups"]]
+    if saved != [len(g) for g in layout]:
         raise ValueError(
-            f"Optimizer state does not match: the checkpoint has {len(full['param_groups'])} param group(s) "
-            f"with {n_saved} parameter(s); this optimizer has {len(engine.optimizer.param_groups)} group(s) "
-            f"with {len(order)} trainable parameter(s)."
+            f"Optimizer state does not match: the checkpoint's param groups hold {saved} parameter(s); "
+            f"this optimizer's hold {[len(g) for g in layout]}. The checkpoint belongs to another model "
+            "or another configure_optimizers()."
         )
-    local_state = {}
-    for i, (bi, pi) in enumerate(order):
-        st = full["state"].get(i, full["state"].get(str(i)))
-        if st is None:
+    positions = _positions(engine)
+    saved_ids = [i for g in full["param_groups"] for i in g["params"]]
+    local_state, local_index = {}, 0
+    for pos, bp in enumerate(positions):
+        if bp is None:
             continue
-        b, m = engine.buckets[bi], engine.sharded.masters[bi][pi]
-        spec, p = b.specs[pi], b.params[pi]
-        out = {}
-        for k, v in st.items():
-            if torch.is_tensor(v) and v.dim() > 0:
-                if v.numel() != p.numel():
-                    raise ValueError(
-                        f"Optimizer state '{k}' of parameter #{i} has {v.numel()} elements; the parameter has "
-                        f"{p.numel()}. The checkpoint belongs to another model."
-                    )
-                v = v.reshape(-1)[spec.lo : spec.hi] if engine.config.stage >= 1 else v.reshape(p.shape)
-                out[k] = v.to(device=m.device, dtype=m.dtype).clone()
-            else:
-                out[k] = v
-        local_state[i] = out
-    engine.optimizer.load_state_dict({"state": local_state, "param_groups": copy.deepcopy(full["param_groups"])})
+        st = full["state"].get(saved_ids[pos], full["state"].get(str(saved_ids[pos])))
+        if st is not None:
+            local_state[local_index] = _slice_state(engine, bp, st, pos)
+        local_index += 1
+    groups, n = [], 0
+    for g, lay in zip(full["param_groups"], layout):
+        g = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+        k = sum(m is not None for m in lay)
+        g["params"] = list(range(n, n + k))
+        n += k
+        groups.append(g)
+    engine.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+
+
+def _slice_state(engine: "ZeroEngine", bp: tuple[int, int], st: dict, pos: int) -> dict:
+    bi, pi = bp
+    b, m = engine.buckets[bi], engine.sharded.masters[bi][pi]
+    spec, p = b.specs[pi], b.params[pi]
+    out = {}
+    for k, v in st.items():
+        if torch.is_tensor(v) and v.dim() > 0:
+            if v.numel() != p.numel():
+                raise ValueError(
+                    f"Optimizer state '{k}' at position {pos} has {v.numel()} elements; the parameter has "
+                    f"{p.numel()}. The checkpoint belongs to another model."
+                )
+            v = v.reshape(-1)[spec.lo : spec.hi] if engine.config.stage >= 1 else v.reshape(p.shape)
+            out[k] = v.to(device=m.device, dtype=m.dtype).clone()
+        else:
+            out[k] = v
+    return out
