@@ -23,7 +23,10 @@ __version__ = "0.1.0"
 def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from ._pl_compat import register_pytorch_lightning
+
     ZeroStrategy.register_strategies(StrategyRegistry)
+    register_pytorch_lightning()  # the separate pytorch_lightning registry, when installed
 
 
 _register()
