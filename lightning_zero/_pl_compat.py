@@ -35,7 +35,7 @@ def register_pytorch_lightning() -> bool:
         return False
     from pytorch_lightning.strategies import StrategyRegistry
 
-    precision = _load_variant("_pl_precision", "precision.py", {})
+    _load_variant("_pl_precision", "precision.py", {})  # imported by the strategy variant below
     strategy = _load_variant("_pl_strategy", "strategy.py", {"from .precision import": "from ._pl_precision import"})
     strategy.ZeroStrategy.register_strategies(StrategyRegistry)
     return True

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
@@ -99,7 +98,12 @@ def _aliases(module: nn.Module, preferred: Mapping[int, str]) -> tuple[dict[str,
 
 
 def _managed(engine) -> dict[str, tuple[torch.Tensor, Any, torch.Size]]:
-    return {} if engine is None else {n: (m, spec, shape) for n, m, spec, shape in engine.master_items()}
+    """Tensors saved and loaded as flat shards: fp32 masters, and (stage 3) the unit-shard slices of
+    parameters without a master, which are never whole in the module."""
+    if engine is None:
+        return {}
+    items = list(engine.master_items()) + list(engine.unmanaged_shard_items())
+    return {n: (m, spec, shape) for n, m, spec, shape in items}
 
 
 # -- state dicts handed to Lightning (and to dcp.save) ---------------------------------------------------
@@ -344,11 +348,12 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
     saved_groups = opt_meta["param_groups"]
     current = [[name_of[id(m)] for m in g["params"]] for g in opt.param_groups]
     if len(saved_groups) != len(current) or any(set(s["params"]) != set(c) for s, c in zip(saved_groups, current)):
+        in_ckpt = {n for s in saved_groups for n in s["params"]}
+        in_opt = {n for c in current for n in c}
         raise ValueError(
-            "The optimizer does not match the checkpoint: its param groups hold "
-            f"{[len(c) for c in current]} parameter(s), the checkpoint's {[len(s['params']) for s in saved_groups]}; "
-            f"names only in the checkpoint: {sorted(set(sum((s['params'] for s in saved_groups), [])) - set(sum(current, [])))[:20]}, "
-            f"only in the optimizer: {sorted(set(sum(current, [])) - set(sum((s['params'] for s in saved_groups), [])))[:20]}."
+            f"The optimizer does not match the checkpoint: param groups of {[len(c) for c in current]} parameter(s), "
+            f"the checkpoint's {[len(s['params']) for s in saved_groups]}; only in the checkpoint: "
+            f"{sorted(in_ckpt - in_opt)[:20]}, only in the optimizer: {sorted(in_opt - in_ckpt)[:20]}."
         )
     _init_state(opt, [managed[n][0] for n in kinds if n in managed])
     targets: dict[str, dict[str, torch.Tensor]] = {}
@@ -403,7 +408,7 @@ def load_checkpoint_dir(path: _PathLike, module: nn.Module, engine=None, load_op
     meta = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=weights_only)
     load_model_state(path, module, engine, strict, info)
     if load_optimizer and engine is not None:
-        load_optimizer_state(path, engine, meta["optimizer_states"][0], info)
+        load_optimizer_state(path, engine, (meta.get("optimizer_states") or [{}])[0], info)
         scaler = getattr(engine, "loss_scaler", None)
         if scaler is not None and "loss_scaler" in meta:
             scaler.load_state_dict(meta["loss_scaler"])
@@ -419,179 +424,3 @@ def save_engine_checkpoint(path: _PathLike, module: nn.Module, engine=None, meta
         meta["loss_scaler"] = scaler.state_dict()
     opt = sharded_optimizer_state(engine) if optimizer and engine is not None else None
     return save_checkpoint_dir(path, sharded_model_state(module, engine), module, engine, opt, meta)
-
-
-# -- consolidation (one process, no process group) ----------------------------------------------------------------
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL"}
-
-
-def consolidate(ckpt_dir: _PathLike, out_path: _PathLike, dtype: torch.dtype = torch.float32) -> dict:
-    """Write the full model state dict (floating tensors in ``dtype``) loadable with ``strict=True``.
-
-    ``out_path`` ending in ``.safetensors`` is written in safetensors format, one tensor at a time (peak
-    memory: the largest tensor); anything else with ``torch.save`` (peak: the weights). Optimizer state is
-    never read. Tied weights are re-emitted under every alias. Returns {"tensors": n, "bytes": weights}.
-    """
-    path, out = Path(ckpt_dir), Path(out_path)
-    info = read_info(path)
-    spec = info["tensors"]
-
-    def empty(name):
-        d = spec[name]
-        dt = getattr(torch, d["dtype"])
-        dt = dtype if dt.is_floating_point else dt
-        return torch.empty(int(torch.Size(d["shape"]).numel()) if d["flat"] else d["shape"], dtype=dt)
-
-    def load(name):
-        t = empty(name)
-        _dcp_load({"model": {name: t}}, path)
-        return t.view(spec[name]["shape"])
-
-    order = [n for n in info["order"] if n in spec or n in info["aliases"]]
-    total = 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    if out.suffix == ".safetensors":
-        header, offset = {}, 0
-        for n in order:
-            d = spec[info["aliases"].get(n, n)]
-            dt = getattr(torch, d["dtype"])
-            dt = dtype if dt.is_floating_point else dt
-            nbytes = int(torch.Size(d["shape"]).numel()) * dt.itemsize
-            header[n] = {"dtype": _ST_DTYPES[dt], "shape": d["shape"], "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        header["__metadata__"] = {"format": "pt"}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for n in order:
-                t = load(info["aliases"].get(n, n)).contiguous()
-                total += t.numel() * t.element_size()
-                if t.numel():
-                    f.write(t.reshape(-1).view(torch.uint8).numpy().data)
-                del t
-    else:
-        sd: dict[str, torch.Tensor] = {}
-        targets = {n: empty(n) for n in spec}
-        _dcp_load({"model": targets}, path)
-        for n in order:
-            c = info["aliases"].get(n, n)
-            sd[n] = targets[c].view(spec[c]["shape"])
-            total += sd[n].numel() * sd[n].element_size() if n == c else 0
-        torch.save(sd, tmp)
-    os.replace(tmp, out)
-    return {"tensors": len(order), "bytes": total}
-
-
-# -- Lightning glue ----------------------------------------------------------------------------------------------
-_LOADED_KEY = "lightning_zero_checkpoint_dir"
-
-
-class ZeroCheckpointMixin:
-    """Strategy methods that make Lightning write and read ZeRO checkpoints.
-
-    Use as ``class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy)``; expects ``self.engine`` (None outside
-    fitting) and ``self.precision_plugin``. ``checkpoint_format``: "sharded" (default) writes DCP
-    directories; "full" writes Lightning's single file with consolidated (full, fp32) model and optimizer
-    state. Both formats load in either mode, at any world size and stage.
-    """
-
-    checkpoint_format = "sharded"
-
-    @property
-    def _zero_sharded(self) -> bool:
-        if self.checkpoint_format not in ("sharded", "full"):
-            raise ValueError(f"checkpoint_format={self.checkpoint_format!r}; allowed: 'sharded', 'full'.")
-        return self.checkpoint_format == "sharded"
-
-    @property
-    def _zero_engine(self):
-        return getattr(self, "engine", None)
-
-    # -- what Lightning puts into the checkpoint dict -----------------------------------------------------
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        engine = self._zero_engine
-        if self._zero_sharded:
-            return sharded_model_state(self.lightning_module, engine)
-        state = super().lightning_module_state_dict()
-        if engine is not None and engine.compute_dtype not in (None, torch.float32):
-            # the module holds fp16/bf16 copies: save the fp32 masters so a resume loses nothing
-            by_id = {id(p): f for p, f in zip(engine.bucket_params, engine.full_master_params())}
-            for name, p in self.lightning_module.named_parameters(remove_duplicate=False):
-                if id(p) in by_id:
-                    state[name] = by_id[id(p)].cpu()
-        return state
-
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
-        engine = self._zero_engine
-        if engine is None:
-            return super().optimizer_state(optimizer)
-        return sharded_optimizer_state(engine) if self._zero_sharded else engine.optimizer_state_dict()
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if not self._zero_sharded:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if storage_options is not None:
-            raise TypeError("ZeroStrategy.save_checkpoint(..., storage_options=...) is not supported for sharded "
-                            "checkpoints (they do not go through CheckpointIO).")
-        path = Path(self.broadcast(str(filepath)))
-        checkpoint = dict(checkpoint)
-        model_state = checkpoint.pop("state_dict")
-        opt_states = checkpoint.pop("optimizer_states", None)
-        engine = self._zero_engine
-        opt = opt_states[0] if opt_states and engine is not None else None
-        if opt_states is not None and opt is None:
-            checkpoint["optimizer_states"] = opt_states  # evaluation: no optimizer, an empty list
-        save_checkpoint_dir(path, model_state, self.lightning_module, engine, opt, checkpoint, barrier=self.barrier)
-
-    def remove_checkpoint(self, filepath) -> None:
-        if self.is_global_zero:  # a directory, a file, or save_last="link"'s symlink (never its target)
-            _remove(Path(filepath))
-
-    # -- restore ------------------------------------------------------------------------------------------------
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # sharded: load into the engine's masters, which exist only after setup (as FSDPStrategy does)
-        return self._zero_sharded or super().restore_checkpoint_after_setup
-
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
-            return super().load_checkpoint(path, weights_only=weights_only)
-        read_info(path)
-        from lightning.fabric.utilities.cloud_io import _load
-
-        meta = _load(path / META_FILE, map_location="cpu", weights_only=weights_only)
-        meta[_LOADED_KEY] = str(path)
-        return meta
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        engine = self._zero_engine
-        if _LOADED_KEY in checkpoint:
-            load_model_state(checkpoint[_LOADED_KEY], self.lightning_module, engine, strict)
-            return
-        super().load_model_state_dict(checkpoint, strict=strict)
-        if engine is not None:  # a single file loaded after setup: refresh the fp32 masters from it
-            _masters_from_full(engine, checkpoint["state_dict"])
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        engine = self._zero_engine
-        states = checkpoint.get("optimizer_states") or []
-        if engine is None or not states:
-            return
-        if _LOADED_KEY in checkpoint:
-            load_optimizer_state(checkpoint[_LOADED_KEY], engine, states[0])
-        else:
-            engine.load_optimizer_state_dict(states[0])  # a full (consolidated) state from any world size
-
-
-@torch.no_grad()
-def _masters_from_full(engine, state_dict: Mapping[str, torch.Tensor]) -> None:
-    for name, m, spec, _ in engine.master_items():
-        if name in state_dict:
-            m.copy_(_slice(state_dict[name].to(device=m.device, dtype=torch.float32), spec).view_as(m))
-    engine.publish_params()

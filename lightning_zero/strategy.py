@@ -23,12 +23,13 @@ from torch.optim import Optimizer
 
 from .engine import ZeroConfig, ZeroEngine
 from .engine.deferred_init import has_meta_params
+from .checkpoint_strategy import ZeroCheckpointMixin
 from .precision import ZeroPrecision
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
     """ZeRO data parallelism for Lightning.
 
     Args:
@@ -42,6 +43,9 @@ class ZeroStrategy(DDPStrategy):
         broadcast_buffers: copy rank 0's buffers to every rank before each training step (as DDP).
         start_method: "popen" (re-run the script per rank, like ``ddp``), "spawn", "fork" or "forkserver".
         process_group_backend, timeout: as for Lightning's ``DDPStrategy``.
+        checkpoint_format: "sharded" (default: a torch.distributed.checkpoint directory per checkpoint,
+            each rank writing its shards; reshards on load) or "full" (Lightning's single file with
+            consolidated fp32 weights and optimizer state). Both load at any world size and stage.
     """
 
     strategy_name = "zero"
@@ -67,6 +71,7 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: str = "popen",
+        checkpoint_format: str = "sharded",
     ) -> None:
         self.zero_config = ZeroConfig(
             stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
@@ -74,6 +79,9 @@ class ZeroStrategy(DDPStrategy):
             unit_classes=unit_classes, unit_mb=unit_mb, persist_numel=persist_numel, prefetch=prefetch,
             order_check=order_check,
         )
+        if checkpoint_format not in ("sharded", "full"):
+            raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")
+        self.checkpoint_format = checkpoint_format
         if start_method not in _START_METHODS:
             raise ValueError(f"Unknown start_method {start_method!r}. Allowed: {', '.join(_START_METHODS)}.")
         super().__init__(
@@ -217,33 +225,6 @@ class ZeroStrategy(DDPStrategy):
                 yield
         else:
             yield
-
-    # -- checkpoints: consolidated optimizer state, resharded on load ----------------------------------
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.engine is None:
-            return super().optimizer_state(optimizer)
-        return self.engine.optimizer_state_dict()
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint.get("optimizer_states")
-        if not states or self.engine is None:
-            return
-        self.engine.load_optimizer_state_dict(states[0])
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.engine is not None and self.stage == 3:
-            with self.engine.gathered_params():
-                state = {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
-        else:
-            state = super().lightning_module_state_dict()
-        if self.engine is None or self.engine.sharded is None or not self.precision_plugin.mixed:
-            return state
-        # the module holds fp16/bf16 copies: save the fp32 masters so a resume loses nothing
-        by_id = {id(p): f for p, f in zip(self.engine.bucket_params, self.engine.full_master_params())}
-        for name, p in self.lightning_module.named_parameters(remove_duplicate=False):
-            if id(p) in by_id:
-                state[name] = by_id[id(p)].cpu()
-        return state
 
     def on_train_end(self) -> None:
         if self.engine is not None:

@@ -9,7 +9,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine, model_state_floor
-from lightning_zero.engine.partition import RankDivergenceError
 from tests.dist_utils import run_distributed
 from tests.models import batch, loss_fn, make_model, make_optimizer
 

@@ -251,7 +251,9 @@ def test_checkpoint_zero2_two_ranks_resumes_zero1_one_rank(tmp_path):
     saver = ParityModule(out, tag="save_")
     kw = trainer_kwargs(devices=2, max_steps=3, enable_checkpointing=True)
     callback = ModelCheckpoint(dirpath=ckpt_dir, filename="zero2-{step}", every_n_train_steps=3, save_top_k=-1)
-    Trainer(strategy="zero2_fork", callbacks=[callback], **kw).fit(saver)
+    # the single-file format; the resumes below run with the default (sharded) format and still read it
+    save_strategy = ZeroStrategy(stage=2, start_method="fork", checkpoint_format="full")
+    Trainer(strategy=save_strategy, callbacks=[callback], **kw).fit(saver)
     saved = load_rank_files(out, "save_", "train", 2)
     paths = glob.glob(os.path.join(ckpt_dir, "*.ckpt"))
     assert len(paths) == 1, paths

@@ -37,7 +37,7 @@ from .config import ZeroConfig
 from .memory import MemoryReport
 from .optimizer import ShardedOptimizer
 from .sharding import ShardSpec
-from .partition import ParamPartitioner, RankDivergenceError
+from .partition import ParamPartitioner
 from .reducer import GradReducer
 from .state import consolidate_optimizer_state, load_sharded_optimizer_state
 
@@ -370,10 +370,29 @@ class ZeroEngine:
         calling :meth:`publish_params` updates the module.
         """
         out = []
+        if self.sharded is None:
+            return out
         names = iter(self.param_names())
         for row, b in zip(self.sharded.masters, self.buckets):
             for m, p, spec in zip(row, b.params, b.specs):
                 out.append((next(names), m, spec, p.shape))
+        return out
+
+    def unmanaged_shard_items(self) -> list[tuple[str, torch.Tensor, "ShardSpec", torch.Size]]:
+        """Stage 3: (name, this rank's slice in the unit shard, spec, shape) of every parameter without a
+        master (frozen ones; all of them in an evaluation-only engine). Empty below stage 3, where such
+        parameters are whole in the module."""
+        if self.partitioner is None:
+            return []
+        managed = {id(p) for p in self.bucket_params} if self.sharded is not None else set()
+        names: dict[int, str] = {}
+        for name, p in self.module.named_parameters():
+            names.setdefault(id(p), name)
+        out = []
+        for u in self.partitioner.units:
+            for p, view, spec in zip(u.params, u.local_views(), u.layout.specs if u.layout else []):
+                if id(p) not in managed:
+                    out.append((names[id(p)], view, spec, p.shape))
         return out
 
     def optimizer_state_dict(self) -> dict:

@@ -1,0 +1,124 @@
+"""Lightning glue for sharded checkpoints: the strategy methods that write and read them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+from .checkpoint import (META_FILE, _remove, _slice, load_model_state, load_optimizer_state, read_info,
+                         save_checkpoint_dir, sharded_model_state, sharded_optimizer_state)
+
+# -- Lightning glue ----------------------------------------------------------------------------------------------
+_LOADED_KEY = "lightning_zero_checkpoint_dir"
+
+
+class ZeroCheckpointMixin:
+    """Strategy methods that make Lightning write and read ZeRO checkpoints.
+
+    Use as ``class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy)``; expects ``self.engine`` (None outside
+    fitting) and ``self.precision_plugin``. ``checkpoint_format``: "sharded" (default) writes DCP
+    directories; "full" writes Lightning's single file with consolidated (full, fp32) model and optimizer
+    state. Both formats load in either mode, at any world size and stage.
+    """
+
+    checkpoint_format = "sharded"
+
+    @property
+    def _zero_sharded(self) -> bool:
+        if self.checkpoint_format not in ("sharded", "full"):
+            raise ValueError(f"checkpoint_format={self.checkpoint_format!r}; allowed: 'sharded', 'full'.")
+        return self.checkpoint_format == "sharded"
+
+    @property
+    def _zero_engine(self):
+        return getattr(self, "engine", None)
+
+    # -- what Lightning puts into the checkpoint dict -----------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        engine = self._zero_engine
+        if self._zero_sharded:
+            return sharded_model_state(self.lightning_module, engine)
+        if engine is not None and engine.partitioner is not None:  # stage 3: nothing is whole in the module
+            with engine.gathered_params():
+                state = {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
+        else:
+            state = super().lightning_module_state_dict()
+        if engine is not None and engine.sharded is not None and engine.compute_dtype not in (None, torch.float32):
+            # the module holds fp16/bf16 copies: save the fp32 masters so a resume loses nothing
+            by_id = {id(p): f for p, f in zip(engine.bucket_params, engine.full_master_params())}
+            for name, p in self.lightning_module.named_parameters(remove_duplicate=False):
+                if id(p) in by_id:
+                    state[name] = by_id[id(p)].cpu()
+        return state
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        engine = self._zero_engine
+        if engine is None:
+            return super().optimizer_state(optimizer)
+        return sharded_optimizer_state(engine) if self._zero_sharded else engine.optimizer_state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if not self._zero_sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint(..., storage_options=...) is not supported for sharded "
+                            "checkpoints (they do not go through CheckpointIO).")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint = dict(checkpoint)
+        model_state = checkpoint.pop("state_dict")
+        opt_states = checkpoint.pop("optimizer_states", None)
+        engine = self._zero_engine
+        opt = opt_states[0] if opt_states and engine is not None else None
+        if opt_states is not None and opt is None:
+            checkpoint["optimizer_states"] = opt_states  # evaluation: no optimizer, an empty list
+        save_checkpoint_dir(path, model_state, self.lightning_module, engine, opt, checkpoint, barrier=self.barrier)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:  # a directory, a file, or save_last="link"'s symlink (never its target)
+            _remove(Path(filepath))
+
+    # -- restore ------------------------------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # sharded: load into the engine's masters, which exist only after setup (as FSDPStrategy does)
+        return self._zero_sharded or super().restore_checkpoint_after_setup
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        read_info(path)
+        from lightning.fabric.utilities.cloud_io import _load
+
+        meta = _load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+        meta[_LOADED_KEY] = str(path)
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        engine = self._zero_engine
+        if _LOADED_KEY in checkpoint:
+            load_model_state(checkpoint[_LOADED_KEY], self.lightning_module, engine, strict)
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if engine is not None:  # a single file loaded after setup: refresh the fp32 masters from it
+            _masters_from_full(engine, checkpoint["state_dict"])
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        engine = self._zero_engine
+        states = checkpoint.get("optimizer_states") or []
+        if engine is None or not states:
+            return
+        if _LOADED_KEY in checkpoint:
+            load_optimizer_state(checkpoint[_LOADED_KEY], engine, states[0])
+        else:
+            engine.load_optimizer_state_dict(states[0])  # a full (consolidated) state from any world size
+
+
+@torch.no_grad()
+def _masters_from_full(engine, state_dict: Mapping[str, torch.Tensor]) -> None:
+    for name, m, spec, _ in list(engine.master_items()) + list(engine.unmanaged_shard_items()):
+        if name in state_dict:
+            m.copy_(_slice(state_dict[name].to(device=m.device, dtype=torch.float32), spec).view_as(m))
+    engine.publish_params()

@@ -1,0 +1,13 @@
+"""Shared test hygiene."""
+
+import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """A Trainer run in the test process (devices=1) leaves Lightning's process group initialized; forked
+    ranks of a later test would inherit it and fail to initialize their own."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
