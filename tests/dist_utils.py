@@ -1,4 +1,8 @@
-"""Helpers to run a function on N gloo ranks from pytest (torch.multiprocessing spawn, no popen launcher)."""
+"""Helpers to run a function on N gloo ranks from pytest (forked ranks; Lightning's popen launcher would re-run pytest).
+
+Fork keeps the parent's imports (spawn re-imports torch and Lightning per rank: seconds each). Each rank
+pins torch to one thread before any work: a forked child must not use the parent's OpenMP pool.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, fn, args, outdir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+    if dist.is_initialized():  # inherited from the parent by fork
+        dist.destroy_process_group()
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     try:
         result = fn(rank, world_size, *args)
@@ -38,7 +44,8 @@ def run_distributed(fn, world_size: int, *args):
     with tempfile.TemporaryDirectory() as outdir:
         port = free_port()
         try:
-            mp.spawn(_entry, args=(world_size, port, fn, args, outdir), nprocs=world_size, join=True)
+            mp.start_processes(_entry, args=(world_size, port, fn, args, outdir), nprocs=world_size, join=True,
+                               start_method="fork")
         except Exception:
             pass  # the rank files below say what went wrong
         results = []
