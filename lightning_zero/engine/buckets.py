@@ -50,10 +50,17 @@ class Bucket:
         return sum(s.numel for s in self.specs)
 
     # -- rank-major layout (stages 1-3) ---------------------------------------------------------
-    def pack_rank_major(self, tensors: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
-        """Flat ``world_size * shard_numel`` buffer of full tensors (``None`` counts as zeros)."""
-        flat = torch.empty(self.world_size * self.shard_numel, dtype=dtype, device=self.params[0].device)
-        grid = flat.view(self.world_size, self.shard_numel)
+    def pack_rank_major(
+        self, tensors: list[torch.Tensor | None], dtype: torch.dtype, extra: int = 0
+    ) -> torch.Tensor:
+        """Flat ``world_size * (shard_numel + extra)`` buffer of full tensors (``None`` counts as zeros).
+
+        The ``extra`` trailing columns of every rank's chunk are left for the caller (metadata that
+        should travel with the collective).
+        """
+        width = self.shard_numel + extra
+        flat = torch.empty(self.world_size * width, dtype=dtype, device=self.params[0].device)
+        grid = flat.view(self.world_size, width)
         for t, off, spec in zip(tensors, self.offsets, self.specs):
             if t is None:
                 grid[:, off : off + spec.shard_numel].zero_()
@@ -71,8 +78,8 @@ class Bucket:
         return [chunk[off : off + spec.shard_len] for off, spec in zip(self.offsets, self.specs)]
 
     # -- param-major layout (stage 0) -----------------------------------------------------------
-    def pack_full(self, tensors: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
-        flat = torch.empty(self.numel, dtype=dtype, device=self.params[0].device)
+    def pack_full(self, tensors: list[torch.Tensor | None], dtype: torch.dtype, extra: int = 0) -> torch.Tensor:
+        flat = torch.empty(self.numel + extra, dtype=dtype, device=self.params[0].device)
         for t, off, spec in zip(tensors, self.full_offsets, self.specs):
             dst = flat[off : off + spec.numel]
             dst.zero_() if t is None else dst.copy_(t.reshape(-1))

@@ -17,9 +17,11 @@ When reductions happen is the only thing that separates stage 1 from stage 2:
 In stages 1-2 the reduced slices accumulate in one flat shard per bucket; in stage 0 the all-reduced
 values are written back into ``param.grad`` (identical on every rank, so repeated syncs stay correct).
 
-Which parameters got a gradient on *any* rank is decided by one small all-reduce at :meth:`finalize`:
-a parameter that no rank used keeps ``grad=None`` exactly as under DDP, so optimizers skip it (no weight
-decay, no step count) instead of stepping on zeros.
+Which parameters got a gradient on *any* rank travels inside the reductions themselves: every bucket
+buffer carries one extra element per parameter (1 if this rank had a gradient), which the same sum turns
+into a count of users. A parameter that no rank used keeps ``grad=None`` exactly as under DDP, so
+optimizers skip it (no weight decay, no step count) instead of stepping on zeros -- at no extra
+collective.
 
 On CUDA the pack / collective / unpack sequence runs on a side stream that first waits for the compute
 stream, so reductions overlap the rest of backward; freed gradients are ``record_stream``-ed so the
@@ -62,7 +64,9 @@ class GradReducer:
         self._on_bucket_complete = on_bucket_complete  # stage 3: release the unit's parameters
         self._on_end_of_backward = on_end_of_backward
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
-        self._used = [torch.zeros(len(b.params), dtype=torch.bool) for b in buckets]
+        # per bucket, how many ranks had a gradient for each parameter (filled by the reductions; kept on
+        # the device so reading it never stalls the host mid-backward)
+        self._used: list[Optional[torch.Tensor]] = [None] * len(buckets)
         self._ready = [0] * len(buckets)
         self._launched = [False] * len(buckets)
         self._next = 0
@@ -124,7 +128,8 @@ class GradReducer:
     # -- one bucket ---------------------------------------------------------------------------
     def _launch(self, b: Bucket) -> None:
         grads = [p.grad for p in b.params]
-        self._used[b.index] |= torch.tensor([g is not None for g in grads])
+        n = len(grads)
+        flags = torch.tensor([float(g is not None) for g in grads])
         dtype = self.reduce_dtype or b.params[0].dtype
         ctx = contextlib.nullcontext()
         if self._stream is not None:
@@ -132,12 +137,16 @@ class GradReducer:
             ctx = torch.cuda.stream(self._stream)
         with ctx:
             if self.stage == 0:
-                flat = b.pack_full(grads, dtype).div_(self._pre)
+                flat = b.pack_full(grads, dtype, extra=n)
+                flat[b.numel :].copy_(flags)
+                flat.div_(self._pre)
                 work = C.all_reduce(flat, group=self.group, async_op=True)
                 out = flat
             else:
-                flat = b.pack_rank_major(grads, dtype).div_(self._pre)
-                out = torch.empty(b.shard_numel, dtype=dtype, device=flat.device)
+                flat = b.pack_rank_major(grads, dtype, extra=n)
+                flat.view(b.world_size, -1)[:, b.shard_numel :].copy_(flags)
+                flat.div_(self._pre)
+                out = torch.empty(b.shard_numel + n, dtype=dtype, device=flat.device)
                 work = C.reduce_scatter(out, flat, group=self.group, async_op=True)
                 for p in b.params:  # the full gradient is now inside ``flat``: free it
                     if p.grad is not None and self._stream is not None:
@@ -152,6 +161,10 @@ class GradReducer:
         work.wait()
         if self._post != 1.0:
             out.div_(self._post)
+        n = len(b.params)
+        counts = out[-n:].float()
+        self._used[b.index] = counts if self._used[b.index] is None else self._used[b.index] + counts
+        out = out[:-n]
         if self.stage == 0:
             for p, red in zip(b.params, b.full_views(out)):
                 if p.grad is None:
@@ -185,15 +198,10 @@ class GradReducer:
             self._launch_in_order(upto_ready=False)
             self.wait()
             self._dirty = False
-        used = torch.cat(self._used).to(torch.uint8)
-        if self.world_size > 1:
-            dev = self.buckets[0].params[0].device if self.buckets else torch.device("cpu")
-            used_dev = used.to(dev)
-            C.all_reduce(used_dev, op=torch.distributed.ReduceOp.MAX, group=self.group)
-            used = used_dev.cpu()
-        masks = list(used.bool().split([len(b.params) for b in self.buckets]))
-        for u in self._used:
-            u.zero_()
+        sizes = [len(b.params) for b in self.buckets]
+        counts = [c if c is not None else torch.zeros(k) for c, k in zip(self._used, sizes)]
+        masks = list((torch.cat([c.cpu() for c in counts]) > 0).split(sizes)) if counts else []
+        self._used = [None] * len(self.buckets)
         return masks
 
     def clear(self) -> None:
