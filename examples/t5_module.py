@@ -11,6 +11,8 @@ forwards: required with ZeRO-3, where every forward gathers shards collectively.
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 import os
 from pathlib import Path
@@ -31,6 +33,8 @@ from transformers import T5Config, T5ForConditionalGeneration  # noqa: E402
 # Real architectures of the original T5 checkpoints (relu FFN, tied embeddings).
 T5_PRESETS: dict[str, dict[str, Any]] = {
     "t5_tiny": dict(vocab_size=259, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16),
+    # ~1.4M parameters: the smallest size that learns to condition on the code within a few CPU minutes
+    "t5_mini": dict(vocab_size=259, d_model=128, d_ff=512, num_layers=3, num_heads=4, d_kv=32),
     "t5_small": dict(vocab_size=32128, d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64),
     "t5_base": dict(vocab_size=32128, d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64),
     "t5_large": dict(vocab_size=32128, d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64),
@@ -127,11 +131,15 @@ class T5FineTuner(L.LightningModule):
         # Same batch indices on every rank (the DistributedSampler pads ranks to equal
         # length), so all ranks enter generate() together.
         if batch_idx < self.hparams.num_gen_batches:
-            gen = self.model.generate(input_ids=batch["input_ids"],
-                                      attention_mask=batch["attention_mask"],
-                                      max_new_tokens=self.hparams.max_new_tokens,
-                                      do_sample=False, num_beams=1,
-                                      synced_gpus=_world_size() > 1)
+            # ZeRO-3: hold the whole model once for the generate() call instead of gathering every unit at
+            # every decoding step; no collective runs inside, so ranks may stop at different lengths
+            gathered = getattr(self.trainer.strategy, "gathered_params", contextlib.nullcontext)
+            with gathered():
+                gen = self.model.generate(input_ids=batch["input_ids"],
+                                          attention_mask=batch["attention_mask"],
+                                          max_new_tokens=self.hparams.max_new_tokens,
+                                          do_sample=False, num_beams=1,
+                                          synced_gpus=_world_size() > 1 and gathered is contextlib.nullcontext)
             preds = self.tokenizer.batch_decode(gen.tolist(), skip_special_tokens=True)
             refs = self.tokenizer.batch_decode(
                 [[t for t in row if t != -100] for row in labels.tolist()], skip_special_tokens=True)

@@ -10,7 +10,8 @@ skips the step everywhere when one rank overflowed.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+import contextlib
+from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -80,8 +81,20 @@ class ZeroPrecision(Precision):
     def mixed(self) -> bool:
         return self.compute_dtype != torch.float32
 
-    def attach(self, engine) -> None:
+    def attach(self, engine, device_type: str = "cpu") -> None:
         self._engine = engine
+        self.device_type = device_type
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Training runs on the fp16/bf16 module itself. Evaluation without an optimizer (validate/test/
+        predict on their own) keeps the user's fp32 weights and computes under autocast instead, so
+        evaluating never rounds the model the user holds."""
+        if self.mixed and (self._engine is None or self._engine.sharded is None):
+            with torch.autocast(getattr(self, "device_type", "cpu"), dtype=self.compute_dtype):
+                yield
+        else:
+            yield
 
     # -- forward -------------------------------------------------------------------------------
     def convert_input(self, data: Any) -> Any:

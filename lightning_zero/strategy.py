@@ -142,19 +142,18 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
                 check_finite=precision.check_finite,
                 device=self.root_device,
             )
-            precision.attach(self.engine)
+            precision.attach(self.engine, self.root_device.type)
             self._guard_scheduler_on_skipped_steps()
-        elif self.stage == 3:
-            # evaluation only, parameters still partitioned
-            self.engine = ZeroEngine(self.lightning_module, None, self.zero_config,
-                                     compute_dtype=precision.compute_dtype, device=self.root_device)
         else:
-            # evaluation only: no optimizer to shard; every rank starts from rank 0's weights
-            from lightning.pytorch.strategies.ddp import _sync_module_states
+            # evaluation only: no optimizer. Weights stay fp32 (mixed precision runs under autocast, see
+            # ZeroPrecision.forward_context), so validate/test/predict never round the user's model.
+            if self.stage == 3:  # parameters still partitioned
+                self.engine = ZeroEngine(self.lightning_module, None, self.zero_config, device=self.root_device)
+            else:  # every rank starts from rank 0's weights
+                from lightning.pytorch.strategies.ddp import _sync_module_states
 
-            _sync_module_states(self.model)
-            if precision.mixed:
-                self.model.to(precision.compute_dtype)
+                _sync_module_states(self.model)
+            precision.attach(self.engine, self.root_device.type)
         self.setup_precision_plugin()
 
     def _guard_scheduler_on_skipped_steps(self) -> None:
@@ -237,6 +236,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         if self.engine is not None:
             self.engine.remove()
             self.engine = None
+        self.precision_plugin.attach(None)
         super().teardown()
 
     # -- names ------------------------------------------------------------------------------------

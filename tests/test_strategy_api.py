@@ -336,3 +336,17 @@ def test_pytorch_lightning_registry_trains():
     assert type(trainer.strategy).__name__ == "ZeroStrategy" and trainer.strategy.stage == 2
     assert isinstance(trainer.strategy, pl.strategies.DDPStrategy)
     assert trainer.global_step == 2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_evaluation_leaves_the_model_fp32(stage):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    model = BoringModel()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=stage), precision="bf16-mixed",
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+    trainer.validate(model)
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32, k
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)

@@ -1,0 +1,251 @@
+"""Structured-config schema of the Hydra T5 fine-tuning recipe (``examples/t5_finetune.py``).
+
+Design note
+-----------
+* Every config group (``strategy/``, ``model/``, ``data/``, ``trainer/``) is a preset of ONE dataclass
+  schema registered in Hydra's ConfigStore, and the top-level :class:`T5FinetuneConf` types every field.
+  Hydra therefore refuses a misspelt key (``strategy.stag=1``) or a wrong type (``strategy.stage=two``)
+  while composing, before any process starts.
+* Values are range-checked by the code that consumes them, once: :func:`build_strategy` constructs a
+  :class:`lightning_zero.ZeroStrategy`, whose :class:`lightning_zero.ZeroConfig` refuses an unknown stage
+  or an invalid offload combination with a message naming what is allowed.  The app turns that into a
+  one-line "config error" before any process is launched.
+* Nothing here imports transformers; :func:`build_t5_config` imports it lazily.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+@dataclass
+class StrategyConf:
+    """Arguments of :class:`lightning_zero.ZeroStrategy` (plus a display name)."""
+
+    name: str = "zero2"  # label only (run names, logs); the fields below are what is built
+    stage: int = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False  # stage 3 only
+    bucket_mb: float = 25.0
+    reduce_dtype: Optional[str] = None  # null = compute dtype; "fp32" for exact fp32 reductions
+    broadcast_buffers: bool = True
+    # stage 3: modules gathered/released together (class names or module names); null = by size
+    unit_classes: Optional[List[str]] = None
+    unit_mb: float = 8.0
+    persist_numel: int = 10_000  # units smaller than this stay gathered for the whole step
+    prefetch: bool = True
+    order_check: str = "strict"  # strict | always | off
+    checkpoint_format: str = "sharded"  # sharded (DCP directory) | full (one file)
+    # popen | spawn | fork | forkserver.  Defaults to the trainer preset's choice (cpu: fork, gpu: popen).
+    start_method: str = "${trainer.start_method}"
+
+
+@dataclass
+class ModelConf:
+    preset: str = "t5_mini"  # a key of examples/t5_module.T5_PRESETS
+    pretrained: Optional[str] = None  # LOCAL directory with config.json + weights; never downloaded
+    dropout_rate: float = 0.1  # random init only (a pretrained checkpoint keeps its own config)
+    num_gen_batches: int = 2  # validation batches that also run generate() for chrF/BLEU/ROUGE-L
+    max_new_tokens: int = 64
+    config_overrides: Dict[str, Any] = field(default_factory=dict)  # extra T5Config fields, e.g. {d_model: 128}
+
+
+@dataclass
+class DataConf:
+    kind: str = "stdlib"  # "stdlib" (embedded code-summarisation set) or "file" (.jsonl/.csv of pairs)
+    path: Optional[str] = None  # kind=file: the pairs file (relative paths: to the launch directory)
+    source_field: str = "source"
+    target_field: str = "target"
+    batch_size: int = 16  # per rank
+    max_source_len: int = 256  # bytes (ByteTokenizer), including eos
+    max_target_len: int = 64
+    limit_train: Optional[int] = None  # first N training pairs (null = all)
+    limit_val: Optional[int] = None  # first N validation pairs (null = all)
+    num_workers: int = 0
+    # kind=stdlib only
+    max_pairs: Optional[int] = 6000
+    stdlib_packages: Optional[List[str]] = None  # restrict to top-level stdlib packages (fast tests)
+    cache_dir: Optional[str] = None  # null = ~/.cache/lightning_zero/t5_data
+
+
+@dataclass
+class TrainerConf:
+    """The Lightning ``Trainer`` arguments the recipe exposes (plus launcher/progress-bar choices)."""
+
+    accelerator: str = "cpu"
+    devices: Any = 2  # int, list or "auto"
+    num_nodes: int = 1
+    precision: str = "32-true"
+    max_steps: int = 600
+    max_epochs: int = -1
+    val_check_interval: Any = 50  # int = every N training steps (with check_val_every_n_epoch null)
+    check_val_every_n_epoch: Optional[int] = None
+    limit_val_batches: Any = 1.0
+    num_sanity_val_steps: int = 0
+    log_every_n_steps: int = 10
+    gradient_clip_val: Optional[float] = 1.0
+    accumulate_grad_batches: int = 1
+    deterministic: bool = False
+    enable_progress_bar: bool = True
+    progress_bar: str = "auto"  # auto (rich on a terminal, else tqdm) | rich | tqdm
+    # Validate the untrained model first (a "step 0" point for the summary).  Off for mixed precision
+    # in-process launchers: ZeroStrategy's evaluation path casts the module to the compute dtype in place.
+    validate_before_fit: bool = False
+    # Default launcher of the ZeRO strategy on this hardware (strategy.start_method interpolates it).
+    start_method: str = "fork"
+
+
+@dataclass
+class OptimConf:
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 50
+    total_steps: Optional[int] = None  # null = the trainer's estimated stepping batches (max_steps)
+
+
+@dataclass
+class OutputConf:
+    dir: Optional[str] = None  # null = Hydra's run directory (hydra.runtime.output_dir)
+    save_top_k: int = 1
+    save_last: bool = True
+    tensorboard: bool = True  # also log to TensorBoard when the package is importable
+
+
+@dataclass
+class T5FinetuneConf:
+    strategy: StrategyConf = field(default_factory=StrategyConf)
+    model: ModelConf = field(default_factory=ModelConf)
+    data: DataConf = field(default_factory=DataConf)
+    trainer: TrainerConf = field(default_factory=TrainerConf)
+    optim: OptimConf = field(default_factory=OptimConf)
+    output: OutputConf = field(default_factory=OutputConf)
+    seed: int = 0
+
+
+def register_configs() -> None:
+    """Register the schemas (idempotent).  YAML presets start with ``defaults: [/schema/<group>/<group>@_here_, _self_]``."""
+    cs = ConfigStore.instance()
+    cs.store(name="t5_finetune_schema", node=T5FinetuneConf)
+    for group, node in (("strategy", StrategyConf), ("model", ModelConf), ("data", DataConf),
+                        ("trainer", TrainerConf)):
+        cs.store(group=f"schema/{group}", name=group, node=node)
+
+
+register_configs()
+
+
+# --------------------------------------------------------------------------- builders
+class ConfigError(ValueError):
+    """A composed config that type-checks but cannot be built; the message says what is allowed."""
+
+
+def _strategy_node(cfg: Any) -> Any:
+    return cfg.strategy if isinstance(cfg, DictConfig) and "strategy" in cfg else cfg
+
+
+def validate_schema(cfg: Any, schema: type = T5FinetuneConf, _path: str = "") -> None:
+    """Refuse keys the schema does not know.
+
+    Composition already refuses ``strategy.stag=1``, but Hydra's append syntax (``+strategy.stag=1``) opens
+    the struct flag and would smuggle the key in (and OmegaConf.merge onto the schema lets it through too),
+    so walk the dataclass fields explicitly.
+    """
+    import dataclasses
+
+    if not isinstance(cfg, DictConfig):
+        return
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    unknown = sorted(set(cfg.keys()) - set(fields) - {"hydra"})
+    if unknown:
+        where = _path.rstrip(".") or "the top level"
+        raise ConfigError(f"Unknown config key(s) {', '.join(_path + k for k in unknown)} in {where} "
+                          f"(schema {schema.__name__}, examples/t5_config.py). "
+                          f"Allowed: {', '.join(fields)}.")
+    for name, f in fields.items():
+        sub = cfg._get_node(name) if name in cfg else None
+        factory = f.default_factory  # annotations are strings here (__future__), so use the factory
+        if isinstance(sub, DictConfig) and factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+            validate_schema(sub, factory, f"{_path}{name}.")
+
+
+def strategy_kwargs(cfg: Any) -> dict:
+    """``ZeroStrategy`` keyword arguments from ``cfg`` (the whole config or its ``strategy`` node)."""
+    s = _strategy_node(cfg)
+    validate_schema(s, StrategyConf, "strategy." if s is not cfg else "")
+    s = OmegaConf.to_container(s, resolve=True) if isinstance(s, DictConfig) else dict(vars(s))
+    s.pop("name", None)
+    return s
+
+
+def build_strategy(cfg: Any):
+    """Construct the :class:`lightning_zero.ZeroStrategy` described by ``cfg.strategy``.
+
+    Raises :class:`ConfigError` (a ``ValueError``) naming the preset, the offending values and what is
+    allowed, e.g. for ``strategy.stage=5`` or ``strategy.offload_optimizer=true`` with stage 0.
+    """
+    from lightning_zero import ZeroStrategy
+
+    kwargs = strategy_kwargs(cfg)
+    name = _strategy_node(cfg).get("name", "?")
+    try:
+        return ZeroStrategy(**kwargs)
+    except ValueError as e:  # lightning_zero's message names what is allowed; add where it came from
+        shown = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        raise ConfigError(f"Invalid strategy config (strategy={name}: {shown}): {e}") from e
+
+
+def build_t5_config(cfg: Any, tokenizer: Any = None):
+    """``transformers.T5Config`` of a ``model`` preset (random-init architecture, ByteTokenizer vocab)."""
+    m = cfg.model if isinstance(cfg, DictConfig) and "model" in cfg else cfg
+    from t5_module import make_t5_config
+
+    try:
+        overrides = OmegaConf.to_container(m.config_overrides, resolve=True) if m.config_overrides else {}
+        return make_t5_config(m.preset, tokenizer, dropout_rate=m.dropout_rate, **overrides)
+    except ValueError as e:
+        raise ConfigError(f"Invalid model config (model.preset={m.preset!r}): {e}") from e
+
+
+def default_cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                        "lightning_zero", "t5_data")
+
+
+def build_datamodule(cfg: Any, tokenizer: Any = None):
+    """``Seq2SeqDataModule`` for the ``data`` preset (paths resolved against the launch directory)."""
+    from t5_data import Seq2SeqDataModule
+
+    d = cfg.data
+    common = dict(tokenizer=tokenizer, batch_size=d.batch_size, max_source_len=d.max_source_len,
+                  max_target_len=d.max_target_len, num_workers=d.num_workers,
+                  limit_train=d.limit_train, limit_val=d.limit_val)
+    if d.kind == "stdlib":
+        stdlib_kwargs = dict(seed=cfg.seed, max_pairs=d.max_pairs, cache_dir=d.cache_dir or default_cache_dir())
+        if d.stdlib_packages:
+            stdlib_kwargs["packages"] = tuple(d.stdlib_packages)
+        return Seq2SeqDataModule("stdlib", stdlib_kwargs=stdlib_kwargs, **common)
+    if d.kind == "file":
+        if not d.path:
+            raise ConfigError("data=jsonl needs a pairs file: pass data.path=/path/to/pairs.jsonl "
+                              "(one JSON object per line, or a .csv with a header row).")
+        path = _absolute(d.path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"data.path={d.path!r}: no such file ({path}).")
+        return Seq2SeqDataModule(path, source_field=d.source_field, target_field=d.target_field, **common)
+    raise ConfigError(f"Unknown data.kind {d.kind!r}. Allowed: 'stdlib', 'file'.")
+
+
+def _absolute(path: str) -> str:
+    """Relative paths are relative to where the app was launched (Hydra's original cwd)."""
+    path = os.path.expanduser(path)
+    if os.path.isabs(path):
+        return path
+    try:
+        from hydra.utils import to_absolute_path
+
+        return to_absolute_path(path)
+    except ValueError:  # HydraConfig not initialised (compose API, plain Python)
+        return os.path.abspath(path)
