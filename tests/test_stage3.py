@@ -193,3 +193,17 @@ def test_meta_init_equals_eager_and_is_sharded():
         assert sum(held) == 0  # after construction no rank holds any full parameter
         for k in eager_sd:
             torch.testing.assert_close(lazy_sd[k], eager_sd[k])
+
+
+def _root_released(rank, world_size):
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model, "adamw"),
+                        ZeroConfig(stage=3, unit_classes=UNITS, persist_numel=0))
+    loss_fn(model, batch(0, rank), False).backward()
+    after_backward = engine.memory_report().params
+    return after_backward, engine.partitioner.shard_bytes(), engine.partitioner.gathered_bytes()
+
+
+def test_after_backward_only_shards_are_held():
+    for held, shards, gathered in run_distributed(_root_released, 2):
+        assert gathered == 0 and held == shards

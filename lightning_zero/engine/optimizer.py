@@ -111,9 +111,13 @@ class ShardedOptimizer:
             self._use_fused_cpu_kernels()
 
     def _make_master(self, p: torch.Tensor, spec, pin: bool, src: Optional[torch.Tensor]) -> torch.Tensor:
+        sources_given = src is not None
         if src is None:
             src = p if self.stage == 0 else p.data.view(-1)[spec.lo : spec.hi]
-        alias = self._may_alias and src.dtype == torch.float32 and src.device == self.master_device
+        # stage 3 sources are this rank's unit shards: an fp32 shard already where the master must live
+        # (host memory with offload_params) is the master; no second copy
+        may_alias = self._may_alias or (sources_given and self.offload)
+        alias = may_alias and src.dtype == torch.float32 and src.device == self.master_device
         self._aliased.append(alias)
         if alias:
             return src  # stage 0: the parameter itself (DDP); else a view of this rank's slice

@@ -251,6 +251,9 @@ class ParamPartitioner:
             if u.pending is not None:
                 self._finish_gather(u)
         self.release_all()
+        # the root stays whole through forward and backward; between backward and the next forward
+        # (optimizer step, next micro-batch's data loading) only shards need to exist
+        self.release(self.root, force=True)
         self._pos = 0
         if self._order:
             self._recording = False

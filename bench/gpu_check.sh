@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# GPU checks for lightning_zero, for a CUDA machine with no network (one H200 lent through a remote tool).
+#   1. the CUDA-marked tests:             python -m pytest -m cuda -q   (none selected yet -> passes)
+#   2. the reference table on t5-large:   bench/seed_table.py --model t5_large --cap-gb 24, 1 GPU
+#   3. t5-3b dimensions under a 24 GB cap: DDP at batch 1 (expected OOM), then the largest batch of
+#      zero3_offload / zero2_offload (bf16 compute, fp32 master + Adam on the CPU)
+# Everything fits in 8 minutes (a timeout per part); results -> "${OUT:-bench_out}/gpu_results.txt".
+# Models are built from T5Config (examples/t5_module.py presets): nothing is downloaded.
+# Usage (repo root):  bash bench/gpu_check.sh
+set -u
+cd "$(dirname "$0")/.."
+OUTDIR="${OUT:-bench_out}"
+mkdir -p "$OUTDIR"
+RES="$OUTDIR/gpu_results.txt"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+START=$(date +%s)
+: > "$RES"
+log() { echo "$*" | tee -a "$RES"; }
+
+# part <name> <timeout s> <command...>: run, tee stdout+stderr (warnings filtered) into the results file
+part() {
+  local name=$1 limit=$2; shift 2
+  log ""
+  log "=== $name (timeout ${limit}s, started at +$(( $(date +%s) - START ))s) ==="
+  log "\$ $*"
+  timeout --kill-after=15 "$limit" "$@" 2>&1 | grep --line-buffered -v -E "Warning|warnings.warn|^\s*$" | tee -a "$RES"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 124 ] && log "!!! $name: TIMED OUT after ${limit}s (partial output above)"
+  log "=== $name: rc=$rc ($(( $(date +%s) - START ))s elapsed) ==="
+  return 0
+}
+
+log "gpu_check.sh $(date -u +%FT%TZ)"
+log "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -4)"
+log "$(python -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(), "| transformers", transformers.__version__)' 2>&1)"
+log "nproc $(nproc)"
+
+# 1. CUDA-marked tests. pytest exits 5 when nothing is selected: that counts as a pass here.
+log ""
+log "=== cuda tests (timeout 60s) ==="
+timeout --kill-after=10 60 python -m pytest -m cuda -q -p no:cacheprovider 2>&1 | tail -25 | tee -a "$RES"
+rc=${PIPESTATUS[0]}
+if [ "$rc" = 5 ]; then log "=== cuda tests: no test is marked cuda yet (pytest rc 5) -> OK ==="
+elif [ "$rc" = 0 ]; then log "=== cuda tests: passed ==="
+else log "=== cuda tests: FAILED rc=$rc ==="; fi
+
+if ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  log ""
+  log "!!! no CUDA device visible: the GPU seed tables are skipped (run bench/seed_table.py for the CPU table)"
+  log "gpu_check.sh done in $(( $(date +%s) - START ))s; results in $RES"
+  exit 0
+fi
+
+# 2. The reference table, t5-large on one GPU capped at 24 GB (the reference had two 24 GB GPUs).
+part "seed table t5_large, 1 GPU, cap 24 GB" 200 \
+  python bench/seed_table.py --model t5_large --cap-gb 24 --world-size 1 \
+    --methods ddp,ddp_bf16,zero2,zero2_bf16,zero3,zero2_offload,zero3_offload \
+    --src-len 128 --tgt-len 128 --train-samples 128 --eval-samples 128 --bisect-tol 0.1 --max-batch 256 \
+    --json "$OUTDIR/seed_table_t5_large.json"
+
+# 3a. t5-3b dims without offload: batch 1 is expected to OOM (reference: plain OOM at batch 1).
+part "t5_3b dims, DDP fp32 at batch 1, cap 24 GB" 45 \
+  python bench/seed_table.py --model t5_3b --cap-gb 24 --world-size 1 --methods ddp \
+    --src-len 128 --tgt-len 128 --max-batch 1 --train-samples 1 --eval-samples 1 \
+    --json "$OUTDIR/seed_table_t5_3b_ddp.json"
+
+# 3b. t5-3b dims with offload: largest batch (reference: DeepSpeed offload trains at 20, OOM at 30; aim 30).
+part "t5_3b dims, zero3_offload / zero2_offload (bf16), cap 24 GB" 180 \
+  python bench/seed_table.py --model t5_3b --cap-gb 24 --world-size 1 \
+    --methods zero3_offload_bf16,zero2_offload_bf16 \
+    --src-len 128 --tgt-len 128 --start-batch 8 --bisect-tol 0.25 --max-batch 64 \
+    --train-samples 32 --eval-samples 32 --json "$OUTDIR/seed_table_t5_3b_offload.json"
+
+log ""
+log "gpu_check.sh done in $(( $(date +%s) - START ))s; results in $RES"
+exit 0

@@ -1,0 +1,430 @@
+"""Shared bench harness: model, data, method builders, interleaved timing rounds, spawn launcher.
+
+Used by ``bench/step_time.py`` (ZeRO 0-2 vs DDP), ``bench/peers.py`` (ours vs DDP, ZeroRedundancyOptimizer
+and FSDP2) and ``bench/cpu_optimizer.py`` (offload step-time overhead). One method = one *runner*: the
+object a Lightning strategy would drive (torch DDP, FSDP2-wrapped module, ``ZeroEngine``), built fresh
+from the same seed every round, stepped by :func:`train_step`, measured by :meth:`Runner.measure_memory`.
+
+Timing protocol (built for a small, noisy machine; see step_time.py's docstring): every round builds
+all methods, runs ``warmup`` untimed steps of each, then ``steps`` timed cycles in which the methods take
+one step each in turn (A B C A B C ..., order rotated per round), barrier before every timed step; a
+step's time is the max over ranks. Ratios are medians over cycles of per-cycle ratios, so machine-load
+swings cancel.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.engine.memory import model_state_floor
+
+WORLD_SIZE = 2
+ADAM_STATE_BYTES = 8  # two fp32 moments per element
+
+ZERO_METHODS = ("zero0", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload")
+PEER_METHODS = ("ddp", "zero_opt", "fsdp2", "fsdp2_noreshard", "fsdp2_offload")
+ALL_METHODS = PEER_METHODS + ZERO_METHODS
+
+
+# -- model and data -----------------------------------------------------------------------------------
+class TinyLM(nn.Module):
+    """Causal LM: token + learned position embedding, pre-norm TransformerEncoder blocks, linear head."""
+
+    def __init__(self, vocab: int, d_model: int, layers: int, seq: int, heads: int = 4) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.randn(seq, d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            d_model, heads, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        h = self.tok(tokens) + self.pos[:t]
+        h = self.encoder(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+BLOCK_CLASS = nn.TransformerEncoderLayer  # the transformer block: one FSDP2 / ZeRO-3 unit each
+
+
+def make_batches(n: int, rank: int, batch: int, seq: int, vocab: int) -> list[torch.Tensor]:
+    """Learnable sequences: x[t+1] = (a * x[t] + c) mod vocab, with 10% random tokens; differ by rank and step."""
+    out = []
+    for step in range(n):
+        g = torch.Generator().manual_seed(10_000 * rank + step)
+        x = torch.empty(batch, seq + 1, dtype=torch.long)
+        x[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+        for t in range(seq):
+            x[:, t + 1] = (7 * x[:, t] + 3) % vocab
+        noise = torch.rand(batch, seq + 1, generator=g) < 0.1
+        x[noise] = torch.randint(0, vocab, (int(noise.sum()),), generator=g)
+        out.append(x)
+    return out
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, vocab: int) -> torch.Tensor:
+    logits = model(x[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1))
+
+
+def make_tiny_lm(args) -> nn.Module:
+    return TinyLM(args.vocab, args.d_model, args.layers, args.seq)
+
+
+def make_adamw(params, args) -> torch.optim.Optimizer:
+    """AdamW as every method gets it; ``args.fused=True`` asks for torch's fused kernel (runs on CPU too)."""
+    kw = {"fused": True} if getattr(args, "fused", False) else {}
+    return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01, **kw)
+
+
+# -- runners ----------------------------------------------------------------------------------------------
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
+
+
+def _state_tensors(state: dict) -> list[torch.Tensor]:
+    return [_local(v) for st in state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+
+
+class Runner:
+    """One method built on one rank: ``module`` is what forward is called on; ``step()`` after backward."""
+
+    def __init__(self, method: str, model: nn.Module, module: nn.Module, opt, engine: Optional[ZeroEngine] = None):
+        self.method, self.model, self.module, self.opt, self.engine = method, model, module, opt, engine
+        self.numel = sum(p.numel() for p in model.parameters())  # set before stage 3 frees the params
+
+    def pre(self) -> None:
+        if self.engine is not None:
+            self.engine.sync_buffers()  # ZeroStrategy.training_step does this (DDP broadcasts in forward)
+
+    def step(self) -> None:
+        if self.engine is not None:
+            self.engine.step()
+        else:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    def measure_memory(self, loss_closure: Callable[[nn.Module], torch.Tensor]) -> dict:
+        """Model-state bytes on this rank after a backward, before the step (optimizer state present)."""
+        self.pre()
+        loss_closure(self.module).backward()
+        mem = self.state_bytes()
+        self.zero_grad()
+        return mem
+
+    def state_bytes(self) -> dict:
+        """Model-state bytes held now (call after a backward, before the step, for the peak).
+
+        Ours: ``engine.memory_report()`` (+ stage 3's ``peak_gathered``); FSDP2: local shards of the DTensor
+        params, grads and optimizer state; DDP / ZeRO-Opt: params, ``.grad`` and (local) optimizer state.
+        """
+        if self.engine is not None:
+            self.engine.finalize_grads()
+            mem = self.engine.memory_report().as_dict()
+            if self.engine.partitioner is not None:
+                mem["peak_gathered"] = self.engine.partitioner.peak_gathered_bytes
+                mem["gathered_now"] = self.engine.partitioner.gathered_bytes()
+            return mem
+        params = list(self.model.parameters())
+        opt_state = self.opt.optim.state if self.method == "zero_opt" else self.opt.state
+        mem = {
+            "params": _nbytes(_local(p) for p in params),
+            "grads": _nbytes(_local(p.grad) for p in params if p.grad is not None),
+            "grad_shards": 0,
+            "master": 0,
+            "optimizer_state": _nbytes(_state_tensors(opt_state)),
+            "host": 0,
+        }
+        mem["model_states"] = mem["params"] + mem["grads"] + mem["optimizer_state"]
+        if self.method == "fsdp2_offload":
+            mem["host"] = mem["model_states"]
+        return mem
+
+    def zero_grad(self) -> None:
+        if self.engine is not None:
+            self.engine.zero_grad()
+        else:
+            self.opt.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.remove()
+
+
+def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: type = BLOCK_CLASS,
+          compute_dtype: Optional[torch.dtype] = None) -> Runner:
+    """A fresh model + AdamW under ``method``, seeded identically on every rank and every call."""
+    torch.manual_seed(args.seed)
+    model = make_model(args)
+    bucket_mb = getattr(args, "bucket_mb", 25.0)
+    if method in ("ddp", "zero_opt"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, bucket_cap_mb=bucket_mb)  # Lightning's ddp: torch defaults otherwise
+        if method == "ddp":
+            return Runner(method, model, ddp, make_adamw(model.parameters(), args))
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01
+        )
+        return Runner(method, model, ddp, opt)
+    if method.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        kw = dict(mesh=init_device_mesh(dev, (dist.get_world_size(),)),
+                  reshard_after_forward=method != "fsdp2_noreshard")
+        if method == "fsdp2_offload":
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        for m in model.modules():
+            if isinstance(m, block_class):
+                fully_shard(m, **kw)
+        fully_shard(model, **kw)
+        return Runner(method, model, model, make_adamw(model.parameters(), args))
+    if method in ZERO_METHODS:
+        stage = int(method[4])
+        offload = method.endswith("_offload")
+        cfg = ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
+                         bucket_mb=bucket_mb, unit_classes=[block_class] if stage == 3 else None)
+        opt = make_adamw(model.parameters(), args)
+        return Runner(method, model, model, opt, ZeroEngine(model, opt, cfg, compute_dtype=compute_dtype))
+    raise ValueError(f"unknown method {method!r}; allowed: {', '.join(ALL_METHODS)}")
+
+
+def train_step(r: Runner, x: torch.Tensor, vocab: int, marks: Optional[list] = None) -> torch.Tensor:
+    """One step; appends perf_counter marks after forward and after backward to ``marks`` if given."""
+    r.pre()
+    loss = loss_of(r.module, x, vocab)
+    if marks is not None:
+        marks.append(time.perf_counter())
+    loss.backward()  # DDP: bucketed all-reduce; zero0: all-reduce; zero1-3 / FSDP2: reduce-scatter
+    if marks is not None:
+        marks.append(time.perf_counter())
+    r.step()
+    return loss.detach()
+
+
+# -- one round ---------------------------------------------------------------------------------------------
+def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: Callable = build) -> dict:
+    """Build every method from the same seed, then run them step by step: A B C A B C ...
+
+    A method whose build or first step raises is dropped from the round and reported as
+    ``{"error": ...}`` (the exception is the same on every rank, so the ranks stay in step).
+    """
+    built: dict[str, Runner] = {}
+    errors: dict[str, str] = {}
+    for m in methods:
+        try:
+            built[m] = build_fn(m, args)
+            train_step(built[m], batches[0], args.vocab)
+        except Exception as e:  # noqa: BLE001 -- reported in the table row
+            errors[m] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            built.pop(m, None)
+            dist.barrier()
+    live = [m for m in methods if m in built]
+    for i in range(1, args.warmup):
+        for m in live:
+            train_step(built[m], batches[i], args.vocab)
+    gc.collect()
+    gc.disable()
+    times: dict[str, list[list[float]]] = {m: [] for m in live}  # per step: total, fwd, bwd, opt
+    last: dict[str, torch.Tensor] = {}
+    for i in range(args.warmup, args.warmup + args.steps):
+        for m in live:
+            dist.barrier()  # both ranks start the timed step together
+            t0 = time.perf_counter()
+            marks: list[float] = []
+            last[m] = train_step(built[m], batches[i], args.vocab, marks)
+            t3 = time.perf_counter()
+            t1, t2 = marks
+            times[m].append([t3 - t0, t1 - t0, t2 - t1, t3 - t2])
+    gc.enable()
+    out: dict[str, dict] = {m: {"error": e} for m, e in errors.items()}
+    for m in live:
+        r = built[m]
+        t = torch.tensor(times[m], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step's (and phase's) time is the slower rank's
+        t = t * 1e3
+        loss = last[m].clone().double()
+        dist.all_reduce(loss)
+        loss /= dist.get_world_size()
+        mem = r.measure_memory(lambda mod: loss_of(mod, batches[0], args.vocab))
+        r.close()
+        out[m] = {"times_ms": t[:, 0].tolist(), "phases_ms": t[:, 1:].tolist(), "final_loss": float(loss),
+                  "memory": mem, "numel": r.numel}
+    del built
+    return out
+
+
+def run_rounds(methods: list[str], args, batches: list[torch.Tensor], rank: int,
+               build_fn: Callable = build) -> dict[str, list[dict]]:
+    results: dict[str, list[dict]] = {m: [] for m in methods}
+    for r in range(args.rounds):
+        k = r % len(methods)
+        order = methods[k:] + methods[:k]  # rotate so no method always runs first / after the same one
+        for m, res in run_round(order, args, batches, build_fn).items():
+            res["round"] = r
+            results[m].append(res)
+        if rank == 0:
+            print(f"  round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    return results
+
+
+# -- launcher -----------------------------------------------------------------------------------------------
+def _entry(rank: int, port: int, body: Callable, args, outdir: str, world_size: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(getattr(args, "threads", 1) or 1)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(getattr(args, "backend", "gloo"), rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
+    try:
+        result = body(rank, args)
+        if rank == 0:
+            with open(os.path.join(outdir, "results.json"), "w") as f:
+                json.dump(result, f)
+    except BaseException:
+        with open(os.path.join(outdir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(body: Callable, args, world_size: int = WORLD_SIZE) -> dict:
+    """Run ``body(rank, args)`` on ``world_size`` gloo ranks (spawned); return rank 0's JSON-able result."""
+    with tempfile.TemporaryDirectory() as outdir:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            mp.spawn(_entry, args=(port, body, args, outdir, world_size), nprocs=world_size, join=True)
+        except Exception:
+            for r in range(world_size):
+                path = os.path.join(outdir, f"error{r}.txt")
+                if os.path.exists(path):
+                    print(f"rank {r} failed:\n{open(path).read()}", file=sys.stderr)
+            raise
+        with open(os.path.join(outdir, "results.json")) as f:
+            return json.load(f)
+
+
+# -- summary -------------------------------------------------------------------------------------------------
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    pos = (len(s) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def cycle_ratio(rounds: list[dict], base: list[dict]) -> Optional[float]:
+    """Median over cycles (same round, same step index) of this method's time / the base's time."""
+    pairs = [t / tb for r, b in zip(rounds, base) if "times_ms" in r and "times_ms" in b
+             for t, tb in zip(r["times_ms"], b["times_ms"])]
+    return statistics.median(pairs) if pairs else None
+
+
+def method_floor(method: str, numel: int, world_size: int = WORLD_SIZE, mixed: bool = False) -> Optional[dict]:
+    """DESIGN.md floor (fp32, Adam K=8, offloaded bytes in 'host'); peers map to the ZeRO stage they match."""
+    stage = {"ddp": 0, "zero_opt": 1, "fsdp2": 3, "fsdp2_noreshard": 3, "fsdp2_offload": 3}.get(method)
+    if stage is None:
+        stage = int(method[4])
+    off = method.endswith("_offload") and not method.startswith("fsdp2")  # FSDP2 keeps no separate master
+    return model_state_floor(stage, numel, world_size, mixed=mixed, state_bytes=ADAM_STATE_BYTES,
+                             offload_optimizer=off)
+
+
+def summarize_methods(results: dict[str, list[dict]], bases: tuple[str, ...] = ("ddp",)) -> dict:
+    """Per method: medians, p90, per-cycle ratios to each base, memory, floor, final losses; or its error."""
+    summary = {}
+    numel = next((r["numel"] for rs in results.values() for r in rs if "numel" in r), 0)
+    for m, rounds in results.items():
+        ok = [r for r in rounds if "times_ms" in r]
+        if not ok:
+            summary[m] = {"error": rounds[0].get("error", "no result")}
+            continue
+        all_t = [t for r in ok for t in r["times_ms"]]
+        fl = method_floor(m, numel)
+        summary[m] = {
+            "median_ms": statistics.median(all_t),
+            "p90_ms": percentile(all_t, 0.9),
+            "round_medians_ms": [statistics.median(r["times_ms"]) for r in ok],
+            "phase_medians_ms": {
+                ph: statistics.median(r["phases_ms"][j][k] for r in ok for j in range(len(r["phases_ms"])))
+                for k, ph in enumerate(("forward", "backward", "step"))
+            },
+            "ratio_vs": {b: cycle_ratio(rounds, results[b]) for b in bases if b in results and b != m},
+            "model_state_bytes": ok[-1]["memory"]["model_states"],
+            "host_bytes": ok[-1]["memory"].get("host", 0),
+            "memory_report": ok[-1]["memory"],
+            "floor_bytes": fl["device"] + fl["host"],
+            "floor": fl,
+            "final_loss": ok[-1]["final_loss"],
+            "final_loss_per_round": [r["final_loss"] for r in ok],
+            "errors": [r["error"] for r in rounds if "error" in r],
+        }
+        for b in bases:
+            if b == m:
+                summary[m]["ratio_vs"][b] = 1.0
+    return {"numel": numel, "methods": summary}
+
+
+def loss_check(summary: dict, ref_method: str = "ddp", rtol: float = 1e-4) -> tuple[Optional[float], list[str]]:
+    """Reference final loss and the methods (any round) that differ from it by more than ``rtol``."""
+    ms = summary["methods"]
+    ref_row = ms.get(ref_method) if "final_loss" in ms.get(ref_method, {}) else None
+    if ref_row is None:
+        ref_row = next((r for r in ms.values() if "final_loss" in r), None)
+    if ref_row is None:
+        return None, []
+    ref = ref_row["final_loss"]
+    bad = [m for m, r in ms.items() if "final_loss_per_round" in r
+           and any(abs(x - ref) > rtol * abs(ref) for x in r["final_loss_per_round"])]
+    return ref, bad
+
+
+def add_model_args(p) -> None:
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=1000)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap for DDP and the engine (MiB)")
+
+
+def machine_line() -> str:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"torch {torch.__version__}; {os.cpu_count()} CPUs; 1-min load avg at end {load:.1f}"
+            + (f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
