@@ -428,3 +428,25 @@ def machine_line() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (f"torch {torch.__version__}; {os.cpu_count()} CPUs; 1-min load avg at end {load:.1f}"
             + (f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+
+
+def parse_interleaved_args(doc: str, allowed, default_methods, steps: int, warmup: int, rounds: int = 5):
+    """Command line shared by the interleaved benches: timing, model size, methods, JSON output."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=steps, help="timed steps (cycles) per method per round")
+    p.add_argument("--rounds", type=int, default=rounds, help="interleaved rounds (each rebuilds every method)")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed steps per method per round (>= 1)")
+    add_model_args(p)
+    p.add_argument("--methods", default=",".join(default_methods),
+                   help=f"comma list from {','.join(allowed)} (default: {','.join(default_methods)})")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
+    args = p.parse_args()
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in args.methods if m not in allowed]
+    if unknown:
+        p.error(f"unknown method(s) {unknown}; allowed: {', '.join(allowed)}")
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 1:
+        p.error("--steps, --rounds and --warmup must be >= 1 (warmup >= 1 materializes the optimizer state)")
+    return args

@@ -29,7 +29,6 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -39,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
     ALL_METHODS,
     WORLD_SIZE,
-    add_model_args,
+    parse_interleaved_args,
     launch,
     loss_check,
     machine_line,
@@ -112,20 +111,7 @@ def print_table(s: dict, args) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=10, help="timed steps (cycles) per method per round")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each rebuilds every method)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per method per round (>= 1)")
-    add_model_args(p)
-    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list from {','.join(ALL_METHODS)}")
-    p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
-    args = p.parse_args()
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in ALL_METHODS]
-    if unknown:
-        p.error(f"unknown method(s) {unknown}; allowed: {', '.join(ALL_METHODS)}")
-    if args.steps < 1 or args.rounds < 1 or args.warmup < 1:
-        p.error("--steps, --rounds and --warmup must be >= 1")
+    args = parse_interleaved_args(__doc__, ALL_METHODS, DEFAULT_METHODS, steps=10, warmup=2)
     t0 = time.perf_counter()
     raw = launch(body, args)
     s = summarize_methods(raw["methods"], bases=("ddp", "fsdp2"))

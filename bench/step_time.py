@@ -43,7 +43,6 @@ Run::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -57,7 +56,7 @@ from harness import (  # noqa: E402  -- the shared bench harness (model, data, b
     ALL_METHODS as HARNESS_METHODS,
     TinyLM,
     WORLD_SIZE,
-    add_model_args,
+    parse_interleaved_args,
     launch,
     loss_check,
     loss_of,
@@ -174,21 +173,7 @@ def print_table(s: dict, args) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=15, help="timed steps (cycles) per method per round")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each rebuilds every method)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per method per round")
-    add_model_args(p)
-    p.add_argument("--methods", default=",".join(ALL_METHODS),
-                   help=f"comma list from {','.join(HARNESS_METHODS)} (default: {','.join(ALL_METHODS)})")
-    p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
-    args = p.parse_args()
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in HARNESS_METHODS]
-    if unknown:
-        p.error(f"unknown method(s) {unknown}; allowed: {', '.join(HARNESS_METHODS)}")
-    if args.steps < 1 or args.rounds < 1 or args.warmup < 1:
-        p.error("--steps, --rounds and --warmup must be >= 1 (warmup >= 1 materializes the optimizer state)")
+    args = parse_interleaved_args(__doc__, HARNESS_METHODS, ALL_METHODS, steps=15, warmup=3)
 
     t0 = time.perf_counter()
     results = launch(body, args)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import Any, Generator, Mapping, Optional, Sequence
+from typing import Any, Generator, Optional, Sequence
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
-from torch.optim import Optimizer
 
 from .engine import ZeroConfig, ZeroEngine
 from .engine.deferred_init import has_meta_params
@@ -183,25 +182,22 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         with self.engine.no_sync():
             yield None
 
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is not None:
+    def _prepared(self, step, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:  # rank 0's buffers; stage 3: the root unit
             self.engine.prepare_forward()
-        return super().training_step(*args, **kwargs)
+        return step(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._prepared(super().training_step, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is not None:
-            self.engine.prepare_forward()
-        return super().validation_step(*args, **kwargs)
+        return self._prepared(super().validation_step, *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is not None:
-            self.engine.prepare_forward()
-        return super().test_step(*args, **kwargs)
+        return self._prepared(super().test_step, *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is not None:
-            self.engine.prepare_forward()
-        return super().predict_step(*args, **kwargs)
+        return self._prepared(super().predict_step, *args, **kwargs)
 
     @contextlib.contextmanager
     def gathered_params(self) -> Generator:
