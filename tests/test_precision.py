@@ -34,7 +34,8 @@ def _mixed(rank, stage, dtype, accum=1, reduce_dtype=None):
     model = make_model()
     opt = make_optimizer(model, "adamw")
     scaler = DynamicLossScaler(init_scale=2.0**8, scale_window=3) if dtype == torch.float16 else None
-    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, reduce_dtype=reduce_dtype), compute_dtype=dtype,
+    units = dict(unit_classes=["fc1", "fc2", "frozen"], persist_numel=0) if stage == 3 else {}
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, reduce_dtype=reduce_dtype, **units), compute_dtype=dtype,
                         loss_scaler=scaler, check_finite=True)
     assert all(p.dtype == dtype for p in model.parameters())
     losses, scales = [], []
@@ -59,7 +60,7 @@ def _mixed(rank, stage, dtype, accum=1, reduce_dtype=None):
 def _suite(rank, world_size):
     ref = _fp32_ddp(rank)
     out = {"ref": ref}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         for dtype in (torch.float16, torch.bfloat16):
             out[(stage, str(dtype), 1)] = _mixed(rank, stage, dtype)
     out[(2, "torch.float16", 2)] = _mixed(rank, 2, torch.float16, accum=2)
@@ -75,7 +76,7 @@ def suite():
 @pytest.mark.parametrize(
     "key",
     [(1, "torch.float16", 1), (1, "torch.bfloat16", 1), (2, "torch.float16", 1), (2, "torch.bfloat16", 1),
-     (2, "torch.float16", 2), (1, "torch.bfloat16", "fp32-reduce")],
+     (3, "torch.float16", 1), (3, "torch.bfloat16", 1), (2, "torch.float16", 2), (1, "torch.bfloat16", "fp32-reduce")],
     ids=str,
 )
 def test_mixed_tracks_fp32_ddp(key):
@@ -83,7 +84,7 @@ def test_mixed_tracks_fp32_ddp(key):
         ref = torch.tensor(res["ref"])
         losses, scales, _ = res[key]
         rel = ((torch.tensor(losses) - ref).abs() / ref.abs()).max().item()
-        tol = 2e-2 if "float16" in key[1] else 4e-2  # bf16 keeps 8 mantissa bits
+        tol = 2e-2  # measured: 0.5-1.1 % for fp16 and bf16
         assert rel < tol, f"{key}: max relative loss gap {rel:.4f} to fp32 DDP"
         if key[1] == "torch.float16":
             assert scales[0] == 2.0**8 and max(scales) > 2.0**8  # grew after clean windows

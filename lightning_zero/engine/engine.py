@@ -97,8 +97,11 @@ class ZeroEngine:
                                             compute_dtype, sources)
         if mixed:
             module.to(compute_dtype)  # params (released ones too) and floating buffers, like module.half()
-            if self.partitioner is not None:
+            if self.partitioner is not None and optimizer is not None:
                 self.partitioner.cast_shards(compute_dtype)
+                # the shards are new tensors now: point publish_params at them, not at the fp32 originals
+                self._sources = [[dict(zip(map(id, u.params), u.local_views()))[id(p)] for p in b.params]
+                                 for b, u in zip(self.buckets, self._bucket_unit)]
         self.reducer: Optional[GradReducer] = None
         if optimizer is not None:
             self.reducer = GradReducer(

@@ -58,7 +58,11 @@ def _unit_modules(root: nn.Module, unit_classes: Optional[Sequence[type]], unit_
         picked = [m for n, m in root.named_modules()
                   if m is not root and (isinstance(m, classes) or type(m).__name__ in names or n in names)]
         if not picked:
-            raise ValueError(f"No module of the model is an instance of unit_classes={list(unit_classes)}.")
+            some = sorted({type(m).__name__ for m in root.modules()})[:12]
+            raise ValueError(
+                f"No module matches unit_classes={list(unit_classes)}. Allowed: module classes, class names "
+                f"(e.g. {', '.join(some)}) or qualified module names (e.g. 'encoder.block.0')."
+            )
         # a unit inside another unit would be gathered twice: keep the outermost
         inner = {id(x) for m in picked for x in m.modules() if x is not m}
         return [m for m in picked if id(m) not in inner]

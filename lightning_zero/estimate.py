@@ -1,0 +1,464 @@
+"""Memory estimator: which ZeRO stage and offload setting fits a model, per rank, before running anything.
+
+Design note
+-----------
+Three parts, each checked against a measurement (tests/test_estimate.py, docs/tuning.md):
+
+* **Model states** (params, grads, fp32 master, optimizer state) follow what :class:`ZeroEngine` really
+  allocates, which is DESIGN.md's floors plus two details: per-parameter shards are padded to a multiple
+  of the world size, and a master aliases its source when nothing forces a copy (fp32 stages 1-2; fp32
+  stage 3 with offloaded params, whose host shard *is* the master). They match
+  ``engine.memory_report()`` within padding.
+* **Buffers** the engine holds on top (on an accelerator; gloo on CPU keeps every pending bucket until
+  the end of backward): stages 0-2, two reduction buckets in flight (stage 2 also the full gradients of
+  the bucket being filled); stage 3, the root unit plus the current and the prefetched unit, the current
+  unit's full gradients and its flat reduce-scatter buffer. At the optimizer step, stages 1-2 all-gather
+  every bucket at once (a full compute-dtype copy of the params in flight; activations are gone by then).
+* **Activations** of HF T5 (encoder-decoder) from the architecture, batch and sequence lengths: the
+  tensors autograd saves, counted per op (see :func:`t5_activation_bytes`), calibrated against the
+  saved-tensors-hook measurement of the benchmark harness.
+
+Peak device bytes = states + max(backward buffers + activations, step buffers). Counting activations and
+full gradients together is conservative (backward frees activations as gradients appear).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from torch import nn
+
+from .engine.memory import optimizer_state_bytes_per_param
+
+GiB = 2**30
+MiB = 2**20
+# (stage, offload) -> conf/strategy preset; offload = optimizer offload (+ param shards at stage 3)
+SETTINGS: dict[tuple[int, bool], str] = {
+    (0, False): "zero0", (1, False): "zero1", (1, True): "zero1_offload", (2, False): "zero2",
+    (2, True): "zero2_offload", (3, False): "zero3", (3, True): "zero3_offload",
+}
+PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
+BYTE_VOCAB = 259  # examples/t5_data.ByteTokenizer: the vocabulary the recipe trains every preset with
+# Used only when examples/t5_module.py is not next to the package (a plain `pip install`); a test keeps
+# it equal to examples/t5_module.T5_PRESETS, the single source of truth.
+_FALLBACK_T5_PRESETS = {
+    "t5_tiny": dict(vocab_size=259, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16),
+    "t5_mini": dict(vocab_size=259, d_model=128, d_ff=512, num_layers=3, num_heads=4, d_kv=32),
+    "t5_small": dict(vocab_size=32128, d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64),
+    "t5_base": dict(vocab_size=32128, d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64),
+    "t5_large": dict(vocab_size=32128, d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64),
+    "t5_3b": dict(vocab_size=32128, d_model=1024, d_ff=16384, num_layers=24, num_heads=32, d_kv=128),
+}
+
+
+# -- T5 architecture ------------------------------------------------------------------------------------
+def _examples_dir() -> Optional[Path]:
+    for cand in (os.environ.get("LIGHTNING_ZERO_EXAMPLES"), Path(__file__).resolve().parents[1] / "examples",
+                 Path.cwd() / "examples"):
+        if cand and (Path(cand) / "t5_module.py").is_file():
+            return Path(cand)
+    return None
+
+
+def t5_presets() -> dict[str, dict]:
+    """``examples/t5_module.T5_PRESETS``, read without importing it (it imports Lightning and torchmetrics)."""
+    d = _examples_dir()
+    if d is None:
+        return {k: dict(v) for k, v in _FALLBACK_T5_PRESETS.items()}
+    tree = ast.parse((d / "t5_module.py").read_text())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == "T5_PRESETS":
+            out = {}
+            for k, v in zip(node.value.keys, node.value.values):
+                out[ast.literal_eval(k)] = {kw.arg: ast.literal_eval(kw.value) for kw in v.keywords}
+            return out
+    return {k: dict(v) for k, v in _FALLBACK_T5_PRESETS.items()}
+
+
+@dataclass
+class T5Dims:
+    vocab_size: int
+    d_model: int
+    d_ff: int
+    num_layers: int
+    num_heads: int
+    d_kv: int
+    num_decoder_layers: Optional[int] = None
+    relative_attention_num_buckets: int = 32
+    gated: bool = False  # feed_forward_proj "gated-gelu" (the recipe's presets are relu)
+    tied: bool = True
+    dropout_rate: float = 0.0
+    name: str = "t5"
+
+    @property
+    def dec_layers(self) -> int:
+        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.d_kv
+
+    def block_numel(self, decoder: bool, first: bool) -> int:
+        d, ff = self.d_model, self.d_ff * (3 if self.gated else 2)
+        attn = (8 if decoder else 4) * d * self.inner
+        bias = self.relative_attention_num_buckets * self.num_heads if first else 0
+        return attn + d * ff + (3 if decoder else 2) * d + bias
+
+    @property
+    def numel(self) -> int:
+        enc = sum(self.block_numel(False, i == 0) for i in range(self.num_layers))
+        dec = sum(self.block_numel(True, i == 0) for i in range(self.dec_layers))
+        return enc + dec + self.root_numel
+
+    @property
+    def root_numel(self) -> int:
+        """Parameters outside the T5Blocks: shared embedding (+ untied head), two final norms."""
+        return self.vocab_size * self.d_model * (1 if self.tied else 2) + 2 * self.d_model
+
+
+def t5_dims(preset: str, vocab_size: Optional[int] = BYTE_VOCAB, dropout_rate: float = 0.0, **overrides) -> T5Dims:
+    """Dims of a recipe preset; ``vocab_size=None`` keeps the preset's own (sentencepiece) vocabulary."""
+    presets = t5_presets()
+    if preset not in presets:
+        raise ValueError(f"Unknown T5 preset {preset!r}. Allowed: {', '.join(presets)}.")
+    cfg = dict(presets[preset])
+    if vocab_size is not None:
+        cfg["vocab_size"] = vocab_size
+    cfg.update(overrides)
+    known = {k: cfg[k] for k in T5Dims.__dataclass_fields__ if k in cfg}
+    return T5Dims(**known, dropout_rate=dropout_rate, name=preset)
+
+
+def t5_dims_from_config(config) -> T5Dims:
+    """From a ``transformers.T5Config``."""
+    return T5Dims(config.vocab_size, config.d_model, config.d_ff, config.num_layers, config.num_heads,
+                  config.d_kv, config.num_decoder_layers, config.relative_attention_num_buckets,
+                  bool(getattr(config, "is_gated_act", False)), bool(config.tie_word_embeddings),
+                  float(config.dropout_rate), getattr(config, "name_or_path", "") or "t5")
+
+
+def t5_activation_bytes(dims: T5Dims, batch: int, src_len: int, tgt_len: int, mixed: bool,
+                        dropout_rate: Optional[float] = None) -> int:
+    """Bytes autograd saves in one training forward of ``T5ForConditionalGeneration`` (one rank).
+
+    Counted per op from HF T5 (transformers 5, sdpa attention) in the compute dtype (``e`` bytes):
+    an RMS norm saves its input's normalized copy and its output (8 bytes per element either way: fp32
+    hs+y, or in half precision an fp32 upcast plus two half tensors), each residual add's output, the
+    FFN's ReLU output, the embedding output and the loss's log-softmax over the vocabulary. Self-attention
+    with T5's learned position bias runs sdpa's math path (the bias needs a gradient), which on CPU
+    computes in fp32 and saves q, k, v and the softmax probabilities (B x heads x L^2); cross-attention
+    (no bias gradient) uses the fused kernel: q, k, v, output and the log-sum-exp. Dropout (p > 0) adds
+    its mask (compute dtype on CPU, 1 byte on CUDA: counted as e) and a saved output where the next op
+    keeps it. Calibrated in docs/tuning.md against :class:`~lightning_zero.tuning.harness.SavedBytes`.
+    """
+    e = 2 if mixed else 4
+    p = dims.dropout_rate if dropout_rate is None else dropout_rate
+    drop = 1 if p > 0 else 0
+    B, S, T = batch, src_len, tgt_len
+    d, inner, ff, h, V = dims.d_model, dims.inner, dims.d_ff, dims.num_heads, dims.vocab_size
+    ff_saved = ff * (3 if dims.gated else 1)  # gated: act(wi_0 x), wi_1 x and their product
+
+    def norm(n: int) -> int:
+        return 8 * n * d + 4 * n
+
+    def self_attn(n: int, L: int) -> int:  # math path, fp32: q, k, v, probs; o's input in e
+        return 12 * n * inner + 4 * B * h * L * L + e * n * inner + drop * 8 * B * h * L * L
+
+    def ffn(n: int) -> int:
+        return e * n * ff_saved + drop * 2 * e * n * ff
+
+    ne, nd = B * S, B * T
+    enc = e * ne * d * (1 + drop) + 8 * S * S
+    enc += dims.num_layers * (2 * norm(ne) + 2 * e * ne * d + self_attn(ne, S) + ffn(ne) + drop * 2 * e * ne * d)
+    enc += norm(ne) + e * ne * d * (1 + drop)  # final norm, its output (cross-attention k/v input)
+    cross = 2 * e * ne * inner + 2 * e * nd * inner + 4 * B * h * T
+    dec = e * nd * d * (1 + drop) + 8 * T * T + T * T + e * h * T * S
+    dec += dims.dec_layers * (3 * norm(nd) + 3 * e * nd * d + self_attn(nd, T) + cross + ffn(nd)
+                              + drop * (3 * e * nd * d + 2 * e * B * h * T * S + e * nd * inner))
+    dec += norm(nd) + e * nd * d * (1 + drop) + e * nd * V + 8 * nd  # final norm, head input, log-softmax
+    return int(enc + dec)
+
+
+# -- what the engine allocates --------------------------------------------------------------------------
+@dataclass
+class ModelInfo:
+    """Parameter sizes the estimate needs (element counts)."""
+
+    numel: int
+    trainable: int
+    sizes: list[int] = field(default_factory=list)  # per parameter (padding); empty: treat as one tensor
+    trainable_sizes: list[int] = field(default_factory=list)
+    largest_param: int = 0
+    largest_unit: int = 0  # stage 3: the biggest unit (0: unknown)
+    root_unit: int = 0  # stage 3: parameters outside every unit
+    name: str = "model"
+    t5: Optional[T5Dims] = None
+
+    def padded(self, world_size: int, trainable: bool) -> int:
+        sizes = self.trainable_sizes if trainable else self.sizes
+        if not sizes:
+            return math.ceil((self.trainable if trainable else self.numel) / world_size)
+        return sum(math.ceil(n / world_size) for n in sizes)
+
+
+def info_from_module(module: nn.Module, unit_classes: Optional[Sequence] = None, unit_mb: float = 8.0,
+                     name: Optional[str] = None) -> ModelInfo:
+    """Sizes of a module (a meta-device module works: nothing is allocated)."""
+    from .engine.units import build_units
+
+    params = list(module.parameters())
+    sizes = [p.numel() for p in params]
+    train = [p.numel() for p in params if p.requires_grad]
+    units = build_units(module, 1, 0, unit_classes, max(1, int(unit_mb * MiB)))
+    return ModelInfo(sum(sizes), sum(train), sizes, train, max(sizes, default=0),
+                     max((sum(p.numel() for p in u.params) for u in units[:-1]), default=0),
+                     sum(p.numel() for p in units[-1].params), name or type(module).__name__)
+
+
+def info_from_t5(dims: T5Dims) -> ModelInfo:
+    blocks = [dims.block_numel(False, i == 0) for i in range(dims.num_layers)]
+    blocks += [dims.block_numel(True, i == 0) for i in range(dims.dec_layers)]
+    emb = dims.vocab_size * dims.d_model
+    return ModelInfo(dims.numel, dims.numel, largest_param=max(emb, dims.d_model * dims.d_ff),
+                     largest_unit=max(blocks), root_unit=dims.root_numel, name=dims.name, t5=dims)
+
+
+def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mixed: bool,
+                      state_bytes: int = 8) -> dict[str, float]:
+    """Bytes of params, grads, master and optimizer state one rank holds, and how many are on the host.
+
+    Same kinds as :class:`~lightning_zero.engine.memory.MemoryReport` (``grads`` here includes the reduced
+    shards), measured after a backward (stages 0-1: inside ``no_sync``, where full gradients exist).
+    ``offload``: the optimizer (master + state) on the host; at stage 3 also the parameter shards.
+    """
+    n, p = world_size, (2 if mixed else 4)
+    div = n if stage >= 1 else 1
+    params = p * (info.padded(n, False) if stage == 3 else info.numel)
+    grads = p * (info.padded(n, True) if stage >= 2 else info.trainable)
+    separate_master = (mixed or offload) and not (stage == 3 and offload and not mixed)
+    master = 4 * info.trainable / div if separate_master else 0.0
+    opt = state_bytes * info.trainable / div
+    host = (master + opt if offload else 0.0) + (params if stage == 3 and offload else 0.0)
+    total = params + grads + master + opt
+    return {"params": params, "grads": grads, "master": master, "optimizer_state": opt,
+            "model_states": total, "host": host, "device": total - host}
+
+
+def buffer_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mixed: bool,
+                 bucket_mb: float = 25.0) -> dict[str, float]:
+    """Transient device buffers on top of the model states: during backward and at the optimizer step."""
+    p = 2 if mixed else 4
+    if stage < 3:
+        # the cap is checked against the fp32 parameters at wrap time; one parameter never splits
+        cap = max(bucket_mb * MiB / 4, info.largest_param)
+        bucket = p * min(info.trainable, cap)
+        backward = 2 * bucket + (bucket if stage == 2 else 0)
+        step = p * (info.padded(world_size, True) * world_size + info.padded(world_size, True)) if stage >= 1 else 0
+        return {"backward": backward, "step": float(step)}
+    unit = info.largest_unit or min(info.trainable, 8 * MiB / 4)  # unknown units: the default unit_mb
+    root = info.root_unit
+    backward = p * (root + 4 * unit)  # root + current + prefetched unit, its grads and reduce buffer
+    backward = max(backward, p * 3 * root)  # end of backward: the root's grads and reduce buffer
+    return {"backward": float(backward), "step": 0.0}
+
+
+# -- the estimate ----------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    setting: str
+    stage: int
+    offload: bool
+    states: dict
+    buffers: dict
+    activations: Optional[float]
+    peak_device: float
+    host_per_rank: float
+    cpu_ram_per_node: float
+    fits: Optional[bool] = None
+
+
+@dataclass
+class Estimate:
+    info: ModelInfo
+    world_size: int
+    num_nodes: int
+    precision: str
+    optimizer: str
+    bucket_mb: float
+    rows: list[Row]
+    batch: Optional[tuple[int, int, int]] = None
+    activations: Optional[float] = None
+    device_memory: Optional[float] = None  # bytes per device
+    cpu_memory: Optional[float] = None  # bytes per node
+
+    @property
+    def ranks_per_node(self) -> int:
+        return math.ceil(self.world_size / self.num_nodes)
+
+    def row(self, setting: str) -> Row:
+        return next(r for r in self.rows if r.setting == setting)
+
+    def fitting(self) -> list[str]:
+        return [r.setting for r in self.rows if r.fits]
+
+    def __str__(self) -> str:
+        return format_estimate(self)
+
+
+ModelLike = Union[nn.Module, int, str, T5Dims, ModelInfo]
+
+
+def estimate_model_states(
+    model: ModelLike,
+    world_size: int = 1,
+    num_nodes: int = 1,
+    precision: str = "32-true",
+    optimizer: str = "adamw",
+    bucket_mb: float = 25.0,
+    batch_size: Optional[int] = None,
+    src_len: int = 512,
+    tgt_len: int = 128,
+    device_memory_gb: Optional[float] = None,
+    cpu_memory_gb: Optional[float] = None,
+    settings: Optional[Sequence[str]] = None,
+    unit_classes: Optional[Sequence] = None,
+    vocab_size: Optional[int] = BYTE_VOCAB,
+) -> Estimate:
+    """Per-rank device bytes and per-node CPU RAM for every ZeRO stage x offload setting.
+
+    ``model``: an ``nn.Module`` (meta-device is fine), a parameter count, a recipe preset name
+    ("t5_tiny" ... "t5_3b", built with ``vocab_size``: the recipe's byte vocabulary by default, None for
+    the preset's own), or :class:`T5Dims`. ``batch_size`` (per rank) with ``src_len``/``tgt_len`` adds
+    the T5 activation estimate (T5 models only). ``device_memory_gb``/``cpu_memory_gb`` are GiB (2**30).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"Unknown precision {precision!r}. Allowed: 32-true, bf16-mixed, 16-mixed.")
+    if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
+        raise ValueError(f"world_size ({world_size}) must be a positive multiple of num_nodes ({num_nodes}).")
+    mixed = PRECISIONS[precision]
+    k = optimizer_state_bytes_per_param(optimizer)
+    if isinstance(model, str):
+        model = t5_dims(model, vocab_size=vocab_size)
+    if isinstance(model, T5Dims):
+        info = info_from_t5(model)
+    elif isinstance(model, ModelInfo):
+        info = model
+    elif isinstance(model, nn.Module):
+        cfg = getattr(model, "config", None)
+        is_t5 = cfg is not None and getattr(cfg, "model_type", "") == "t5"
+        classes = unit_classes or (["T5Block"] if is_t5 else None)
+        info = info_from_module(model, classes)
+        if is_t5:
+            info.t5 = t5_dims_from_config(cfg)
+    elif isinstance(model, int) and model > 0:
+        info = ModelInfo(model, model, largest_param=0, name=f"{model:,} params")
+    else:
+        raise ValueError(f"model must be an nn.Module, a parameter count, a preset name or T5Dims; got {model!r}.")
+    act = None
+    if batch_size is not None:
+        if info.t5 is None:
+            raise ValueError("The activation estimate needs a T5 model (a preset name or a T5 module).")
+        act = float(t5_activation_bytes(info.t5, batch_size, src_len, tgt_len, mixed))
+    ranks_per_node = math.ceil(world_size / num_nodes)
+    rows = []
+    for (stage, offload), name in SETTINGS.items():
+        if settings is not None and name not in settings:
+            continue
+        st = model_state_bytes(info, stage, offload, world_size, mixed, k)
+        buf = buffer_bytes(info, stage, offload, world_size, mixed, bucket_mb)
+        peak = st["device"] + max(buf["backward"] + (act or 0.0), buf["step"])
+        staging = 4 * info.trainable / world_size if offload else 0.0  # fp32 gradient copies for the CPU step
+        host = st["host"] + staging
+        row = Row(name, stage, offload, st, buf, act, peak, host, host * ranks_per_node)
+        if device_memory_gb is not None:
+            row.fits = peak <= device_memory_gb * GiB and (cpu_memory_gb is None or row.cpu_ram_per_node <= cpu_memory_gb * GiB)
+        rows.append(row)
+    return Estimate(info, world_size, num_nodes, precision, optimizer, bucket_mb, rows,
+                    (batch_size, src_len, tgt_len) if batch_size is not None else None, act,
+                    device_memory_gb * GiB if device_memory_gb is not None else None,
+                    cpu_memory_gb * GiB if cpu_memory_gb is not None else None)
+
+
+def _gib(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x / GiB:.2f}" if x >= 0.01 * GiB else f"{x / MiB:.2f}M"
+
+
+def format_estimate(est: Estimate) -> str:
+    info = est.info
+    k = optimizer_state_bytes_per_param(est.optimizer)
+    lines = [f"model: {info.name}, Psi = {info.numel:,} params ({info.trainable:,} trainable); {est.world_size} "
+             f"rank(s) on {est.num_nodes} node(s); precision {est.precision}; optimizer {est.optimizer} "
+             f"(K = {k} B/param); bucket {est.bucket_mb:g} MiB"]
+    if est.batch is not None:
+        b, s, t = est.batch
+        lines.append(f"activations: micro-batch {b} x (src {s}, tgt {t}) tokens per rank = {_gib(est.activations)} "
+                     "GiB (T5 formula, docs/tuning.md)")
+    elif info.t5 is None:
+        lines.append("activations: not included (give a T5 preset and --batch-size)")
+    lines.append("GiB per rank unless noted (M = MiB); states = params + grads + master + optimizer state")
+    cap = f" fits {est.device_memory / GiB:g} GiB |" if est.device_memory is not None else ""
+    head = (f"| setting       | stage | offload | params | grads | master+optim | device states | buffers bwd/step "
+            f"| activations | peak device | host/rank | CPU RAM/node |{cap}")
+    lines += [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
+    for r in est.rows:
+        st = r.states
+        params_dev = 0.0 if (r.stage == 3 and r.offload) else st["params"]
+        mo = 0.0 if r.offload else st["master"] + st["optimizer_state"]
+        fits = f" {'yes' if r.fits else 'NO':>{len(cap) - 3}} |" if cap else ""
+        lines.append(
+            f"| {r.setting:<13} | {r.stage:>5} | {'yes' if r.offload else 'no':>7} | {_gib(params_dev):>6} "
+            f"| {_gib(st['grads']):>5} | {_gib(mo):>12} | {_gib(st['device']):>13} "
+            f"| {_gib(r.buffers['backward']) + '/' + _gib(r.buffers['step']):>16} | {_gib(r.activations):>11} "
+            f"| {_gib(r.peak_device):>11} | {_gib(r.host_per_rank):>9} | {_gib(r.cpu_ram_per_node):>12} |{fits}")
+    lines.append(f"host/rank: offloaded states + fp32 gradient copies for the CPU step; CPU RAM/node = host/rank x "
+                 f"{est.ranks_per_node} rank(s) per node (plus {_gib(4 * info.numel * est.ranks_per_node)} GiB/node "
+                 "while building an fp32 model eagerly; stage 3 with meta-device init avoids it).")
+    if est.device_memory is not None:
+        ok = [r for r in est.rows if r.fits]
+        no = [r for r in est.rows if not r.fits]
+        cap_s = f"{est.device_memory / GiB:g} GiB per device"
+        if est.cpu_memory is not None:
+            cap_s += f" and {est.cpu_memory / GiB:g} GiB CPU RAM per node"
+        if ok:
+            lines.append(f"FITS in {cap_s}: " + ", ".join(f"{r.setting} ({_gib(r.peak_device)})" for r in ok) + ".")
+        else:
+            lines.append(f"NOTHING FITS in {cap_s}" + (" at this micro-batch" if est.batch else "") + ".")
+        if no:
+            lines.append("Does not fit: " + ", ".join(f"{r.setting} (needs {_gib(r.peak_device)})" for r in no) + ".")
+        if not ok:
+            lines.append(suggestion(est))
+    return "\n".join(lines)
+
+
+def min_ranks_to_fit(info: ModelInfo, setting: str, budget: float, mixed: bool, state_bytes: int = 8,
+                     extra: float = 0.0, max_ranks: int = 4096) -> Optional[int]:
+    """Smallest world size at which ``setting``'s device states + ``extra`` fit ``budget`` (None: never)."""
+    stage, offload = next(k for k, v in SETTINGS.items() if v == setting)
+    n = 1
+    while n <= max_ranks:
+        if model_state_bytes(info, stage, offload, n, mixed, state_bytes)["device"] + extra <= budget:
+            return n
+        n *= 2
+    return None
+
+
+def suggestion(est: Estimate) -> str:
+    """What would fit when nothing does: more ranks (stage 3 shards everything), offload, a smaller batch."""
+    mixed = PRECISIONS[est.precision]
+    k = optimizer_state_bytes_per_param(est.optimizer)
+    parts = []
+    for name in ("zero3", "zero3_offload"):
+        n = min_ranks_to_fit(est.info, name, est.device_memory, mixed, k, est.activations or 0.0)
+        if n is not None:
+            parts.append(f"{name} on >= {n} ranks")
+    if est.activations:
+        parts.append("a smaller micro-batch or shorter sequences")
+    return "What would fit: " + ("; ".join(parts) if parts else "nothing at this memory size") + "."
