@@ -94,8 +94,23 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Optional[Any] = None) -
     dist.broadcast(tensor, src=global_src, group=group)
 
 
-def any_true(flag: bool, device: torch.device, group: Optional[Any] = None) -> bool:
-    """True on every rank when ``flag`` is true on any rank (one tiny all-reduce)."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    all_reduce(t, op=dist.ReduceOp.MAX if world_size(group) > 1 else None, group=group)
-    return bool(t.item() > 0)
+def broadcast_flat(tensors: list[torch.Tensor], group: Optional[Any], cap: int = 64 * 2**20) -> None:
+    """Broadcast tensors from rank 0 through a few flat buffers (grouped by dtype and device)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for (dtype, device), ts in groups.items():
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for t in ts + [None]:
+            if t is None or (chunk and (size + t.numel()) * t.element_size() > cap):
+                flat = torch.cat([c.reshape(-1) for c in chunk])
+                broadcast(flat, 0, group)
+                off = 0
+                for c in chunk:
+                    c.copy_(flat[off : off + c.numel()].view_as(c))
+                    off += c.numel()
+                chunk, size = [], 0
+            if t is not None:
+                chunk.append(t)
+                size += t.numel()

@@ -35,14 +35,13 @@ from .deferred_init import has_meta_params
 from .units import build_units, grad_buckets_for_units
 from .config import ZeroConfig
 from .memory import MemoryReport
+from .full_state import FullStateMixin
 from .optimizer import ShardedOptimizer
-from .sharding import ShardSpec
 from .partition import ParamPartitioner
 from .reducer import GradReducer
-from .state import consolidate_optimizer_state, load_sharded_optimizer_state
 
 
-class ZeroEngine:
+class ZeroEngine(FullStateMixin):
     def __init__(
         self,
         module: nn.Module,
@@ -154,7 +153,7 @@ class ZeroEngine:
             return
         with torch.no_grad():
             tensors = [p.data for p in self.module.parameters()] + [b for b in self.module.buffers()]
-            _broadcast_flat(tensors, self.group)
+            C.broadcast_flat(tensors, self.group)
 
     def prepare_forward(self) -> None:
         """Before a training/eval step: rank 0's buffers (training, like DDP); stage 3: the root unit.
@@ -170,7 +169,7 @@ class ZeroEngine:
     def sync_buffers(self) -> None:
         if self.world_size > 1 and self.config.broadcast_buffers:
             with torch.no_grad():
-                _broadcast_flat(list(self.module.buffers()), self.group)
+                C.broadcast_flat(list(self.module.buffers()), self.group)
 
     # -- backward-side controls ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -290,63 +289,6 @@ class ZeroEngine:
             work.wait()
             b.unpack_rank_major(out, [p.data for p in b.params])
 
-    @torch.no_grad()
-    def full_master_params(self) -> list[torch.Tensor]:
-        """fp32 full values of every managed parameter, on every rank (one all-gather per bucket).
-
-        In mixed precision the module holds rounded copies; checkpoints and the model handed back
-        after training take these instead, so no precision is lost across a save/resume.
-        """
-        if self.config.stage == 0:
-            return [m.detach().float().view_as(p) for row, b in zip(self.sharded.masters, self.buckets)
-                    for m, p in zip(row, b.params)]
-        fulls: list[torch.Tensor] = []
-        for row, b in zip(self.sharded.masters, self.buckets):
-            dev = b.params[0].device
-            send = torch.zeros(b.shard_numel, dtype=torch.float32, device=dev)
-            for view, m in zip(b.local_views(send), row):
-                view.copy_(m)
-            out = torch.empty(b.world_size * b.shard_numel, dtype=torch.float32, device=dev)
-            C.all_gather(out, send, group=self.group)
-            outs = [torch.empty(p.shape, dtype=torch.float32, device=dev) for p in b.params]
-            b.unpack_rank_major(out, outs)
-            fulls.extend(outs)
-        return fulls
-
-    @torch.no_grad()
-    def restore_fp32_module(self) -> None:
-        """Hand the module back whole and in fp32, with the master values (end of training).
-
-        Stages 0-2 in fp32 have nothing to do. Stage 3 un-partitions the module for good: every rank ends
-        with full parameters (as after DeepSpeed's ``zero_to_fp32``), and the engine is spent.
-        """
-        if self.partitioner is not None:
-            self._unpartition()
-            return
-        if self.compute_dtype in (None, torch.float32):
-            return
-        fulls = self.full_master_params()
-        for p, f in zip(self.bucket_params, fulls):
-            p.data = f
-        for t in list(self.module.parameters()) + list(self.module.buffers()):
-            if t.is_floating_point() and t.dtype != torch.float32:
-                t.data = t.data.float()
-
-    @torch.no_grad()
-    def _unpartition(self) -> None:
-        masters = dict(zip(map(id, self.bucket_params), self.full_master_params())) if self.sharded else {}
-        with self.partitioner.gathered():
-            full = {id(p): p.detach().clone() for p in self.module.parameters()}
-        self.partitioner.remove_hooks()
-        if self.reducer is not None:
-            self.reducer.remove_hooks()
-        for p in self.module.parameters():
-            p.data = masters.get(id(p), full[id(p)].float() if full[id(p)].is_floating_point() else full[id(p)])
-        for b in self.module.buffers():
-            if b.is_floating_point():
-                b.data = b.data.float()
-        self.partitioner = None
-
     def zero_grad(self) -> None:
         if self.reducer is None:
             return
@@ -355,56 +297,6 @@ class ZeroEngine:
         self._grads_final = False
         self._clip_coef = self._clip_value = None
         self._sq_norm = None
-
-    # -- checkpoints ----------------------------------------------------------------------------------
-    def param_names(self) -> list[str]:
-        """Fully-qualified name of each managed parameter, in bucket order (first name of a tied one)."""
-        names = {}
-        for name, p in self.module.named_parameters():
-            names.setdefault(id(p), name)
-        return [names[id(p)] for p in self.bucket_params]
-
-    def master_items(self) -> list[tuple[str, torch.Tensor, "ShardSpec", torch.Size]]:
-        """(name, master, spec, full shape) per managed parameter, in bucket order.
-
-        ``master`` is this rank's fp32 slice ``[spec.lo, spec.hi)`` of the flattened parameter (stages 1-3;
-        the slices of all ranks, in rank order, concatenate to the parameter -- ``torch.chunk`` layout),
-        or the whole fp32 parameter in stage 0 (``spec.world_size == 1``). Writing into a master and
-        calling :meth:`publish_params` updates the module.
-        """
-        out = []
-        if self.sharded is None:
-            return out
-        names = iter(self.param_names())
-        for row, b in zip(self.sharded.masters, self.buckets):
-            for m, p, spec in zip(row, b.params, b.specs):
-                out.append((next(names), m, spec, p.shape))
-        return out
-
-    def unmanaged_shard_items(self) -> list[tuple[str, torch.Tensor, "ShardSpec", torch.Size]]:
-        """Stage 3: (name, this rank's slice in the unit shard, spec, shape) of every parameter without a
-        master (frozen ones; all of them in an evaluation-only engine). Empty below stage 3, where such
-        parameters are whole in the module."""
-        if self.partitioner is None:
-            return []
-        managed = {id(p) for p in self.bucket_params} if self.sharded is not None else set()
-        names: dict[int, str] = {}
-        for name, p in self.module.named_parameters():
-            names.setdefault(id(p), name)
-        out = []
-        for u in self.partitioner.units:
-            for p, view, spec in zip(u.params, u.local_views(), u.layout.specs if u.layout else []):
-                if id(p) not in managed:
-                    out.append((names[id(p)], view, spec, p.shape))
-        return out
-
-    def optimizer_state_dict(self) -> dict:
-        """The full (unsharded) optimizer state, as a plain optimizer would save it. Collective call."""
-        return consolidate_optimizer_state(self)
-
-    def load_optimizer_state_dict(self, state: dict) -> None:
-        """Load a full optimizer state (from any world size or stage) into this rank's shards."""
-        load_sharded_optimizer_state(self, state)
 
     # -- accounting -----------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
@@ -438,25 +330,3 @@ def _compute_device(module: nn.Module) -> torch.device:
         if not t.is_meta:
             return t.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _broadcast_flat(tensors: list[torch.Tensor], group: Optional[Any], cap: int = 64 * 2**20) -> None:
-    """Broadcast tensors from rank 0 through a few flat buffers (grouped by dtype and device)."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    for (dtype, device), ts in groups.items():
-        chunk: list[torch.Tensor] = []
-        size = 0
-        for t in ts + [None]:
-            if t is None or (chunk and (size + t.numel()) * t.element_size() > cap):
-                flat = torch.cat([c.reshape(-1) for c in chunk])
-                C.broadcast(flat, 0, group)
-                off = 0
-                for c in chunk:
-                    c.copy_(flat[off : off + c.numel()].view_as(c))
-                    off += c.numel()
-                chunk, size = [], 0
-            if t is not None:
-                chunk.append(t)
-                size += t.numel()
