@@ -14,27 +14,22 @@ swings cancel.
 
 from __future__ import annotations
 
-import datetime
 import gc
-import json
 import math
-import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 import warnings
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.memory import model_state_floor
+# Runner, the launcher and machine_line live in the package, shared with the autotuner (lightning-zero tune)
+from lightning_zero.tuning.harness import Runner, _entry, launch, machine_line  # noqa: F401
 
 WORLD_SIZE = 2
 ADAM_STATE_BYTES = 8  # two fp32 moments per element
@@ -101,81 +96,7 @@ def make_adamw(params, args) -> torch.optim.Optimizer:
 
 
 # -- runners ----------------------------------------------------------------------------------------------
-def _nbytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts if t is not None)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # DTensor -> this rank's shard
-
-
-def _state_tensors(state: dict) -> list[torch.Tensor]:
-    return [_local(v) for st in state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
-
-
-class Runner:
-    """One method built on one rank: ``module`` is what forward is called on; ``step()`` after backward."""
-
-    def __init__(self, method: str, model: nn.Module, module: nn.Module, opt, engine: Optional[ZeroEngine] = None):
-        self.method, self.model, self.module, self.opt, self.engine = method, model, module, opt, engine
-        self.numel = sum(p.numel() for p in model.parameters())  # set before stage 3 frees the params
-
-    def pre(self) -> None:
-        if self.engine is not None:
-            self.engine.sync_buffers()  # ZeroStrategy.training_step does this (DDP broadcasts in forward)
-
-    def step(self) -> None:
-        if self.engine is not None:
-            self.engine.step()
-        else:
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-
-    def measure_memory(self, loss_closure: Callable[[nn.Module], torch.Tensor]) -> dict:
-        """Model-state bytes on this rank after a backward, before the step (optimizer state present)."""
-        self.pre()
-        loss_closure(self.module).backward()
-        mem = self.state_bytes()
-        self.zero_grad()
-        return mem
-
-    def state_bytes(self) -> dict:
-        """Model-state bytes held now (call after a backward, before the step, for the peak).
-
-        Ours: ``engine.memory_report()`` (+ stage 3's ``peak_gathered``); FSDP2: local shards of the DTensor
-        params, grads and optimizer state; DDP / ZeRO-Opt: params, ``.grad`` and (local) optimizer state.
-        """
-        if self.engine is not None:
-            self.engine.finalize_grads()
-            mem = self.engine.memory_report().as_dict()
-            if self.engine.partitioner is not None:
-                mem["peak_gathered"] = self.engine.partitioner.peak_gathered_bytes
-                mem["gathered_now"] = self.engine.partitioner.gathered_bytes()
-            return mem
-        params = list(self.model.parameters())
-        opt_state = self.opt.optim.state if self.method == "zero_opt" else self.opt.state
-        mem = {
-            "params": _nbytes(_local(p) for p in params),
-            "grads": _nbytes(_local(p.grad) for p in params if p.grad is not None),
-            "grad_shards": 0,
-            "master": 0,
-            "optimizer_state": _nbytes(_state_tensors(opt_state)),
-            "host": 0,
-        }
-        mem["model_states"] = mem["params"] + mem["grads"] + mem["optimizer_state"]
-        if self.method == "fsdp2_offload":
-            mem["host"] = mem["model_states"]
-        return mem
-
-    def zero_grad(self) -> None:
-        if self.engine is not None:
-            self.engine.zero_grad()
-        else:
-            self.opt.zero_grad(set_to_none=True)
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.remove()
+# ``Runner`` (one method on one rank + its model-state byte accounting) is imported from the package above.
 
 
 def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: type = BLOCK_CLASS,
@@ -300,45 +221,6 @@ def run_rounds(methods: list[str], args, batches: list[torch.Tensor], rank: int,
     return results
 
 
-# -- launcher -----------------------------------------------------------------------------------------------
-def _entry(rank: int, port: int, body: Callable, args, outdir: str, world_size: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(getattr(args, "threads", 1) or 1)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(getattr(args, "backend", "gloo"), rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
-    try:
-        result = body(rank, args)
-        if rank == 0:
-            with open(os.path.join(outdir, "results.json"), "w") as f:
-                json.dump(result, f)
-    except BaseException:
-        with open(os.path.join(outdir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(body: Callable, args, world_size: int = WORLD_SIZE) -> dict:
-    """Run ``body(rank, args)`` on ``world_size`` gloo ranks (spawned); return rank 0's JSON-able result."""
-    with tempfile.TemporaryDirectory() as outdir:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            mp.spawn(_entry, args=(port, body, args, outdir, world_size), nprocs=world_size, join=True)
-        except Exception:
-            for r in range(world_size):
-                path = os.path.join(outdir, f"error{r}.txt")
-                if os.path.exists(path):
-                    print(f"rank {r} failed:\n{open(path).read()}", file=sys.stderr)
-            raise
-        with open(os.path.join(outdir, "results.json")) as f:
-            return json.load(f)
-
-
 # -- summary -------------------------------------------------------------------------------------------------
 def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
@@ -422,12 +304,6 @@ def add_model_args(p) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap for DDP and the engine (MiB)")
-
-
-def machine_line() -> str:
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"torch {torch.__version__}; {os.cpu_count()} CPUs; 1-min load avg at end {load:.1f}"
-            + (f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
 
 
 def parse_interleaved_args(doc: str, allowed, default_methods, steps: int, warmup: int, rounds: int = 5):

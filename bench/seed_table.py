@@ -45,22 +45,20 @@ Run::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
-import math
 import os
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from harness import build, launch, machine_line  # noqa: E402
+# the probe / search / timing code is the package's, shared with `lightning-zero tune`
+from lightning_zero.tuning.harness import Trial, search, t5_batch, timed  # noqa: E402
 
 CPU_METHODS = ("ddp", "ddp_bf16", "zero1", "zero2", "zero2_bf16", "zero3", "zero2_offload", "zero3_offload")
 ALL_METHODS = CPU_METHODS + ("zero3_bf16", "zero2_offload_bf16", "zero3_offload_bf16")
@@ -97,168 +95,15 @@ def parse_method(method: str) -> tuple[str, dict]:
     return base, {"autocast": None, "compute_dtype": torch.bfloat16 if bf16 else None}
 
 
-def make_batch(args, rank: int, step: int, b: int, device) -> dict:
-    g = torch.Generator().manual_seed(1_000_003 * rank + step)
-    x = torch.randint(2, args.vocab, (b, args.src_len), generator=g)
-    y = torch.randint(2, args.vocab, (b, args.tgt_len), generator=g)
-    return {"input_ids": x.to(device), "attention_mask": torch.ones_like(x).to(device), "labels": y.to(device)}
+def make_trial(method: str, args, rank: int, device) -> Trial:
+    """The shared harness's :class:`Trial` for one method of this table (T5, ``_bf16`` variants)."""
+    base, opts = parse_method(method)
 
+    def build_fn():
+        return build(base, args, make_model=make_t5, block_class=t5_block_class(), compute_dtype=opts["compute_dtype"])
 
-class SavedBytes:
-    """Bytes of the tensors autograd saves in a forward (each storage once, parameters excluded)."""
-
-    def __init__(self, params) -> None:
-        self.param_ids = {id(p) for p in params}
-        self.seen: set[int] = set()
-        self.bytes = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in self.param_ids and not isinstance(t, nn.Parameter):
-            st = t.untyped_storage()
-            if st.data_ptr() not in self.seen:
-                self.seen.add(st.data_ptr())
-                self.bytes += st.nbytes()
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
-def _oom_types() -> tuple:
-    return tuple(t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None))
-                 if t is not None)
-
-
-class Trial:
-    """One method on one rank: built lazily, rebuilt after an OOM (its state may be half-updated then)."""
-
-    def __init__(self, method: str, args, rank: int, device) -> None:
-        self.method, self.args, self.rank, self.device = method, args, rank, device
-        self.base, self.opts = parse_method(method)
-        self.runner = None
-        self.gpu = device.type == "cuda"
-
-    def amp(self):
-        dt = self.opts["autocast"]
-        return torch.autocast(self.device.type, dtype=dt) if dt is not None else contextlib.nullcontext()
-
-    def ensure(self) -> None:
-        if self.runner is None:
-            self.runner = build(self.base, self.args, make_model=make_t5, block_class=t5_block_class(),
-                                compute_dtype=self.opts["compute_dtype"])
-            self.step(1, step_index=0)  # materializes the optimizer state (and stage 3's recorded order)
-
-    def drop(self) -> None:
-        self.runner = None
-        gc.collect()
-        if self.gpu:
-            torch.cuda.empty_cache()
-
-    def step(self, b: int, step_index: int, measure: bool = False) -> int:
-        """One training step at micro-batch ``b``; returns this rank's peak bytes if ``measure``."""
-        r = self.runner
-        batch = make_batch(self.args, self.rank, step_index, b, self.device)
-        if self.gpu and measure:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        saved = SavedBytes(r.model.parameters()) if measure and not self.gpu else None
-        r.pre()
-        with self.amp(), (saved.hooks() if saved else contextlib.nullcontext()):
-            loss = r.module(**batch).loss
-        loss.backward()
-        peak = 0
-        if saved is not None:
-            mem = r.state_bytes()
-            device_states = mem["model_states"] - mem.get("host", 0)
-            device_states += mem.get("peak_gathered", 0) - mem.get("gathered_now", 0)
-            peak = device_states + saved.bytes
-        r.step()
-        if self.gpu and measure:
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
-        return peak
-
-    def probe(self, b: int, step_index: int) -> tuple[bool, int]:
-        """Does micro-batch ``b`` fit on every rank? (fits, max peak bytes over ranks)."""
-        oom = 0
-        peak = 0
-        try:
-            self.ensure()
-            peak = self.step(b, step_index, measure=True)
-        except _oom_types():
-            oom = 1
-        if oom:
-            self.drop()
-        flags = torch.tensor([oom, peak], dtype=torch.float64, device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        oom, peak = int(flags[0]), int(flags[1])
-        fits = not oom and (self.gpu or peak <= self.args.budget_bytes)
-        return fits, peak
-
-
-def search(trial: Trial, args, log) -> dict:
-    probes: list[tuple[int, bool, int]] = []
-    ok, fail, b, idx = 0, None, max(1, min(args.start_batch, args.max_batch)), 1
-    peak_at = {}
-    while True:
-        fits, peak = trial.probe(b, idx)
-        idx += 1
-        probes.append((b, fits, peak))
-        if not fits:
-            fail = b
-            break
-        ok, peak_at[b] = b, peak
-        if b >= args.max_batch:
-            break
-        b = min(2 * b, args.max_batch)
-    while fail is not None and fail - ok > max(1, int(ok * args.bisect_tol)):
-        mid = (ok + fail) // 2
-        fits, peak = trial.probe(mid, idx)
-        idx += 1
-        probes.append((mid, fits, peak))
-        if fits:
-            ok, peak_at[mid] = mid, peak
-        else:
-            fail = mid
-    log(f"  {trial.method}: probes " + " ".join(f"{b}{'+' if f else '-'}" for b, f, _ in probes) + f" -> {ok}")
-    return {"max_batch": ok, "first_fail": fail, "peak_bytes": peak_at.get(ok), "probes": probes}
-
-
-def timed(trial: Trial, args, b: int, world: int, train: bool) -> float | None:
-    """Seconds (max over ranks) to train on / evaluate ``--train-samples`` / ``--eval-samples`` at batch b."""
-    n = args.train_samples if train else args.eval_samples
-    steps = max(1, math.ceil(n / (b * world)))
-    err = 0
-    try:
-        trial.ensure()  # a rebuild after the search's last OOM is not part of the timed work
-    except _oom_types():
-        err = 1
-        trial.drop()
-    dist.barrier()
-    t0 = time.perf_counter()
-    try:
-        if err:
-            raise torch.OutOfMemoryError("rebuild failed")
-        r = trial.runner
-        if train:
-            for i in range(steps):
-                trial.step(b, 10_000 + i)
-        else:
-            r.module.eval()
-            with torch.no_grad(), trial.amp():
-                for i in range(steps):
-                    if r.engine is not None:
-                        r.engine.prepare_forward()
-                    r.module(**make_batch(args, trial.rank, 20_000 + i, b, trial.device)).loss.item()
-            r.module.train()
-        if trial.gpu:
-            torch.cuda.synchronize()
-    except _oom_types():
-        err = 1
-        trial.drop()
-    dt = torch.tensor([time.perf_counter() - t0, err], dtype=torch.float64, device=trial.device)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return None if dt[1] else float(dt[0])
+    return Trial(method, args, rank, device, build_fn, lambda r, step, b, dev: t5_batch(args, r, step, b, dev),
+                 autocast=opts["autocast"])
 
 
 def body(rank: int, args) -> dict:
@@ -271,7 +116,7 @@ def body(rank: int, args) -> dict:
     out = {}
     for m in args.methods:
         t0 = time.perf_counter()
-        trial = Trial(m, args, rank, device)
+        trial = make_trial(m, args, rank, device)
         try:
             res = search(trial, args, log)
             b = res["max_batch"]

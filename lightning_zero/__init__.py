@@ -14,8 +14,10 @@ from .engine import (
     register_shardable_optimizer,
 )
 from .engine.partition import RankDivergenceError
+from .estimate import estimate_model_states
 from .precision import ZeroPrecision
 from .strategy import ZeroStrategy
+from .tuning import tune
 
 __version__ = "0.1.0"
 
@@ -41,6 +43,8 @@ __all__ = [
     "ZeroPrecision",
     "ZeroStrategy",
     "__version__",
+    "estimate_model_states",
     "model_state_floor",
     "register_shardable_optimizer",
+    "tune",
 ]

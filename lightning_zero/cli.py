@@ -1,6 +1,9 @@
-"""``lightning-zero`` console command. Subcommands: ``consolidate`` (more, e.g. ``estimate``, can be added).
+"""``lightning-zero`` console command. Subcommands: ``consolidate``, ``estimate``, ``tune``.
 
     lightning-zero consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16]
+    lightning-zero estimate --model t5_large --ranks 8 --precision bf16-mixed --batch-size 8 --device-memory 24
+    lightning-zero estimate --params 1.5e9 --ranks 16 --nodes 2 --optimizer sgd
+    lightning-zero tune --memory-mb 12 --out tuned.overrides model=t5_tiny trainer.devices=2
 """
 
 from __future__ import annotations
@@ -36,7 +39,117 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output file (.pt/.ckpt/.bin: torch.save; .safetensors: safetensors)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of floating tensors")
     p.set_defaults(func=_consolidate)
+    _add_estimate(sub)
+    _add_tune(sub)
     return parser
+
+
+def _count(text: str) -> int:
+    """1.5e9, 1500000000, 1.5B, 350M, 7k -> an int."""
+    t = text.strip().lower().replace(",", "").replace("_", "")
+    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:], None)
+    return int(float(t[:-1]) * mult) if mult else int(float(t))
+
+
+def _load_module(spec: str):
+    """``pkg.mod:factory`` -> the module ``factory()`` returns, built on the meta device (no memory)."""
+    import importlib
+
+    import torch
+
+    mod_name, _, attr = spec.partition(":")
+    if not attr:
+        raise ValueError(f"--module wants 'package.module:factory', got {spec!r}.")
+    factory = getattr(importlib.import_module(mod_name), attr)
+    with torch.device("meta"):
+        return factory()
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from .estimate import estimate_model_states
+
+    if args.module:
+        model = _load_module(args.module)
+    elif args.params:
+        model = _count(args.params)
+    else:
+        model = args.model
+    vocab = None if args.vocab == "preset" else int(args.vocab)
+    est = estimate_model_states(
+        model, world_size=args.ranks, num_nodes=args.nodes, precision=args.precision, optimizer=args.optimizer,
+        bucket_mb=args.bucket_mb, grad_accumulation=args.grad_accum, batch_size=args.batch_size, src_len=args.src_len, tgt_len=args.tgt_len,
+        device_memory_gb=args.device_memory, cpu_memory_gb=args.cpu_memory,
+        settings=args.settings.split(",") if args.settings else None, vocab_size=vocab)
+    print(est)
+    return 0
+
+
+def _add_estimate(sub) -> None:
+    p = sub.add_parser(
+        "estimate", help="per-rank memory of every ZeRO stage x offload setting, and which fit",
+        description="Device bytes per rank (model states from DESIGN.md's floors as the engine allocates "
+        "them, plus its bucket / stage-3 unit buffers and, for T5 with --batch-size, activations) and CPU "
+        "RAM per node, for stages 0-3 with and without offload. Nothing is run or allocated. "
+        "Memory sizes are GiB (2**30 bytes).")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="t5_small",
+                     help="a T5 preset of the recipe (conf/model: t5_tiny, t5_mini, t5_small, t5_base, t5_large, t5_3b)")
+    src.add_argument("--params", help="a parameter count instead (1.5e9, 350M, 7B)")
+    src.add_argument("--module", help="package.module:factory returning an nn.Module (built on the meta device)")
+    p.add_argument("--vocab", default="259",
+                   help="T5 vocabulary size: 259 = the recipe's byte tokenizer (default), 'preset' = the preset's own")
+    p.add_argument("--ranks", type=int, default=1, help="total number of ranks (world size)")
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (CPU RAM is per node)")
+    p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])
+    p.add_argument("--optimizer", default="adamw",
+                   help="adamw, adam (K=8 B/param), sgd (0), sgd_momentum, rmsprop, adagrad (4), ...")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="strategy.bucket_mb")
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="gradient accumulation steps (> 1: stage 1 keeps full gradients between micro-batches)")
+    p.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (T5 activation estimate)")
+    p.add_argument("--src-len", type=int, default=512, help="source tokens per sample")
+    p.add_argument("--tgt-len", type=int, default=128, help="target tokens per sample")
+    p.add_argument("--device-memory", type=float, default=None, metavar="GB", help="memory per device: say what fits")
+    p.add_argument("--cpu-memory", type=float, default=None, metavar="GB", help="CPU RAM per node (with --device-memory)")
+    p.add_argument("--settings", default=None, help="comma list of settings to show (default: all seven)")
+    p.set_defaults(func=_estimate)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from .tuning import tune
+
+    res = tune(args.overrides, memory_mb=args.memory_mb, memory_gb=args.memory_gb, out=args.out,
+               config_dir=args.config_dir, config_name=args.config_name, stages=args.stages,
+               offload=args.offload, max_batch=args.max_batch, steps=args.steps, warmup=args.warmup,
+               bisect_tol=args.bisect_tol, start_method=args.start_method, json_out=args.json)
+    print(res.report())
+    return 0 if res.best is not None else 1
+
+
+def _add_tune(sub) -> None:
+    p = sub.add_parser(
+        "tune", help="fastest stage x offload x micro-batch that fits, measured, for the Hydra T5 recipe",
+        description="Compose the recipe's Hydra config (conf/t5_finetune.yaml + OVERRIDES), then for every "
+        "stage x offload setting find the largest micro-batch that fits the memory cap (doubling, then "
+        "bisection; GPU: real out-of-memory under a per-process memory fraction, CPU: the measured peak "
+        "against a byte budget), time a few training steps of each, print the ranked table and write the "
+        "winner's overrides (one per line) to --out: python examples/t5_finetune.py $(cat tuned.overrides)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the experiment, e.g. model=t5_small trainer=gpu")
+    cap = p.add_mutually_exclusive_group(required=True)
+    cap.add_argument("--memory-gb", type=float, help="memory cap per rank in GiB")
+    cap.add_argument("--memory-mb", type=float, help="memory cap per rank in MiB")
+    p.add_argument("--out", default="tuned.overrides", help="file for the winning overrides")
+    p.add_argument("--config-dir", default=None, help="the recipe's conf/ (default: ./conf or the repo's)")
+    p.add_argument("--config-name", default="t5_finetune")
+    p.add_argument("--stages", default="0,1,2,3", help="stages to try")
+    p.add_argument("--offload", default="both", choices=["both", "no", "only"], help="offload settings to try")
+    p.add_argument("--max-batch", type=int, default=256, help="search ceiling for the micro-batch")
+    p.add_argument("--bisect-tol", type=float, default=0.0, help="stop bisecting within this fraction")
+    p.add_argument("--steps", type=int, default=5, help="timed training steps per candidate")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing")
+    p.add_argument("--start-method", default=None, choices=["fork", "spawn"], help="default: fork on CPU, spawn on GPU")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write all measurements as JSON")
+    p.set_defaults(func=_tune)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

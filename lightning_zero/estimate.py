@@ -12,8 +12,8 @@ Three parts, each checked against a measurement (tests/test_estimate.py, docs/tu
 * **Buffers** the engine holds on top (on an accelerator; gloo on CPU keeps every pending bucket until
   the end of backward): stages 0-2, two reduction buckets in flight (stage 2 also the full gradients of
   the bucket being filled); stage 3, the root unit plus the current and the prefetched unit, the current
-  unit's full gradients and its flat reduce-scatter buffer. At the optimizer step, stages 1-2 all-gather
-  every bucket at once (a full compute-dtype copy of the params in flight; activations are gone by then).
+  unit's full gradients and its flat reduce-scatter buffer. At the optimizer step, stages 1-2 keep at most
+  two bucket all-gathers in flight (activations are gone by then).
 * **Activations** of HF T5 (encoder-decoder) from the architecture, batch and sequence lengths: the
   tensors autograd saves, counted per op (see :func:`t5_activation_bytes`), calibrated against the
   saved-tensors-hook measurement of the benchmark harness.
@@ -24,11 +24,8 @@ full gradients together is conservative (backward frees activations as gradients
 
 from __future__ import annotations
 
-import ast
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from torch import nn
@@ -43,149 +40,8 @@ SETTINGS: dict[tuple[int, bool], str] = {
     (2, True): "zero2_offload", (3, False): "zero3", (3, True): "zero3_offload",
 }
 PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
-BYTE_VOCAB = 259  # examples/t5_data.ByteTokenizer: the vocabulary the recipe trains every preset with
-# Used only when examples/t5_module.py is not next to the package (a plain `pip install`); a test keeps
-# it equal to examples/t5_module.T5_PRESETS, the single source of truth.
-_FALLBACK_T5_PRESETS = {
-    "t5_tiny": dict(vocab_size=259, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16),
-    "t5_mini": dict(vocab_size=259, d_model=128, d_ff=512, num_layers=3, num_heads=4, d_kv=32),
-    "t5_small": dict(vocab_size=32128, d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64),
-    "t5_base": dict(vocab_size=32128, d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64),
-    "t5_large": dict(vocab_size=32128, d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64),
-    "t5_3b": dict(vocab_size=32128, d_model=1024, d_ff=16384, num_layers=24, num_heads=32, d_kv=128),
-}
+from .t5_dims import BYTE_VOCAB, T5Dims, t5_activation_bytes, t5_dims, t5_dims_from_config  # noqa: F401
 
-
-# -- T5 architecture ------------------------------------------------------------------------------------
-def _examples_dir() -> Optional[Path]:
-    for cand in (os.environ.get("LIGHTNING_ZERO_EXAMPLES"), Path(__file__).resolve().parents[1] / "examples",
-                 Path.cwd() / "examples"):
-        if cand and (Path(cand) / "t5_module.py").is_file():
-            return Path(cand)
-    return None
-
-
-def t5_presets() -> dict[str, dict]:
-    """``examples/t5_module.T5_PRESETS``, read without importing it (it imports Lightning and torchmetrics)."""
-    d = _examples_dir()
-    if d is None:
-        return {k: dict(v) for k, v in _FALLBACK_T5_PRESETS.items()}
-    tree = ast.parse((d / "t5_module.py").read_text())
-    for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
-        if isinstance(target, ast.Name) and target.id == "T5_PRESETS":
-            out = {}
-            for k, v in zip(node.value.keys, node.value.values):
-                out[ast.literal_eval(k)] = {kw.arg: ast.literal_eval(kw.value) for kw in v.keywords}
-            return out
-    return {k: dict(v) for k, v in _FALLBACK_T5_PRESETS.items()}
-
-
-@dataclass
-class T5Dims:
-    vocab_size: int
-    d_model: int
-    d_ff: int
-    num_layers: int
-    num_heads: int
-    d_kv: int
-    num_decoder_layers: Optional[int] = None
-    relative_attention_num_buckets: int = 32
-    gated: bool = False  # feed_forward_proj "gated-gelu" (the recipe's presets are relu)
-    tied: bool = True
-    dropout_rate: float = 0.0
-    name: str = "t5"
-
-    @property
-    def dec_layers(self) -> int:
-        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
-
-    @property
-    def inner(self) -> int:
-        return self.num_heads * self.d_kv
-
-    def block_numel(self, decoder: bool, first: bool) -> int:
-        d, ff = self.d_model, self.d_ff * (3 if self.gated else 2)
-        attn = (8 if decoder else 4) * d * self.inner
-        bias = self.relative_attention_num_buckets * self.num_heads if first else 0
-        return attn + d * ff + (3 if decoder else 2) * d + bias
-
-    @property
-    def numel(self) -> int:
-        enc = sum(self.block_numel(False, i == 0) for i in range(self.num_layers))
-        dec = sum(self.block_numel(True, i == 0) for i in range(self.dec_layers))
-        return enc + dec + self.root_numel
-
-    @property
-    def root_numel(self) -> int:
-        """Parameters outside the T5Blocks: shared embedding (+ untied head), two final norms."""
-        return self.vocab_size * self.d_model * (1 if self.tied else 2) + 2 * self.d_model
-
-
-def t5_dims(preset: str, vocab_size: Optional[int] = BYTE_VOCAB, dropout_rate: float = 0.0, **overrides) -> T5Dims:
-    """Dims of a recipe preset; ``vocab_size=None`` keeps the preset's own (sentencepiece) vocabulary."""
-    presets = t5_presets()
-    if preset not in presets:
-        raise ValueError(f"Unknown T5 preset {preset!r}. Allowed: {', '.join(presets)}.")
-    cfg = dict(presets[preset])
-    if vocab_size is not None:
-        cfg["vocab_size"] = vocab_size
-    cfg.update(overrides)
-    known = {k: cfg[k] for k in T5Dims.__dataclass_fields__ if k in cfg}
-    return T5Dims(**known, dropout_rate=dropout_rate, name=preset)
-
-
-def t5_dims_from_config(config) -> T5Dims:
-    """From a ``transformers.T5Config``."""
-    return T5Dims(config.vocab_size, config.d_model, config.d_ff, config.num_layers, config.num_heads,
-                  config.d_kv, config.num_decoder_layers, config.relative_attention_num_buckets,
-                  bool(getattr(config, "is_gated_act", False)), bool(config.tie_word_embeddings),
-                  float(config.dropout_rate), getattr(config, "name_or_path", "") or "t5")
-
-
-def t5_activation_bytes(dims: T5Dims, batch: int, src_len: int, tgt_len: int, mixed: bool,
-                        dropout_rate: Optional[float] = None) -> int:
-    """Bytes autograd saves in one training forward of ``T5ForConditionalGeneration`` (one rank).
-
-    Counted per op from HF T5 (transformers 5, sdpa attention) in the compute dtype (``e`` bytes):
-    an RMS norm saves its input's normalized copy and its output (8 bytes per element either way: fp32
-    hs+y, or in half precision an fp32 upcast plus two half tensors), each residual add's output, the
-    FFN's ReLU output, the embedding output and the loss's log-softmax over the vocabulary. Self-attention
-    with T5's learned position bias runs sdpa's math path (the bias needs a gradient), which on CPU
-    computes in fp32 and saves q, k, v and the softmax probabilities (B x heads x L^2); cross-attention
-    (no bias gradient) uses the fused kernel: q, k, v, output and the log-sum-exp. Dropout (p > 0) adds
-    its mask (compute dtype on CPU, 1 byte on CUDA: counted as e) and a saved output where the next op
-    keeps it. Calibrated in docs/tuning.md against :class:`~lightning_zero.tuning.harness.SavedBytes`.
-    """
-    e = 2 if mixed else 4
-    p = dims.dropout_rate if dropout_rate is None else dropout_rate
-    drop = 1 if p > 0 else 0
-    B, S, T = batch, src_len, tgt_len
-    d, inner, ff, h, V = dims.d_model, dims.inner, dims.d_ff, dims.num_heads, dims.vocab_size
-    ff_saved = ff * (3 if dims.gated else 1)  # gated: act(wi_0 x), wi_1 x and their product
-
-    def norm(n: int) -> int:
-        return 8 * n * d + 4 * n
-
-    def self_attn(n: int, L: int) -> int:  # math path, fp32: q, k, v, probs; o's input in e
-        return 12 * n * inner + 4 * B * h * L * L + e * n * inner + drop * 8 * B * h * L * L
-
-    def ffn(n: int) -> int:
-        return e * n * ff_saved + drop * 2 * e * n * ff
-
-    ne, nd = B * S, B * T
-    enc = e * ne * d * (1 + drop) + 8 * S * S
-    enc += dims.num_layers * (2 * norm(ne) + 2 * e * ne * d + self_attn(ne, S) + ffn(ne) + drop * 2 * e * ne * d)
-    enc += norm(ne) + e * ne * d * (1 + drop)  # final norm, its output (cross-attention k/v input)
-    cross = 2 * e * ne * inner + 2 * e * nd * inner + 4 * B * h * T
-    dec = e * nd * d * (1 + drop) + 8 * T * T + T * T + e * h * T * S
-    dec += dims.dec_layers * (3 * norm(nd) + 3 * e * nd * d + self_attn(nd, T) + cross + ffn(nd)
-                              + drop * (3 * e * nd * d + 2 * e * B * h * T * S + e * nd * inner))
-    dec += norm(nd) + e * nd * d * (1 + drop) + e * nd * V + 8 * nd  # final norm, head input, log-softmax
-    return int(enc + dec)
-
-
-# -- what the engine allocates --------------------------------------------------------------------------
 @dataclass
 class ModelInfo:
     """Parameter sizes the estimate needs (element counts)."""
@@ -230,17 +86,20 @@ def info_from_t5(dims: T5Dims) -> ModelInfo:
 
 
 def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mixed: bool,
-                      state_bytes: int = 8) -> dict[str, float]:
+                      state_bytes: int = 8, accumulating: bool = True) -> dict[str, float]:
     """Bytes of params, grads, master and optimizer state one rank holds, and how many are on the host.
 
     Same kinds as :class:`~lightning_zero.engine.memory.MemoryReport` (``grads`` here includes the reduced
-    shards), measured after a backward (stages 0-1: inside ``no_sync``, where full gradients exist).
+    shards), measured after a backward. ``accumulating``: gradient accumulation (``no_sync``), where stage
+    1 keeps full gradients (DESIGN.md's floor); without it stage 1 reduces each bucket during backward and
+    holds gradient shards, like stage 2.
     ``offload``: the optimizer (master + state) on the host; at stage 3 also the parameter shards.
     """
     n, p = world_size, (2 if mixed else 4)
     div = n if stage >= 1 else 1
     params = p * (info.padded(n, False) if stage == 3 else info.numel)
-    grads = p * (info.padded(n, True) if stage >= 2 else info.trainable)
+    full_grads = stage == 0 or (stage == 1 and accumulating)
+    grads = p * (info.trainable if full_grads else info.padded(n, True))
     separate_master = (mixed or offload) and not (stage == 3 and offload and not mixed)
     master = 4 * info.trainable / div if separate_master else 0.0
     opt = state_bytes * info.trainable / div
@@ -251,15 +110,17 @@ def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: in
 
 
 def buffer_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mixed: bool,
-                 bucket_mb: float = 25.0) -> dict[str, float]:
+                 bucket_mb: float = 25.0, accumulating: bool = False) -> dict[str, float]:
     """Transient device buffers on top of the model states: during backward and at the optimizer step."""
     p = 2 if mixed else 4
     if stage < 3:
         # the cap is checked against the fp32 parameters at wrap time; one parameter never splits
         cap = max(bucket_mb * MiB / 4, info.largest_param)
         bucket = p * min(info.trainable, cap)
-        backward = 2 * bucket + (bucket if stage == 2 else 0)
-        step = p * (info.padded(world_size, True) * world_size + info.padded(world_size, True)) if stage >= 1 else 0
+        backward = 2 * bucket + (bucket if stage == 2 or (stage == 1 and not accumulating) else 0)
+        # the step all-gathers at most two buckets at a time: send + gathered buffers of each
+        step = 2 * (bucket + bucket / world_size) if stage >= 1 else 0
+        step = min(step, p * (info.padded(world_size, True) * world_size + info.padded(world_size, True)))
         return {"backward": backward, "step": float(step)}
     unit = info.largest_unit or min(info.trainable, 8 * MiB / 4)  # unknown units: the default unit_mb
     root = info.root_unit
@@ -291,6 +152,7 @@ class Estimate:
     precision: str
     optimizer: str
     bucket_mb: float
+    grad_accumulation: int
     rows: list[Row]
     batch: Optional[tuple[int, int, int]] = None
     activations: Optional[float] = None
@@ -321,6 +183,7 @@ def estimate_model_states(
     precision: str = "32-true",
     optimizer: str = "adamw",
     bucket_mb: float = 25.0,
+    grad_accumulation: int = 1,
     batch_size: Optional[int] = None,
     src_len: int = 512,
     tgt_len: int = 128,
@@ -335,7 +198,8 @@ def estimate_model_states(
     ``model``: an ``nn.Module`` (meta-device is fine), a parameter count, a recipe preset name
     ("t5_tiny" ... "t5_3b", built with ``vocab_size``: the recipe's byte vocabulary by default, None for
     the preset's own), or :class:`T5Dims`. ``batch_size`` (per rank) with ``src_len``/``tgt_len`` adds
-    the T5 activation estimate (T5 models only). ``device_memory_gb``/``cpu_memory_gb`` are GiB (2**30).
+    the T5 activation estimate (T5 models only). ``grad_accumulation`` > 1: stage 1 holds full gradients
+    between micro-batches. ``device_memory_gb``/``cpu_memory_gb`` are GiB (2**30).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}. Allowed: 32-true, bf16-mixed, 16-mixed.")
@@ -357,7 +221,7 @@ def estimate_model_states(
         if is_t5:
             info.t5 = t5_dims_from_config(cfg)
     elif isinstance(model, int) and model > 0:
-        info = ModelInfo(model, model, largest_param=0, name=f"{model:,} params")
+        info = ModelInfo(model, model, largest_param=0, name="(parameter count)")
     else:
         raise ValueError(f"model must be an nn.Module, a parameter count, a preset name or T5Dims; got {model!r}.")
     act = None
@@ -370,8 +234,8 @@ def estimate_model_states(
     for (stage, offload), name in SETTINGS.items():
         if settings is not None and name not in settings:
             continue
-        st = model_state_bytes(info, stage, offload, world_size, mixed, k)
-        buf = buffer_bytes(info, stage, offload, world_size, mixed, bucket_mb)
+        st = model_state_bytes(info, stage, offload, world_size, mixed, k, grad_accumulation > 1)
+        buf = buffer_bytes(info, stage, offload, world_size, mixed, bucket_mb, grad_accumulation > 1)
         peak = st["device"] + max(buf["backward"] + (act or 0.0), buf["step"])
         staging = 4 * info.trainable / world_size if offload else 0.0  # fp32 gradient copies for the CPU step
         host = st["host"] + staging
@@ -379,7 +243,7 @@ def estimate_model_states(
         if device_memory_gb is not None:
             row.fits = peak <= device_memory_gb * GiB and (cpu_memory_gb is None or row.cpu_ram_per_node <= cpu_memory_gb * GiB)
         rows.append(row)
-    return Estimate(info, world_size, num_nodes, precision, optimizer, bucket_mb, rows,
+    return Estimate(info, world_size, num_nodes, precision, optimizer, bucket_mb, grad_accumulation, rows,
                     (batch_size, src_len, tgt_len) if batch_size is not None else None, act,
                     device_memory_gb * GiB if device_memory_gb is not None else None,
                     cpu_memory_gb * GiB if cpu_memory_gb is not None else None)
@@ -388,6 +252,8 @@ def estimate_model_states(
 def _gib(x: Optional[float]) -> str:
     if x is None:
         return "-"
+    if x == 0:
+        return "0"
     return f"{x / GiB:.2f}" if x >= 0.01 * GiB else f"{x / MiB:.2f}M"
 
 
@@ -396,7 +262,8 @@ def format_estimate(est: Estimate) -> str:
     k = optimizer_state_bytes_per_param(est.optimizer)
     lines = [f"model: {info.name}, Psi = {info.numel:,} params ({info.trainable:,} trainable); {est.world_size} "
              f"rank(s) on {est.num_nodes} node(s); precision {est.precision}; optimizer {est.optimizer} "
-             f"(K = {k} B/param); bucket {est.bucket_mb:g} MiB"]
+             f"(K = {k} B/param); bucket {est.bucket_mb:g} MiB; gradient accumulation {est.grad_accumulation}"
+             + ("" if est.grad_accumulation > 1 else " (stage 1 keeps full gradients only when accumulating)")]
     if est.batch is not None:
         b, s, t = est.batch
         lines.append(f"activations: micro-batch {b} x (src {s}, tgt {t}) tokens per rank = {_gib(est.activations)} "
@@ -438,13 +305,14 @@ def format_estimate(est: Estimate) -> str:
     return "\n".join(lines)
 
 
-def min_ranks_to_fit(info: ModelInfo, setting: str, budget: float, mixed: bool, state_bytes: int = 8,
-                     extra: float = 0.0, max_ranks: int = 4096) -> Optional[int]:
-    """Smallest world size at which ``setting``'s device states + ``extra`` fit ``budget`` (None: never)."""
-    stage, offload = next(k for k, v in SETTINGS.items() if v == setting)
+def min_ranks_to_fit(est: Estimate, setting: str, max_ranks: int = 4096) -> Optional[int]:
+    """Smallest power-of-two world size at which ``setting``'s peak fits ``est.device_memory`` (None: never)."""
     n = 1
+    b = est.batch or (None, 512, 128)
     while n <= max_ranks:
-        if model_state_bytes(info, stage, offload, n, mixed, state_bytes)["device"] + extra <= budget:
+        row = estimate_model_states(est.info, n, 1, est.precision, est.optimizer, est.bucket_mb,
+                                    est.grad_accumulation, b[0], b[1], b[2], settings=[setting]).rows[0]
+        if row.peak_device <= est.device_memory:
             return n
         n *= 2
     return None
@@ -452,11 +320,9 @@ def min_ranks_to_fit(info: ModelInfo, setting: str, budget: float, mixed: bool, 
 
 def suggestion(est: Estimate) -> str:
     """What would fit when nothing does: more ranks (stage 3 shards everything), offload, a smaller batch."""
-    mixed = PRECISIONS[est.precision]
-    k = optimizer_state_bytes_per_param(est.optimizer)
     parts = []
     for name in ("zero3", "zero3_offload"):
-        n = min_ranks_to_fit(est.info, name, est.device_memory, mixed, k, est.activations or 0.0)
+        n = min_ranks_to_fit(est, name)
         if n is not None:
             parts.append(f"{name} on >= {n} ranks")
     if est.activations:

@@ -285,9 +285,15 @@ class ZeroEngine(FullStateMixin):
                 view.copy_(m, non_blocking=True)
             out = torch.empty(b.world_size * b.shard_numel, dtype=dtype, device=dev)
             pending.append((b, C.all_gather(out, send, group=self.group, async_op=True), out))
-        for b, work, out in pending:
-            work.wait()
-            b.unpack_rank_major(out, [p.data for p in b.params])
+            if len(pending) > 2:  # two buckets in flight overlap communication without a second model copy
+                self._unpack(*pending.pop(0))
+        for item in pending:
+            self._unpack(*item)
+
+    @staticmethod
+    def _unpack(b, work, out) -> None:
+        work.wait()
+        b.unpack_rank_major(out, [p.data for p in b.params])
 
     def zero_grad(self) -> None:
         if self.reducer is None:

@@ -90,7 +90,8 @@ class ShardedOptimizer:
         self.stage = stage
         self.offload = offload
         # a master may alias its parameter only if the parameter stays fp32 on the compute device
-        self._may_alias = compute_dtype in (None, torch.float32) and not offload
+        self._compute_fp32 = compute_dtype in (None, torch.float32)  # else the shards are cast later
+        self._may_alias = self._compute_fp32 and not offload
         params = [p for b in buckets for p in b.params]
         device = params[0].device if params else torch.device("cpu")
         self.master_device = torch.device("cpu") if offload else device
@@ -116,7 +117,7 @@ class ShardedOptimizer:
             src = p if self.stage == 0 else p.data.view(-1)[spec.lo : spec.hi]
         # stage 3 sources are this rank's unit shards: an fp32 shard already where the master must live
         # (host memory with offload_params) is the master; no second copy
-        may_alias = self._may_alias or (sources_given and self.offload)
+        may_alias = self._may_alias or (sources_given and self.offload and self._compute_fp32)
         alias = may_alias and src.dtype == torch.float32 and src.device == self.master_device
         self._aliased.append(alias)
         if alias:

@@ -1,0 +1,164 @@
+"""T5 architecture arithmetic for the estimator: parameter counts and the activations autograd saves.
+
+Design note
+-----------
+The estimator must size T5-3B without building it, so parameters are counted from the preset dimensions
+(checked against a meta-device model for every preset) and activations from the ops of HF's T5 forward
+(checked against the saved-tensors-hook measurement of the benchmark harness; docs/tuning.md).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+BYTE_VOCAB = 259  # examples/t5_data.ByteTokenizer: the vocabulary the recipe trains every preset with
+# Used only when examples/t5_module.py is not next to the package (a plain `pip install`); a test keeps
+# it equal to examples/t5_module.T5_PRESETS, the single source of truth.
+_FALLBACK_T5_PRESETS = {
+    "t5_tiny": dict(vocab_size=259, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16),
+    "t5_mini": dict(vocab_size=259, d_model=128, d_ff=512, num_layers=3, num_heads=4, d_kv=32),
+    "t5_small": dict(vocab_size=32128, d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64),
+    "t5_base": dict(vocab_size=32128, d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64),
+    "t5_large": dict(vocab_size=32128, d_model=1024, d_ff=4096, num_layers=24, num_heads=16, d_kv=64),
+    "t5_3b": dict(vocab_size=32128, d_model=1024, d_ff=16384, num_layers=24, num_heads=32, d_kv=128),
+}
+
+
+# -- T5 architecture ------------------------------------------------------------------------------------
+def _examples_dir() -> Optional[Path]:
+    for cand in (os.environ.get("LIGHTNING_ZERO_EXAMPLES"), Path(__file__).resolve().parents[1] / "examples",
+                 Path.cwd() / "examples"):
+        if cand and (Path(cand) / "t5_module.py").is_file():
+            return Path(cand)
+    return None
+
+
+def t5_presets() -> dict[str, dict]:
+    """``examples/t5_module.T5_PRESETS``, read without importing it (it imports Lightning and torchmetrics)."""
+    d = _examples_dir()
+    if d is None:
+        return {k: dict(v) for k, v in _FALLBACK_T5_PRESETS.items()}
+    tree = ast.parse((d / "t5_module.py").read_text())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == "T5_PRESETS":
+            out = {}
+            for k, v in zip(node.value.keys, node.value.values):
+                out[ast.literal_eval(k)] = {kw.arg: ast.literal_eval(kw.value) for kw in v.keywords}
+            return out
+    return {k: dict(v) for k, v in _FALLBACK_T5_PRESETS.items()}
+
+
+@dataclass
+class T5Dims:
+    vocab_size: int
+    d_model: int
+    d_ff: int
+    num_layers: int
+    num_heads: int
+    d_kv: int
+    num_decoder_layers: Optional[int] = None
+    relative_attention_num_buckets: int = 32
+    gated: bool = False  # feed_forward_proj "gated-gelu" (the recipe's presets are relu)
+    tied: bool = True
+    dropout_rate: float = 0.0
+    name: str = "t5"
+
+    @property
+    def dec_layers(self) -> int:
+        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.d_kv
+
+    def block_numel(self, decoder: bool, first: bool) -> int:
+        d, ff = self.d_model, self.d_ff * (3 if self.gated else 2)
+        attn = (8 if decoder else 4) * d * self.inner
+        bias = self.relative_attention_num_buckets * self.num_heads if first else 0
+        return attn + d * ff + (3 if decoder else 2) * d + bias
+
+    @property
+    def numel(self) -> int:
+        enc = sum(self.block_numel(False, i == 0) for i in range(self.num_layers))
+        dec = sum(self.block_numel(True, i == 0) for i in range(self.dec_layers))
+        return enc + dec + self.root_numel
+
+    @property
+    def root_numel(self) -> int:
+        """Parameters outside the T5Blocks: shared embedding (+ untied head), two final norms."""
+        return self.vocab_size * self.d_model * (1 if self.tied else 2) + 2 * self.d_model
+
+
+def t5_dims(preset: str, vocab_size: Optional[int] = BYTE_VOCAB, dropout_rate: float = 0.0, **overrides) -> T5Dims:
+    """Dims of a recipe preset; ``vocab_size=None`` keeps the preset's own (sentencepiece) vocabulary."""
+    presets = t5_presets()
+    if preset not in presets:
+        raise ValueError(f"Unknown T5 preset {preset!r}. Allowed: {', '.join(presets)}.")
+    cfg = dict(presets[preset])
+    if vocab_size is not None:
+        cfg["vocab_size"] = vocab_size
+    cfg.update(overrides)
+    known = {k: cfg[k] for k in T5Dims.__dataclass_fields__ if k in cfg}
+    return T5Dims(**known, dropout_rate=dropout_rate, name=preset)
+
+
+def t5_dims_from_config(config) -> T5Dims:
+    """From a ``transformers.T5Config``."""
+    return T5Dims(config.vocab_size, config.d_model, config.d_ff, config.num_layers, config.num_heads,
+                  config.d_kv, config.num_decoder_layers, config.relative_attention_num_buckets,
+                  bool(getattr(config, "is_gated_act", False)), bool(config.tie_word_embeddings),
+                  float(config.dropout_rate), getattr(config, "name_or_path", "") or "t5")
+
+
+def t5_activation_bytes(dims: T5Dims, batch: int, src_len: int, tgt_len: int, mixed: bool,
+                        dropout_rate: Optional[float] = None) -> int:
+    """Bytes autograd saves in one training forward of ``T5ForConditionalGeneration`` (one rank).
+
+    Counted per op from HF T5 (transformers 5, sdpa attention) in the compute dtype (``e`` bytes):
+    an RMS norm saves its input's normalized copy and its output (8 bytes per element either way: fp32
+    hs+y, or in half precision an fp32 upcast plus two half tensors), each residual add's output, the
+    FFN's ReLU output, the embedding output and the loss's log-softmax over the vocabulary. Self-attention
+    with T5's learned position bias runs sdpa's math path (the bias needs a gradient), which on CPU
+    computes in fp32 and saves q, k, v and the softmax probabilities (B x heads x L^2); cross-attention
+    (no bias gradient) uses the fused kernel: q, k, v, output and the log-sum-exp -- unless attention
+    dropout is on, which sends it down the fp32 math path as well. Dropout (p > 0) adds
+    its mask (compute dtype on CPU, 1 byte on CUDA: counted as e) and a saved output where the next op
+    keeps it. Calibrated in docs/tuning.md against :class:`~lightning_zero.tuning.harness.SavedBytes`.
+    """
+    e = 2 if mixed else 4
+    p = dims.dropout_rate if dropout_rate is None else dropout_rate
+    drop = 1 if p > 0 else 0
+    B, S, T = batch, src_len, tgt_len
+    d, inner, ff, h, V = dims.d_model, dims.inner, dims.d_ff, dims.num_heads, dims.vocab_size
+    ff_saved = ff * (3 if dims.gated else 1)  # gated: act(wi_0 x), wi_1 x and their product
+
+    def norm(n: int) -> int:
+        return 8 * n * d + 4 * n
+
+    def self_attn(n: int, L: int) -> int:  # math path, fp32: q, k, v, probs; o's input in e
+        return 12 * n * inner + 4 * B * h * L * L + e * n * inner + drop * 8 * B * h * L * L
+
+    def ffn(n: int) -> int:
+        return e * n * ff_saved + drop * 2 * e * n * ff
+
+    ne, nd = B * S, B * T
+    enc = e * ne * d * (1 + drop) + 8 * S * S
+    enc += dims.num_layers * (2 * norm(ne) + 2 * e * ne * d + self_attn(ne, S) + ffn(ne) + drop * 2 * e * ne * d)
+    enc += norm(ne) + e * ne * d * (1 + drop)  # final norm, its output (cross-attention k/v input)
+    if drop:  # attention dropout sends cross-attention down the math path too (fp32, probs + mask saved)
+        cross = 8 * ne * inner + 4 * nd * inner + 12 * B * h * T * S + e * nd * inner
+    else:  # fused kernel: q, k, v, output (o's input), log-sum-exp
+        cross = 2 * e * ne * inner + 2 * e * nd * inner + 4 * B * h * T
+    dec = e * nd * d * (1 + drop) + 8 * T * T + T * T + (0 if drop else e * h * T * S)
+    dec += dims.dec_layers * (3 * norm(nd) + 3 * e * nd * d + self_attn(nd, T) + cross + ffn(nd)
+                              + drop * 3 * e * nd * d)
+    dec += norm(nd) + e * nd * d * (1 + drop) + e * nd * V + 8 * nd  # final norm, head input, log-softmax
+    return int(enc + dec)
+
+
+# -- what the engine allocates --------------------------------------------------------------------------
