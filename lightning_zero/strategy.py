@@ -212,6 +212,18 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             yield
 
     @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator:
+        """``Trainer.init_module(empty_init=True)`` under stage 3 builds on the meta device (as FSDP does):
+        the engine then materializes the model unit by unit, already sharded, with the same values as an
+        eager build from the same seed (``reset_parameters`` in registration order)."""
+        if self.stage == 3 and empty_init:
+            with torch.device("meta"):
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
+
+    @contextlib.contextmanager
     def model_sharded_context(self) -> Generator:
         """Stage 3: modules built in ``configure_model`` go to the meta device and are materialized
         unit by unit, already sharded, when the engine is created (no rank ever holds the whole model)."""
