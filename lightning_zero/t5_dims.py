@@ -9,17 +9,15 @@ The estimator must size T5-3B without building it, so parameters are counted fro
 
 from __future__ import annotations
 
-import ast
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 BYTE_VOCAB = 259  # examples/t5_data.ByteTokenizer: the vocabulary the recipe trains every preset with
-# Used only when examples/t5_module.py is not next to the package (a plain `pip install`); a test keeps
-# it equal to examples/t5_module.T5_PRESETS, the single source of truth.
-_FALLBACK_T5_PRESETS = {
+# The real architectures of the original T5 checkpoints (relu FFN, tied embeddings), plus two small sizes for
+# CPU runs. The single source: the recipe (examples/t5_module.py) and conf/model/*.yaml use these.
+T5_PRESETS: dict[str, dict] = {
     "t5_tiny": dict(vocab_size=259, d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16),
+    # ~1.4M parameters: the smallest size that learns to condition on the code within a few CPU minutes
     "t5_mini": dict(vocab_size=259, d_model=128, d_ff=512, num_layers=3, num_heads=4, d_kv=32),
     "t5_small": dict(vocab_size=32128, d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64),
     "t5_base": dict(vocab_size=32128, d_model=768, d_ff=3072, num_layers=12, num_heads=12, d_kv=64),
@@ -28,29 +26,8 @@ _FALLBACK_T5_PRESETS = {
 }
 
 
-# -- T5 architecture ------------------------------------------------------------------------------------
-def _examples_dir() -> Optional[Path]:
-    for cand in (os.environ.get("LIGHTNING_ZERO_EXAMPLES"), Path(__file__).resolve().parents[1] / "examples",
-                 Path.cwd() / "examples"):
-        if cand and (Path(cand) / "t5_module.py").is_file():
-            return Path(cand)
-    return None
-
-
 def t5_presets() -> dict[str, dict]:
-    """``examples/t5_module.T5_PRESETS``, read without importing it (it imports Lightning and torchmetrics)."""
-    d = _examples_dir()
-    if d is None:
-        return {k: dict(v) for k, v in _FALLBACK_T5_PRESETS.items()}
-    tree = ast.parse((d / "t5_module.py").read_text())
-    for node in tree.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
-        if isinstance(target, ast.Name) and target.id == "T5_PRESETS":
-            out = {}
-            for k, v in zip(node.value.keys, node.value.values):
-                out[ast.literal_eval(k)] = {kw.arg: ast.literal_eval(kw.value) for kw in v.keywords}
-            return out
-    return {k: dict(v) for k, v in _FALLBACK_T5_PRESETS.items()}
+    return {k: dict(v) for k, v in T5_PRESETS.items()}
 
 
 @dataclass
