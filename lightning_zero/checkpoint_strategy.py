@@ -101,6 +101,10 @@ class ZeroCheckpointMixin:
         if _LOADED_KEY in checkpoint:
             load_model_state(checkpoint[_LOADED_KEY], self.lightning_module, engine, strict)
             return
+        if engine is not None and engine.partitioner is not None:
+            # stage 3: parameters have no storage outside their unit's gather; everything goes into shards
+            _load_full_into_shards(self.lightning_module, engine, checkpoint["state_dict"], strict)
+            return
         super().load_model_state_dict(checkpoint, strict=strict)
         if engine is not None:  # a single file loaded after setup: refresh the fp32 masters from it
             _masters_from_full(engine, checkpoint["state_dict"])
@@ -122,3 +126,17 @@ def _masters_from_full(engine, state_dict: Mapping[str, torch.Tensor]) -> None:
         if name in state_dict:
             m.copy_(_slice(state_dict[name].to(device=m.device, dtype=torch.float32), spec).view_as(m))
     engine.publish_params()
+
+
+@torch.no_grad()
+def _load_full_into_shards(module, engine, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
+    """A full (single-file) state dict into a stage-3 engine: slices into masters and unit shards, buffers
+    into the module; the same key checks as ``load_state_dict(strict=True)``."""
+    expected = set(module.state_dict().keys())
+    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"Error loading the checkpoint into {type(module).__name__}: missing keys {missing}, "
+                           f"unexpected keys {unexpected}.")
+    buffers = {n for n, _ in module.named_buffers()}
+    module.load_state_dict({k: v for k, v in state_dict.items() if k in buffers}, strict=False)
+    _masters_from_full(engine, state_dict)

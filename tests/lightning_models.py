@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -150,8 +151,11 @@ class ParityModule(pl.LightningModule):
         )
 
 
-def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone().float() for k, v in module.state_dict().items()}
+def _params(module: pl.LightningModule) -> dict[str, torch.Tensor]:
+    strategy = module._trainer.strategy if module._trainer is not None else None
+    gathered = getattr(strategy, "gathered_params", None)  # ZeRO-3: parameters are whole only in there
+    with gathered() if gathered is not None else contextlib.nullcontext():
+        return {k: v.detach().clone().float() for k, v in module.state_dict().items()}
 
 
 def load_rank_files(out: str, tag: str, what: str, world_size: int) -> list[dict]:

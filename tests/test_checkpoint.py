@@ -371,6 +371,39 @@ def test_lightning_fit_resume_exact_topk_link_reshard_and_validate(tmp_path):
         _assert_same_params(res["params"], full[0]["params"], what=f"validate rank {r}")
 
 
+def test_lightning_zero3_fit_resume_and_reshard(tmp_path):
+    """Stage 3 through the Trainer: uninterrupted equals ddp; its directory resumes exactly under zero3 and
+    under zero2 on one rank; a zero2 directory resumes under zero3."""
+    out = str(tmp_path)
+    z3 = dict(unit_classes=["net.fc1", "net.fc2", "net.frozen"], persist_numel=0)  # 'sometimes' stays in the root
+
+    def zero3(**kw):
+        return _S(stage=3, start_method="fork", **z3, **kw)
+
+    def ddp():
+        return DDPStrategy(start_method="fork", find_unused_parameters=True)
+
+    ddp_full = _fit(out, "d_", ddp(), callbacks=[ModelCheckpoint(dirpath=tmp_path / "ddp", filename="{epoch}",
+                                                                 save_top_k=-1, every_n_epochs=1)])
+    ddp_resumed = _fit(out, "dr_", ddp(), ckpt_path=tmp_path / "ddp" / "epoch=0.ckpt")
+    every = tmp_path / "z3"
+    full = _fit(out, "z3_", zero3(), callbacks=[ModelCheckpoint(dirpath=every, filename="{epoch}", save_top_k=-1,
+                                                                  every_n_epochs=1)])
+    _assert_same_run(full, ddp_full, "uninterrupted zero3 vs ddp")
+    info = ck.read_info(every / "epoch=0.ckpt")
+    assert info["stage"] == 3 and info["tensors"]["net.frozen.weight"]["flat"] is True  # from its unit shard
+    _assert_same_run(_fit(out, "z3r_", zero3(), ckpt_path=every / "epoch=0.ckpt"), ddp_resumed, "zero3 -> zero3")
+    # the single-file format also round-trips under stage 3 (gathered on save, re-sliced on load)
+    single = _fit(out, "z3f_", zero3(checkpoint_format="full"),
+                  callbacks=[ModelCheckpoint(dirpath=tmp_path / "z3f", filename="{epoch}", save_top_k=-1,
+                                             every_n_epochs=1)])
+    _assert_same_run(single, ddp_full, "zero3 full-format run")
+    _assert_same_run(_fit(out, "z3fr_", zero3(), ckpt_path=tmp_path / "z3f" / "epoch=0.ckpt"), ddp_resumed,
+                     "zero3 single file -> zero3")
+    end = _fit(out, "z3to2_", _strategy(2), devices=1, ckpt_path=every / "epoch=0.ckpt")[0]
+    assert end["global_step"] == 6 and all(torch.isfinite(torch.tensor(end["losses"])))
+
+
 def test_lightning_fp16_resume_restores_loss_scaler_and_fp32_masters(tmp_path):
     """fp16 (separate fp32 masters, dynamic loss scaler): resuming from a directory equals resuming from the
     consolidated single-file format, and the loss scaler continues from its saved state."""
