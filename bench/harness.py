@@ -326,3 +326,19 @@ def parse_interleaved_args(doc: str, allowed, default_methods, steps: int, warmu
     if args.steps < 1 or args.rounds < 1 or args.warmup < 1:
         p.error("--steps, --rounds and --warmup must be >= 1 (warmup >= 1 materializes the optimizer state)")
     return args
+
+
+def run_and_report(body, args, summarize, print_table) -> None:
+    """Launch ``body`` on the ranks, print the table (plus wall time and machine), write --json."""
+    import json
+    import time
+
+    t0 = time.perf_counter()
+    raw = launch(body, args)
+    summary = summarize(raw, args)
+    lines = print_table(summary, args)
+    lines.append(f"wall time {time.perf_counter() - t0:.0f} s; {machine_line()}")
+    print("\n".join(lines))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "summary": summary, "raw": raw}, f, indent=1)

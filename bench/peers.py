@@ -29,19 +29,16 @@ Run::
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
     ALL_METHODS,
     WORLD_SIZE,
     parse_interleaved_args,
-    launch,
+    run_and_report,
     loss_check,
-    machine_line,
     make_batches,
     run_rounds,
     summarize_methods,
@@ -112,15 +109,7 @@ def print_table(s: dict, args) -> list[str]:
 
 def main() -> None:
     args = parse_interleaved_args(__doc__, ALL_METHODS, DEFAULT_METHODS, steps=10, warmup=2)
-    t0 = time.perf_counter()
-    raw = launch(body, args)
-    s = summarize_methods(raw["methods"], bases=("ddp", "fsdp2"))
-    lines = print_table(s, args)
-    lines.append(f"wall time {time.perf_counter() - t0:.0f} s; {machine_line()}")
-    print("\n".join(lines))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": s, "raw": raw}, f, indent=1)
+    run_and_report(body, args, lambda raw, _: summarize_methods(raw["methods"], bases=("ddp", "fsdp2")), print_table)
 
 
 if __name__ == "__main__":

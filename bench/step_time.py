@@ -43,7 +43,6 @@ Run::
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -57,10 +56,9 @@ from harness import (  # noqa: E402  -- the shared bench harness (model, data, b
     TinyLM,
     WORLD_SIZE,
     parse_interleaved_args,
-    launch,
+    run_and_report,
     loss_check,
     loss_of,
-    machine_line,
     make_batches,
     method_floor,
     percentile,
@@ -174,16 +172,7 @@ def print_table(s: dict, args) -> list[str]:
 
 def main() -> None:
     args = parse_interleaved_args(__doc__, HARNESS_METHODS, ALL_METHODS, steps=15, warmup=3)
-
-    t0 = time.perf_counter()
-    results = launch(body, args)
-    s = summarize(results, args)
-    lines = print_table(s, args)
-    lines.append(f"wall time {time.perf_counter() - t0:.0f} s; {machine_line()}")
-    print("\n".join(lines))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": s, "raw": results}, f, indent=1)
+    run_and_report(body, args, summarize, print_table)
 
 
 if __name__ == "__main__":
