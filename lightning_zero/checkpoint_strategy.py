@@ -7,7 +7,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .checkpoint import (META_FILE, _remove, _slice, load_model_state, load_optimizer_state, read_info,
+from .checkpoint import (META_FILE, _remove, load_model_state, load_optimizer_state, read_info,
                          save_checkpoint_dir, sharded_model_state, sharded_optimizer_state)
 
 # -- Lightning glue ----------------------------------------------------------------------------------------------
@@ -101,13 +101,10 @@ class ZeroCheckpointMixin:
         if _LOADED_KEY in checkpoint:
             load_model_state(checkpoint[_LOADED_KEY], self.lightning_module, engine, strict)
             return
-        if engine is not None and engine.partitioner is not None:
-            # stage 3: parameters have no storage outside their unit's gather; everything goes into shards
-            _load_full_into_shards(self.lightning_module, engine, checkpoint["state_dict"], strict)
+        if engine is not None:  # a single file loaded after setup: into the module, masters and shards
+            engine.load_full_state_dict(checkpoint["state_dict"], strict=strict)
             return
         super().load_model_state_dict(checkpoint, strict=strict)
-        if engine is not None:  # a single file loaded after setup: refresh the fp32 masters from it
-            _masters_from_full(engine, checkpoint["state_dict"])
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         engine = self._zero_engine
@@ -118,25 +115,3 @@ class ZeroCheckpointMixin:
             load_optimizer_state(checkpoint[_LOADED_KEY], engine, states[0])
         else:
             engine.load_optimizer_state_dict(states[0])  # a full (consolidated) state from any world size
-
-
-@torch.no_grad()
-def _masters_from_full(engine, state_dict: Mapping[str, torch.Tensor]) -> None:
-    for name, m, spec, _ in list(engine.master_items()) + list(engine.unmanaged_shard_items()):
-        if name in state_dict:
-            m.copy_(_slice(state_dict[name].to(device=m.device, dtype=torch.float32), spec).view_as(m))
-    engine.publish_params()
-
-
-@torch.no_grad()
-def _load_full_into_shards(module, engine, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
-    """A full (single-file) state dict into a stage-3 engine: slices into masters and unit shards, buffers
-    into the module; the same key checks as ``load_state_dict(strict=True)``."""
-    expected = set(module.state_dict().keys())
-    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
-    if strict and (missing or unexpected):
-        raise RuntimeError(f"Error loading the checkpoint into {type(module).__name__}: missing keys {missing}, "
-                           f"unexpected keys {unexpected}.")
-    buffers = {n for n, _ in module.named_buffers()}
-    module.load_state_dict({k: v for k, v in state_dict.items() if k in buffers}, strict=False)
-    _masters_from_full(engine, state_dict)

@@ -89,6 +89,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
         )
         self.engine: Optional[ZeroEngine] = None
+        self._failed = False
 
     @property
     def stage(self) -> int:
@@ -242,10 +243,16 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             self._unguard()
             self._unguard = None
         if self.engine is not None:
-            self.engine.remove()
+            self.engine.remove(hand_back=not self._failed)
             self.engine = None
+        self._failed = False
         self.precision_plugin.attach(None)
         super().teardown()
+
+    def on_exception(self, exception: BaseException) -> None:
+        # teardown must not start collectives (handing a stage-3 module back) that dead ranks never join
+        self._failed = True
+        super().on_exception(exception)
 
     # -- names ------------------------------------------------------------------------------------
     @classmethod

@@ -207,3 +207,17 @@ def _root_released(rank, world_size):
 def test_after_backward_only_shards_are_held():
     for held, shards, gathered in run_distributed(_root_released, 2):
         assert gathered == 0 and held == shards
+
+
+def test_load_state_dict_into_shards_and_clear_refusal():
+    model = make_model()
+    target = {k: v.clone() + 1.0 for k, v in make_model(5).state_dict().items()}
+    engine = ZeroEngine(model, make_optimizer(model, "adamw"), ZeroConfig(stage=3, unit_classes=UNITS, persist_numel=0))
+    with pytest.raises(RuntimeError, match="only as shards.*load_full_state_dict"):
+        model.load_state_dict(target)  # would write into released storage
+    engine.load_full_state_dict(target)
+    with engine.gathered_params():
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, target[k], rtol=0, atol=0)
+    masters = dict(zip(engine.param_names(), engine.full_master_params()))
+    torch.testing.assert_close(masters["fc1.weight"], target["fc1.weight"], rtol=0, atol=0)

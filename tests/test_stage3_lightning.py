@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
@@ -68,3 +69,26 @@ def test_configure_model_on_meta_equals_eager(tmp_path):
         lazy = torch.load(tmp_path / f"1_rank{rank}.pt")
         assert lazy["meta_at_build"] is True
         torch.testing.assert_close(torch.tensor(lazy["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-6)
+
+
+class Diverging(Regressor):
+    """Rank 1 runs an extra unit on its third step: its collectives would no longer match rank 0's."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__(out, deferred=False)
+        self.extra = nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.global_step == 2:
+            loss = loss + self.extra(loss.reshape(1, 1)).sum()
+        return loss
+
+
+@pytest.mark.timeout(120)
+def test_diverging_rank_fails_fast_with_a_clear_error(tmp_path):
+    strategy = ZeroStrategy(stage=3, unit_classes=["Linear"], persist_numel=0, start_method="fork")
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=5, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(Exception, match="RankDivergenceError"):
+        trainer.fit(Diverging(str(tmp_path)))

@@ -323,10 +323,18 @@ class ZeroEngine(FullStateMixin):
             r.host += part.shard_bytes()
         return r
 
-    def remove(self) -> None:
-        """Detach hooks; a stage-3 module is first handed back whole (see restore_fp32_module)."""
+    def remove(self, hand_back: bool = True) -> None:
+        """Detach hooks; a stage-3 module is first handed back whole (see restore_fp32_module).
+
+        ``hand_back=False`` skips that collective: after a failure other ranks may be gone, and waiting for
+        them would turn an error into a hang. The stage-3 module then stays partitioned (unusable).
+        """
         if self.partitioner is not None:
-            self._unpartition()
+            if hand_back:
+                self._unpartition()
+            else:
+                self.partitioner.remove_hooks()
+                self.partitioner = None
         if self.reducer is not None:
             self.reducer.remove_hooks()
 

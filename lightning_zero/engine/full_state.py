@@ -114,7 +114,9 @@ class FullStateMixin:
             names.setdefault(id(p), name)
         out = []
         for u in self.partitioner.units:
-            for p, view, spec in zip(u.params, u.local_views(), u.layout.specs if u.layout else []):
+            if not u.params:
+                continue
+            for p, view, spec in zip(u.params, u.local_views(), u.layout.specs):
                 if id(p) not in managed:
                     out.append((names[id(p)], view, spec, p.shape))
         return out
@@ -126,3 +128,26 @@ class FullStateMixin:
     def load_optimizer_state_dict(self, state: dict) -> None:
         """Load a full optimizer state (from any world size or stage) into this rank's shards."""
         load_sharded_optimizer_state(self, state)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
+        """Load a full (unsharded) state dict: into the module, the fp32 masters and, under stage 3, the
+        unit shards (a stage-3 parameter has no storage of its own to write into). Same key checks as
+        ``load_state_dict(strict=True)``; no collective except the stage 1-2 all-gather of the result."""
+        module = self.module
+        if self.partitioner is None:
+            module.load_state_dict(state_dict, strict=strict)
+        else:
+            expected = set(module.state_dict().keys())
+            missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+            if strict and (missing or unexpected):
+                raise RuntimeError(f"Error loading a state dict into {type(module).__name__}: missing keys "
+                                   f"{missing}, unexpected keys {unexpected}.")
+            buffers = {n for n, _ in module.named_buffers()}
+            module.load_state_dict({k: v for k, v in state_dict.items() if k in buffers}, strict=False)
+        for name, m, spec, _ in list(self.master_items()) + list(self.unmanaged_shard_items()):
+            if name in state_dict:
+                flat = state_dict[name].to(device=m.device, dtype=torch.float32).reshape(-1)
+                m.copy_((flat if spec.world_size == 1 else flat[spec.lo : spec.hi]).view_as(m))
+        if self.sharded is not None or self.partitioner is not None:
+            self.publish_params() if self.sharded is not None else self.partitioner.after_step()

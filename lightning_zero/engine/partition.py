@@ -191,6 +191,19 @@ class ParamPartitioner:
         owners[id(self.module)] = self.module
         for m in owners.values():
             self._handles.append(m.register_forward_pre_hook(lambda *_: self.gather(self.root)))
+        self._handles.append(self.module.register_load_state_dict_pre_hook(self._refuse_load_into_released))
+
+    def _refuse_load_into_released(self, module, state_dict, prefix, *_args) -> None:
+        """``load_state_dict`` would copy into parameters whose storage is released (a crash, or values
+        lost at the next release): point to the loader that writes into the shards instead."""
+        released = [n for n, p in module.named_parameters(prefix.rstrip("."))  # names carry the prefix
+                    if n in state_dict and p.numel() and p.untyped_storage().nbytes() == 0]
+        if released and not self._materialized:
+            raise RuntimeError(
+                f"ZeRO-3 holds {len(released)} of these parameters only as shards (e.g. '{released[0]}'); "
+                "load_state_dict cannot write into them. Use engine.load_full_state_dict(state_dict) "
+                "(trainer.strategy.engine under Lightning) or fit/validate(ckpt_path=...)."
+            )
 
     def _tracking(self, u: Unit) -> bool:
         return (self.order_check == "strict" and u.module.training and torch.is_grad_enabled()
