@@ -133,3 +133,36 @@ def test_engine_world_size_4_stage2():
             _assert_close(norms, ref_norms)
             for name in ref_params:
                 _assert_close(params[name], ref_params[name])
+
+
+def _clip_value_run(rank, world_size, stage):
+    out = []
+    for zero in (False, True):
+        model = make_model()
+        opt = make_optimizer(model, "sgd")
+        runner = model if zero else DDP(model, find_unused_parameters=True)
+        engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, **_units(stage))) if zero else None
+        for step in range(4):
+            loss_fn(runner, batch(step, rank), _uses_sometimes(rank, step) and stage < 3).backward()
+            if zero:
+                engine.clip_grad_value_(0.01)
+                engine.step()
+            else:
+                torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+                opt.step()
+                opt.zero_grad()
+        if zero:
+            engine.restore_fp32_module()
+        out.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return out
+
+
+def _units(stage):
+    return dict(unit_classes=["fc1", "fc2", "frozen"], persist_numel=0) if stage == 3 else {}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_clip_by_value_matches_ddp(stage):
+    for ref, got in run_distributed(_clip_value_run, 2, stage):
+        for k in ref:
+            _assert_close(got[k], ref[k])
