@@ -144,3 +144,21 @@ def test_restore_fp32_module_returns_masters():
     assert all(p.dtype == torch.float32 for p in model.parameters())
     for p, m in zip(engine.bucket_params, masters):
         torch.testing.assert_close(p.detach().reshape(-1), m.reshape(-1), rtol=0, atol=0)
+
+
+def test_unscale_uses_the_scale_the_gradients_were_made_with():
+    """When the dynamic scaler grows at this step, the update must still divide by the old scale."""
+    def run(window):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = DynamicLossScaler(init_scale=2.0**4, scale_window=window)
+        engine = ZeroEngine(model, opt, ZeroConfig(stage=1), compute_dtype=torch.float16, loss_scaler=scaler)
+        engine.scale_loss(loss_fn(model, batch(0, 0), False).float()).backward()
+        engine.step()
+        return engine.loss_scale, {k: v.clone() for k, v in model.state_dict().items()}
+
+    grown, a = run(window=1)  # the scale doubles during this very step
+    kept, b = run(window=1000)
+    assert grown == 2.0**5 and kept == 2.0**4
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)

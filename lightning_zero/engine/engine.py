@@ -239,6 +239,7 @@ class ZeroEngine(FullStateMixin):
         (only when a loss scaler or ``check_finite`` is active); every rank then skips together.
         """
         self.finalize_grads()
+        inv_scale = 1.0 / self.loss_scale  # the scale the gradients carry; update() below may change it
         overflow = False
         if self.check_finite:
             overflow = not bool(torch.isfinite(self._global_sq_norm()))
@@ -249,7 +250,7 @@ class ZeroEngine(FullStateMixin):
         self.last_step_skipped = skip
         self.skipped_steps += int(skip)
         if not skip:
-            coef = (1.0 / self.loss_scale) * (self._clip_coef if self._clip_coef is not None else 1.0)
+            coef = inv_scale * (self._clip_coef if self._clip_coef is not None else 1.0)
             self.sharded.scale_grads(coef)
             if self._clip_value is not None:
                 self.sharded.clamp_grads(self._clip_value)
