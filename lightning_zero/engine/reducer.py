@@ -68,7 +68,6 @@ class GradReducer:
         # the device so reading it never stalls the host mid-backward)
         self._used: list[Optional[torch.Tensor]] = [None] * len(buckets)
         self._ready = [0] * len(buckets)
-        self._launched = [False] * len(buckets)
         self._next = 0
         self._pending: list[tuple] = []
         self._in_backward = False
@@ -106,7 +105,6 @@ class GradReducer:
 
     def _begin_cycle(self) -> None:
         self._ready = [0] * len(self.buckets)
-        self._launched = [False] * len(self.buckets)
         self._next = 0
 
     def _launch_in_order(self, upto_ready: bool) -> None:
@@ -168,7 +166,7 @@ class GradReducer:
         if self.stage == 0:
             for p, red in zip(b.params, b.full_views(out)):
                 if p.grad is None:
-                    p.grad = red.to(p.dtype).clone()
+                    p.grad = red.to(p.dtype, copy=True)
                 else:
                     p.grad.copy_(red)
             return
