@@ -73,6 +73,7 @@ class ParamPartitioner:
         self._pos = 0
         self._materialized = 0
         self.peak_gathered_bytes = 0
+        self._held = 0
         self.prefetches = 0
         self._handles: list[Any] = []
         self._shard_all()
@@ -120,9 +121,9 @@ class ParamPartitioner:
         return sum(u.shard.numel() * u.shard.element_size() for u in self.units if u.shard is not None)
 
     def gathered_bytes(self) -> int:
-        """Bytes of full parameters held now, counting all-gather buffers still in flight."""
-        held = sum(u.full_bytes for u in self.units if u.gathered)
-        return held + sum(u.pending[1].numel() * u.pending[1].element_size() for u in self.units if u.pending)
+        """Bytes of full parameters held now, counting all-gather buffers still in flight (kept as a
+        running count: this is asked at every gather)."""
+        return self._held
 
     # -- gather / release -----------------------------------------------------------------------------
     def _launch_gather(self, u: Unit) -> None:
@@ -133,7 +134,8 @@ class ParamPartitioner:
         send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
         out = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=self.device)
         u.pending = (C.all_gather(out, send, group=self.group, async_op=True), out)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+        self._held += out.numel() * out.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held)
 
     def _check_same_unit(self, u: Unit) -> None:
         if self.world_size == 1:
@@ -160,7 +162,9 @@ class ParamPartitioner:
         u.layout.unpack_rank_major(out, [p.data for p in u.params])
         u.pending = None
         u.gathered = True
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+        self._held += u.full_bytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held)
+        self._held -= out.numel() * out.element_size()  # the gather buffer is dropped on return
 
     def gather(self, u: Unit) -> None:
         self._launch_gather(u)
@@ -175,6 +179,7 @@ class ParamPartitioner:
             for p in u.params:
                 p.data.untyped_storage().resize_(0)
             u.gathered = False
+            self._held -= u.full_bytes
 
     def release_all(self, include_persistent: bool = False) -> None:
         for u in self.units:
