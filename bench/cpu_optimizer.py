@@ -34,6 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import deepspeed_peer  # noqa: E402
 from harness import (  # noqa: E402
     add_model_args,
     build,
@@ -47,6 +48,7 @@ from harness import (  # noqa: E402
 )
 
 KERNELS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "single-tensor": dict(foreach=False)}
+DS_KERNEL = "deepspeed-cpu"  # DeepSpeedCPUAdam (AdamW mode), a row of its own when DeepSpeed is installed
 OFFLOAD_METHODS = ("zero2", "zero2_offload", "zero2_fused", "zero3", "zero3_offload", "zero3_fused")
 
 
@@ -59,14 +61,17 @@ def kernel_bench(numel: int, tensors: int, repeats: int, threads: int) -> dict:
     base = [torch.randn(n, generator=g) * 0.02 for n in sizes]
     grads = [torch.randn(n, generator=g) * 1e-3 for n in sizes]
     runs = {}
-    for name, kw in KERNELS.items():
+    hyper = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    kernels = dict(KERNELS, **({DS_KERNEL: None} if deepspeed_peer.available() else {}))
+    for name, kw in kernels.items():
         params = [torch.nn.Parameter(b.clone()) for b in base]
         for p, gr in zip(params, grads):
             p.grad = gr  # shared, read-only for the optimizer
-        opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01, **kw)
+        opt = (deepspeed_peer.cpu_adam(params, **hyper) if kw is None
+               else torch.optim.AdamW(params, **hyper, **kw))
         opt.step()  # materializes exp_avg / exp_avg_sq (untimed)
         runs[name] = (params, opt)
-    times = {k: [] for k in KERNELS}
+    times = {k: [] for k in kernels}
     for _ in range(repeats):
         for name, (_, opt) in runs.items():
             t0 = time.perf_counter()
@@ -129,6 +134,10 @@ def main() -> None:
     speedup = ks["fused"]["params_per_s"] / ks["foreach"]["params_per_s"]
     lines += ["", f"fused / foreach = {speedup:.2f}x (target >= 5x: {'met' if speedup >= 5 else 'NOT met'}); "
                   f"fused / single-tensor = {ks['fused']['params_per_s'] / ks['single-tensor']['params_per_s']:.2f}x"]
+    if DS_KERNEL in ks:
+        lines.append(f"fused / DeepSpeed CPU Adam = {ks['fused']['params_per_s'] / ks[DS_KERNEL]['params_per_s']:.2f}x")
+    else:
+        lines.append(f"DeepSpeed CPU Adam row left out: DeepSpeed is not installed ({deepspeed_peer.INSTALL_HINT})")
     out = {"kernels": k}
     if not args.skip_offload:
         raw = launch(offload_body, args)

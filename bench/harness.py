@@ -31,12 +31,14 @@ from lightning_zero.engine.memory import model_state_floor
 # Runner, the launcher and machine_line live in the package, shared with the autotuner (lightning-zero tune)
 from lightning_zero.tuning.harness import Runner, _entry, launch, machine_line  # noqa: F401
 
+from deepspeed_peer import DS_METHODS, build_deepspeed  # noqa: E402 -- bench/ is on sys.path
+
 WORLD_SIZE = 2
 ADAM_STATE_BYTES = 8  # two fp32 moments per element
 
 ZERO_METHODS = ("zero0", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload")
 PEER_METHODS = ("ddp", "zero_opt", "fsdp2", "fsdp2_noreshard", "fsdp2_offload")
-ALL_METHODS = PEER_METHODS + ZERO_METHODS
+ALL_METHODS = PEER_METHODS + ZERO_METHODS + DS_METHODS  # ds_*: optional, see deepspeed_peer.py
 
 
 # -- model and data -----------------------------------------------------------------------------------
@@ -102,6 +104,8 @@ def make_adamw(params, args) -> torch.optim.Optimizer:
 def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: type = BLOCK_CLASS,
           compute_dtype: Optional[torch.dtype] = None) -> Runner:
     """A fresh model + AdamW under ``method``, seeded identically on every rank and every call."""
+    if method in DS_METHODS:
+        return build_deepspeed(method, args, make_model)
     torch.manual_seed(args.seed)
     model = make_model(args)
     bucket_mb = getattr(args, "bucket_mb", 25.0)
@@ -148,7 +152,7 @@ def train_step(r: Runner, x: torch.Tensor, vocab: int, marks: Optional[list] = N
     loss = loss_of(r.module, x, vocab)
     if marks is not None:
         marks.append(time.perf_counter())
-    loss.backward()  # DDP: bucketed all-reduce; zero0: all-reduce; zero1-3 / FSDP2: reduce-scatter
+    r.backward(loss)
     if marks is not None:
         marks.append(time.perf_counter())
     r.step()
@@ -240,7 +244,7 @@ def method_floor(method: str, numel: int, world_size: int = WORLD_SIZE, mixed: b
     """DESIGN.md floor (fp32, Adam K=8, offloaded bytes in 'host'); peers map to the ZeRO stage they match."""
     stage = {"ddp": 0, "zero_opt": 1, "fsdp2": 3, "fsdp2_noreshard": 3, "fsdp2_offload": 3}.get(method)
     if stage is None:
-        stage = int(method[4])
+        stage = int(method.removeprefix("ds_")[4])
     off = method.endswith("_offload") and not method.startswith("fsdp2")  # FSDP2 keeps no separate master
     return model_state_floor(stage, numel, world_size, mixed=mixed, state_bytes=ADAM_STATE_BYTES,
                              offload_optimizer=off)

@@ -65,6 +65,9 @@ class Runner:
         if self.engine is not None:
             self.engine.sync_buffers()  # ZeroStrategy.training_step does this (DDP broadcasts in forward)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()  # DDP: bucketed all-reduce; zero0: all-reduce; zero1-3 / FSDP2: reduce-scatter
+
     def step(self) -> None:
         if self.engine is not None:
             self.engine.step()
@@ -75,7 +78,7 @@ class Runner:
     def measure_memory(self, loss_closure: Callable[[nn.Module], torch.Tensor]) -> dict:
         """Model-state bytes on this rank after a backward, before the step (optimizer state present)."""
         self.pre()
-        loss_closure(self.module).backward()
+        self.backward(loss_closure(self.module))
         mem = self.state_bytes()
         self.zero_grad()
         return mem
