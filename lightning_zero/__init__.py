@@ -13,6 +13,7 @@ from .engine import (
     model_state_floor,
     register_shardable_optimizer,
 )
+from .deepspeed_config import DeepSpeedConfigError, DeepSpeedWarmupLR, from_deepspeed_config
 from .engine.partition import RankDivergenceError
 from .estimate import estimate_model_states
 from .precision import ZeroPrecision
@@ -34,6 +35,8 @@ def _register() -> None:
 _register()
 
 __all__ = [
+    "DeepSpeedConfigError",
+    "DeepSpeedWarmupLR",
     "DynamicLossScaler",
     "LossScalerError",
     "RankDivergenceError",
@@ -44,6 +47,7 @@ __all__ = [
     "ZeroStrategy",
     "__version__",
     "estimate_model_states",
+    "from_deepspeed_config",
     "model_state_floor",
     "register_shardable_optimizer",
     "tune",

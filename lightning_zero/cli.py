@@ -1,9 +1,10 @@
-"""``lightning-zero`` console command. Subcommands: ``consolidate``, ``estimate``, ``tune``.
+"""``lightning-zero`` console command. Subcommands: ``consolidate``, ``estimate``, ``tune``, ``from-deepspeed``.
 
     lightning-zero consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16]
     lightning-zero estimate --model t5_large --ranks 8 --precision bf16-mixed --batch-size 8 --device-memory 24
     lightning-zero estimate --params 1.5e9 --ranks 16 --nodes 2 --optimizer sgd
     lightning-zero tune --memory-mb 12 --out tuned.overrides model=t5_tiny trainer.devices=2
+    lightning-zero from-deepspeed ds_config.json --world-size 2 --out ds.overrides
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_consolidate)
     _add_estimate(sub)
     _add_tune(sub)
+    _add_from_deepspeed(sub)
     return parser
 
 
@@ -152,11 +154,42 @@ def _add_tune(sub) -> None:
     p.set_defaults(func=_tune)
 
 
+def _from_deepspeed(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .deepspeed_config import from_deepspeed_config
+
+    overrides, notes = from_deepspeed_config(args.config, world_size=args.world_size).hydra_overrides()
+    for n in notes:
+        print(f"note: {n}", file=sys.stderr)
+    if args.out:
+        Path(args.out).write_text("\n".join(overrides) + "\n")
+        print(f"wrote {len(overrides)} overrides to {args.out}: python examples/t5_finetune.py $(cat {args.out})",
+              file=sys.stderr)
+    else:
+        print("\n".join(overrides))
+    return 0
+
+
+def _add_from_deepspeed(sub) -> None:
+    p = sub.add_parser(
+        "from-deepspeed", help="translate a DeepSpeed JSON config into the T5 recipe's Hydra overrides",
+        description="Read a DeepSpeed config (zero_optimization, fp16/bf16, gradient_clipping, "
+        "gradient_accumulation_steps, micro-batch, optimizer, scheduler) and print the equivalent Hydra "
+        "overrides of examples/t5_finetune.py, one per line; keys with no effect here and settings the recipe "
+        "cannot take go to stderr as notes; unsupported settings are refused. From Python: "
+        "lightning_zero.from_deepspeed_config(path).make_strategy().")
+    p.add_argument("config", help="DeepSpeed JSON config file")
+    p.add_argument("--world-size", type=int, default=None, help="checks / derives the micro-batch from train_batch_size")
+    p.add_argument("--out", default=None, help="write the overrides to this file instead of stdout")
+    p.set_defaults(func=_from_deepspeed)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError) as err:  # DeepSpeedConfigError and JSON errors are ValueErrors
         print(f"lightning-zero {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,207 @@
+"""A DeepSpeed JSON config becomes the same run here: ZeRO settings, precision and loss scaler, Trainer flags,
+micro-batch, optimizer and LR schedule (DeepSpeed's formulas), recipe overrides; unsupported settings are refused."""
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero import (DeepSpeedConfigError, DeepSpeedWarmupLR, ZeroPrecision, ZeroStrategy,
+                            from_deepspeed_config)
+from lightning_zero.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+HF_STYLE = {  # the shape of the configs HF / DeepSpeed users keep (stage 3 offload, bf16)
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+    "gradient_accumulation_steps": 4, "gradient_clipping": 1.0, "steps_per_print": 2000,
+    "bf16": {"enabled": True}, "fp16": {"enabled": False},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+        "contiguous_gradients": True, "reduce_bucket_size": 2**20, "stage3_param_persistence_threshold": 5000,
+        "stage3_gather_16bit_weights_on_model_save": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.98], "eps": 1e-6, "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupDecayLR",
+                  "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-4, "warmup_num_steps": 10,
+                             "total_num_steps": 100, "warmup_type": "linear"}},
+}
+
+
+def test_hf_style_config_translates_key_by_key():
+    t = from_deepspeed_config(HF_STYLE)
+    assert t.strategy == {"stage": 3, "offload_optimizer": True, "offload_params": True,
+                          "bucket_mb": 2.0, "persist_numel": 5000}  # 2**20 bf16 elements = 2 MiB
+    assert t.precision == "bf16-mixed" and t.precision_kwargs == {}
+    assert t.trainer == {"accumulate_grad_batches": 4, "gradient_clip_val": 1.0}
+    assert t.micro_batch_size is None  # "auto" = not set
+    assert t.optimizer == (torch.optim.AdamW, {"lr": 3e-4, "betas": (0.9, 0.98), "eps": 1e-6, "weight_decay": 0.1})
+    assert set(t.ignored) == {"steps_per_print", "zero_optimization.overlap_comm",
+                              "zero_optimization.contiguous_gradients",
+                              "zero_optimization.stage3_gather_16bit_weights_on_model_save"}
+    s = t.make_strategy(start_method="fork")
+    assert isinstance(s, ZeroStrategy)
+    assert (s.zero_config.stage, s.zero_config.offload_optimizer, s.zero_config.offload_params) == (3, True, True)
+    assert s.zero_config.bucket_mb == 2.0 and s.zero_config.persist_numel == 5000
+    assert isinstance(s.precision_plugin, ZeroPrecision) and s.precision_plugin.precision == "bf16-mixed"
+
+
+def test_fp16_scaler_settings_reach_the_precision_plugin():
+    t = from_deepspeed_config({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
+                                        "loss_scale_window": 500, "hysteresis": 4, "min_loss_scale": 8}})
+    assert t.precision == "16-mixed" and t.strategy["stage"] == 0
+    scaler = t.make_precision()._scaler_args
+    assert scaler["init_scale"] == 2.0**12 and scaler["scale_window"] == 500
+    assert scaler["hysteresis"] == 4 and scaler["min_scale"] == 8
+    static = from_deepspeed_config({"fp16": {"enabled": True, "loss_scale": 128}}).make_precision()
+    assert static._static_scale == 128.0
+
+
+def test_deepspeed_adam_is_adamw_unless_told_otherwise():
+    adamw = from_deepspeed_config({"optimizer": {"type": "Adam", "params": {"lr": 1e-4}}}).optimizer
+    assert adamw == (torch.optim.AdamW, {"lr": 1e-4, "weight_decay": 0.0})  # DeepSpeed's default decay is 0
+    adam = from_deepspeed_config({"optimizer": {"type": "Adam", "params": {"lr": 1e-4, "adam_w_mode": False,
+                                                                           "weight_decay": 0.01}}}).optimizer
+    assert adam == (torch.optim.Adam, {"lr": 1e-4, "weight_decay": 0.01})
+
+
+def test_train_batch_size_derives_and_checks_the_micro_batch():
+    cfg = {"train_batch_size": 64, "gradient_accumulation_steps": 2}
+    assert from_deepspeed_config(cfg, world_size=4).micro_batch_size == 8
+    with pytest.raises(DeepSpeedConfigError, match="not a multiple of gradient_accumulation_steps x world size = 6"):
+        from_deepspeed_config(cfg, world_size=3)
+    with pytest.raises(DeepSpeedConfigError, match="micro batch 4 x accumulation 2 x world size 4"):
+        from_deepspeed_config({**cfg, "train_micro_batch_size_per_gpu": 4}, world_size=4)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"zero_optimization": {"stage": 4}}, "Allowed stages: 0, 1, 2, 3"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_params with stage 3 only"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "stage 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
+     "offload_param.device='nvme' is not supported. Allowed: 'cpu', 'none'"),
+    ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}}, r"unsupported key\(s\) \['zero_hpz"),
+    ({"pipeline": {"stages": 2}}, r"top level: unsupported key\(s\) \['pipeline'\]"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),
+    ({"optimizer": {"type": "Lamb", "params": {}}}, "Allowed: Adam, AdamW, SGD, Adagrad"),
+    ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "betas": [0.9, 0.9]}}}, "do not fit SGD"),
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, "Allowed: WarmupLR, WarmupDecayLR"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}}, "needs total_num_steps"),
+])
+def test_unsupported_settings_are_refused_naming_what_is_allowed(cfg, match):
+    with pytest.raises(DeepSpeedConfigError, match=match):
+        from_deepspeed_config(cfg)
+
+
+def _deepspeed_lr(it, typ, lo, hi, warm, total):
+    """DeepSpeed's WarmupLR / WarmupDecayLR (runtime/lr_schedules.py), written out for iteration ``it``."""
+    if it < 0:
+        return lo
+    warm = max(2, warm)
+    if it < warm:
+        gamma = math.log(it + 1) / math.log(warm) if typ == "log" else it / warm
+    elif total is None:
+        gamma = 1.0
+    else:
+        gamma = max(0.0, (total - it) / max(1.0, total - warm))
+    return lo + (hi - lo) * gamma
+
+
+@pytest.mark.parametrize("typ", ["log", "linear"])
+@pytest.mark.parametrize("total", [None, 30])
+def test_warmup_schedules_follow_deepspeed_formulas(typ, total):
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+    kind = "WarmupLR" if total is None else "WarmupDecayLR"
+    sched = DeepSpeedWarmupLR(opt, type=kind, warmup_min_lr=0.01, warmup_max_lr=0.2, warmup_num_steps=10,
+                              warmup_type=typ, total_num_steps=total)
+    seen = []
+    for _ in range(40):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    want = [_deepspeed_lr(i - 1, typ, 0.01, 0.2, 10, total) for i in range(40)]
+    assert seen[0] == pytest.approx(0.01)  # DeepSpeed's first step runs at warmup_min_lr
+    assert seen == pytest.approx(want, rel=1e-12, abs=1e-15)
+    ds = _deepspeed_schedules()
+    if ds is not None:  # DeepSpeed installed (bench extra): its own class gives the same trajectory
+        opt2 = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.5)
+        kw = dict(warmup_min_lr=0.01, warmup_max_lr=0.2, warmup_num_steps=10, warmup_type=typ)
+        ref = ds.WarmupLR(opt2, **kw) if total is None else ds.WarmupDecayLR(opt2, total_num_steps=total, **kw)
+        theirs = []
+        for _ in range(40):
+            theirs.append(opt2.param_groups[0]["lr"])
+            ref.step()
+        assert seen == pytest.approx(theirs, rel=1e-12, abs=1e-15)
+
+
+def _deepspeed_schedules():
+    try:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.runtime import lr_schedules
+        return lr_schedules
+    except Exception:  # noqa: BLE001 -- DeepSpeed is an optional bench peer, not a test dependency
+        return None
+
+
+class _Tiny(LightningModule):
+    def __init__(self, translation):
+        super().__init__()
+        self.t = translation
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.lrs, self.stages = [], []
+
+    def training_step(self, batch, _):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.stages.append(self.trainer.strategy.engine.config.stage)
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return self.t.configure_optimizers(self.parameters())
+
+
+def test_translated_run_trains_with_deepspeed_schedule(tmp_path):
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.5, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4,
+                                                        "warmup_type": "linear"}}}
+    t = from_deepspeed_config(cfg, world_size=1)
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    model = _Tiny(t)
+    trainer = Trainer(strategy=t.make_strategy(), accelerator="cpu", devices=1, max_steps=6, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(tmp_path), **t.trainer)
+    trainer.fit(model, DataLoader(data, batch_size=t.micro_batch_size))
+    assert trainer.global_step == 6 and trainer.gradient_clip_val == 0.5
+    assert model.lrs == pytest.approx([_deepspeed_lr(i - 1, "linear", 0.0, 1e-2, 4, None) for i in range(6)])
+    assert model.stages == [2] * 6  # every step ran through the ZeRO-2 engine
+
+
+def test_overrides_compose_into_the_recipe_and_cli_writes_them(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from hydra import compose, initialize_config_dir
+    from t5_config import validate_schema
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(HF_STYLE))
+    out = tmp_path / "ds.overrides"
+    assert cli_main(["from-deepspeed", str(path), "--out", str(out)]) == 0
+    overrides = out.read_text().split()
+    err = capsys.readouterr().err
+    assert "note: steps_per_print: no effect here" in err and "scheduler WarmupDecayLR" in err
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("t5_finetune", overrides=overrides)
+    validate_schema(cfg)
+    assert (cfg.strategy.stage, cfg.strategy.offload_params, cfg.trainer.precision) == (3, True, "bf16-mixed")
+    assert (cfg.trainer.accumulate_grad_batches, cfg.optim.warmup_steps, cfg.optim.total_steps) == (4, 10, 100)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 7}}))
+    assert cli_main(["from-deepspeed", str(bad)]) == 2
+    assert "Allowed stages: 0, 1, 2, 3" in capsys.readouterr().err
