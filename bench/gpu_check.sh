@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks for lightning_zero, for a CUDA machine with no network (one H200 lent through a remote tool).
-#   1. the CUDA-marked tests:             python -m pytest -m cuda -q   (none selected yet -> passes)
+#   1. the CUDA-marked tests:             python -m pytest -m cuda -q   (tests/test_cuda.py)
 #   2. the reference table on t5-large:   bench/seed_table.py --model t5_large --cap-gb 24, 1 GPU
 #   3. t5-3b dimensions under a 24 GB cap: DDP at batch 1 (expected OOM), then the largest batch of
 #      zero3_offload / zero2_offload (bf16 compute, fp32 master + Adam on the CPU)
@@ -36,12 +36,12 @@ log "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,nohe
 log "$(python -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(), "| transformers", transformers.__version__)' 2>&1)"
 log "nproc $(nproc)"
 
-# 1. CUDA-marked tests. pytest exits 5 when nothing is selected: that counts as a pass here.
+# 1. CUDA-marked tests (tests/test_cuda.py). pytest's exit 5 (nothing selected) would mean the marker was lost.
 log ""
 log "=== cuda tests (timeout 60s) ==="
 timeout --kill-after=10 60 python -m pytest -m cuda -q -p no:cacheprovider 2>&1 | tail -25 | tee -a "$RES"
 rc=${PIPESTATUS[0]}
-if [ "$rc" = 5 ]; then log "=== cuda tests: no test is marked cuda yet (pytest rc 5) -> OK ==="
+if [ "$rc" = 5 ]; then log "=== cuda tests: NONE SELECTED (pytest rc 5): the cuda marker is missing ==="
 elif [ "$rc" = 0 ]; then log "=== cuda tests: passed ==="
 else log "=== cuda tests: FAILED rc=$rc ==="; fi
 
