@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -91,16 +91,30 @@ class DeepSpeedRunner(Runner):
         self.module.zero_grad()
 
     def state_bytes(self, finalize: bool = True) -> dict:
+        """Everything reachable from the engine; ``host`` = what an offloaded run keeps in CPU memory."""
         total = reachable_tensor_bytes(self.module)
-        return {"params": 0, "grads": 0, "grad_shards": 0, "master": 0, "optimizer_state": 0, "host": 0,
+        host = 0
+        if self.method.endswith("_offload"):  # fp32 partitions + optimizer state (+ stage 3 param shards)
+            opt = self.opt
+            roots = [getattr(opt, "single_partition_of_fp32_groups", None),  # stages 1-2
+                     getattr(opt, "fp32_partitioned_groups_flat", None),  # stage 3
+                     getattr(getattr(opt, "optimizer", None), "state", None)]
+            if self.method.startswith("ds_zero3"):
+                roots += [p.ds_tensor for p in self.model.parameters() if hasattr(p, "ds_tensor")]
+            host = reachable_tensor_bytes([r for r in roots if r is not None])
+        return {"params": 0, "grads": 0, "grad_shards": 0, "master": 0, "optimizer_state": 0, "host": host,
                 "model_states": total}
 
     def close(self) -> None:
         self.module.destroy()
 
 
-def build_deepspeed(method: str, args, make_model: Callable[[object], nn.Module]) -> DeepSpeedRunner:
-    """``method`` from :data:`DS_METHODS`; the model and AdamW hyper-parameters match ``harness.build``."""
+def build_deepspeed(method: str, args, make_model: Callable[[object], nn.Module],
+                    compute_dtype: Optional[torch.dtype] = None) -> DeepSpeedRunner:
+    """``method`` from :data:`DS_METHODS`; the model and AdamW hyper-parameters match ``harness.build``.
+
+    ``compute_dtype=torch.bfloat16`` turns on DeepSpeed's bf16 mode (bf16 params, fp32 master partitions).
+    """
     if method not in DS_METHODS:
         raise ValueError(f"unknown DeepSpeed method {method!r}; allowed: {', '.join(DS_METHODS)}")
     if not available():
@@ -122,8 +136,12 @@ def build_deepspeed(method: str, args, make_model: Callable[[object], nn.Module]
         # partition every parameter, as our stage 3 and FSDP2 do (DeepSpeed keeps params < 1e5 whole by default)
         zero.update(stage3_prefetch_bucket_size=bucket, stage3_param_persistence_threshold=0)
     adamw = {"lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.01}
-    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+    config = {"train_micro_batch_size_per_gpu": getattr(args, "batch", 1), "gradient_accumulation_steps": 1,
               "zero_optimization": zero, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False}
+    if compute_dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    elif compute_dtype is not None:
+        raise ValueError(f"DeepSpeed peer: compute_dtype {compute_dtype} not offered (None or torch.bfloat16)")
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         if stage == 3:

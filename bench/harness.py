@@ -105,7 +105,7 @@ def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: t
           compute_dtype: Optional[torch.dtype] = None) -> Runner:
     """A fresh model + AdamW under ``method``, seeded identically on every rank and every call."""
     if method in DS_METHODS:
-        return build_deepspeed(method, args, make_model)
+        return build_deepspeed(method, args, make_model, compute_dtype)
     torch.manual_seed(args.seed)
     model = make_model(args)
     bucket_mb = getattr(args, "bucket_mb", 25.0)

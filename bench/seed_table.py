@@ -7,7 +7,11 @@ sharded DDP, DeepSpeed with and without CPU offload. This script fills the same 
 * ``zero1``, ``zero2``, ``zero3`` ``ZeroEngine`` fp32 (stage 3: one unit per ``T5Block``);
 * ``zero2_bf16``, ``zero3_bf16``: ``compute_dtype=torch.bfloat16`` (bf16 params/grads, fp32 master shards);
 * ``zero2_offload``, ``zero3_offload`` (optimizer offload; stage 3 also offloads the param shards), and
-  their ``_bf16`` variants (used for t5-3b on a GPU).
+  their ``_bf16`` variants (used for t5-3b on a GPU);
+* ``ds_zero2``, ``ds_zero3``, ``ds_zero2_offload``, ``ds_zero3_offload`` (+ ``_bf16``): DeepSpeed's engines,
+  the reference table's own method (optional: in the defaults when DeepSpeed is installed; see
+  ``deepspeed_peer.py``). Their CPU bytes are every storage reachable from the engine (buckets included)
+  minus the offloaded partitions; parameters DeepSpeed gathers during stage 3's forward are not counted.
 
 Model: ``T5ForConditionalGeneration`` built from ``examples/t5_module.make_t5_config(--model)`` (random
 init, nothing downloaded), AdamW, synthetic token batches (``--src-len`` / ``--tgt-len``, different per
@@ -56,12 +60,17 @@ from torch import nn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+import deepspeed_peer  # noqa: E402
 from harness import build, launch, machine_line  # noqa: E402
 # the probe / search / timing code is the package's, shared with `lightning-zero tune`
 from lightning_zero.tuning.harness import Trial, search, t5_batch, timed  # noqa: E402
 
 CPU_METHODS = ("ddp", "ddp_bf16", "zero1", "zero2", "zero2_bf16", "zero3", "zero2_offload", "zero3_offload")
-ALL_METHODS = CPU_METHODS + ("zero3_bf16", "zero2_offload_bf16", "zero3_offload_bf16")
+DS_TABLE_METHODS = ("ds_zero2", "ds_zero3", "ds_zero2_offload", "ds_zero3_offload")
+ALL_METHODS = CPU_METHODS + ("zero3_bf16", "zero2_offload_bf16", "zero3_offload_bf16") + DS_TABLE_METHODS \
+    + tuple(f"{m}_bf16" for m in DS_TABLE_METHODS)
+if deepspeed_peer.available():
+    CPU_METHODS += DS_TABLE_METHODS
 
 
 def t5_config(args):

@@ -267,7 +267,7 @@ class Trial:
             with sync:
                 with self.amp(), (saved.hooks() if saved else contextlib.nullcontext()):
                     loss = self.loss_fn(r.module, batch)
-                (loss if accumulate == 1 else loss / accumulate).backward()
+                r.backward(loss if accumulate == 1 else loss / accumulate)
             if saved is not None:
                 mem = r.state_bytes(finalize=last)
                 device_states = mem["model_states"] - mem.get("host", 0)
