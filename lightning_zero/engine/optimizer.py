@@ -94,6 +94,7 @@ class ShardedOptimizer:
         self._may_alias = self._compute_fp32 and not offload
         params = [p for b in buckets for p in b.params]
         device = params[0].device if params else torch.device("cpu")
+        self.device = device  # where the gradients are reduced (the compute device)
         self.master_device = torch.device("cpu") if offload else device
         pin = offload and torch.cuda.is_available()
         self.masters: list[list[torch.Tensor]] = []
@@ -164,8 +165,11 @@ class ShardedOptimizer:
                     m.grad = g.view_as(m)
                 else:
                     m.grad = g.to(device=m.device, dtype=m.dtype, non_blocking=True).view_as(m)
-        if self.offload and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # device->host copies must land before the CPU step
+        if self.offload and self.device.type == "cuda":
+            # the device->host copies must land before the CPU reads them (norm, overflow check, step).
+            # They were queued on the current stream of the gradients' device, which need not be
+            # torch.cuda.current_device() (an engine on cuda:1 without torch.cuda.set_device(1)).
+            torch.cuda.current_stream(self.device).synchronize()
 
     def grads(self) -> list[torch.Tensor]:
         return [m.grad for row in self.masters for m in row if m.grad is not None]

@@ -127,7 +127,6 @@ class GradReducer:
     def _launch(self, b: Bucket) -> None:
         grads = [p.grad for p in b.params]
         n = len(grads)
-        flags = torch.tensor([float(g is not None) for g in grads])
         dtype = self.reduce_dtype or b.params[0].dtype
         ctx = contextlib.nullcontext()
         if self._stream is not None:
@@ -136,13 +135,13 @@ class GradReducer:
         with ctx:
             if self.stage == 0:
                 flat = b.pack_full(grads, dtype, extra=n)
-                flat[b.numel :].copy_(flags)
+                _write_flags(flat[b.numel :], grads)
                 flat.div_(self._pre)
                 work = C.all_reduce(flat, group=self.group, async_op=True)
                 out = flat
             else:
                 flat = b.pack_rank_major(grads, dtype, extra=n)
-                flat.view(b.world_size, -1)[:, b.shard_numel :].copy_(flags)
+                _write_flags(flat.view(b.world_size, -1)[:, b.shard_numel :], grads)
                 flat.div_(self._pre)
                 out = torch.empty(b.shard_numel + n, dtype=dtype, device=flat.device)
                 work = C.reduce_scatter(out, flat, group=self.group, async_op=True)
@@ -214,3 +213,16 @@ class GradReducer:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _write_flags(cols: torch.Tensor, grads: list[Optional[torch.Tensor]]) -> None:
+    """Column ``i`` of ``cols`` := 1 if parameter ``i`` has a gradient here, else 0.
+
+    Written with fills on the buffer's own device: copying in a host tensor (pageable memory) would be a
+    synchronous copy that blocks the host -- inside a backward hook, on a stream that waits for the
+    compute stream -- until the GPU has drained all of backward so far, at every bucket.
+    """
+    cols.fill_(1.0)
+    for i, g in enumerate(grads):
+        if g is None:
+            cols[..., i].zero_()
