@@ -221,3 +221,58 @@ def test_load_state_dict_into_shards_and_clear_refusal():
             torch.testing.assert_close(v, target[k], rtol=0, atol=0)
     masters = dict(zip(engine.param_names(), engine.full_master_params()))
     torch.testing.assert_close(masters["fc1.weight"], target["fc1.weight"], rtol=0, atol=0)
+
+
+class _FrozenFirst(torch.nn.Module):
+    """A unit whose frozen layer runs first: its grad-input matmul comes after the unit's trainable
+    gradients are complete (the LoRA shape: frozen base weight + trainable parameters in one block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(8, 8)
+        self.base.requires_grad_(False)
+        self.adapter = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.adapter(self.base(x))
+
+
+def test_unit_with_frozen_params_is_not_released_before_its_backward_ends():
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), _FrozenFirst(), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        return model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    ref, ref_opt = build()
+    model, opt = build()
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=3, unit_classes=[_FrozenFirst], persist_numel=0))
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(x).pow(2).mean().backward()  # released too early, the frozen weight had no storage here
+        engine.step()
+    engine.restore_fp32_module()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_units_with_frozen_params_are_released_during_backward():
+    """The LoRA shape in every block: each unit is released once its inputs' gradients are computed, so
+    when backward reaches the first block the later ones hold no gathered storage (not all at once)."""
+    torch.manual_seed(0)
+    blocks = [_FrozenFirst() for _ in range(4)]
+    model = torch.nn.Sequential(*blocks, torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=3, unit_classes=[_FrozenFirst], persist_numel=0))
+    part = engine.partitioner
+    units = {u.module: u for u in part.units}
+    seen = []
+    # when the gradient reaches the first block's output, blocks 2-4 must be released already
+    blocks[0].register_full_backward_pre_hook(lambda *_: seen.append([units[b].gathered for b in blocks[1:]]))
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        model(x).pow(2).mean().backward()
+        engine.step()
+    assert seen == [[False, False, False]] * 2, seen

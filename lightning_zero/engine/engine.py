@@ -39,6 +39,7 @@ from .full_state import FullStateMixin
 from .optimizer import ShardedOptimizer
 from .partition import ParamPartitioner
 from .reducer import GradReducer
+from .release import BackwardReleaser
 
 
 class ZeroEngine(FullStateMixin):
@@ -81,6 +82,8 @@ class ZeroEngine(FullStateMixin):
                                                 cfg.prefetch, cfg.order_check)
             self.buckets, sources, self._bucket_unit = grad_buckets_for_units(
                 units, self.params, self.world_size, self.rank)
+            # releases each unit as soon as its backward is over (see release.py for units with frozen params)
+            self.releaser = BackwardReleaser(self.buckets, self._bucket_unit, self.partitioner.release)
             # reduce-scatters get their own group: they interleave with gathers differently per rank
             if self.world_size > 1:
                 reduce_group = torch.distributed.new_group(torch.distributed.get_process_group_ranks(
@@ -105,8 +108,8 @@ class ZeroEngine(FullStateMixin):
         if optimizer is not None:
             self.reducer = GradReducer(
                 self.buckets, cfg.stage, cfg.reduce_dtype, reduce_group,
-                on_bucket_complete=self._release_unit_of_bucket if self.partitioner else None,
-                on_end_of_backward=self.partitioner.end_of_backward if self.partitioner else None,
+                on_bucket_complete=self.releaser.bucket_complete if self.partitioner else None,
+                on_end_of_backward=self._end_of_backward if self.partitioner else None,
             )
         self._grads_final = False
         self._clip_coef: Optional[float] = None
@@ -115,8 +118,9 @@ class ZeroEngine(FullStateMixin):
         self.last_step_skipped = False
         self.skipped_steps = 0
 
-    def _release_unit_of_bucket(self, bucket_index: int) -> None:
-        self.partitioner.release(self._bucket_unit[bucket_index])
+    def _end_of_backward(self) -> None:
+        self.partitioner.end_of_backward()
+        self.releaser.reset()
 
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
@@ -331,6 +335,7 @@ class ZeroEngine(FullStateMixin):
         them would turn an error into a hang. The stage-3 module then stays partitioned (unusable).
         """
         if self.partitioner is not None:
+            self.releaser.remove()
             if hand_back:
                 self._unpartition()
             else:

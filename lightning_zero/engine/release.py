@@ -1,0 +1,75 @@
+"""When a stage-3 unit's backward is over, so that its gathered parameters can be released.
+
+Design note
+-----------
+A unit is gathered again for its backward and should be released as soon as no backward node can read
+its parameters any more -- otherwise every unit stays gathered until the end of backward and stage 3
+holds the whole model at its peak.
+
+* A unit whose parameters are all in its gradient bucket is done when the bucket is complete: every
+  node that saved one of its parameters also produced a gradient for one of them.
+* A unit that also holds parameters outside the bucket (frozen, or not in the optimizer: the LoRA shape)
+  is not: a frozen weight is read by the node that computes the gradient of the unit's *input*
+  (``grad_x = grad_y @ W``), which can run after the trainable gradients are complete. Such a unit is
+  done when its bucket is complete **and** the gradients w.r.t. every tensor that entered its forward
+  (positional and keyword arguments) are computed: any node that saved a parameter of the unit feeds a
+  gradient either to one of the unit's trainable parameters or to one of its inputs, so both events
+  come after it. A forward whose inputs need no gradient leaves the unit to ``end_of_backward``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+
+class BackwardReleaser:
+    """Calls ``release(unit)`` for each unit of ``bucket_units`` as soon as its backward is over."""
+
+    def __init__(self, buckets, bucket_units, release: Callable) -> None:
+        self.units = bucket_units
+        self.release = release
+        # units with parameters outside their bucket must also wait for their inputs' gradients
+        self.watch = [len(b.params) < len(u.params) for b, u in zip(buckets, bucket_units)]
+        self._handles = [
+            u.module.register_forward_pre_hook(functools.partial(self._on_forward, i), with_kwargs=True)
+            for i, u in enumerate(bucket_units) if self.watch[i]
+        ]
+        self.reset()
+
+    def reset(self) -> None:
+        """At the end of backward: the next forward starts counting again."""
+        n = len(self.units)
+        self._bucket_done = [False] * n
+        self._pending_inputs = [0] * n  # forwards of this unit whose input gradients are not computed yet
+        self._blind = [False] * n  # a forward had no input needing a gradient: wait for end of backward
+
+    def _on_forward(self, i: int, module, args, kwargs) -> None:
+        if not (torch.is_grad_enabled() and module.training):
+            return
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.requires_grad]
+        if not inputs:
+            self._blind[i] = True
+            return
+        self._pending_inputs[i] += 1
+        torch.autograd.graph.register_multi_grad_hook(inputs, functools.partial(self._on_input_grads, i), mode="all")
+
+    def _on_input_grads(self, i: int, _grads) -> None:
+        self._pending_inputs[i] -= 1
+        self._maybe_release(i)
+
+    def bucket_complete(self, i: int) -> None:
+        self._bucket_done[i] = True
+        self._maybe_release(i)
+
+    def _maybe_release(self, i: int) -> None:
+        if self._bucket_done[i] and (not self.watch[i] or (self._pending_inputs[i] == 0 and not self._blind[i])):
+            self.release(self.units[i])
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
