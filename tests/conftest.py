@@ -1,5 +1,7 @@
 """Shared test hygiene."""
 
+import os
+
 import pytest
 import torch.distributed as dist
 
@@ -11,3 +13,13 @@ def _no_leftover_process_group():
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Lightning exports LOCAL_RANK, NODE_RANK, MASTER_ADDR, ... in the process it runs in; a later test
+    would read them as "launched externally" (e.g. the recipe keeps the popen launcher)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
