@@ -276,3 +276,44 @@ def test_units_with_frozen_params_are_released_during_backward():
         model(x).pow(2).mean().backward()
         engine.step()
     assert seen == [[False, False, False]] * 2, seen
+
+
+def _frozen_blocks_on_subgroups(rank, world_size):
+    """Two data-parallel groups {0, 1} and {2, 3}; each trains the LoRA-shaped model on its own data."""
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2, 3])]
+    group = groups[rank // 2]
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[_FrozenFirst() for _ in range(3)], torch.nn.Linear(8, 1))
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+
+    ref, ref_opt = build()
+    ddp = DDP(ref, process_group=group)
+    model, opt = build()
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=3, unit_classes=[_FrozenFirst], persist_numel=0), group=group)
+    losses = []
+    for step in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+        ddp(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        engine.step()
+        losses.append(loss.item())
+    engine.remove()  # hands the module back whole and destroys the engine's own reduce-scatter group
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}, \
+        {k: v.clone() for k, v in ref.state_dict().items()}
+
+
+def test_stage3_on_data_parallel_subgroups_matches_ddp():
+    """group= a subgroup: only its members build the engine (no hang), and each group equals DDP on it."""
+    res = run_distributed(_frozen_blocks_on_subgroups, 4)
+    for losses, got, want in res:
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    for a, b in ((0, 1), (2, 3)):  # the members of a group end with the same weights ...
+        for k, v in res[a][1].items():
+            torch.testing.assert_close(v, res[b][1][k], rtol=0, atol=0, msg=k)
+    assert res[0][1]["0.adapter.weight"].ne(res[2][1]["0.adapter.weight"]).any()  # ... the groups differ

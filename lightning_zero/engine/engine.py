@@ -72,6 +72,7 @@ class ZeroEngine(FullStateMixin):
             self.sync_module_states()
         mixed = compute_dtype is not None and compute_dtype != torch.float32
         self.partitioner: Optional[ParamPartitioner] = None
+        self._own_groups: list = []  # process groups this engine created (destroyed by remove())
         sources = None
         reduce_group = group
         if cfg.stage == 3:
@@ -85,9 +86,11 @@ class ZeroEngine(FullStateMixin):
             # releases each unit as soon as its backward is over (see release.py for units with frozen params)
             self.releaser = BackwardReleaser(self.buckets, self._bucket_unit, self.partitioner.release)
             # reduce-scatters get their own group: they interleave with gathers differently per rank
+            # (local synchronization: only the members call this, so ``group`` may be a subgroup)
             if self.world_size > 1:
                 reduce_group = torch.distributed.new_group(torch.distributed.get_process_group_ranks(
-                    group or torch.distributed.group.WORLD))
+                    group or torch.distributed.group.WORLD), use_local_synchronization=True)
+                self._own_groups.append(reduce_group)
         else:
             self.buckets = build_buckets(self.params, self.world_size, self.rank, cfg.bucket_bytes,
                                          sharded=cfg.stage >= 1)
@@ -343,6 +346,10 @@ class ZeroEngine(FullStateMixin):
                 self.partitioner = None
         if self.reducer is not None:
             self.reducer.remove_hooks()
+        if hand_back:  # after a failure, leave the groups alone: other ranks may be gone
+            for g in self._own_groups:
+                torch.distributed.destroy_process_group(g)
+            self._own_groups.clear()
 
 
 def _compute_device(module: nn.Module) -> torch.device:
