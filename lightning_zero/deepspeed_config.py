@@ -127,7 +127,11 @@ class DeepSpeedTranslation:
 
     def hydra_overrides(self) -> tuple[list[str], list[str]]:
         """(overrides for ``examples/t5_finetune.py``, notes on what the recipe cannot take as it is)."""
-        o = {f"strategy.{k}": v for k, v in self.strategy.items()}
+        offload = self.strategy.get("offload_optimizer") or self.strategy.get("offload_params")
+        o = {"strategy.name": f"zero{self.strategy.get('stage', 0)}{'_offload' if offload else ''}"}  # a label
+        o.update({f"strategy.{k}": v for k, v in self.strategy.items()})
+        if self.strategy.get("stage") == 3:
+            o["strategy.unit_classes"] = "[T5Block]"  # the recipe's model: one unit per block
         o["trainer.precision"] = self.precision
         o.update({f"trainer.{k}": v for k, v in self.trainer.items()})
         notes = [f"{k}: no effect here ({why})" for k, why in self.ignored.items()]

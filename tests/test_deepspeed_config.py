@@ -200,6 +200,7 @@ def test_overrides_compose_into_the_recipe_and_cli_writes_them(tmp_path, capsys)
         cfg = compose("t5_finetune", overrides=overrides)
     validate_schema(cfg)
     assert (cfg.strategy.stage, cfg.strategy.offload_params, cfg.trainer.precision) == (3, True, "bf16-mixed")
+    assert list(cfg.strategy.unit_classes) == ["T5Block"] and cfg.strategy.name == "zero3_offload"
     assert (cfg.trainer.accumulate_grad_batches, cfg.optim.warmup_steps, cfg.optim.total_steps) == (4, 10, 100)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"zero_optimization": {"stage": 7}}))
