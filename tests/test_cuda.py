@@ -117,3 +117,19 @@ def test_offloaded_step_on_a_device_that_is_not_the_current_one():
     with torch.cuda.device(0):
         _, _, got = _train("cuda:1", cfg)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-5)
+
+
+def test_reduced_shards_go_to_pinned_host_memory_during_backward():
+    """Offload: each shard is copied device->host on the reducer's side stream as its bucket completes
+    (pinned, so the copy is asynchronous); the optimizer then reads those copies."""
+    model = _model("cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=2, offload_optimizer=True, bucket_mb=0.1),
+                        compute_dtype=torch.bfloat16, device=torch.device("cuda"))
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    model(x).float().pow(2).mean().backward()
+    hosts = [h for h in engine.reducer.host_shards if h is not None]
+    assert len(hosts) == len(engine.buckets) > 1
+    assert all(h.device.type == "cpu" and h.is_pinned() and h.dtype == torch.bfloat16 for h in hosts)
+    engine.step()
+    assert all(h is None for h in engine.reducer.host_shards)

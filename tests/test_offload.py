@@ -100,3 +100,33 @@ def test_offload_placement_and_fused_kernel(name):
             assert not info["masters_alias_params"], "offloaded masters are separate host copies"
         rep = info["report"]
         assert rep["host"] >= rep["master"] + rep["optimizer_state"] > 0
+
+
+def _host_copies(rank, world_size, name):
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model, "adamw"), ZeroConfig(**CONFIGS[name]))
+    red = engine.reducer
+    seen = []
+    for micro in range(2):
+        ctx = engine.no_sync() if micro == 0 else torch.enable_grad()
+        with ctx:
+            loss_fn(model, batch(0, rank, micro), True).backward()
+        seen.append([h is not None for h in red.host_shards])
+    # before the step, the boundary's reduced shards are already on the host, equal to the device ones
+    copies = [(h.clone(), g.clone()) for h, g in zip(red.host_shards, red.grad_shards) if h is not None]
+    engine.finalize_grads()
+    masters_read_host = all(
+        m.grad is None or m.grad.numel() == 0 or m.grad.data_ptr() == h.data_ptr()
+        for row, h in zip(engine.sharded.masters, red.host_shards) for m in row[:1])
+    engine.step()
+    return seen, copies, masters_read_host, [h is None for h in red.host_shards]
+
+
+@pytest.mark.parametrize("name", ["zero2_offload", "zero3_offload"])
+def test_reduced_shards_reach_the_host_as_buckets_complete(name):
+    """Issue 5: a shard goes device->host as its bucket completes (on the boundary micro-batch only, not
+    under no_sync), the optimizer reads those copies, and the step clears them."""
+    for seen, copies, masters_read_host, cleared in run_distributed(functools.partial(_host_copies, name=name), 2):
+        assert seen[0] == [False] * len(seen[0]) and seen[1] == [True] * len(seen[1])
+        assert copies and all(torch.equal(h, g) for h, g in copies)
+        assert masters_read_host and all(cleared)

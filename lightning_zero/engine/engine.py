@@ -113,6 +113,7 @@ class ZeroEngine(FullStateMixin):
                 self.buckets, cfg.stage, cfg.reduce_dtype, reduce_group,
                 on_bucket_complete=self.releaser.bucket_complete if self.partitioner else None,
                 on_end_of_backward=self._end_of_backward if self.partitioner else None,
+                host_grads=cfg.offload_optimizer,
             )
         self._grads_final = False
         self._clip_coef: Optional[float] = None
@@ -207,7 +208,8 @@ class ZeroEngine(FullStateMixin):
             if self.config.stage == 0:
                 row = [p.grad if used else None for p, used in zip(b.params, mask.tolist())]
             else:
-                shard = self.reducer.grad_shards[b.index]
+                host = self.reducer.host_shards[b.index]  # offload: already copied as the bucket completed
+                shard = host if host is not None else self.reducer.grad_shards[b.index]
                 views = b.local_views(shard) if shard is not None else [None] * len(b.params)
                 row = [v if used else None for v, used in zip(views, mask.tolist())]
             grads.append(row)

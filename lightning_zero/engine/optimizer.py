@@ -167,7 +167,8 @@ class ShardedOptimizer:
                     m.grad = g.to(device=m.device, dtype=m.dtype, non_blocking=True).view_as(m)
         if self.offload and self.device.type == "cuda":
             # the device->host copies must land before the CPU reads them (norm, overflow check, step).
-            # They were queued on the current stream of the gradients' device, which need not be
+            # They were queued on the reducer's side stream as buckets completed (which the current stream
+            # of the gradients' device waits for) or just above; that device need not be
             # torch.cuda.current_device() (an engine on cuda:1 without torch.cuda.set_device(1)).
             torch.cuda.current_stream(self.device).synchronize()
 

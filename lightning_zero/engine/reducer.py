@@ -27,6 +27,10 @@ On CUDA the pack / collective / unpack sequence runs on a side stream that first
 stream, so reductions overlap the rest of backward; freed gradients are ``record_stream``-ed so the
 caching allocator does not hand their memory to the compute stream too early. On CPU (gloo) collectives
 are issued with ``async_op=True`` and completed at the end of backward.
+
+With the optimizer offloaded, each completed shard of the boundary micro-batch is also copied to (pinned)
+host memory right there -- on the side stream, so device->host traffic overlaps the rest of backward
+instead of following it. On a CPU-only machine the same copy runs (host to host), so tests exercise it.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class GradReducer:
         group: Optional[Any] = None,
         on_bucket_complete: Optional[Callable[[int], None]] = None,
         on_end_of_backward: Optional[Callable[[], None]] = None,
+        host_grads: bool = False,
     ) -> None:
         self.buckets = buckets
         self.stage = stage
@@ -64,6 +69,10 @@ class GradReducer:
         self._on_bucket_complete = on_bucket_complete  # stage 3: release the unit's parameters
         self._on_end_of_backward = on_end_of_backward
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
+        # offload: each reduced shard is also copied to (pinned) host memory as its bucket completes, in
+        # the reduce dtype (half the PCIe bytes of fp32); the optimizer reads these after one synchronize
+        self.host_grads = host_grads
+        self.host_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
         # per bucket, how many ranks had a gradient for each parameter (filled by the reductions; kept on
         # the device so reading it never stalls the host mid-backward)
         self._used: list[Optional[torch.Tensor]] = [None] * len(buckets)
@@ -171,9 +180,15 @@ class GradReducer:
             return
         shard = self.grad_shards[b.index]
         if shard is None:
-            self.grad_shards[b.index] = out
+            shard = self.grad_shards[b.index] = out
         else:
             shard.add_(out)
+        if self.host_grads and self.sync_enabled:  # the boundary micro-batch: this sum is the final one
+            host = self.host_shards[b.index]
+            if host is None:
+                host = self.host_shards[b.index] = torch.empty(
+                    shard.shape, dtype=shard.dtype, device="cpu", pin_memory=shard.is_cuda)
+            host.copy_(shard, non_blocking=True)  # CUDA: on the side stream, overlapping the rest of backward
 
     def wait(self) -> None:
         """Complete every launched reduction (their results are in place afterwards)."""
@@ -204,6 +219,7 @@ class GradReducer:
     def clear(self) -> None:
         """Drop all gradients (full and sharded) after a step or a skipped step."""
         self.grad_shards = [None] * len(self.buckets)
+        self.host_shards = [None] * len(self.buckets)
         for b in self.buckets:
             for p in b.params:
                 p.grad = None
