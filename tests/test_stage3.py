@@ -317,3 +317,42 @@ def test_stage3_on_data_parallel_subgroups_matches_ddp():
         for k, v in res[a][1].items():
             torch.testing.assert_close(v, res[b][1][k], rtol=0, atol=0, msg=k)
     assert res[0][1]["0.adapter.weight"].ne(res[2][1]["0.adapter.weight"]).any()  # ... the groups differ
+
+
+class _Frozen(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.fc.requires_grad_(False)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+def test_fully_frozen_units_are_released_once_gradients_pass_through():
+    """A frozen encoder under a trainable embedding: its units are gathered in backward only to pass the
+    gradient through, and released right after (not all held until the end of backward); training still
+    equals plain PyTorch."""
+    def build():
+        torch.manual_seed(0)
+        blocks = [_Frozen() for _ in range(3)]
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), *blocks, torch.nn.Linear(8, 1))
+        return model, blocks, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    ref, _, ref_opt = build()
+    model, blocks, opt = build()
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=3, unit_classes=[_Frozen], persist_numel=0))
+    units = {u.module: u for u in engine.partitioner.units}
+    seen = []
+    model[0].register_full_backward_pre_hook(lambda *_: seen.append([units[b].gathered for b in blocks]))
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(x.requires_grad_()).pow(2).mean().backward()  # (an input needing a gradient: no hook warning)
+        engine.step()
+    assert seen == [[False, False, False]] * 2, seen
+    engine.restore_fp32_module()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)

@@ -84,7 +84,9 @@ class ZeroEngine(FullStateMixin):
             self.buckets, sources, self._bucket_unit = grad_buckets_for_units(
                 units, self.params, self.world_size, self.rank)
             # releases each unit as soon as its backward is over (see release.py for units with frozen params)
-            self.releaser = BackwardReleaser(self.buckets, self._bucket_unit, self.partitioner.release)
+            with_bucket = {id(u) for u in self._bucket_unit}
+            frozen = [u for u in units if id(u) not in with_bucket and u.params and not u.persistent]
+            self.releaser = BackwardReleaser(self.buckets, self._bucket_unit, self.partitioner.release, frozen)
             # reduce-scatters get their own group: they interleave with gathers differently per rank
             # (local synchronization: only the members call this, so ``group`` may be a subgroup)
             if self.world_size > 1:

@@ -15,6 +15,9 @@ holds the whole model at its peak.
   (positional and keyword arguments) are computed: any node that saved a parameter of the unit feeds a
   gradient either to one of the unit's trainable parameters or to one of its inputs, so both events
   come after it. A forward whose inputs need no gradient leaves the unit to ``end_of_backward``.
+* A unit with no trainable parameter at all (a frozen encoder under a trainable embedding) has no bucket;
+  it is gathered for its backward only to pass gradients through, and done when its inputs' gradients
+  are computed.
 """
 
 from __future__ import annotations
@@ -27,23 +30,27 @@ from torch.utils._pytree import tree_flatten
 
 
 class BackwardReleaser:
-    """Calls ``release(unit)`` for each unit of ``bucket_units`` as soon as its backward is over."""
+    """Calls ``release(unit)`` as soon as a unit's backward is over.
 
-    def __init__(self, buckets, bucket_units, release: Callable) -> None:
-        self.units = bucket_units
+    Entry ``i < len(buckets)`` is bucket ``i``'s unit; the units of ``frozen_units`` (no bucket) follow.
+    """
+
+    def __init__(self, buckets, bucket_units, release: Callable, frozen_units=()) -> None:
+        self.units = list(bucket_units) + list(frozen_units)
         self.release = release
-        # units with parameters outside their bucket must also wait for their inputs' gradients
-        self.watch = [len(b.params) < len(u.params) for b, u in zip(buckets, bucket_units)]
+        self._n_buckets = len(buckets)
+        # units with parameters outside their bucket (or no bucket) must also wait for their inputs' gradients
+        self.watch = [len(b.params) < len(u.params) for b, u in zip(buckets, bucket_units)] + [True] * len(frozen_units)
         self._handles = [
             u.module.register_forward_pre_hook(functools.partial(self._on_forward, i), with_kwargs=True)
-            for i, u in enumerate(bucket_units) if self.watch[i]
+            for i, u in enumerate(self.units) if self.watch[i]
         ]
         self.reset()
 
     def reset(self) -> None:
         """At the end of backward: the next forward starts counting again."""
         n = len(self.units)
-        self._bucket_done = [False] * n
+        self._bucket_done = [i >= self._n_buckets for i in range(n)]  # no bucket: nothing to wait for
         self._pending_inputs = [0] * n  # forwards of this unit whose input gradients are not computed yet
         self._blind = [False] * n  # a forward had no input needing a gradient: wait for end of backward
 
