@@ -21,8 +21,12 @@ and DCP fills each rank's slice in place, N ranks -> M ranks and stage a -> stag
 frozen parameters are stored in their natural shape. Scalars (Adam's ``step``) are plain tensors.
 
 Saving is atomic: all ranks write into a temporary sibling directory, barrier, then rank 0 moves the
-previous checkpoint aside, renames the new one into place and only then deletes the old one. A crash
-in the middle leaves the previous checkpoint untouched (a stale temporary is removed by the next save).
+previous checkpoint aside (``X.zero-old``), renames the new one into place and only then deletes the old
+one. A directory named ``X`` is therefore always complete. A crash between the two renames leaves no
+``X`` but a complete ``X.zero-old``: every load of ``X`` (and Lightning's ``ckpt_path="last"``, see
+``lightning_io.py``) falls back to it, and the next save in that directory first renames it back, so no
+save ever deletes the only complete copy. Stale temporaries (``*.zero-tmp``) and redundant old copies in
+the directory are removed by the next save there.
 """
 
 from __future__ import annotations
@@ -133,7 +137,10 @@ def sharded_optimizer_state(engine) -> dict[str, Any]:
                     other.setdefault(name, {})[k] = v
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(m)][0] for m in g["params"]]}
               for g in opt.param_groups]
-    return {"state": state, "param_groups": groups, "nontensor_state": other}
+    # the user's own parameter lists, frozen ones as None: what a plain (DDP) optimizer numbers by position
+    layout = [[None if m is None else name_of[id(m)][0] for m in g]
+              for g in getattr(engine.sharded, "group_layout", None) or []]
+    return {"state": state, "param_groups": groups, "nontensor_state": other, "layout": layout}
 
 
 # -- save -------------------------------------------------------------------------------------------------
@@ -152,7 +159,7 @@ def save_checkpoint_dir(
     rank = _rank()
     state_kinds = _check_optimizer_keys(optimizer_state)
     if rank == 0:
-        _remove(tmp)  # left by a crashed save
+        tidy_checkpoint_dir(path.parent)  # what crashed saves left behind
         tmp.mkdir(parents=True)
     barrier()
     tensors = {"model": dict(model_state)}
@@ -167,10 +174,10 @@ def save_checkpoint_dir(
         (tmp / INFO_FILE).write_text(json.dumps(_info(model_state, module, engine, state_kinds), indent=1))
     barrier()
     if rank == 0:
-        _remove(old)
-        if os.path.lexists(path):
+        if os.path.lexists(path):  # a name that exists is complete, so the old copy (if any) is redundant
+            _remove(old)
             os.rename(path, old)
-        os.rename(tmp, path)
+        os.rename(tmp, path)  # until this rename, ``old`` is the complete copy loads fall back to
         _remove(old)
     barrier()
     return path
@@ -224,6 +231,37 @@ def _remove(p: Path) -> None:
         shutil.rmtree(p)
 
 
+def tidy_checkpoint_dir(directory: _PathLike) -> None:
+    """Undo what interrupted saves left in ``directory`` (rank 0, before a save there).
+
+    ``X.zero-old`` without ``X`` is the only complete copy of ``X``: renamed back. With ``X`` present it is
+    redundant and removed, as is every ``*.zero-tmp`` (a save in progress is collective, so none is)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for entry in sorted(os.listdir(directory)):
+        p = directory / entry
+        if entry.endswith(_TMP):
+            _remove(p)
+        elif entry.endswith(_OLD):
+            final = directory / entry[: -len(_OLD)]
+            if os.path.lexists(final):
+                _remove(p)
+            elif is_checkpoint_dir(p):
+                os.rename(p, final)
+
+
+def resolve_checkpoint_dir(path: _PathLike) -> Path:
+    """``path``, or its ``.zero-old`` copy when a save was interrupted between its two renames."""
+    path = Path(path)
+    old = path.with_name(path.name + _OLD)
+    if not os.path.lexists(path) and is_checkpoint_dir(old):
+        warnings.warn(f"Checkpoint {str(path)!r} is missing: a save was interrupted while replacing it. "
+                      f"Loading the previous, complete checkpoint {str(old)!r} instead.", stacklevel=2)
+        return old
+    return path
+
+
 # -- read / validate ----------------------------------------------------------------------------------------
 def is_checkpoint_dir(path: _PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / INFO_FILE).is_file()
@@ -248,9 +286,13 @@ def read_info(path: _PathLike) -> dict:
         info = json.loads((path / INFO_FILE).read_text())
     except ValueError as err:
         raise ValueError(f"Corrupt checkpoint {str(path)!r}: {INFO_FILE} is not valid json ({err}).") from None
-    if info.get("format") != FORMAT or int(info.get("version", 0)) > VERSION:
+    if not isinstance(info, dict):
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {INFO_FILE} holds a {type(info).__name__}, "
+                         "not a json object.")
+    if info.get("format") != FORMAT or not isinstance(info.get("version"), int) or info["version"] > VERSION:
         raise ValueError(f"{str(path)!r}: unsupported checkpoint format {info.get('format')!r} "
                          f"version {info.get('version')!r} (this release reads {FORMAT} <= {VERSION}).")
+    _check_info(info, path / INFO_FILE)
     for name in (DCP_METADATA, META_FILE):
         if not (path / name).is_file():
             raise FileNotFoundError(
@@ -258,10 +300,55 @@ def read_info(path: _PathLike) -> dict:
     return info
 
 
-def _dcp_load(state: dict, path: Path) -> None:
+_INFO_KEYS = {"world_size": int, "tensors": dict, "aliases": dict, "order": list, "optimizer_state": (dict, type(None))}
+_TENSOR_KEYS = {"shape": list, "dtype": str, "flat": bool}
+
+
+def _check_info(info: dict, file: Path) -> None:
+    """Every key the loaders read, with its type: one error naming the file and what is wrong."""
+    problems = [f"{k!r} is missing" if k not in info else f"{k!r} is not a {_kind(t)}"
+                for k, t in _INFO_KEYS.items() if k not in info or not isinstance(info[k], t)]
+    tensors = info.get("tensors") if isinstance(info.get("tensors"), dict) else {}
+    for name, d in tensors.items():
+        bad = [k for k, t in _TENSOR_KEYS.items() if not isinstance(d, dict) or not isinstance(d.get(k), t)]
+        if bad or not hasattr(torch, d["dtype"]) or not all(isinstance(n, int) and n >= 0 for n in d["shape"]):
+            problems.append(f"the entry of tensor {name!r} is not {{'shape': [ints], 'dtype': a torch dtype, "
+                            f"'flat': bool}} (got {d!r})")
+            break
+    kinds = info.get("optimizer_state")
+    if isinstance(kinds, dict) and not all(isinstance(v, list) for v in kinds.values()):
+        problems.append("'optimizer_state' must map each parameter name to a list of state keys")
+    if problems:
+        raise ValueError(f"Corrupt checkpoint metadata {str(file)!r}: " + "; ".join(problems)
+                         + f". Required keys: {', '.join(_INFO_KEYS)} (written by lightning_zero {FORMAT} "
+                         f"version {VERSION}).")
+
+
+def _kind(t) -> str:
+    names = [x.__name__.replace("NoneType", "null") for x in (t if isinstance(t, tuple) else (t,))]
+    return " or ".join({"dict": "json object", "list": "json list", "int": "integer"}.get(n, n) for n in names)
+
+
+def read_meta(path: _PathLike, weights_only: Optional[bool] = None) -> dict:
+    """The checkpoint's ``meta.pt`` (Lightning's loops, callbacks, hparams, ...). Clear error if unreadable."""
+    file = Path(path) / META_FILE
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=weights_only)
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # a truncated zip archive, a failed unpickle, ...
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {META_FILE} cannot be read ({type(err).__name__}: "
+                         f"{err}). Load an earlier checkpoint.") from err
+    if not isinstance(meta, dict):
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {META_FILE} holds a {type(meta).__name__}, not a dict.")
+    return meta
+
+
+def _dcp_load(state: dict, path: Path, no_dist: Optional[bool] = None) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
-    no_dist = not (dist.is_available() and dist.is_initialized())
+    if no_dist is None:
+        no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
@@ -298,7 +385,7 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
     Without an engine (evaluation, or a plain model in one process) every tensor lands in the module.
     Collective when a process group is initialized; works without one.
     """
-    path = Path(path)
+    path = Path(path) if info is not None else resolve_checkpoint_dir(path)
     info = info or read_info(path)
     names = check_compatible(info, module, strict, engine)
     managed = _managed(engine)
@@ -337,7 +424,7 @@ def _slice(full: torch.Tensor, spec) -> torch.Tensor:
 @torch.no_grad()
 def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], info: Optional[dict] = None) -> None:
     """Load the optimizer state (moments resharded in place) and hyper-parameters by parameter name."""
-    path = Path(path)
+    path = Path(path) if info is not None else resolve_checkpoint_dir(path)
     info = info or read_info(path)
     kinds = info.get("optimizer_state")
     if kinds is None:
@@ -345,6 +432,9 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
     opt = engine.optimizer
     managed = _managed(engine)
     name_of = {id(m): n for n, (m, _, _) in managed.items()}
+    if "param_groups" not in opt_meta:
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {META_FILE} holds no optimizer param_groups "
+                         "although the checkpoint has optimizer state.")
     saved_groups = opt_meta["param_groups"]
     current = [[name_of[id(m)] for m in g["params"]] for g in opt.param_groups]
     if len(saved_groups) != len(current) or any(set(s["params"]) != set(c) for s, c in zip(saved_groups, current)):
@@ -355,6 +445,7 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
             f"the checkpoint's {[len(s['params']) for s in saved_groups]}; only in the checkpoint: "
             f"{sorted(in_ckpt - in_opt)[:20]}, only in the optimizer: {sorted(in_opt - in_ckpt)[:20]}."
         )
+    _check_state_entries(path, kinds, managed)
     _init_state(opt, [managed[n][0] for n in kinds if n in managed])
     targets: dict[str, dict[str, torch.Tensor]] = {}
     for n, keys in kinds.items():
@@ -374,6 +465,24 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
         opt.state[managed[n][0]].update(extra)
     for g, s in zip(opt.param_groups, saved_groups):
         g.update({k: v for k, v in s.items() if k not in _IMPL_KEYS})
+
+
+def _check_state_entries(path: Path, kinds: Mapping[str, list], managed: Mapping[str, Any]) -> None:
+    """The json's list of which parameter has optimizer state must match the tensors DCP stored: a missing
+    entry would otherwise drop that parameter's moments without a word."""
+    stored: dict[str, set] = {}
+    for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+        if key.startswith("optim.state."):
+            name, _, state_key = key[len("optim.state."):].rpartition(".")
+            stored.setdefault(name, set()).add(state_key)
+    unknown = sorted(n for n in kinds if n not in managed)
+    unlisted = sorted(n for n in stored if n not in kinds)
+    if unknown or unlisted:
+        what = ([f"{unknown[:10]} listed but not trainable parameters of this model"] if unknown else []) + (
+            [f"the optimizer state of {unlisted[:10]} stored but not listed"] if unlisted else [])
+        raise ValueError(f"Corrupt checkpoint metadata {str(path / INFO_FILE)!r}: 'optimizer_state' does not "
+                         f"match the stored tensors: {'; '.join(what)}. Resuming would lose that state; "
+                         "load an earlier checkpoint.")
 
 
 def _init_state(opt: torch.optim.Optimizer, masters: list[torch.Tensor]) -> None:
@@ -404,14 +513,17 @@ def load_checkpoint_dir(path: _PathLike, module: nn.Module, engine=None, load_op
     """Engine-level load: model (and optimizer state when ``load_optimizer`` and an engine is given).
 
     Returns the metadata dict (Lightning's loops/epoch/... plus whatever the saver passed)."""
+    path = resolve_checkpoint_dir(path)
     info = read_info(path)
-    meta = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=weights_only)
+    meta = read_meta(path, weights_only)
     load_model_state(path, module, engine, strict, info)
     if load_optimizer and engine is not None:
         load_optimizer_state(path, engine, (meta.get("optimizer_states") or [{}])[0], info)
         scaler = getattr(engine, "loss_scaler", None)
         if scaler is not None and "loss_scaler" in meta:
             scaler.load_state_dict(meta["loss_scaler"])
+        if "skipped_steps" in meta:
+            engine.skipped_steps = int(meta["skipped_steps"])
     return meta
 
 
@@ -422,5 +534,7 @@ def save_engine_checkpoint(path: _PathLike, module: nn.Module, engine=None, meta
     scaler = getattr(engine, "loss_scaler", None)
     if scaler is not None:
         meta["loss_scaler"] = scaler.state_dict()
+    if engine is not None:
+        meta["skipped_steps"] = engine.skipped_steps
     opt = sharded_optimizer_state(engine) if optimizer and engine is not None else None
     return save_checkpoint_dir(path, sharded_model_state(module, engine), module, engine, opt, meta)
