@@ -17,6 +17,7 @@ wraps them; each wrapper acts on lightning_zero directories only and leaves ever
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -79,9 +80,7 @@ def _is_ours(path) -> bool:
     return is_checkpoint_dir(path) or (not os.path.lexists(path) and is_checkpoint_dir(str(path) + _OLD))
 
 
-def _wrap_torch_checkpoint_io() -> None:
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
+def _wrap_torch_checkpoint_io(TorchCheckpointIO) -> None:
     original = TorchCheckpointIO.load_checkpoint
     if getattr(original, "_lightning_zero", False):
         return
@@ -96,9 +95,7 @@ def _wrap_torch_checkpoint_io() -> None:
     TorchCheckpointIO.load_checkpoint = load_checkpoint
 
 
-def _wrap_find_last_checkpoints() -> None:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
+def _wrap_find_last_checkpoints(ModelCheckpoint) -> None:
     original = ModelCheckpoint._find_last_checkpoints
     if getattr(original, "_lightning_zero", False):
         return
@@ -122,5 +119,15 @@ def _wrap_find_last_checkpoints() -> None:
 
 
 def install() -> None:
-    _wrap_torch_checkpoint_io()
-    _wrap_find_last_checkpoints()
+    """Wrap both copies of Lightning: ``lightning`` and, when installed, ``pytorch_lightning``."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _wrap_torch_checkpoint_io(TorchCheckpointIO)
+    _wrap_find_last_checkpoints(ModelCheckpoint)
+    if importlib.util.find_spec("pytorch_lightning") is not None and importlib.util.find_spec("lightning_fabric"):
+        from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO as FabricTorchCheckpointIO
+        from pytorch_lightning.callbacks import ModelCheckpoint as PLModelCheckpoint
+
+        _wrap_torch_checkpoint_io(FabricTorchCheckpointIO)
+        _wrap_find_last_checkpoints(PLModelCheckpoint)

@@ -208,11 +208,13 @@ def test_lightning_resume_from_last_after_a_crash_between_renames(tmp_path, monk
     assert torch.load(ckdir / "last.ckpt" / ck.META_FILE, weights_only=False)["global_step"] == 6
 
 
-def _reference_optimizer_state(path) -> dict:
+def _reference_optimizer_state(path, wrap: bool = True) -> dict:
     """The directory's optimizer state as the engine's own (tested) reshard path consolidates it."""
     module = torch.nn.Module()
     module.net = make_tied(5)
-    engine = ZeroEngine(module, make_optimizer(module.net, "adamw"), ZeroConfig(stage=1))
+    if not wrap:  # saved from the bare model, not a LightningModule holding it as ``net``
+        module = module.net
+    engine = ZeroEngine(module, make_optimizer(getattr(module, "net", module), "adamw"), ZeroConfig(stage=1))
     ck.load_checkpoint_dir(path, module, engine)
     return engine.optimizer_state_dict()
 
@@ -243,3 +245,27 @@ def test_plain_ddp_resumes_from_a_zero3_directory(tmp_path):
         torch.testing.assert_close(a["losses"], b["losses"], rtol=1e-5, atol=1e-6, msg=f"rank {r} losses")
         for k, v in b["params"].items():
             torch.testing.assert_close(a["params"][k], v, rtol=1e-5, atol=1e-6, msg=f"rank {r} {k}")
+
+
+@pytest.mark.parametrize("io_module", ["lightning.fabric.plugins.io.torch_io", "lightning_fabric.plugins.io.torch_io"])
+def test_torch_checkpoint_io_reads_only_zero_directories(saved_dir, tmp_path, io_module):
+    """Both Lightning distributions' TorchCheckpointIO: a ZeRO directory comes back as a Lightning checkpoint
+    (full weights as ``consolidate`` writes them, optimizer state by position); anything else is untouched."""
+    TorchCheckpointIO = pytest.importorskip(io_module).TorchCheckpointIO
+    loaded = TorchCheckpointIO().load_checkpoint(str(saved_dir))
+    consolidate(saved_dir, tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt")
+    assert list(loaded["state_dict"]) == list(full) and loaded["global_step"] == 2
+    for k, v in full.items():
+        torch.testing.assert_close(loaded["state_dict"][k], v, rtol=0, atol=0)
+    want = _reference_optimizer_state(saved_dir, wrap=False)
+    got = loaded["optimizer_states"][0]
+    assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]]
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            torch.testing.assert_close(got["state"][i][k], v, rtol=0, atol=0)
+    torch.save({"a": torch.ones(2)}, tmp_path / "plain.ckpt")
+    assert torch.equal(TorchCheckpointIO().load_checkpoint(tmp_path / "plain.ckpt")["a"], torch.ones(2))
+    (tmp_path / "not_ours").mkdir()
+    with pytest.raises(IsADirectoryError):
+        TorchCheckpointIO().load_checkpoint(tmp_path / "not_ours")
