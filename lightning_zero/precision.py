@@ -74,7 +74,7 @@ class ZeroPrecision(Precision):
         self.check_finite = (self.precision != "32-true") if check_finite is None else bool(check_finite)
         self.loss_scaler = self._make_scaler()
         self._engine = None  # attached by the strategy once the optimizer is sharded
-        self._restored_skipped: Optional[int] = None
+        self._skipped = 0  # the count while no training engine is attached (restored, or after fit)
         self._cast_hooks: list = []
 
     def _make_scaler(self):
@@ -89,15 +89,17 @@ class ZeroPrecision(Precision):
         return self.compute_dtype != torch.float32
 
     def attach(self, engine, device_type: str = "cpu") -> None:
+        if _training(self._engine):  # keep the count past teardown: save_checkpoint after fit still has it
+            self._skipped = self._engine.skipped_steps
         self._engine = engine
         self.device_type = device_type
         for handle in self._cast_hooks:
             handle.remove()
         self._cast_hooks = []
-        if engine is not None and engine.sharded is not None and self.mixed:  # training: the module is half
+        if _training(engine) and self.mixed:  # training: the module itself is fp16/bf16
             self._cast_hooks = _cast_inputs_to_param_dtype(engine.module)
-        if engine is not None and self._restored_skipped is not None:  # restored before the engine existed
-            engine.skipped_steps, self._restored_skipped = self._restored_skipped, None
+        if _training(engine):  # restored before the engine existed, or carried on from an earlier fit
+            engine.skipped_steps = self._skipped
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
@@ -162,11 +164,9 @@ class ZeroPrecision(Precision):
         if self.loss_scaler is not None and "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         if "skipped_steps" in state_dict:
-            skipped = int(state_dict["skipped_steps"])
-            if self._engine is not None:
-                self._engine.skipped_steps = skipped
-            else:
-                self._restored_skipped = skipped
+            self._skipped = int(state_dict["skipped_steps"])
+            if _training(self._engine):
+                self._engine.skipped_steps = self._skipped
 
     @property
     def loss_scale(self) -> float:
@@ -176,7 +176,11 @@ class ZeroPrecision(Precision):
     def skipped_steps(self) -> int:
         if self.loss_scaler is not None:
             return self.loss_scaler.skipped_steps
-        return self._engine.skipped_steps if self._engine is not None else 0
+        return self._engine.skipped_steps if _training(self._engine) else self._skipped
+
+
+def _training(engine) -> bool:
+    return engine is not None and engine.sharded is not None
 
 
 def _cast_inputs_to_param_dtype(module: torch.nn.Module) -> list:

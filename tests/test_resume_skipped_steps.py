@@ -23,7 +23,7 @@ OVERFLOW_STEP = 1
 class OverflowOnce(TiedParityModule):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        if self.global_step == OVERFLOW_STEP and self.global_rank == 1:
+        if self.global_step == OVERFLOW_STEP and self.global_rank == self.trainer.world_size - 1:
             loss = loss * float("inf")  # non-finite gradients on one rank: every rank skips
         return loss
 
@@ -70,3 +70,13 @@ def test_engine_checkpoint_keeps_skipped_steps(tmp_path):
                               compute_dtype=torch.bfloat16, check_finite=True)
     ck.load_checkpoint_dir(tmp_path / "e.ckpt", fresh, fresh_engine)
     assert fresh_engine.skipped_steps == 1
+
+
+def test_skipped_steps_outlive_the_engine(tmp_path):
+    """After fit (engine torn down) the precision state still holds the count, so a checkpoint saved then
+    keeps it; the next fit in the same process carries on from it (as the fp16 loss scaler does)."""
+    plugin = ZeroPrecision("bf16-mixed")
+    trainer = Trainer(strategy=ZeroStrategy(stage=2), plugins=[plugin], **trainer_kwargs(devices=1, max_steps=3))
+    trainer.fit(OverflowOnce(str(tmp_path), tag="one_"))
+    assert trainer.strategy.engine is None
+    assert plugin.skipped_steps == 1 and plugin.state_dict()["skipped_steps"] == 1
