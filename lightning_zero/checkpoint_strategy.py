@@ -7,7 +7,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .checkpoint import (_remove, load_model_state, load_optimizer_state, read_info, read_meta,
+from .checkpoint import (_OLD, _TMP, _remove, load_model_state, load_optimizer_state, read_info, read_meta,
                          resolve_checkpoint_dir, save_checkpoint_dir, sharded_model_state, sharded_optimizer_state)
 
 # -- Lightning glue ----------------------------------------------------------------------------------------------
@@ -77,7 +77,9 @@ class ZeroCheckpointMixin:
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:  # a directory, a file, or save_last="link"'s symlink (never its target)
-            _remove(Path(filepath))
+            path = Path(filepath)
+            for p in (path, path.with_name(path.name + _OLD), path.with_name(path.name + _TMP)):
+                _remove(p)  # an interrupted save's copies too, or the next save would rename them back
 
     # -- restore ------------------------------------------------------------------------------------------------
     @property

@@ -269,3 +269,12 @@ def test_torch_checkpoint_io_reads_only_zero_directories(saved_dir, tmp_path, io
     (tmp_path / "not_ours").mkdir()
     with pytest.raises(IsADirectoryError):
         TorchCheckpointIO().load_checkpoint(tmp_path / "not_ours")
+
+
+def test_removing_a_checkpoint_removes_what_an_interrupted_save_left_of_it(saved_dir):
+    """ModelCheckpoint dropping ``X`` from its top-k must not leave ``X.zero-old`` for the next save to rename
+    back into a checkpoint the callback deleted."""
+    old = _copy(saved_dir, "b.ckpt" + ck._OLD)
+    tmp = _copy(saved_dir, "b.ckpt" + ck._TMP)
+    ZeroStrategy(stage=2).remove_checkpoint(saved_dir.with_name("b.ckpt"))
+    assert not old.exists() and not tmp.exists() and ck.is_checkpoint_dir(saved_dir)
