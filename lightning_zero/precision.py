@@ -7,8 +7,10 @@ fp32 (a positional encoding kept as a plain attribute, a mask) would meet half-p
 forward runs under autocast (matmuls and convolutions cast their operands), and each module that owns
 half-precision parameters gets its floating inputs in that dtype (what FSDP's ``cast_forward_inputs``
 does per unit): CPU autocast leaves e.g. ``layer_norm`` alone, and an fp32 residual stream would reach
-a bf16 LayerNorm. The plugin therefore owns the things that touch the step: it scales the loss before backward,
-routes Lightning's clipping to the engine's *global* norm (Lightning's own would see only this rank's
+a bf16 LayerNorm.
+
+The plugin also owns the things that touch the step: it scales the loss before backward, routes
+Lightning's clipping to the engine's *global* norm (Lightning's own would see only this rank's
 shard), and hands the step to the engine, which unscales, clips, checks for overflow on every rank and
 skips the step everywhere when one rank overflowed.
 """
