@@ -1,7 +1,8 @@
 """lightning_zero: ZeRO (stages 0-3, CPU offload, fp16/bf16) for PyTorch Lightning in pure PyTorch.
 
 Importing the package registers the strategy names zero0, zero1, zero1_offload, zero2, zero2_offload,
-zero3, zero3_offload (each also with a ``_spawn`` and a ``_fork`` variant) in Lightning's StrategyRegistry.
+zero3, zero3_offload (each also with a ``_spawn`` and a ``_fork`` variant) in Lightning's StrategyRegistry,
+and lets Lightning's own loaders read its checkpoint directories (``lightning_io.py``).
 """
 
 from .engine import (
@@ -27,8 +28,10 @@ def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     from ._pl_compat import register_pytorch_lightning
+    from .lightning_io import install
 
     ZeroStrategy.register_strategies(StrategyRegistry)
+    install()  # plain-DDP loads of ZeRO directories, ckpt_path="last" after an interrupted save
     register_pytorch_lightning()  # the separate pytorch_lightning registry, when installed
 
 

@@ -21,15 +21,18 @@ and DCP fills each rank's slice in place, N ranks -> M ranks and stage a -> stag
 frozen parameters are stored in their natural shape. Scalars (Adam's ``step``) are plain tensors.
 
 Saving is atomic: all ranks write into a temporary sibling directory, barrier, then rank 0 moves the
-previous checkpoint aside, renames the new one into place and only then deletes the old one. A crash
-in the middle leaves the previous checkpoint untouched (a stale temporary is removed by the next save).
+previous checkpoint aside (``X.zero-old``), renames the new one into place and only then deletes the old
+one. A directory named ``X`` is therefore always complete. A crash between the two renames leaves no
+``X`` but a complete ``X.zero-old``: every load of ``X`` (and Lightning's ``ckpt_path="last"``, see
+``lightning_io.py``) falls back to it, and the next save in that directory first renames it back, so no
+save ever deletes the only complete copy. Stale temporaries (``*.zero-tmp``) and redundant old copies in
+the directory are removed by the next save there.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
@@ -39,9 +42,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-FORMAT, VERSION = "lightning_zero.dcp", 1
-INFO_FILE, META_FILE, DCP_METADATA = "zero_checkpoint.json", "meta.pt", ".metadata"
-_TMP, _OLD = ".zero-tmp", ".zero-old"
+from .checkpoint_files import (  # noqa: F401  (the on-disk names are part of this module's API)
+    _OLD, _TMP, DCP_METADATA, FORMAT, INFO_FILE, META_FILE, VERSION, _remove, check_state_entries,
+    is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir, tidy_checkpoint_dir)
+
 _IMPL_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")  # not restored from a checkpoint
 _PathLike = Union[str, os.PathLike]
 
@@ -133,7 +137,10 @@ def sharded_optimizer_state(engine) -> dict[str, Any]:
                     other.setdefault(name, {})[k] = v
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(m)][0] for m in g["params"]]}
               for g in opt.param_groups]
-    return {"state": state, "param_groups": groups, "nontensor_state": other}
+    # the user's own parameter lists, frozen ones as None: what a plain (DDP) optimizer numbers by position
+    layout = [[None if m is None else name_of[id(m)][0] for m in g]
+              for g in getattr(engine.sharded, "group_layout", None) or []]
+    return {"state": state, "param_groups": groups, "nontensor_state": other, "layout": layout}
 
 
 # -- save -------------------------------------------------------------------------------------------------
@@ -152,7 +159,7 @@ def save_checkpoint_dir(
     rank = _rank()
     state_kinds = _check_optimizer_keys(optimizer_state)
     if rank == 0:
-        _remove(tmp)  # left by a crashed save
+        tidy_checkpoint_dir(path.parent)  # what crashed saves left behind
         tmp.mkdir(parents=True)
     barrier()
     tensors = {"model": dict(model_state)}
@@ -167,10 +174,10 @@ def save_checkpoint_dir(
         (tmp / INFO_FILE).write_text(json.dumps(_info(model_state, module, engine, state_kinds), indent=1))
     barrier()
     if rank == 0:
-        _remove(old)
-        if os.path.lexists(path):
+        if os.path.lexists(path):  # a name that exists is complete, so the old copy (if any) is redundant
+            _remove(old)
             os.rename(path, old)
-        os.rename(tmp, path)
+        os.rename(tmp, path)  # until this rename, ``old`` is the complete copy loads fall back to
         _remove(old)
     barrier()
     return path
@@ -217,51 +224,12 @@ def _info(model_state, module, engine, state_kinds) -> dict:
     }
 
 
-def _remove(p: Path) -> None:
-    if os.path.islink(p) or p.is_file():
-        os.unlink(p)
-    elif p.is_dir():
-        shutil.rmtree(p)
-
-
 # -- read / validate ----------------------------------------------------------------------------------------
-def is_checkpoint_dir(path: _PathLike) -> bool:
-    return Path(path).is_dir() and (Path(path) / INFO_FILE).is_file()
-
-
-def read_info(path: _PathLike) -> dict:
-    """The checkpoint's json, after checking that the directory is complete. Clear errors otherwise."""
-    path = Path(path)
-    if not path.exists():
-        hint = ""
-        if path.with_name(path.name + _OLD).is_dir():
-            hint = f" A save was interrupted while replacing it: the previous checkpoint is at {path.name + _OLD}."
-        raise FileNotFoundError(f"Checkpoint directory not found: {str(path)!r}.{hint}")
-    if not path.is_dir():
-        raise ValueError(f"{str(path)!r} is a file, not a lightning_zero checkpoint directory.")
-    if not (path / INFO_FILE).is_file():
-        raise ValueError(
-            f"{str(path)!r} is not a complete lightning_zero checkpoint: {INFO_FILE} is missing "
-            "(an interrupted save, or not a checkpoint written by ZeroStrategy)."
-        )
-    try:
-        info = json.loads((path / INFO_FILE).read_text())
-    except ValueError as err:
-        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {INFO_FILE} is not valid json ({err}).") from None
-    if info.get("format") != FORMAT or int(info.get("version", 0)) > VERSION:
-        raise ValueError(f"{str(path)!r}: unsupported checkpoint format {info.get('format')!r} "
-                         f"version {info.get('version')!r} (this release reads {FORMAT} <= {VERSION}).")
-    for name in (DCP_METADATA, META_FILE):
-        if not (path / name).is_file():
-            raise FileNotFoundError(
-                f"Incomplete or corrupt checkpoint {str(path)!r}: {name} is missing.")
-    return info
-
-
-def _dcp_load(state: dict, path: Path) -> None:
+def _dcp_load(state: dict, path: Path, no_dist: Optional[bool] = None) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
-    no_dist = not (dist.is_available() and dist.is_initialized())
+    if no_dist is None:
+        no_dist = not (dist.is_available() and dist.is_initialized())
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
@@ -298,7 +266,7 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
     Without an engine (evaluation, or a plain model in one process) every tensor lands in the module.
     Collective when a process group is initialized; works without one.
     """
-    path = Path(path)
+    path = Path(path) if info is not None else resolve_checkpoint_dir(path)
     info = info or read_info(path)
     names = check_compatible(info, module, strict, engine)
     managed = _managed(engine)
@@ -337,7 +305,7 @@ def _slice(full: torch.Tensor, spec) -> torch.Tensor:
 @torch.no_grad()
 def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], info: Optional[dict] = None) -> None:
     """Load the optimizer state (moments resharded in place) and hyper-parameters by parameter name."""
-    path = Path(path)
+    path = Path(path) if info is not None else resolve_checkpoint_dir(path)
     info = info or read_info(path)
     kinds = info.get("optimizer_state")
     if kinds is None:
@@ -345,6 +313,9 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
     opt = engine.optimizer
     managed = _managed(engine)
     name_of = {id(m): n for n, (m, _, _) in managed.items()}
+    if "param_groups" not in opt_meta:
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {META_FILE} holds no optimizer param_groups "
+                         "although the checkpoint has optimizer state.")
     saved_groups = opt_meta["param_groups"]
     current = [[name_of[id(m)] for m in g["params"]] for g in opt.param_groups]
     if len(saved_groups) != len(current) or any(set(s["params"]) != set(c) for s, c in zip(saved_groups, current)):
@@ -355,6 +326,7 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
             f"the checkpoint's {[len(s['params']) for s in saved_groups]}; only in the checkpoint: "
             f"{sorted(in_ckpt - in_opt)[:20]}, only in the optimizer: {sorted(in_opt - in_ckpt)[:20]}."
         )
+    check_state_entries(path, kinds, managed)
     _init_state(opt, [managed[n][0] for n in kinds if n in managed])
     targets: dict[str, dict[str, torch.Tensor]] = {}
     for n, keys in kinds.items():
@@ -404,14 +376,17 @@ def load_checkpoint_dir(path: _PathLike, module: nn.Module, engine=None, load_op
     """Engine-level load: model (and optimizer state when ``load_optimizer`` and an engine is given).
 
     Returns the metadata dict (Lightning's loops/epoch/... plus whatever the saver passed)."""
+    path = resolve_checkpoint_dir(path)
     info = read_info(path)
-    meta = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=weights_only)
+    meta = read_meta(path, weights_only)
     load_model_state(path, module, engine, strict, info)
     if load_optimizer and engine is not None:
         load_optimizer_state(path, engine, (meta.get("optimizer_states") or [{}])[0], info)
         scaler = getattr(engine, "loss_scaler", None)
         if scaler is not None and "loss_scaler" in meta:
             scaler.load_state_dict(meta["loss_scaler"])
+        if "skipped_steps" in meta:
+            engine.skipped_steps = int(meta["skipped_steps"])
     return meta
 
 
@@ -422,5 +397,7 @@ def save_engine_checkpoint(path: _PathLike, module: nn.Module, engine=None, meta
     scaler = getattr(engine, "loss_scaler", None)
     if scaler is not None:
         meta["loss_scaler"] = scaler.state_dict()
+    if engine is not None:
+        meta["skipped_steps"] = engine.skipped_steps
     opt = sharded_optimizer_state(engine) if optimizer and engine is not None else None
     return save_checkpoint_dir(path, sharded_model_state(module, engine), module, engine, opt, meta)

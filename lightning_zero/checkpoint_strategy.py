@@ -7,8 +7,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .checkpoint import (META_FILE, _remove, load_model_state, load_optimizer_state, read_info,
-                         save_checkpoint_dir, sharded_model_state, sharded_optimizer_state)
+from .checkpoint import (_OLD, _TMP, _remove, load_model_state, load_optimizer_state, read_info, read_meta,
+                         resolve_checkpoint_dir, save_checkpoint_dir, sharded_model_state, sharded_optimizer_state)
 
 # -- Lightning glue ----------------------------------------------------------------------------------------------
 _LOADED_KEY = "lightning_zero_checkpoint_dir"
@@ -77,7 +77,9 @@ class ZeroCheckpointMixin:
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:  # a directory, a file, or save_last="link"'s symlink (never its target)
-            _remove(Path(filepath))
+            path = Path(filepath)
+            for p in (path, path.with_name(path.name + _OLD), path.with_name(path.name + _TMP)):
+                _remove(p)  # an interrupted save's copies too, or the next save would rename them back
 
     # -- restore ------------------------------------------------------------------------------------------------
     @property
@@ -86,13 +88,11 @@ class ZeroCheckpointMixin:
         return self._zero_sharded or super().restore_checkpoint_after_setup
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = resolve_checkpoint_dir(self.broadcast(str(checkpoint_path)))
         if not path.is_dir():
             return super().load_checkpoint(path, weights_only=weights_only)
         read_info(path)
-        from lightning.fabric.utilities.cloud_io import _load
-
-        meta = _load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+        meta = read_meta(path, weights_only)
         meta[_LOADED_KEY] = str(path)
         return meta
 

@@ -14,11 +14,11 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
-from .checkpoint import read_info, _dcp_load  # noqa: F401
+from .checkpoint import _dcp_load, read_info, resolve_checkpoint_dir
 
 _PathLike = Union[str, "os.PathLike[str]"]
 
@@ -35,25 +35,45 @@ def consolidate(ckpt_dir: _PathLike, out_path: _PathLike, dtype: torch.dtype = t
     memory: the largest tensor); anything else with ``torch.save`` (peak: the weights). Optimizer state is
     never read. Tied weights are re-emitted under every alias. Returns {"tensors": n, "bytes": weights}.
     """
-    path, out = Path(ckpt_dir), Path(out_path)
+    path, out = resolve_checkpoint_dir(ckpt_dir), Path(out_path)
     info = read_info(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    try:  # a corrupt input fails half-way: leave no partial output behind
+        result = _write(path, info, out, tmp, dtype)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return result
+
+
+def _empty(spec: dict, name: str, dtype) -> torch.Tensor:
+    d = spec[name]
+    dt = getattr(torch, d["dtype"])
+    dt = dtype if dt.is_floating_point and dtype is not None else dt
+    return torch.empty(int(torch.Size(d["shape"]).numel()) if d["flat"] else d["shape"], dtype=dt)
+
+
+def full_model_state(path: Path, info: dict, dtype: Optional[torch.dtype] = torch.float32) -> dict:
+    """Every tensor of the checkpoint whole, under every name (aliases too), in module order; floating
+    tensors in ``dtype`` (None: as saved). Reads in this process only (no collective)."""
+    spec = info["tensors"]
+    targets = {n: _empty(spec, n, dtype) for n in spec}
+    _dcp_load({"model": targets}, path, no_dist=True)
+    return {n: targets[info["aliases"].get(n, n)].view(spec[info["aliases"].get(n, n)]["shape"])
+            for n in info["order"] if n in spec or n in info["aliases"]}
+
+
+def _write(path: Path, info: dict, out: Path, tmp: Path, dtype) -> dict:
     spec = info["tensors"]
 
-    def empty(name):
-        d = spec[name]
-        dt = getattr(torch, d["dtype"])
-        dt = dtype if dt.is_floating_point else dt
-        return torch.empty(int(torch.Size(d["shape"]).numel()) if d["flat"] else d["shape"], dtype=dt)
-
     def load(name):
-        t = empty(name)
-        _dcp_load({"model": {name: t}}, path)
+        t = _empty(spec, name, dtype)
+        _dcp_load({"model": {name: t}}, path, no_dist=True)
         return t.view(spec[name]["shape"])
 
     order = [n for n in info["order"] if n in spec or n in info["aliases"]]
     total = 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
     if out.suffix == ".safetensors":
         header, offset = {}, 0
         for n in order:
@@ -76,13 +96,8 @@ def consolidate(ckpt_dir: _PathLike, out_path: _PathLike, dtype: torch.dtype = t
                     f.write(t.reshape(-1).view(torch.uint8).numpy().data)
                 del t
     else:
-        sd: dict[str, torch.Tensor] = {}
-        targets = {n: empty(n) for n in spec}
-        _dcp_load({"model": targets}, path)
-        for n in order:
-            c = info["aliases"].get(n, n)
-            sd[n] = targets[c].view(spec[c]["shape"])
-            total += sd[n].numel() * sd[n].element_size() if n == c else 0
+        sd = full_model_state(path, info, dtype)
+        total = sum(t.numel() * t.element_size() for n, t in sd.items() if n not in info["aliases"])
         torch.save(sd, tmp)
     os.replace(tmp, out)
     return {"tensors": len(order), "bytes": total}

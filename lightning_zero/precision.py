@@ -2,8 +2,15 @@
 
 Unlike Lightning's AMP plugin (autocast over fp32 weights), ZeRO keeps the module itself in the compute
 dtype and the fp32 master copy only in the optimizer shards, which is where the memory saving comes
-from. The plugin therefore owns the things that touch the step: it scales the loss before backward,
-routes Lightning's clipping to the engine's *global* norm (Lightning's own would see only this rank's
+from. A forward written for fp32 weights under AMP must still run: a tensor the model makes itself in
+fp32 (a positional encoding kept as a plain attribute, a mask) would meet half-precision weights. So the
+forward runs under autocast (matmuls and convolutions cast their operands), and each module that owns
+half-precision parameters gets its floating inputs in that dtype (what FSDP's ``cast_forward_inputs``
+does per unit): CPU autocast leaves e.g. ``layer_norm`` alone, and an fp32 residual stream would reach
+a bf16 LayerNorm.
+
+The plugin also owns the things that touch the step: it scales the loss before backward, routes
+Lightning's clipping to the engine's *global* norm (Lightning's own would see only this rank's
 shard), and hands the step to the engine, which unscales, clips, checks for overflow on every rank and
 skips the step everywhere when one rank overflowed.
 """
@@ -69,6 +76,8 @@ class ZeroPrecision(Precision):
         self.check_finite = (self.precision != "32-true") if check_finite is None else bool(check_finite)
         self.loss_scaler = self._make_scaler()
         self._engine = None  # attached by the strategy once the optimizer is sharded
+        self._skipped = 0  # the count while no training engine is attached (restored, or after fit)
+        self._cast_hooks: list = []
 
     def _make_scaler(self):
         if self.precision != "16-mixed":
@@ -82,15 +91,24 @@ class ZeroPrecision(Precision):
         return self.compute_dtype != torch.float32
 
     def attach(self, engine, device_type: str = "cpu") -> None:
+        if _training(self._engine):  # keep the count past teardown: save_checkpoint after fit still has it
+            self._skipped = self._engine.skipped_steps
         self._engine = engine
         self.device_type = device_type
+        for handle in self._cast_hooks:
+            handle.remove()
+        self._cast_hooks = []
+        if _training(engine) and self.mixed:  # training: the module itself is fp16/bf16
+            self._cast_hooks = _cast_inputs_to_param_dtype(engine.module)
+        if _training(engine):  # restored before the engine existed, or carried on from an earlier fit
+            engine.skipped_steps = self._skipped
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """Training runs on the fp16/bf16 module itself. Evaluation without an optimizer (validate/test/
-        predict on their own) keeps the user's fp32 weights and computes under autocast instead, so
-        evaluating never rounds the model the user holds."""
-        if self.mixed and (self._engine is None or self._engine.sharded is None):
+        """Every forward runs under autocast in the compute dtype. Training: on the fp16/bf16 module itself
+        (autocast only casts what the model creates in fp32). Evaluation without an optimizer (validate/
+        test/predict on their own) keeps the user's fp32 weights, so evaluating never rounds them."""
+        if self.mixed:
             with torch.autocast(getattr(self, "device_type", "cpu"), dtype=self.compute_dtype):
                 yield
         else:
@@ -137,11 +155,20 @@ class ZeroPrecision(Precision):
 
     # -- scaler state in checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"loss_scaler": self.loss_scaler.state_dict()} if self.loss_scaler is not None else {}
+        state: dict[str, Any] = {}
+        if self.loss_scaler is not None:
+            state["loss_scaler"] = self.loss_scaler.state_dict()
+        if self.check_finite:  # steps skipped for non-finite gradients (the engine's count; bf16 has no scaler)
+            state["skipped_steps"] = self.skipped_steps
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.loss_scaler is not None and "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        if "skipped_steps" in state_dict:
+            self._skipped = int(state_dict["skipped_steps"])
+            if _training(self._engine):
+                self._engine.skipped_steps = self._skipped
 
     @property
     def loss_scale(self) -> float:
@@ -151,4 +178,25 @@ class ZeroPrecision(Precision):
     def skipped_steps(self) -> int:
         if self.loss_scaler is not None:
             return self.loss_scaler.skipped_steps
-        return self._engine.skipped_steps if self._engine is not None else 0
+        return self._engine.skipped_steps if _training(self._engine) else self._skipped
+
+
+def _training(engine) -> bool:
+    return engine is not None and engine.sharded is not None
+
+
+def _cast_inputs_to_param_dtype(module: torch.nn.Module) -> list:
+    """Forward pre-hooks: floating inputs of a module that owns fp16/bf16 parameters arrive in that dtype.
+
+    The dtype is read at call time, so once the module is handed back in fp32 the hooks change nothing."""
+    from torch.utils._pytree import tree_map
+
+    def hook(mod, args, kwargs):
+        dtype = next((p.dtype for p in mod.parameters(recurse=False) if p.is_floating_point()), None)
+        if dtype not in (torch.float16, torch.bfloat16):
+            return None
+        cast = lambda t: t.to(dtype) if isinstance(t, Tensor) and t.is_floating_point() and t.dtype != dtype else t
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    return [m.register_forward_pre_hook(hook, with_kwargs=True) for m in module.modules()
+            if any(p.is_floating_point() for p in m.parameters(recurse=False))]

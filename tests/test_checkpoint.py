@@ -208,9 +208,9 @@ def test_consolidate_loads_strict_into_plain_model(saved, tmp_path, suffix):
 
 _PEAK_SCRIPT = textwrap.dedent("""
     import importlib.util, json, sys, types
-    # the two torch-only modules, without the package __init__ (which imports Lightning)
+    # the torch-only modules, without the package __init__ (which imports Lightning)
     pkg = types.ModuleType("zpkg"); pkg.__path__ = []; sys.modules["zpkg"] = pkg
-    for name in ("checkpoint", "consolidate"):
+    for name in ("checkpoint_files", "checkpoint", "consolidate"):
         spec = importlib.util.spec_from_file_location(f"zpkg.{name}", sys.argv[1].replace("checkpoint.py", name + ".py"))
         mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
     consolidate_mod = sys.modules["zpkg.consolidate"]

@@ -9,12 +9,18 @@ construction, not in the middle of the first step).
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 
 STAGES = (0, 1, 2, 3)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
@@ -61,8 +67,18 @@ class ZeroConfig:
     order_check: str = "strict"
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in STAGES:
-            raise ValueError(f"Unknown ZeRO stage {self.stage!r}. Allowed stages: 0, 1, 2, 3.")
+        if not _is_int(self.stage) or self.stage not in STAGES:
+            raise ValueError(f"Unknown ZeRO stage {self.stage!r}. Allowed stages: 0, 1, 2, 3 (an int).")
+        for flag in ("offload_optimizer", "offload_params", "broadcast_buffers", "prefetch"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False; got {getattr(self, flag)!r}.")
+        for size in ("bucket_mb", "unit_mb"):
+            value = getattr(self, size)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{size} must be a positive number of MiB (finite, e.g. 25 or 0.5); got {value!r}.")
+        if not _is_int(self.persist_numel) or self.persist_numel < 0:
+            raise ValueError(f"persist_numel must be an int >= 0 (a number of elements; 0 = no unit stays "
+                             f"gathered); got {self.persist_numel!r}.")
         if self.offload_optimizer and self.stage == 0:
             raise ValueError(
                 "offload_optimizer=True needs a sharded optimizer: stage 0 keeps replicated optimizer state. "
@@ -73,11 +89,7 @@ class ZeroConfig:
                 f"offload_params=True needs partitioned parameters (stage 3); got stage {self.stage}. "
                 "Allowed: offload_params with stage 3 only (use offload_optimizer for stages 1-2)."
             )
-        if not isinstance(self.bucket_mb, (int, float)) or isinstance(self.bucket_mb, bool) or self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be a positive number of MiB; got {self.bucket_mb!r}.")
         self.reduce_dtype = parse_dtype(self.reduce_dtype)
-        if not isinstance(self.unit_mb, (int, float)) or self.unit_mb <= 0:
-            raise ValueError(f"unit_mb must be a positive number of MiB; got {self.unit_mb!r}.")
         if self.order_check not in ("strict", "always", "off"):
             raise ValueError(f"order_check must be 'strict', 'always' or 'off'; got {self.order_check!r}.")
         if self.unit_classes is not None:

@@ -1,0 +1,171 @@
+"""A checkpoint directory on disk: its file names, when it is complete, what interrupted saves leave
+behind, and its metadata read back with one clear error for anything malformed.
+
+Design note
+-----------
+``X`` is only ever created by renaming a finished temporary ``X.zero-tmp`` (or, after an interrupted save,
+its complete previous copy ``X.zero-old``), so a directory that exists under its final name is complete.
+Readers check what they rely on -- every key and type of ``zero_checkpoint.json``, a readable ``meta.pt``,
+the list of optimizer state against the tensors DCP stored -- before any tensor is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+FORMAT, VERSION = "lightning_zero.dcp", 1
+INFO_FILE, META_FILE, DCP_METADATA = "zero_checkpoint.json", "meta.pt", ".metadata"
+_TMP, _OLD = ".zero-tmp", ".zero-old"
+_PathLike = Union[str, os.PathLike]
+
+
+def _remove(p: Path) -> None:
+    if os.path.islink(p) or p.is_file():
+        os.unlink(p)
+    elif p.is_dir():
+        shutil.rmtree(p)
+
+
+def tidy_checkpoint_dir(directory: _PathLike) -> None:
+    """Undo what interrupted saves left in ``directory`` (rank 0, before a save there).
+
+    ``X.zero-old`` without ``X`` is the only complete copy of ``X``: renamed back. With ``X`` present it is
+    redundant and removed, as is every ``*.zero-tmp`` (a save in progress is collective, so none is)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for entry in sorted(os.listdir(directory)):
+        p = directory / entry
+        if entry.endswith(_TMP):
+            _remove(p)
+        elif entry.endswith(_OLD):
+            final = directory / entry[: -len(_OLD)]
+            if os.path.lexists(final):
+                _remove(p)
+            elif is_checkpoint_dir(p):
+                os.rename(p, final)
+
+
+def resolve_checkpoint_dir(path: _PathLike) -> Path:
+    """``path``, or its ``.zero-old`` copy when a save was interrupted between its two renames."""
+    path = Path(path)
+    old = path.with_name(path.name + _OLD)
+    if not os.path.lexists(path) and is_checkpoint_dir(old):
+        warnings.warn(f"Checkpoint {str(path)!r} is missing: a save was interrupted while replacing it. "
+                      f"Loading the previous, complete checkpoint {str(old)!r} instead.", stacklevel=2)
+        return old
+    return path
+
+
+def is_checkpoint_dir(path: _PathLike) -> bool:
+    return Path(path).is_dir() and (Path(path) / INFO_FILE).is_file()
+
+
+def read_info(path: _PathLike) -> dict:
+    """The checkpoint's json, after checking that the directory is complete. Clear errors otherwise."""
+    path = Path(path)
+    if not path.exists():
+        hint = ""
+        if path.with_name(path.name + _OLD).is_dir():
+            hint = f" A save was interrupted while replacing it: the previous checkpoint is at {path.name + _OLD}."
+        raise FileNotFoundError(f"Checkpoint directory not found: {str(path)!r}.{hint}")
+    if not path.is_dir():
+        raise ValueError(f"{str(path)!r} is a file, not a lightning_zero checkpoint directory.")
+    if not (path / INFO_FILE).is_file():
+        raise ValueError(
+            f"{str(path)!r} is not a complete lightning_zero checkpoint: {INFO_FILE} is missing "
+            "(an interrupted save, or not a checkpoint written by ZeroStrategy)."
+        )
+    try:
+        info = json.loads((path / INFO_FILE).read_text())
+    except ValueError as err:
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {INFO_FILE} is not valid json ({err}).") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {INFO_FILE} holds a {type(info).__name__}, "
+                         "not a json object.")
+    if info.get("format") != FORMAT or not isinstance(info.get("version"), int) or info["version"] > VERSION:
+        raise ValueError(f"{str(path)!r}: unsupported checkpoint format {info.get('format')!r} "
+                         f"version {info.get('version')!r} (this release reads {FORMAT} <= {VERSION}).")
+    _check_info(info, path / INFO_FILE)
+    for name in (DCP_METADATA, META_FILE):
+        if not (path / name).is_file():
+            raise FileNotFoundError(
+                f"Incomplete or corrupt checkpoint {str(path)!r}: {name} is missing.")
+    return info
+
+
+_INFO_KEYS = {"world_size": int, "tensors": dict, "aliases": dict, "order": list, "optimizer_state": (dict, type(None))}
+_TENSOR_KEYS = {"shape": list, "dtype": str, "flat": bool}
+
+
+def _check_info(info: dict, file: Path) -> None:
+    """Every key the loaders read, with its type: one error naming the file and what is wrong."""
+    problems = [f"{k!r} is missing" if k not in info else f"{k!r} is not a {_kind(t)}"
+                for k, t in _INFO_KEYS.items() if k not in info or not isinstance(info[k], t)]
+    tensors = info.get("tensors") if isinstance(info.get("tensors"), dict) else {}
+    for name, d in tensors.items():
+        bad = [k for k, t in _TENSOR_KEYS.items() if not isinstance(d, dict) or not isinstance(d.get(k), t)]
+        if bad or not hasattr(torch, d["dtype"]) or not all(isinstance(n, int) and n >= 0 for n in d["shape"]):
+            problems.append(f"the entry of tensor {name!r} is not {{'shape': [ints], 'dtype': a torch dtype, "
+                            f"'flat': bool}} (got {d!r})")
+            break
+    kinds = info.get("optimizer_state")
+    if isinstance(kinds, dict) and not all(isinstance(v, list) for v in kinds.values()):
+        problems.append("'optimizer_state' must map each parameter name to a list of state keys")
+    if problems:
+        raise ValueError(f"Corrupt checkpoint metadata {str(file)!r}: " + "; ".join(problems)
+                         + f". Required keys: {', '.join(_INFO_KEYS)} (written by lightning_zero {FORMAT} "
+                         f"version {VERSION}).")
+
+
+def _kind(t) -> str:
+    names = [x.__name__.replace("NoneType", "null") for x in (t if isinstance(t, tuple) else (t,))]
+    return " or ".join({"dict": "json object", "list": "json list", "int": "integer"}.get(n, n) for n in names)
+
+
+def read_meta(path: _PathLike, weights_only: Optional[bool] = None) -> dict:
+    """The checkpoint's ``meta.pt`` (Lightning's loops, callbacks, hparams, ...). Clear error if unreadable."""
+    file = Path(path) / META_FILE
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=weights_only)
+    except FileNotFoundError:
+        raise
+    except pickle.UnpicklingError as err:
+        if "weights_only" in str(err) or "Weights only" in str(err):
+            raise  # not corrupt: an object weights_only=True refuses (torch's message says what to do)
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {META_FILE} cannot be read ({err}).") from err
+    except Exception as err:  # a truncated zip archive, a failed unpickle, ...
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {META_FILE} cannot be read ({type(err).__name__}: "
+                         f"{err}). Load an earlier checkpoint.") from err
+    if not isinstance(meta, dict):
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {META_FILE} holds a {type(meta).__name__}, not a dict.")
+    return meta
+
+
+
+def check_state_entries(path: Path, kinds: Mapping[str, list], managed: Mapping[str, Any]) -> None:
+    """The json's list of which parameter has optimizer state must match the tensors DCP stored: a missing
+    entry would otherwise drop that parameter's moments without a word."""
+    stored: dict[str, set] = {}
+    for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+        if key.startswith("optim.state."):
+            name, _, state_key = key[len("optim.state."):].rpartition(".")
+            stored.setdefault(name, set()).add(state_key)
+    unknown = sorted(n for n in kinds if n not in managed)
+    unlisted = sorted(n for n in stored if n not in kinds)
+    if unknown or unlisted:
+        what = ([f"{unknown[:10]} listed but not trainable parameters of this model"] if unknown else []) + (
+            [f"the optimizer state of {unlisted[:10]} stored but not listed"] if unlisted else [])
+        raise ValueError(f"Corrupt checkpoint metadata {str(path / INFO_FILE)!r}: 'optimizer_state' does not "
+                         f"match the stored tensors: {'; '.join(what)}. Resuming would lose that state; "
+                         "load an earlier checkpoint.")
+

@@ -1,0 +1,133 @@
+"""Lightning's own loaders reading lightning_zero checkpoint directories.
+
+Design note
+-----------
+Two places in Lightning look at checkpoint paths without asking the strategy, so ``import lightning_zero``
+wraps them; each wrapper acts on lightning_zero directories only and leaves every other path to Lightning:
+
+* ``TorchCheckpointIO.load_checkpoint`` (what ``DDPStrategy`` and the other non-ZeRO strategies read
+  through): a sharded directory is consolidated on the fly -- full fp32 weights and the optimizer state
+  keyed by position, as a plain optimizer saves it -- so ``Trainer(strategy="ddp").fit(ckpt_path=DIR)``
+  resumes from a ZeRO run (each rank reads the whole directory, no collective, as it would read a file).
+* ``ModelCheckpoint._find_last_checkpoints`` (``ckpt_path="last"``): when a save was interrupted between
+  its two renames, ``last.ckpt`` is missing and its complete previous copy is ``last.ckpt.zero-old``;
+  that copy is offered instead, so a resume does not silently start again from step 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .checkpoint import _OLD, INFO_FILE, _dcp_load, is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir
+from .consolidate import full_model_state
+
+
+def load_as_lightning_checkpoint(path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """A sharded directory as the dict Lightning's DDP would have saved: full ``state_dict`` and
+    position-keyed ``optimizer_states``; the loops, callbacks, schedulers, hparams as saved."""
+    path = resolve_checkpoint_dir(path)
+    info = read_info(path)
+    checkpoint = read_meta(path, weights_only)
+    checkpoint["state_dict"] = full_model_state(path, info, dtype=None)
+    saved = checkpoint.get("optimizer_states")
+    if info["optimizer_state"] is not None and saved:
+        checkpoint["optimizer_states"] = [_positional_optimizer_state(path, info, saved[0])]
+    return checkpoint
+
+
+def _positional_optimizer_state(path: Path, info: dict, opt_meta: dict) -> dict:
+    """Name-keyed flat shards -> torch's ``Optimizer.state_dict()`` layout (state by position, tensors shaped
+    like the parameter). Positions follow the saved groups, i.e. the user's order of trainable parameters."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    kinds = info["optimizer_state"]
+    missing = sorted(f"{n}.{k}" for n, keys in kinds.items() for k in keys if f"optim.state.{n}.{k}" not in stored)
+    if missing:
+        raise ValueError(f"Corrupt checkpoint {str(path)!r}: its {INFO_FILE} lists optimizer state that is not "
+                         f"stored: {missing[:10]}.")
+    targets = {n: {k: torch.empty(tuple(stored[f"optim.state.{n}.{k}"].size),
+                                  dtype=stored[f"optim.state.{n}.{k}"].properties.dtype) for k in keys}
+               for n, keys in kinds.items()}
+    if targets:
+        _dcp_load({"optim": {"state": targets}}, path, no_dist=True)
+    state, groups, pos = {}, [], 0
+    layout = opt_meta.get("layout") or [g["params"] for g in opt_meta["param_groups"]]
+    for g, names in zip(opt_meta["param_groups"], layout):
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(pos, pos + len(names)))})
+        for i, n in enumerate(names, start=pos):
+            if n is None:  # frozen: numbered, never stepped, no state
+                continue
+            shape = info["tensors"][n]["shape"]
+            st = {k: (v.view(shape) if v.dim() == 1 and v.numel() == torch.Size(shape).numel() else v)
+                  for k, v in targets.get(n, {}).items()}
+            st.update(opt_meta.get("nontensor_state", {}).get(n, {}))
+            if st:
+                state[i] = st
+        pos += len(names)
+    return {"state": state, "param_groups": groups}
+
+
+def _is_ours(path) -> bool:
+    path = Path(path)
+    return is_checkpoint_dir(path) or (not os.path.lexists(path) and is_checkpoint_dir(str(path) + _OLD))
+
+
+def _wrap_torch_checkpoint_io(TorchCheckpointIO) -> None:
+    original = TorchCheckpointIO.load_checkpoint
+    if getattr(original, "_lightning_zero", False):
+        return
+
+    @functools.wraps(original)
+    def load_checkpoint(self, path, *args, **kwargs):
+        if isinstance(path, (str, os.PathLike)) and _is_ours(path):
+            return load_as_lightning_checkpoint(path, kwargs.get("weights_only", args[1] if len(args) > 1 else None))
+        return original(self, path, *args, **kwargs)
+
+    load_checkpoint._lightning_zero = True
+    TorchCheckpointIO.load_checkpoint = load_checkpoint
+
+
+def _wrap_find_last_checkpoints(ModelCheckpoint) -> None:
+    original = ModelCheckpoint._find_last_checkpoints
+    if getattr(original, "_lightning_zero", False):
+        return
+
+    @functools.wraps(original)
+    def _find_last_checkpoints(self, trainer) -> set[str]:
+        found = original(self, trainer)
+        directory = self.dirpath if self.dirpath is not None else self._ModelCheckpoint__resolve_ckpt_dir(trainer)
+        if not os.path.isdir(directory):  # a remote filesystem: nothing of ours to recover
+            return found
+        pattern = rf"^{self.CHECKPOINT_NAME_LAST}(-(\d+))?"  # as Lightning's own test of a "last" name
+        for entry in os.listdir(directory):
+            final, old = Path(entry[: -len(_OLD)]), os.path.join(directory, entry)
+            if (entry.endswith(_OLD) and final.suffix == self.FILE_EXTENSION and re.match(pattern, final.stem)
+                    and not os.path.lexists(os.path.join(directory, final)) and is_checkpoint_dir(old)):
+                found.add(os.path.normpath(old))
+        return found
+
+    _find_last_checkpoints._lightning_zero = True
+    ModelCheckpoint._find_last_checkpoints = _find_last_checkpoints
+
+
+def install() -> None:
+    """Wrap both copies of Lightning: ``lightning`` and, when installed, ``pytorch_lightning``."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _wrap_torch_checkpoint_io(TorchCheckpointIO)
+    _wrap_find_last_checkpoints(ModelCheckpoint)
+    if importlib.util.find_spec("pytorch_lightning") is not None and importlib.util.find_spec("lightning_fabric"):
+        from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO as FabricTorchCheckpointIO
+        from pytorch_lightning.callbacks import ModelCheckpoint as PLModelCheckpoint
+
+        _wrap_torch_checkpoint_io(FabricTorchCheckpointIO)
+        _wrap_find_last_checkpoints(PLModelCheckpoint)
