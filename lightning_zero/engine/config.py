@@ -38,10 +38,13 @@ class ZeroConfig:
     bucket_mb: cap of one gradient/parameter communication bucket, in MiB.
     reduce_dtype: dtype of gradient reductions (None = the compute dtype; "fp32" for exact sums).
     broadcast_buffers: copy rank 0's buffers to all ranks before each training forward (like DDP).
-    unit_classes (stage 3): module classes (or class names) whose instances are gathered/released as
-        one unit, e.g. ["T5Block"]; None = automatic by size (``unit_mb``).
-    unit_mb (stage 3): automatic policy: a module becomes a unit once it owns this many MiB of params.
-    persist_numel (stage 3): units with fewer elements stay gathered for the whole step.
+    unit_classes (stage 3): module classes, class names or qualified module names whose instances are
+        gathered/released as one unit, e.g. ["T5Block"]; None = automatic: the model's own
+        ``_no_split_modules``, else its repeated blocks, else by size (see engine/unit_policy.py).
+    unit_mb (stage 3): units by size: a module becomes a unit once it owns this many MiB of params;
+        None = automatic (the rule above; the size rule then uses min(8 MiB, model / 4)).
+    persist_numel (stage 3): units with fewer elements stay gathered for the whole step; None = a
+        quarter of the average unit, at most 10,000 elements.
     prefetch (stage 3): all-gather the next unit (recorded order) while the current one computes.
     order_check (stage 3): "strict" (record the first training forward, verify it across ranks, then
         require it every step: clean errors for diverging ranks, prefetch enabled), "always" (a tiny
@@ -55,8 +58,8 @@ class ZeroConfig:
     reduce_dtype: Optional[object] = None
     broadcast_buffers: bool = True
     unit_classes: Optional[Sequence[Union[type, str]]] = None
-    unit_mb: float = 8.0
-    persist_numel: int = 10_000
+    unit_mb: Optional[float] = None
+    persist_numel: Optional[int] = None
     prefetch: bool = True
     order_check: str = "strict"
 
@@ -76,8 +79,13 @@ class ZeroConfig:
         if not isinstance(self.bucket_mb, (int, float)) or isinstance(self.bucket_mb, bool) or self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be a positive number of MiB; got {self.bucket_mb!r}.")
         self.reduce_dtype = parse_dtype(self.reduce_dtype)
-        if not isinstance(self.unit_mb, (int, float)) or self.unit_mb <= 0:
-            raise ValueError(f"unit_mb must be a positive number of MiB; got {self.unit_mb!r}.")
+        if self.unit_mb is not None and (not isinstance(self.unit_mb, (int, float)) or isinstance(self.unit_mb, bool)
+                                         or self.unit_mb <= 0):
+            raise ValueError(f"unit_mb must be a positive number of MiB or None (automatic); got {self.unit_mb!r}.")
+        if self.persist_numel is not None and (not isinstance(self.persist_numel, int)
+                                               or isinstance(self.persist_numel, bool) or self.persist_numel < 0):
+            raise ValueError(f"persist_numel must be a number of elements >= 0 or None (automatic); "
+                             f"got {self.persist_numel!r}.")
         if self.order_check not in ("strict", "always", "off"):
             raise ValueError(f"order_check must be 'strict', 'always' or 'off'; got {self.order_check!r}.")
         if self.unit_classes is not None:
@@ -86,8 +94,8 @@ class ZeroConfig:
             self.unit_classes = list(self.unit_classes)
 
     @property
-    def unit_bytes(self) -> int:
-        return max(1, int(self.unit_mb * 2**20))
+    def unit_bytes(self) -> Optional[int]:
+        return max(1, int(self.unit_mb * 2**20)) if self.unit_mb is not None else None
 
     @property
     def bucket_bytes(self) -> int:
