@@ -42,7 +42,7 @@ class ZeroConfig:
         gathered/released as one unit, e.g. ["T5Block"]; None = automatic: the model's own
         ``_no_split_modules``, else its repeated blocks, else by size (see engine/unit_policy.py).
     unit_mb (stage 3): units by size: a module becomes a unit once it owns this many MiB of params;
-        None = automatic (the rule above; the size rule then uses min(8 MiB, model / 4)).
+        None = automatic (the rule above; the size rule then uses min(8 MiB, model / 8)).
     persist_numel (stage 3): units with fewer elements stay gathered for the whole step; None = a
         quarter of the average unit, at most 10,000 elements.
     prefetch (stage 3): all-gather the next unit (recorded order) while the current one computes.

@@ -13,7 +13,7 @@ The first rule that applies decides (the name goes into the setup log line):
               (transformer blocks), and of every other outermost such container at least a quarter of its
               size (``nn.Transformer``'s encoder and decoder layers).
 ``size``      bottom-up: a module becomes a unit once the parameters no inner unit owns reach
-              ``min(8 MiB, model / 4)``, so a small model still forms several units.
+              ``min(8 MiB, model / 8)``, so a small model still forms several units.
 
 A unit must be a module whose ``forward`` runs: its pre-forward hook is what gathers it. A ``ModuleList``
 / ``ModuleDict`` has no forward, and a ``Sequential`` runs its forward only when the parent calls it as a
@@ -37,7 +37,7 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 NO_FORWARD = (nn.ModuleList, nn.ModuleDict)  # calling one raises: never a unit, even when named by the user
 ATOMIC = (nn.MultiheadAttention,)  # forward reads its children's parameters directly
 AUTO_UNIT_BYTES = 8 * 2**20
-MIN_UNITS = 4  # the size rule cuts a small model into at least about this many units
+MIN_UNITS = 8  # the size rule cuts a small model into about this many units
 PERSIST_CAP = 10_000  # auto persistence never keeps a unit of more elements than this gathered
 
 
