@@ -13,14 +13,17 @@ import functools
 import traceback
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
 
 import lightning_zero  # noqa: F401  (registers the presets)
 from lightning_zero.engine import ZeroConfig, ZeroEngine, model_state_floor
 from tests.dist_utils import run_distributed
+from tests.lightning_models import TokenDataset, _params, trainer_kwargs
 from tests.zoo_models import ZOO
 
 STEPS = 3
@@ -116,3 +119,48 @@ def test_zoo_matches_ddp(name, preset):
         if rank == 0:
             print(f"{name:15s} {preset:14s} {got['units']} | model states {rep['model_states']} B/rank "
                   f"(host {rep['host']}) vs floor {floor['device'] + floor['host']:.0f}")
+
+
+# -- through the Trainer: the registered preset name on an HF model held by a LightningModule ---------------
+class _HFModule(pl.LightningModule):
+    def __init__(self, out: str, tag: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = ZOO["gpt2"][0]()  # an attribute: the policy finds its _no_split_modules on the submodule
+        self.out, self.tag, self.losses, self.units = out, tag, [], None
+
+    def setup(self, stage):
+        torch.set_num_threads(1)  # forked ranks (see tests/lightning_models.py)
+
+    def train_dataloader(self):
+        return DataLoader(TokenDataset(length=32, seq=8), batch_size=2)
+
+    def training_step(self, batch, batch_idx):
+        ids, _ = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+    def on_train_start(self):
+        engine = getattr(self.trainer.strategy, "engine", None)
+        self.units = engine.partitioner.units.describe() if engine is not None else None
+
+    def on_train_end(self):
+        torch.save({"losses": self.losses, "params": _params(self), "units": self.units},
+                   f"{self.out}/{self.tag}rank{self.global_rank}.pt")
+
+
+@pytest.mark.timeout(300)
+def test_trainer_zero3_preset_on_hf_gpt2_matches_ddp(tmp_path):
+    runs = {}
+    for strategy in ("ddp_fork", "zero3_fork"):
+        pl.Trainer(strategy=strategy, **trainer_kwargs(max_steps=3)).fit(_HFModule(str(tmp_path), strategy))
+        runs[strategy] = [torch.load(tmp_path / f"{strategy}rank{r}.pt", weights_only=False) for r in range(2)]
+    for ref, got in zip(runs["ddp_fork"], runs["zero3_fork"]):
+        assert "declared _no_split_modules ['GPT2Block']" in got["units"] and got["units"].startswith("ZeRO-3 units: 2")
+        _close(got["losses"], ref["losses"], "losses")
+        for k in ref["params"]:
+            _close(got["params"][k], ref["params"][k], k)

@@ -167,13 +167,18 @@ class ReleasedParamGuard:
         user = self._stack[-1] if self._stack else self.part.module
         uname = self.module_names.get(id(user)) or "<root>"
         fname = getattr(func, "__name__", str(func))
+        if user is not self.part.module and any(m is u.module for m in user.modules()):
+            fix = f"unit_classes=['{type(user).__name__}'] (one unit holding both)"
+        else:  # the reader is the root or beside the unit: leave the unit to the always-gathered root
+            others = [x.name for x in self.part.units[:-1] if x is not u]
+            shown = ", ".join(repr(n) for n in others[:4]) + (", ..." if len(others) > 4 else "")
+            fix = (f"unit_classes=[{shown}] (every unit but '{u.name}', whose parameters then stay in the "
+                   "always-gathered root unit)")
         raise ReleasedParameterError(
             f"ZeRO-3: parameter '{self.param_names.get(id(p), '?')}' of unit '{u.name}' was used by {fname}() in "
             f"the forward of '{uname}' ({type(user).__name__}) while its unit was released: it is read there "
-            f"without the forward of '{u.name}' running, so it was never gathered. Fix: set unit_classes so that "
-            f"the module using it and the module owning it are in one unit -- e.g. unit_classes="
-            f"['{type(user).__name__}'] (or a class that contains both), or unit_classes without "
-            f"'{type(u.module).__name__}' -- or call the owning module instead of reading its weight."
+            f"without the forward of '{u.name}' running, so it was never gathered. Fix: {fix}, or call the "
+            "owning module instead of reading its parameter."
         )
 
     def remove(self) -> None:
