@@ -259,3 +259,19 @@ def test_modules_run_outside_their_unit_are_gathered_on_demand_and_match_ddp(mod
             torch.testing.assert_close(got_s[k], ref_s[k], rtol=1e-5, atol=1e-6)
         unit = "blocks.0" if mode == "module" else "blocks"
         assert len(warned) == 1 and f"unit '{unit}' was gathered on demand" in warned[0], warned
+
+
+def test_estimator_uses_the_same_units_as_the_engine():
+    from lightning_zero.estimate import estimate_model_states, info_from_module
+
+    for name in ("gpt2", "moe", "uneven"):
+        model = ZOO[name][0]()
+        units = build_units(model, 1, 0)
+        info = info_from_module(model)
+        assert info.largest_unit == max(sum(p.numel() for p in u.params) for u in units[:-1])
+        assert info.root_unit == sum(p.numel() for p in units[-1].params)
+    model = gpt2()
+    units = build_units(model, 1, 0)
+    block = sum(p.numel() for p in units[0].params)
+    est = estimate_model_states(model, world_size=2).row("zero3")
+    assert est.buffers["backward"] == 4 * (sum(p.numel() for p in units[-1].params) + 4 * block)  # root + 4 blocks

@@ -204,7 +204,7 @@ def choose_unit_modules(root: nn.Module, unit_classes: Optional[Sequence] = None
     if unit_classes:
         return _user_classes(root, unit_classes), "user unit_classes"
     if unit_bytes is not None:
-        return _by_size(root, unit_bytes), f"user unit_mb={unit_bytes / 2**20:g}"
+        return _by_size(root, unit_bytes), f"user unit_mb={unit_bytes / 2**20:.3g}"
     picked = _declared(root)
     if picked:
         return picked, f"declared _no_split_modules {sorted({type(m).__name__ for m in picked})}"
