@@ -105,8 +105,10 @@ def _user_classes(root: nn.Module, unit_classes: Sequence) -> list[nn.Module]:
             )
     classes = tuple(c for c in unit_classes if isinstance(c, type))
     strs = {c for c in unit_classes if isinstance(c, str)}
-    picked = [m for n, m in root.named_modules()
-              if m is not root and (isinstance(m, classes) or type(m).__name__ in strs or n in strs)]
+    # not inside nn.MultiheadAttention: unit_classes=[nn.Linear] would otherwise release out_proj, which it
+    # reads without calling
+    picked = [m for n, m in _splittable_modules(root)
+              if isinstance(m, classes) or type(m).__name__ in strs or n in strs]
     for m in picked:
         if isinstance(m, NO_FORWARD):
             label = next(n for n, x in root.named_modules() if x is m)
