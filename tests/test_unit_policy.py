@@ -208,6 +208,7 @@ def test_a_released_parameter_read_directly_raises_one_clear_error():
     msg = str(e.value)
     assert "'blocks.0.fc.weight' of unit 'blocks.0'" in msg and "linear()" in msg
     assert "unit_classes=['blocks.1', 'blocks.2'] (every unit but 'blocks.0'" in msg
+    assert not torch.overrides._get_current_function_mode_stack()  # the probe left no mode behind
 
 
 def test_the_probe_stops_after_the_first_backward():

@@ -15,7 +15,7 @@ A unit is gathered by the pre-forward hook of its module. Two ways around that h
   for released parameters and raises one error naming the parameter, its unit and the ``unit_classes``
   fix, instead of torch's storage-size error from deep inside an operator. Model structure does not
   change between steps, so one checked step covers the next ones; the mode costs a Python call per torch
-  op (see the report in tests/test_unit_policy.py) and is removed after it.
+  op (measured: a tiny GPT-2 step on one CPU thread ~50% slower) and is removed after it.
 """
 
 from __future__ import annotations
