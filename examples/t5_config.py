@@ -32,10 +32,11 @@ class StrategyConf:
     bucket_mb: float = 25.0
     reduce_dtype: Optional[str] = None  # null = compute dtype; "fp32" for exact fp32 reductions
     broadcast_buffers: bool = True
-    # stage 3: modules gathered/released together (class names or module names); null = by size
+    # stage 3: modules gathered/released together (class names or module names); null = the model's
+    # _no_split_modules (T5Block for T5), else its repeated blocks, else by size
     unit_classes: Optional[List[str]] = None
-    unit_mb: float = 8.0
-    persist_numel: int = 10_000  # units smaller than this stay gathered for the whole step
+    unit_mb: Optional[float] = None  # set: units by size (MiB) instead
+    persist_numel: Optional[int] = None  # units smaller than this stay gathered; null = relative to the units
     prefetch: bool = True
     order_check: str = "strict"  # strict | always | off
     checkpoint_format: str = "sharded"  # sharded (DCP directory) | full (one file)

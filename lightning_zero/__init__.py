@@ -24,6 +24,20 @@ from .tuning import tune
 __version__ = "0.1.0"
 
 
+def _configure_logging() -> None:
+    """The engine's setup lines (stage-3 units) at INFO, shown the way Lightning shows its own."""
+    import logging
+
+    logger = logging.getLogger(__name__)
+    logger.setLevel(logging.INFO)
+    if not logging.getLogger().hasHandlers():
+        logger.addHandler(logging.StreamHandler())
+        logger.propagate = False
+
+
+_configure_logging()
+
+
 def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 

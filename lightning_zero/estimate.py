@@ -63,15 +63,16 @@ class ModelInfo:
         return sum(math.ceil(n / world_size) for n in sizes)
 
 
-def info_from_module(module: nn.Module, unit_classes: Optional[Sequence] = None, unit_mb: float = 8.0,
+def info_from_module(module: nn.Module, unit_classes: Optional[Sequence] = None, unit_mb: Optional[float] = None,
                      name: Optional[str] = None) -> ModelInfo:
-    """Sizes of a module (a meta-device module works: nothing is allocated)."""
+    """Sizes of a module (a meta-device module works: nothing is allocated); units as the engine's default
+    policy chooses them (``unit_classes`` / ``unit_mb`` override, as in ZeroConfig)."""
     from .engine.units import build_units
 
     params = list(module.parameters())
     sizes = [p.numel() for p in params]
     train = [p.numel() for p in params if p.requires_grad]
-    units = build_units(module, 1, 0, unit_classes, max(1, int(unit_mb * MiB)))
+    units = build_units(module, 1, 0, unit_classes, max(1, int(unit_mb * MiB)) if unit_mb is not None else None)
     return ModelInfo(sum(sizes), sum(train), sizes, train, max(sizes, default=0),
                      max((sum(p.numel() for p in u.params) for u in units[:-1]), default=0),
                      sum(p.numel() for p in units[-1].params), name or type(module).__name__)
@@ -216,8 +217,7 @@ def estimate_model_states(
     elif isinstance(model, nn.Module):
         cfg = getattr(model, "config", None)
         is_t5 = cfg is not None and getattr(cfg, "model_type", "") == "t5"
-        classes = unit_classes or (["T5Block"] if is_t5 else None)
-        info = info_from_module(model, classes)
+        info = info_from_module(model, unit_classes)  # T5 declares T5Block (_no_split_modules)
         if is_t5:
             info.t5 = t5_dims_from_config(cfg)
     elif isinstance(model, int) and model > 0:

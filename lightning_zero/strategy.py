@@ -36,7 +36,8 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         offload_optimizer: keep fp32 master shards and optimizer state in CPU memory, step there.
         offload_params: stage 3 only: parameter shards live in CPU memory between uses.
         unit_classes, unit_mb, persist_numel, prefetch, order_check: stage 3 units (see ZeroConfig);
-            e.g. ``unit_classes=["T5Block"]``.
+            e.g. ``unit_classes=["T5Block"]``; by default the model's ``_no_split_modules``, else its
+            repeated blocks, else by size, with a persistence threshold relative to the units.
         bucket_mb: size cap of one communication bucket (MiB).
         reduce_dtype: dtype of gradient reductions (None = compute dtype, or "fp32").
         broadcast_buffers: copy rank 0's buffers to every rank before each training step (as DDP).
@@ -58,8 +59,8 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         reduce_dtype: Optional[Any] = None,
         broadcast_buffers: bool = True,
         unit_classes: Optional[Sequence[Any]] = None,
-        unit_mb: float = 8.0,
-        persist_numel: int = 10_000,
+        unit_mb: Optional[float] = None,
+        persist_numel: Optional[int] = None,
         prefetch: bool = True,
         order_check: str = "strict",
         accelerator: Optional[Any] = None,

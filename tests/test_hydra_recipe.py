@@ -81,8 +81,8 @@ def test_strategy_presets_build(preset, trainer):
     assert isinstance(strategy, ZeroStrategy)
     assert strategy.stage == stage and strategy.zero_config.offload_optimizer is offload
     assert strategy.zero_config.offload_params is (offload and stage == 3) and strategy.zero_config.bucket_mb == 25.0
-    if stage == 3:
-        assert strategy.zero_config.unit_classes == ["T5Block"]
+    if stage == 3:  # units from the model's declaration (T5Block), as for `strategy.stage=3`
+        assert strategy.zero_config.unit_classes is None and strategy.zero_config.persist_numel is None
     assert strategy._start_method == TRAINERS[trainer]
 
 
@@ -105,9 +105,30 @@ def test_out_of_range_stage_is_refused_naming_allowed_stages(stage):
 
 def test_stage_override_reaches_stage3():
     s = build_strategy(_compose("strategy.stage=3"))  # from the zero2 preset: no code change
-    assert s.stage == 3 and s.zero_config.unit_classes is None  # units chosen by size then
+    assert s.stage == 3 and s.zero_config.unit_classes is None  # the default policy, as under strategy=zero3
     s = build_strategy(_compose("strategy=zero3", "strategy.unit_classes=[T5Block,T5LayerNorm]"))
     assert s.zero_config.unit_classes == ["T5Block", "T5LayerNorm"]
+
+
+def test_stage_override_and_zero3_preset_give_the_same_units():
+    """`strategy.stage=3` from the zero2 preset and `strategy=zero3` partition the recipe's T5 alike: one unit per
+    T5Block (its _no_split_modules), none persistent -- not one persistent root unit."""
+    from t5_module import make_t5_config
+    from transformers import T5ForConditionalGeneration
+
+    from lightning_zero.engine.units import build_units
+
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(make_t5_config("t5_mini"))
+    got = []
+    for overrides in (["strategy.stage=3"], ["strategy=zero3"], ["strategy=zero3_offload"]):
+        z = build_strategy(_compose(*overrides)).zero_config
+        units = build_units(model, 2, 0, z.unit_classes, z.unit_bytes, z.persist_numel)
+        got.append([(u.name, len(u.params), u.persistent) for u in units])
+    assert got[0] == got[1] == got[2]
+    blocks = [b for b in got[0] if b[0] != "<root>"]
+    n_blocks = len(model.encoder.block) + len(model.decoder.block)
+    assert len(blocks) == n_blocks and all(".block." in n and not pers for n, _, pers in blocks)
 
 
 def test_invalid_combinations_are_refused():

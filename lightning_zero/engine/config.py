@@ -44,10 +44,13 @@ class ZeroConfig:
     bucket_mb: cap of one gradient/parameter communication bucket, in MiB.
     reduce_dtype: dtype of gradient reductions (None = the compute dtype; "fp32" for exact sums).
     broadcast_buffers: copy rank 0's buffers to all ranks before each training forward (like DDP).
-    unit_classes (stage 3): module classes (or class names) whose instances are gathered/released as
-        one unit, e.g. ["T5Block"]; None = automatic by size (``unit_mb``).
-    unit_mb (stage 3): automatic policy: a module becomes a unit once it owns this many MiB of params.
-    persist_numel (stage 3): units with fewer elements stay gathered for the whole step.
+    unit_classes (stage 3): module classes, class names or qualified module names whose instances are
+        gathered/released as one unit, e.g. ["T5Block"]; None = automatic: the model's own
+        ``_no_split_modules``, else its repeated blocks, else by size (see engine/unit_policy.py).
+    unit_mb (stage 3): units by size: a module becomes a unit once it owns this many MiB of params;
+        None = automatic (the rule above; the size rule then uses min(8 MiB, model / 8)).
+    persist_numel (stage 3): units with fewer elements stay gathered for the whole step; None = a
+        quarter of the average unit, at most 10,000 elements.
     prefetch (stage 3): all-gather the next unit (recorded order) while the current one computes.
     order_check (stage 3): "strict" (record the first training forward, verify it across ranks, then
         require it every step: clean errors for diverging ranks, prefetch enabled), "always" (a tiny
@@ -61,8 +64,8 @@ class ZeroConfig:
     reduce_dtype: Optional[object] = None
     broadcast_buffers: bool = True
     unit_classes: Optional[Sequence[Union[type, str]]] = None
-    unit_mb: float = 8.0
-    persist_numel: int = 10_000
+    unit_mb: Optional[float] = None
+    persist_numel: Optional[int] = None
     prefetch: bool = True
     order_check: str = "strict"
 
@@ -74,11 +77,15 @@ class ZeroConfig:
                 raise ValueError(f"{flag} must be True or False; got {getattr(self, flag)!r}.")
         for size in ("bucket_mb", "unit_mb"):
             value = getattr(self, size)
+            if size == "unit_mb" and value is None:  # automatic (engine/unit_policy.py)
+                continue
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{size} must be a positive number of MiB (finite, e.g. 25 or 0.5); got {value!r}.")
-        if not _is_int(self.persist_numel) or self.persist_numel < 0:
+                auto = " or None (automatic)" if size == "unit_mb" else ""
+                raise ValueError(f"{size} must be a positive number of MiB (finite, e.g. 25 or 0.5){auto}; "
+                                 f"got {value!r}.")
+        if self.persist_numel is not None and (not _is_int(self.persist_numel) or self.persist_numel < 0):
             raise ValueError(f"persist_numel must be an int >= 0 (a number of elements; 0 = no unit stays "
-                             f"gathered); got {self.persist_numel!r}.")
+                             f"gathered) or None (automatic); got {self.persist_numel!r}.")
         if self.offload_optimizer and self.stage == 0:
             raise ValueError(
                 "offload_optimizer=True needs a sharded optimizer: stage 0 keeps replicated optimizer state. "
@@ -98,8 +105,8 @@ class ZeroConfig:
             self.unit_classes = list(self.unit_classes)
 
     @property
-    def unit_bytes(self) -> int:
-        return max(1, int(self.unit_mb * 2**20))
+    def unit_bytes(self) -> Optional[int]:
+        return max(1, int(self.unit_mb * 2**20)) if self.unit_mb is not None else None
 
     @property
     def bucket_bytes(self) -> int:

@@ -23,6 +23,7 @@ there; stage 2 reduces each micro-batch into its gradient shard regardless, as D
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any, Iterator, Optional
 
@@ -40,6 +41,8 @@ from .optimizer import ShardedOptimizer
 from .partition import ParamPartitioner
 from .reducer import GradReducer
 from .release import BackwardReleaser
+
+_log = logging.getLogger("lightning_zero.engine")
 
 
 class ZeroEngine(FullStateMixin):
@@ -79,8 +82,11 @@ class ZeroEngine(FullStateMixin):
             units = build_units(module, self.world_size, self.rank, cfg.unit_classes, cfg.unit_bytes,
                                 cfg.persist_numel)
             device = torch.device(device) if device is not None else _compute_device(module)
+            if self.rank == 0:
+                _log.info(units.describe())
             self.partitioner = ParamPartitioner(module, units, compute_dtype, device, cfg.offload_params, group,
                                                 cfg.prefetch, cfg.order_check)
+            self.partitioner.guard.eval_only = optimizer is None
             self.buckets, sources, self._bucket_unit = grad_buckets_for_units(
                 units, self.params, self.world_size, self.rank)
             # releases each unit as soon as its backward is over (see release.py for units with frozen params)

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import collectives as C
 from .deferred_init import has_meta_params, materialize
+from .guard import ReleasedParamGuard
 from .units import Unit
 
 
@@ -197,6 +198,7 @@ class ParamPartitioner:
         for m in owners.values():
             self._handles.append(m.register_forward_pre_hook(lambda *_: self.gather(self.root)))
         self._handles.append(self.module.register_load_state_dict_pre_hook(self._refuse_load_into_released))
+        self.guard = ReleasedParamGuard(self)  # modules reached around the unit hooks: gather or one clear error
 
     def _refuse_load_into_released(self, module, state_dict, prefix, *_args) -> None:
         """``load_state_dict`` would copy into parameters whose storage is released (a crash, or values
@@ -265,6 +267,7 @@ class ParamPartitioner:
 
     # -- step boundaries ------------------------------------------------------------------------------
     def end_of_backward(self) -> None:
+        self.guard.end_probe()
         for u in self.units:
             if u.pending is not None:
                 self._finish_gather(u)
@@ -313,6 +316,7 @@ class ParamPartitioner:
                 self.release_all(include_persistent=True)
 
     def remove_hooks(self) -> None:
+        self.guard.remove()
         for h in self._handles:
             h.remove()
         self._handles.clear()

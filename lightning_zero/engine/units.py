@@ -3,15 +3,14 @@
 Design note
 -----------
 A *unit* is a module whose parameters are all-gathered before its forward (and again before its
-backward) and released right after, so a rank only ever holds the units in flight plus its shards. The
-policy chooses unit modules either by class (``unit_classes=[T5Block]``: every instance becomes a unit,
-the FSDP "transformer auto-wrap" rule) or automatically by size (bottom-up: a module becomes a unit once
-the parameters it owns that no inner unit owns reach ``unit_mb``). The root always exists and holds
-whatever is left; it stays gathered for the whole step, like parameters of units smaller than the
-persistence threshold.
+backward) and released right after, so a rank only ever holds the units in flight plus its shards. Which
+modules become units is :mod:`.unit_policy`'s choice (the user's classes, the model's declaration, its
+repeated blocks, or size). The root always exists and holds whatever is left; it stays gathered for the
+whole step, like units smaller than the persistence threshold (by default relative to the model's units).
 
 A parameter used by several modules (tied embeddings: T5 and GPT-2 share the input embedding with the
-output layer) belongs to the *innermost unit that contains every module using it*, so it is gathered
+output layer; a shared ``nn.Parameter``; a shared *module* registered under two blocks) belongs to the
+*innermost unit that contains every module using it, on every path that reaches it*, so it is gathered
 whenever any user runs and its gradient is reduced once.
 
 Each unit keeps this rank's slices of all its parameters in one flat ``shard`` tensor laid out like a
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from .buckets import Bucket, _make
+from .unit_policy import auto_persist_numel, choose_unit_modules, describe_units
 
 
 @dataclass
@@ -50,81 +50,57 @@ class Unit:
         return self.layout.local_views(self.shard)
 
 
-def _unit_modules(root: nn.Module, unit_classes: Optional[Sequence[type]], unit_bytes: int) -> list[nn.Module]:
-    if unit_classes:
-        classes = tuple(c for c in unit_classes if isinstance(c, type))
-        names = {c for c in unit_classes if isinstance(c, str)}
-        # strings match a class name ("T5Block") or a module's qualified name ("encoder.block.0")
-        picked = [m for n, m in root.named_modules()
-                  if m is not root and (isinstance(m, classes) or type(m).__name__ in names or n in names)]
-        if not picked:
-            some = sorted({type(m).__name__ for m in root.modules()})[:12]
-            raise ValueError(
-                f"No module matches unit_classes={list(unit_classes)}. Allowed: module classes, class names "
-                f"(e.g. {', '.join(some)}) or qualified module names (e.g. 'encoder.block.0')."
-            )
-        # a unit inside another unit would be gathered twice: keep the outermost
-        inner = {id(x) for m in picked for x in m.modules() if x is not m}
-        return [m for m in picked if id(m) not in inner]
-    chosen: list[nn.Module] = []
-    owned_by_unit: set[int] = set()
+class Units(list):
+    """The units, root last, with the rule that chose them and the persistence threshold applied."""
 
-    def visit(m: nn.Module) -> int:
-        size = 0
-        for child in m.children():
-            size += visit(child)
-        own = sum(p.numel() * p.element_size() for p in m.parameters(recurse=False) if id(p) not in owned_by_unit)
-        size += own
-        if m is not root and size >= unit_bytes:
-            chosen.append(m)
-            owned_by_unit.update(id(p) for p in m.parameters())
-            return 0
-        return size
+    policy: str = ""
+    persist_numel: int = 0
 
-    visit(root)
-    return chosen
+    def describe(self) -> str:
+        return describe_units(self, self.policy, self.persist_numel)
 
 
 def build_units(
     root: nn.Module,
     world_size: int,
     rank: int,
-    unit_classes: Optional[Sequence[type]] = None,
-    unit_bytes: int = 8 * 2**20,
-    persist_numel: int = 0,
-) -> list[Unit]:
+    unit_classes: Optional[Sequence] = None,
+    unit_bytes: Optional[int] = None,
+    persist_numel: Optional[int] = None,
+) -> Units:
     """Partition the root's parameters into units; the root unit (last) holds the rest.
 
+    ``unit_bytes`` / ``persist_numel`` None: chosen for the model (see :mod:`.unit_policy`).
     Units are returned in module registration order, root last.
     """
-    modules = _unit_modules(root, unit_classes, unit_bytes)
+    modules, policy = choose_unit_modules(root, unit_classes, unit_bytes)
     names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-    # the chain of unit modules that contain each module, innermost last
+    # every chain of unit modules that contains a module, one per path it is reached by, outermost first:
+    # a module registered under two units (a shared Linear) is run from both
     unit_ids = {id(m) for m in modules}
-    chains: dict[int, list[nn.Module]] = {}
+    chains: dict[int, list[list[nn.Module]]] = {}
 
-    def walk(m: nn.Module, chain: list[nn.Module]) -> None:
+    def walk(m: nn.Module, chain: list[nn.Module], path: set[int]) -> None:
         chain = chain + [m] if id(m) in unit_ids else chain
-        chains.setdefault(id(m), chain)
+        chains.setdefault(id(m), []).append(chain)
         for child in m.children():
-            walk(child, chain)
+            if id(child) not in path:  # a module holding its own ancestor would recurse forever
+                walk(child, chain, path | {id(child)})
 
-    walk(root, [])
-    # a parameter belongs to the innermost unit containing every module that registers it
+    walk(root, [], {id(root)})
+    # a parameter belongs to the innermost unit that contains every module registering it, on every path
     users: dict[int, list[list[nn.Module]]] = {}
     for mod in root.modules():
         for p in mod.parameters(recurse=False):
-            users.setdefault(id(p), []).append(chains[id(mod)])
-    for _, mod in root.named_modules(remove_duplicate=False):  # modules registered under several names
-        for p in mod.parameters(recurse=False):
-            users[id(p)].append(chains[id(mod)])
+            users.setdefault(id(p), []).extend(chains[id(mod)])
     order = list(root.parameters())
     owner = {id(p): _innermost_common(users[id(p)]) for p in order}
     groups: dict[Optional[int], list[nn.Parameter]] = {}
     for p in order:
         o = owner[id(p)]
         groups.setdefault(id(o) if o is not None else None, []).append(p)
-    units: list[Unit] = []
+    units = Units()
+    units.policy = policy
     for m in modules + [root]:
         key = None if m is root else id(m)
         params = groups.get(key, [])
@@ -132,19 +108,27 @@ def build_units(
             continue
         layout = _make(len(units), params, world_size, rank, True) if params else None
         unit = Unit(len(units), m, names.get(id(m), "") or "<root>", params, layout)
-        unit.persistent = m is root or sum(p.numel() for p in params) < persist_numel
         unit.nbytes_full = [p.numel() * p.element_size() for p in params]
         units.append(unit)
+    if persist_numel is None:
+        persist_numel = auto_persist_numel([sum(p.numel() for p in u.params) for u in units[:-1]])
+    units.persist_numel = persist_numel
+    for u in units:
+        u.persistent = u.module is root or sum(p.numel() for p in u.params) < persist_numel
     return units
 
 
 def _innermost_common(chains: list[list[nn.Module]]) -> Optional[nn.Module]:
-    """Last unit module shared by the front of every chain (None: only the root contains them all)."""
+    """Innermost unit module present in every chain (None: only the root contains them all).
+
+    Chains are ordered outermost first, and two units on one path never appear in the other order on
+    another (that would be a cycle), so the last unit of the first chain found in all others is it.
+    """
     common = None
-    for level in zip(*chains):
-        if any(m is not level[0] for m in level):
-            break
-        common = level[0]
+    rest = [{id(m) for m in c} for c in chains[1:]]
+    for m in chains[0]:
+        if all(id(m) in r for r in rest):
+            common = m
     return common
 
 
