@@ -193,13 +193,22 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         return self._prepared(super().training_step, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._prepared(super().validation_step, *args, **kwargs)
+        return self._joined(self._prepared(super().validation_step, *args, **kwargs))
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._prepared(super().test_step, *args, **kwargs)
+        return self._joined(self._prepared(super().test_step, *args, **kwargs))
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._prepared(super().predict_step, *args, **kwargs)
+        return self._joined(self._prepared(super().predict_step, *args, **kwargs))
+
+    def _joined(self, output: Any) -> Any:
+        """After a rank's last evaluation batch, serve the stage-3 gathers of ranks that still have batches
+        (uneven per-rank lengths: the predict sampler does not pad), so no rank blocks in a gather."""
+        loop = getattr(getattr(self.lightning_module, "_trainer", None), "_active_loop", None)
+        progress = getattr(loop, "batch_progress", None)
+        if self.engine is not None and getattr(progress, "is_last_batch", False):
+            self.engine.join()
+        return output
 
     @contextlib.contextmanager
     def gathered_params(self) -> Generator:

@@ -143,6 +143,11 @@ class ZeroEngine(FullStateMixin):
         with torch.no_grad(), self.partitioner.gathered():
             yield
 
+    def join(self) -> int:
+        """End of this rank's evaluation work (stage 3): serve the gathers of ranks that still have batches
+        until every rank has called it ([Note: evaluation join]). A no-op below stage 3."""
+        return self.partitioner.join() if self.partitioner is not None else 0
+
     @property
     def bucket_params(self) -> list[nn.Parameter]:
         """Managed parameters in bucket order (the order of masters and of full_master_params())."""

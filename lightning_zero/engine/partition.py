@@ -20,8 +20,10 @@ Order: the first training forward is recorded; while recording, every gather is 
 all-gather of the unit index, so ranks that run different units fail with :class:`RankDivergenceError`
 instead of exchanging mismatched buffers (gloo aborts, NCCL hangs). The order is then compared across
 ranks once; later forwards are checked against it locally before any collective, and it drives
-prefetch. In eval mode nothing is recorded or checked: every rank must run the same forwards (use
-:meth:`gathered` around ``generate()``, which then issues no collective at all).
+prefetch. In eval mode nothing is recorded; every gather is announced instead, so ranks with fewer
+batches can serve the others' gathers (:meth:`join`) and divergence fails fast on every rank
+([Note: evaluation join] in join.py). ``generate()`` is fastest inside :meth:`gathered` (one gather of
+everything, then no collective at all).
 """
 
 from __future__ import annotations
@@ -37,11 +39,8 @@ from torch.utils._pytree import tree_flatten
 from . import collectives as C
 from .deferred_init import has_meta_params, materialize
 from .guard import ReleasedParamGuard
+from .join import RankDivergenceError, agreed_unit, announce, serve_until_all_joined  # noqa: F401 (re-export)
 from .units import Unit
-
-
-class RankDivergenceError(RuntimeError):
-    """Ranks executed different ZeRO-3 units: their collectives would not match."""
 
 
 class ParamPartitioner:
@@ -130,28 +129,53 @@ class ParamPartitioner:
     def _launch_gather(self, u: Unit) -> None:
         if u.gathered or u.pending is not None or not u.params:
             return
-        if self.order_check == "always" or (self.order_check == "strict" and not self._verified):
+        if self._announcing():
             self._check_same_unit(u)
+        self._launch_gather_unannounced(u)
+
+    def _launch_gather_unannounced(self, u: Unit) -> None:
         send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
         out = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=self.device)
         u.pending = (C.all_gather(out, send, group=self.group, async_op=True), out)
         self._held += out.numel() * out.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held)
 
+    def _announcing(self) -> bool:
+        """Whether a gather is preceded by the unit-index all-gather: while the training order is not
+        yet verified, always with order_check="always", and in eval mode (see [Note: evaluation join])."""
+        if self.order_check == "off" or self.world_size == 1:
+            return False
+        return self.order_check == "always" or not self._verified or not self.module.training
+
     def _check_same_unit(self, u: Unit) -> None:
         if self.world_size == 1:
             return
-        mine = torch.tensor([u.index], dtype=torch.int64, device=self.device)
-        ids = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
-        C.all_gather(ids, mine, group=self.group)
-        if (ids != u.index).any():
-            names = {x.index: x.name for x in self.units}
-            seen = ", ".join(f"rank {r}: {names.get(int(i), int(i))}" for r, i in enumerate(ids.tolist()))
-            raise RankDivergenceError(
-                f"ZeRO-3 ranks diverged: they are gathering different units ({seen}). Every rank must run the "
-                "same modules in the same order; make rank-dependent modules part of the root unit "
-                "(leave them out of unit_classes) or gather everything with strategy.gathered_params()."
-            )
+        agreed_unit(announce(u.index, self.world_size, self.group, self.device), self._describe)
+
+    def _describe(self, index: int) -> str:
+        return self.units[index].name if 0 <= index < len(self.units) else f"unit {index}"
+
+    def join(self) -> int:
+        """Evaluation: this rank has no more forwards; serve the other ranks' gathers until all are done.
+
+        Every rank must call it once at the end of its evaluation work. Afterwards every unit is released
+        on every rank (persistent ones too), so the ranks leave in the same state. Returns the number of
+        gathers served.
+        """
+        if self.world_size == 1 or self.order_check == "off":
+            return 0
+
+        def serve(index: int) -> None:
+            u = self.units[index]
+            if u.gathered:  # kept by this rank (persistent) while the others released it: re-gather
+                self.release(u, force=True)
+            self._launch_gather_unannounced(u)
+            self._finish_gather(u)
+            self.release(u, force=True)
+
+        served = serve_until_all_joined(self.world_size, self.group, self.device, self._describe, serve)
+        self.release_all(include_persistent=True)
+        return served
 
     def _finish_gather(self, u: Unit) -> None:
         if u.pending is None:
