@@ -173,12 +173,15 @@ def test_register_shardable_optimizer_admits_custom_class():
                     if p.grad is not None:
                         p.add_(p.grad.sign(), alpha=-g["lr"])
 
-    class MyAdamW(torch.optim.AdamW):  # a subclass of an allowed class is admitted without registering
+    class MyAdamW(torch.optim.AdamW):  # a subclass may override step(): admitted only once registered
         pass
 
     model = make_model()
     with pytest.raises(ValueError, match=r"SignSGD cannot run on parameter shards.*register_shardable_optimizer"):
         ZeroEngine(model, SignSGD(model.parameters()), ZeroConfig(stage=2))
+    with pytest.raises(ValueError, match=r"MyAdamW cannot run on parameter shards.*register_shardable_optimizer"):
+        ZeroEngine(model, MyAdamW(model.parameters()), ZeroConfig(stage=2))
+    register_shardable_optimizer(MyAdamW)
     ZeroEngine(model, MyAdamW(model.parameters()), ZeroConfig(stage=2)).remove()
 
     assert register_shardable_optimizer(SignSGD) is SignSGD  # usable as a decorator

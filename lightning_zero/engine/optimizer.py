@@ -59,14 +59,16 @@ def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
     if stage == 0:
         return  # stage 0 steps whole parameters: any closure-free optimizer works
     cls = type(optimizer)
-    if any(issubclass(cls, ok) for ok in _SHARDABLE):
+    # exact classes only: a subclass may override step() with a whole-tensor rule (LAMB written as
+    # ``class Lamb(torch.optim.Adam)``), which issubclass would admit and which trains wrong on shards
+    if cls in _SHARDABLE:
         return
     names = sorted(c.__name__ for c in _SHARDABLE)
     raise ValueError(
         f"{cls.__name__} cannot run on parameter shards: ZeRO stage {stage} needs an elementwise optimizer "
-        f"(each element's update depends only on its own gradient and state). Allowed: {', '.join(names)}. "
-        "Use stage=0, or, if your optimizer is elementwise, declare it with "
-        "lightning_zero.register_shardable_optimizer(YourOptimizer)."
+        f"(each element's update depends only on its own gradient and state). Allowed: {', '.join(names)} "
+        "(exactly these classes: a subclass may change step()). Use stage=0, or, if your optimizer is "
+        f"elementwise, declare it with lightning_zero.register_shardable_optimizer({cls.__name__})."
     )
 
 
