@@ -88,7 +88,6 @@ class ShardedOptimizer:
         (the parameter itself no longer holds its values then)."""
         check_shardable(optimizer, stage)
         self.optimizer = optimizer
-        self.buckets = buckets
         self.stage = stage
         self.offload = offload
         # a master may alias its parameter only if the parameter stays fp32 on the compute device
@@ -99,19 +98,46 @@ class ShardedOptimizer:
         self.device = device  # where the gradients are reduced (the compute device)
         self.master_device = torch.device("cpu") if offload else device
         pin = offload and torch.cuda.is_available()
-        self.masters: list[list[torch.Tensor]] = []
-        by_param: dict[int, torch.Tensor] = {}
+        self._pin = pin
+        self.masters: list[list[torch.Tensor]] = []  # per bucket of self.buckets
         self._aliased: list[bool] = []  # a master aliasing its source costs no extra bytes
+        self.buckets: list[Bucket] = []  # this optimizer's buckets (a bucket never spans two optimizers)
+        self._rebind(self._add_masters(buckets, sources))
+        if offload:
+            self._use_fused_cpu_kernels()
+        self.reset_step_state()
+
+    def reset_step_state(self) -> None:
+        """Per-step bookkeeping of this optimizer's gradients (several optimizers step independently)."""
+        self.grads_final = False
+        self.clip_coef: Optional[float] = None
+        self.clip_value: Optional[float] = None
+        self.sq_norm: Optional[torch.Tensor] = None
+
+    def _add_masters(self, buckets: list[Bucket], sources) -> dict[int, torch.Tensor]:
+        by_param: dict[int, torch.Tensor] = {}
         for bi, b in enumerate(buckets):
             row = []
             for pi, (p, spec) in enumerate(zip(b.params, b.specs)):
                 src = sources[bi][pi] if sources is not None else None
-                m = self._make_master(p, spec, pin, src)
+                m = self._make_master(p, spec, self._pin, src)
                 row.append(m)
                 by_param[id(p)] = m
             self.masters.append(row)
-        self._rebind(by_param)
-        if offload:
+            self.buckets.append(b)
+        return by_param
+
+    def add_group(self, group: dict, buckets: list[Bucket], sources=None) -> None:
+        """``optimizer.add_param_group`` after setup: masters for the new buckets (from the parameters'
+        current values), then torch's own add_param_group on them (defaults filled in, existing state
+        untouched). ``group["params"]``: the module's parameters, frozen ones included."""
+        by_param = self._add_masters(buckets, sources)
+        params = list(group["params"])
+        self.group_layout.append([by_param.get(id(p)) for p in params])
+        self.group_params.append(params)
+        type(self.optimizer).add_param_group(
+            self.optimizer, {**group, "params": [by_param[id(p)] for p in params if id(p) in by_param]})
+        if self.offload:
             self._use_fused_cpu_kernels()
 
     def _make_master(self, p: torch.Tensor, spec, pin: bool, src: Optional[torch.Tensor]) -> torch.Tensor:
@@ -137,6 +163,8 @@ class ShardedOptimizer:
         # per group, the user's original parameter list as masters (None: frozen, never stepped), so a
         # consolidated checkpoint lists the same parameters as a plain optimizer's would
         self.group_layout = [[by_param.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups]
+        # ... and the module's parameters themselves, for code that thinks in parameters (toggle_optimizer)
+        self.group_params = [list(g["params"]) for g in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
             group["params"] = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
 
