@@ -158,7 +158,7 @@ def add_param_group(engine: "ZeroEngine", optimizer: torch.optim.Optimizer, grou
     first = len(engine.buckets)
     for i, b in enumerate(new):
         b.index = first + i
-    engine.buckets.extend(new)
+    assert engine.reducer.buckets is engine.buckets  # add_buckets below extends the one shared list
     engine._bucket_opt.extend([k_new] * len(new))
     engine.params.extend(trainable)
     if engine.partitioner is not None:
