@@ -7,7 +7,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .checkpoint import (META_FILE, _remove, check_optimizer_count, load_model_state, load_optimizer_state, read_info,
+from .checkpoint import (META_FILE, _IMPL_KEYS, _remove, check_optimizer_count, load_model_state, load_optimizer_state, read_info,
                          save_checkpoint_dir, sharded_model_state, sharded_optimizer_state)
 
 # -- Lightning glue ----------------------------------------------------------------------------------------------
@@ -108,6 +108,17 @@ class ZeroCheckpointMixin:
             return
         super().load_model_state_dict(checkpoint, strict=strict)
 
+    def _add_saved_param_groups(self, opt, saved: list) -> None:
+        """Groups the saved run added after setup (``add_param_group``, e.g. BaseFinetuning): add them again,
+        by parameter name, so the state has somewhere to go. Lightning's own restore of them
+        (``BaseFinetuning.on_fit_start``) runs before a sharded checkpoint is read, too early."""
+        named = dict(self.lightning_module.named_parameters())
+        for g in saved[len(opt.param_groups):]:
+            if not all(n in named for n in g["params"]):
+                return  # not this model's names: the mismatch error follows with the details
+            opt.add_param_group({**{k: v for k, v in g.items() if k not in _IMPL_KEYS},
+                                 "params": [named[n] for n in g["params"]]})
+
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         engine = self._zero_engine
         states = checkpoint.get("optimizer_states") or []
@@ -116,6 +127,7 @@ class ZeroCheckpointMixin:
         check_optimizer_count(checkpoint.get(_LOADED_KEY, "<checkpoint>"), len(states), len(engine.optimizers))
         for k, (opt, state) in enumerate(zip(engine.optimizers, states)):
             if _LOADED_KEY in checkpoint:
+                self._add_saved_param_groups(opt, state["param_groups"])
                 load_optimizer_state(checkpoint[_LOADED_KEY], engine, state, index=k)
             else:  # a full (consolidated) state from any world size
                 engine.load_optimizer_state_dict(state, opt)

@@ -37,6 +37,7 @@ def bind(strategy, trainer) -> Callable[[], None]:
         for name in ("zero_grad", "add_param_group"):
             if name in lo.optimizer.__dict__:
                 lo.__dict__[name] = lo.optimizer.__dict__[name]
+                undo.append(lambda lo=lo, name=name: lo.__dict__.pop(name, None))
 
     def module_params(opt) -> list:
         return [p for g in engine.sharded_for(raw_optimizer(opt)).group_params for p in g]

@@ -210,3 +210,33 @@ def test_base_finetuning_unfreezes_under_trainer(tmp_path, finetune_reference, k
     torch.testing.assert_close(mean, torch.tensor(finetune_reference["losses"]), rtol=RTOL, atol=ATOL)
     for rank, r in enumerate(got):
         _assert_close(r["params"], finetune_reference["params"], f"rank {rank}")
+
+
+def _finetune_resume(out, tag, strategy, devices, batch_size, ckpts):
+    """Three epochs saving each, then a second fit resumed from the checkpoint written after the add."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def kw(**extra):
+        return trainer_kwargs(devices=devices, max_steps=-1, max_epochs=3, enable_checkpointing=True,
+                              default_root_dir=ckpts, **extra)
+
+    Trainer(strategy=strategy(), **kw(callbacks=[UnfreezeBackbone(), ModelCheckpoint(
+        dirpath=ckpts, save_top_k=-1, every_n_epochs=1)])).fit(Finetuned(out, tag + "a_", batch_size))
+    (after_add,) = [os.path.join(ckpts, f) for f in os.listdir(ckpts) if f.startswith("epoch=1")]
+    Trainer(strategy=strategy(), **kw(callbacks=[UnfreezeBackbone()])).fit(
+        Finetuned(out, tag + "b_", batch_size), ckpt_path=after_add)
+    return load_rank_files(out, tag + "b_", "train", devices)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kw", [dict(stage=2), dict(stage=3, persist_numel=0, unit_classes=["Linear"])],
+                         ids=["zero2", "zero3"])
+def test_base_finetuning_resume_after_unfreeze(tmp_path, kw):
+    # Lightning's own resume is the reference: the sharded checkpoint's added group is restored by name
+    ref = _finetune_resume(str(tmp_path), "ref_", lambda: "auto", 1, 8, str(tmp_path / "ref"))[0]
+    got = _finetune_resume(str(tmp_path), "zero_", lambda: ZeroStrategy(start_method="fork", **kw), 2, 4,
+                           str(tmp_path / "zero"))
+    mean = (torch.tensor(got[0]["losses"]) + torch.tensor(got[1]["losses"])) / 2
+    torch.testing.assert_close(mean, torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
+    for rank, r in enumerate(got):
+        _assert_close(r["params"], ref["params"], f"rank {rank}")

@@ -145,7 +145,10 @@ def add_param_group(engine: "ZeroEngine", optimizer: torch.optim.Optimizer, grou
     if engine.reducer is not None and engine.reducer._in_backward:
         raise RuntimeError("add_param_group cannot run during backward; call it between optimizer steps.")
     ids = {id(p) for p in params}
-    trainable = [p for p in engine.module.parameters() if id(p) in ids and p.requires_grad]
+    # frozen parameters of the new group are managed too (unlike frozen ones at setup, which may be a
+    # LoRA base too large for masters): the group was added to be trained, and unfreezing it later must
+    # work; while frozen, their bucket is skipped by the reducer and they get no gradient, so no step
+    trainable = [p for p in engine.module.parameters() if id(p) in ids]
     if engine.partitioner is not None:
         # the parameters already live in their units' shards: per unit, a gradient bucket of the new ones,
         # sourced from the current (compute-dtype) shard, so masters start from the values in use

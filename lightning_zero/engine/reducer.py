@@ -91,8 +91,14 @@ class GradReducer:
         self._register(0)
 
     def _register(self, first: int) -> None:
-        self._handles += [p.register_post_accumulate_grad_hook(self._make_hook(bi))
-                          for bi, b in enumerate(self.buckets) if bi >= first for p in b.params]
+        for bi in range(first, len(self.buckets)):
+            for p in self.buckets[bi].params:
+                # a hook needs requires_grad at registration only; it survives freezing and unfreezing
+                # (a frozen parameter of a group added after setup, to be unfrozen later)
+                frozen = not p.requires_grad
+                p.requires_grad_(True)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(bi)))
+                p.requires_grad_(not frozen)
 
     def add_buckets(self, buckets: list[Bucket]) -> None:
         """Reduce these buckets too (parameters added to an optimizer after setup); ``index`` continues
