@@ -161,15 +161,17 @@ def test_manual_optimization_one_optimizer_matches_ddp(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kw", [dict(stage=2), STAGE3], ids=["zero2", "zero3"])
+@pytest.mark.parametrize("kw", [dict(stage=2), STAGE3, dict(stage=2, checkpoint_format="full")],
+                         ids=["zero2", "zero3", "zero2_full"])
 def test_gan_checkpoint_holds_both_optimizers_and_resumes(tmp_path, ddp_gan, kw):
     out, ckpts = str(tmp_path), str(tmp_path / "ckpt")
     whole = _fit(out, "a_", ZeroStrategy(start_method="fork", **kw), ckpt_dir=ckpts)
     _compare(whole, ddp_gan)
     first = sorted(glob.glob(os.path.join(ckpts, "epoch=0*")))
     assert len(first) == 1
-    meta = torch.load(os.path.join(first[0], "meta.pt"), weights_only=False)
+    meta = torch.load(os.path.join(first[0], "meta.pt") if os.path.isdir(first[0]) else first[0], weights_only=False)
     assert len(meta["optimizer_states"]) == 2  # Adam (generator) and SGD (discriminator)
+    assert [len(st["param_groups"][0]["params"]) for st in meta["optimizer_states"]] == [4, 4]
     resumed = _fit(out, "b_", ZeroStrategy(start_method="fork", **kw), ckpt_path=first[0])
     # the resumed run records only the second epoch's losses; its final weights are the whole run's
     _compare(resumed, whole, losses=False)
