@@ -217,10 +217,9 @@ def _finetune_resume(out, tag, strategy, devices, batch_size, ckpts):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def kw(**extra):
-        return trainer_kwargs(devices=devices, max_steps=-1, max_epochs=3, enable_checkpointing=True,
-                              default_root_dir=ckpts, **extra)
+        return trainer_kwargs(devices=devices, max_steps=-1, max_epochs=3, default_root_dir=ckpts, **extra)
 
-    Trainer(strategy=strategy(), **kw(callbacks=[UnfreezeBackbone(), ModelCheckpoint(
+    Trainer(strategy=strategy(), **kw(enable_checkpointing=True, callbacks=[UnfreezeBackbone(), ModelCheckpoint(
         dirpath=ckpts, save_top_k=-1, every_n_epochs=1)])).fit(Finetuned(out, tag + "a_", batch_size))
     (after_add,) = [os.path.join(ckpts, f) for f in os.listdir(ckpts) if f.startswith("epoch=1")]
     Trainer(strategy=strategy(), **kw(callbacks=[UnfreezeBackbone()])).fit(
