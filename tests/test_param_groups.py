@@ -239,3 +239,16 @@ def test_base_finetuning_resume_after_unfreeze(tmp_path, kw):
     torch.testing.assert_close(mean, torch.tensor(ref["losses"]), rtol=RTOL, atol=ATOL)
     for rank, r in enumerate(got):
         _assert_close(r["params"], ref["params"], f"rank {rank}")
+
+
+def test_unfreezing_a_parameter_frozen_at_setup_is_a_clear_error():
+    model = make_model()  # ParityNet.frozen: requires_grad=False, but in the optimizer below
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=2))
+    loss_fn(model, batch(0, 0), False).backward()
+    engine.step()  # frozen parameters in the optimizer are fine while they stay frozen
+    model.frozen.requires_grad_(True)
+    loss_fn(model, batch(1, 0), False).backward()
+    with pytest.raises(ValueError, match=r"'frozen.weight' \(and 1 more\) was frozen when ZeRO sharded.*add_param_group"):
+        engine.step()
+    engine.remove()

@@ -210,6 +210,8 @@ class ZeroEngine(FullStateMixin):
         for s in PG.select(self, optimizer):
             if s.grads_final:
                 continue
+            if s.frozen_at_setup:
+                s.check_not_unfrozen(lambda: PG.param_names(self.module))
             masks = self.reducer.finalize([b.index for b in s.buckets])
             grads: list[list[Optional[torch.Tensor]]] = []
             for b, mask in zip(s.buckets, masks):

@@ -165,6 +165,8 @@ class ShardedOptimizer:
         self.group_layout = [[by_param.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups]
         # ... and the module's parameters themselves, for code that thinks in parameters (toggle_optimizer)
         self.group_params = [list(g["params"]) for g in self.optimizer.param_groups]
+        # frozen at setup, hence without master or bucket: unfreezing one later would train nothing
+        self.frozen_at_setup = [p for g in self.group_params for p in g if id(p) not in by_param]
         for group in self.optimizer.param_groups:
             group["params"] = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
 
@@ -183,6 +185,18 @@ class ShardedOptimizer:
     @property
     def uses_fused(self) -> bool:
         return all(g.get("fused") for g in self.optimizer.param_groups)
+
+    def check_not_unfrozen(self, names) -> None:
+        """One clear error instead of a parameter that silently never trains (DDP would drift instead).
+        ``names()``: {id(param): name}, built only for the message."""
+        thawed = [p for p in self.frozen_at_setup if p.requires_grad]
+        if thawed:
+            raise ValueError(
+                f"Parameter '{names().get(id(thawed[0]), '?')}' (and {len(thawed) - 1} more) was frozen when ZeRO "
+                "sharded the optimizer and requires a gradient now; it has no master shard, so it would never "
+                "be stepped. Allowed: pass only trainable parameters to the optimizer and add the unfrozen ones "
+                "with optimizer.add_param_group (what Lightning's BaseFinetuning does), or unfreeze before setup."
+            )
 
     # -- gradients ------------------------------------------------------------------------------
     def assign_grads(self, grads: list[list[Optional[torch.Tensor]]]) -> None:

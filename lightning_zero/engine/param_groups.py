@@ -42,7 +42,7 @@ def as_optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
     return opts
 
 
-def _names(module: nn.Module) -> dict[int, str]:
+def param_names(module: nn.Module) -> dict[int, str]:
     names: dict[int, str] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
@@ -54,7 +54,7 @@ def managed_params(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -
     parameter listed twice, and a parameter held by two optimizers."""
     in_module = {id(p) for p in module.parameters()}
     owner: dict[int, int] = {}
-    names = _names(module)
+    names = param_names(module)
     for k, opt in enumerate(optimizers):
         ids = [id(p) for g in opt.param_groups for p in g["params"]]
         stray = set(ids) - in_module
@@ -126,7 +126,7 @@ def add_param_group(engine: "ZeroEngine", optimizer: torch.optim.Optimizer, grou
     params = [params] if torch.is_tensor(params) else list(params) if params is not None else []
     if isinstance(group.get("params"), set):
         raise TypeError("optimizer parameters need to be organized in ordered collections, not a set.")
-    names = _names(engine.module)
+    names = param_names(engine.module)
     module_ids = set(names)
     held = {id(p): k for k, s in enumerate(engine.shardeds) for g in s.group_params for p in g}
     k_new = engine.optimizers.index(optimizer)
