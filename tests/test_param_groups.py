@@ -228,8 +228,8 @@ def _finetune_resume(out, tag, strategy, devices, batch_size, ckpts):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kw", [dict(stage=2), dict(stage=3, persist_numel=0, unit_classes=["Linear"])],
-                         ids=["zero2", "zero3"])
+@pytest.mark.parametrize("kw", [dict(stage=2), dict(stage=3, persist_numel=0, unit_classes=["Linear"]),
+                                dict(stage=2, checkpoint_format="full")], ids=["zero2", "zero3", "zero2_full"])
 def test_base_finetuning_resume_after_unfreeze(tmp_path, kw):
     # Lightning's own resume is the reference: the sharded checkpoint's added group is restored by name
     ref = _finetune_resume(str(tmp_path), "ref_", lambda: "auto", 1, 8, str(tmp_path / "ref"))[0]

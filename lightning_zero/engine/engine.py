@@ -16,6 +16,10 @@ reduced shards, computes the global norm when clipping or loss scaling needs it 
 applies unscale and clip in one multiply, steps the user's optimizer on the masters, and publishes the
 updated shards back into the module's parameters (one all-gather per bucket).
 
+Several optimizers (a GAN): pass a list over disjoint parameter sets; each gets its own master shards
+and buckets, and ``step(opt)`` / ``zero_grad(opt)`` / ``clip_grad_norm_(x, opt)`` act on that one only
+(:mod:`.param_groups`, which also handles ``optimizer.add_param_group`` after setup).
+
 Accumulation: wrap non-boundary micro-batches in :meth:`no_sync` (stages 0-1 issue no collective
 there; stage 2 reduces each micro-batch into its gradient shard regardless, as DeepSpeed does).
 """
