@@ -145,11 +145,13 @@ STAGE3 = dict(stage=3, unit_classes=["Sequential"], persist_numel=0)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kw", [dict(stage=1), dict(stage=2), STAGE3, dict(stage=2, offload_optimizer=True),
-                                dict(STAGE3, offload_optimizer=True, offload_params=True)],
-                         ids=["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
+@pytest.mark.parametrize("kw", [dict(stage=0), dict(stage=1), dict(stage=2), STAGE3,
+                                dict(stage=2, offload_optimizer=True),
+                                dict(STAGE3, offload_optimizer=True, offload_params=True), "zero3_fork"],
+                         ids=["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_preset"])
 def test_gan_two_optimizers_match_ddp(tmp_path, ddp_gan, kw):
-    got = _fit(str(tmp_path), "zero_", ZeroStrategy(start_method="fork", **kw))
+    strategy = kw if isinstance(kw, str) else ZeroStrategy(start_method="fork", **kw)
+    got = _fit(str(tmp_path), "zero_", strategy)
     _compare(got, ddp_gan)
 
 
