@@ -148,14 +148,14 @@ def add_param_group(engine: "ZeroEngine", optimizer: torch.optim.Optimizer, grou
     # frozen parameters of the new group are managed too (unlike frozen ones at setup, which may be a
     # LoRA base too large for masters): the group was added to be trained, and unfreezing it later must
     # work; while frozen, their bucket is skipped by the reducer and they get no gradient, so no step
-    trainable = [p for p in engine.module.parameters() if id(p) in ids]
+    new_params = [p for p in engine.module.parameters() if id(p) in ids]
     if engine.partitioner is not None:
         # the parameters already live in their units' shards: per unit, a gradient bucket of the new ones,
         # sourced from the current (compute-dtype) shard, so masters start from the values in use
-        new, sources, units = grad_buckets_for_units(engine.partitioner.units, trainable, engine.world_size,
+        new, sources, units = grad_buckets_for_units(engine.partitioner.units, new_params, engine.world_size,
                                                      engine.rank)
     else:
-        new = build_buckets(trainable, engine.world_size, engine.rank, engine.config.bucket_bytes,
+        new = build_buckets(new_params, engine.world_size, engine.rank, engine.config.bucket_bytes,
                             sharded=engine.config.stage >= 1)
         sources, units = None, None
     first = len(engine.buckets)
@@ -163,7 +163,7 @@ def add_param_group(engine: "ZeroEngine", optimizer: torch.optim.Optimizer, grou
         b.index = first + i
     assert engine.reducer.buckets is engine.buckets  # add_buckets below extends the one shared list
     engine._bucket_opt.extend([k_new] * len(new))
-    engine.params.extend(trainable)
+    engine.params.extend(new_params)
     if engine.partitioner is not None:
         engine._sources.extend(sources)
         engine._bucket_unit.extend(units)
@@ -171,11 +171,6 @@ def add_param_group(engine: "ZeroEngine", optimizer: torch.optim.Optimizer, grou
             engine.releaser.add_bucket(b, u)
     engine.reducer.add_buckets(new)
     engine.shardeds[k_new].add_group({**group, "params": params}, new, sources)
-
-
-def module_param_groups(engine: "ZeroEngine", optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
-    """The module parameters of each of ``optimizer``'s param groups (the groups themselves hold masters)."""
-    return engine.sharded_for(optimizer).group_params
 
 
 def select(engine: "ZeroEngine", optimizer: Optional[torch.optim.Optimizer]):
