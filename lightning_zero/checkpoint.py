@@ -119,10 +119,11 @@ def sharded_model_state(module: nn.Module, engine=None) -> dict[str, torch.Tenso
     return {n: (_flat(managed[n][0], managed[n][1]) if n in managed else t) for n, t in canonical.items()}
 
 
-def sharded_optimizer_state(engine) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name: per-element tensors flattened like the masters."""
+def sharded_optimizer_state(engine, optimizer=None) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name: per-element tensors flattened like the masters.
+    ``optimizer``: which of the engine's optimizers (default: the first)."""
     name_of = {id(m): (n, spec) for n, (m, spec, _) in _managed(engine).items()}
-    opt = engine.optimizer
+    opt = engine.optimizer if optimizer is None else optimizer
     state: dict[str, dict] = {}
     other: dict[str, dict] = {}
     for group in opt.param_groups:
@@ -153,25 +154,35 @@ def save_checkpoint_dir(
     metadata: Optional[dict] = None,
     barrier: Callable[[], None] = _barrier,
 ) -> Path:
-    """Write a checkpoint directory atomically. Collective: every rank calls it with the same ``path``."""
+    """Write a checkpoint directory atomically. Collective: every rank calls it with the same ``path``.
+
+    ``optimizer_state``: one optimizer's :func:`sharded_optimizer_state`, or a list of them (several
+    optimizers: the first under "optim", optimizer ``k`` under "optim_k")."""
     path = Path(path)
     tmp, old = path.with_name(path.name + _TMP), path.with_name(path.name + _OLD)
     rank = _rank()
+    opt_states = list(optimizer_state) if isinstance(optimizer_state, (list, tuple)) else (
+        [optimizer_state] if optimizer_state is not None else [])
+    optimizer_state = opt_states[0] if opt_states else None
     state_kinds = _check_optimizer_keys(optimizer_state)
+    more_kinds = [_check_optimizer_keys(st) for st in opt_states[1:]]
     if rank == 0:
         tidy_checkpoint_dir(path.parent)  # what crashed saves left behind
         tmp.mkdir(parents=True)
     barrier()
     tensors = {"model": dict(model_state)}
-    if optimizer_state is not None:
-        tensors["optim"] = {"state": optimizer_state["state"]}
+    for k, st in enumerate(opt_states):
+        tensors[_optim_key(k)] = {"state": st["state"]}
     dcp.save(tensors, checkpoint_id=tmp)
     if rank == 0:
         meta = dict(metadata or {})
-        if optimizer_state is not None:
-            meta["optimizer_states"] = [{k: v for k, v in optimizer_state.items() if k != "state"}]
+        if opt_states:
+            meta["optimizer_states"] = [{k: v for k, v in st.items() if k != "state"} for st in opt_states]
         torch.save(meta, tmp / META_FILE)
-        (tmp / INFO_FILE).write_text(json.dumps(_info(model_state, module, engine, state_kinds), indent=1))
+        info = _info(model_state, module, engine, state_kinds)
+        if more_kinds:
+            info["more_optimizer_states"] = more_kinds  # optimizers 1, 2, ... (0 is "optimizer_state")
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
     barrier()
     if rank == 0:
         if os.path.lexists(path):  # a name that exists is complete, so the old copy (if any) is redundant
@@ -181,6 +192,10 @@ def save_checkpoint_dir(
         _remove(old)
     barrier()
     return path
+
+
+def _optim_key(index: int) -> str:
+    return "optim" if index == 0 else f"optim_{index}"
 
 
 def _check_optimizer_keys(optimizer_state) -> Optional[dict]:
@@ -303,14 +318,18 @@ def _slice(full: torch.Tensor, spec) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], info: Optional[dict] = None) -> None:
-    """Load the optimizer state (moments resharded in place) and hyper-parameters by parameter name."""
+def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], info: Optional[dict] = None,
+                         index: int = 0) -> None:
+    """Load the state of the engine's optimizer ``index`` (moments resharded in place) and its
+    hyper-parameters by parameter name."""
     path = Path(path) if info is not None else resolve_checkpoint_dir(path)
     info = info or read_info(path)
-    kinds = info.get("optimizer_state")
+    more = info.get("more_optimizer_states") or []
+    kinds = info.get("optimizer_state") if index == 0 else more[index - 1] if index - 1 < len(more) else None
     if kinds is None:
-        raise KeyError(f"Checkpoint {str(path)!r} holds no optimizer state (saved with weights_only=True?).")
-    opt = engine.optimizer
+        raise KeyError(f"Checkpoint {str(path)!r} holds no optimizer state (saved with weights_only=True?)."
+                       if index == 0 else f"Checkpoint {str(path)!r} holds no state for optimizer {index}.")
+    opt = engine.optimizers[index]
     managed = _managed(engine)
     name_of = {id(m): n for n, (m, _, _) in managed.items()}
     if "param_groups" not in opt_meta:
@@ -338,7 +357,7 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
                              f"{have} (another optimizer class or options?).")
         targets[n] = {k: (_flat(st[k], spec) if st[k].dim() > 0 and st[k].shape == m.shape else st[k])
                       for k in keys}
-    _dcp_load({"optim": {"state": targets}}, path)
+    _dcp_load({_optim_key(index): {"state": targets}}, path)
     for m in list(opt.state):  # a parameter that had no state when saved has none now
         if name_of.get(id(m)) not in kinds:
             del opt.state[m]
@@ -346,6 +365,12 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
         opt.state[managed[n][0]].update(extra)
     for g, s in zip(opt.param_groups, saved_groups):
         g.update({k: v for k, v in s.items() if k not in _IMPL_KEYS})
+
+
+def check_optimizer_count(path: _PathLike, saved: int, current: int) -> None:
+    if saved != current:
+        raise ValueError(f"Checkpoint {str(path)!r} holds the state of {saved} optimizer(s); this run has "
+                         f"{current}. configure_optimizers must return as many optimizers as when it was saved.")
 
 
 def _init_state(opt: torch.optim.Optimizer, masters: list[torch.Tensor]) -> None:
@@ -381,7 +406,10 @@ def load_checkpoint_dir(path: _PathLike, module: nn.Module, engine=None, load_op
     meta = read_meta(path, weights_only)
     load_model_state(path, module, engine, strict, info)
     if load_optimizer and engine is not None:
-        load_optimizer_state(path, engine, (meta.get("optimizer_states") or [{}])[0], info)
+        saved = meta.get("optimizer_states") or [{}]
+        check_optimizer_count(path, len(saved), len(engine.optimizers))
+        for k in range(len(engine.optimizers)):
+            load_optimizer_state(path, engine, saved[k], info, index=k)
         scaler = getattr(engine, "loss_scaler", None)
         if scaler is not None and "loss_scaler" in meta:
             scaler.load_state_dict(meta["loss_scaler"])
@@ -399,5 +427,5 @@ def save_engine_checkpoint(path: _PathLike, module: nn.Module, engine=None, meta
         meta["loss_scaler"] = scaler.state_dict()
     if engine is not None:
         meta["skipped_steps"] = engine.skipped_steps
-    opt = sharded_optimizer_state(engine) if optimizer and engine is not None else None
+    opt = [sharded_optimizer_state(engine, o) for o in engine.optimizers] if optimizer and engine is not None else None
     return save_checkpoint_dir(path, sharded_model_state(module, engine), module, engine, opt, meta)

@@ -7,8 +7,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .checkpoint import (_OLD, _TMP, _remove, load_model_state, load_optimizer_state, read_info, read_meta,
-                         resolve_checkpoint_dir, save_checkpoint_dir, sharded_model_state, sharded_optimizer_state)
+from .checkpoint import (_IMPL_KEYS, _OLD, _TMP, _remove, check_optimizer_count, load_model_state,
+                         load_optimizer_state, read_info, read_meta, resolve_checkpoint_dir, save_checkpoint_dir,
+                         sharded_model_state, sharded_optimizer_state)
 
 # -- Lightning glue ----------------------------------------------------------------------------------------------
 _LOADED_KEY = "lightning_zero_checkpoint_dir"
@@ -57,7 +58,9 @@ class ZeroCheckpointMixin:
         engine = self._zero_engine
         if engine is None:
             return super().optimizer_state(optimizer)
-        return sharded_optimizer_state(engine) if self._zero_sharded else engine.optimizer_state_dict()
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the engine's
+        return (sharded_optimizer_state(engine, optimizer) if self._zero_sharded
+                else engine.optimizer_state_dict(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         if not self._zero_sharded:
@@ -70,7 +73,7 @@ class ZeroCheckpointMixin:
         model_state = checkpoint.pop("state_dict")
         opt_states = checkpoint.pop("optimizer_states", None)
         engine = self._zero_engine
-        opt = opt_states[0] if opt_states and engine is not None else None
+        opt = opt_states if opt_states and engine is not None else None
         if opt_states is not None and opt is None:
             checkpoint["optimizer_states"] = opt_states  # evaluation: no optimizer, an empty list
         save_checkpoint_dir(path, model_state, self.lightning_module, engine, opt, checkpoint, barrier=self.barrier)
@@ -106,12 +109,26 @@ class ZeroCheckpointMixin:
             return
         super().load_model_state_dict(checkpoint, strict=strict)
 
+    def _add_saved_param_groups(self, opt, saved: list) -> None:
+        """Groups the saved run added after setup (``add_param_group``, e.g. BaseFinetuning): add them again,
+        by parameter name, so the state has somewhere to go. Lightning's own restore of them
+        (``BaseFinetuning.on_fit_start``) runs before a sharded checkpoint is read, too early."""
+        named = dict(self.lightning_module.named_parameters())
+        for g in saved[len(opt.param_groups):]:
+            if not all(n in named for n in g["params"]):
+                return  # not this model's names: the mismatch error follows with the details
+            opt.add_param_group({**{k: v for k, v in g.items() if k not in _IMPL_KEYS},
+                                 "params": [named[n] for n in g["params"]]})
+
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         engine = self._zero_engine
         states = checkpoint.get("optimizer_states") or []
         if engine is None or not states:
             return
-        if _LOADED_KEY in checkpoint:
-            load_optimizer_state(checkpoint[_LOADED_KEY], engine, states[0])
-        else:
-            engine.load_optimizer_state_dict(states[0])  # a full (consolidated) state from any world size
+        check_optimizer_count(checkpoint.get(_LOADED_KEY, "<checkpoint>"), len(states), len(engine.optimizers))
+        for k, (opt, state) in enumerate(zip(engine.optimizers, states)):
+            if _LOADED_KEY in checkpoint:
+                self._add_saved_param_groups(opt, state["param_groups"])
+                load_optimizer_state(checkpoint[_LOADED_KEY], engine, state, index=k)
+            else:  # a full (consolidated) state from any world size
+                engine.load_optimizer_state_dict(state, opt)

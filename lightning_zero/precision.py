@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .engine import DynamicLossScaler, StaticLossScaler
+from .optimizers import raw_optimizer
 
 _ALIASES = {
     "32-true": "32-true", "32": "32-true", 32: "32-true",
@@ -137,10 +138,11 @@ class ZeroPrecision(Precision):
         self._after_closure(model, optimizer)
         if self._engine is None:
             raise RuntimeError("ZeroPrecision is not attached to a ZeroStrategy engine; use it with ZeroStrategy.")
+        optimizer = raw_optimizer(optimizer)
         if closure_result is None and getattr(model, "automatic_optimization", True):
-            self._engine.zero_grad()  # training_step returned None: skip this step, drop its gradients
+            self._engine.zero_grad(optimizer)  # training_step returned None: skip this step, drop its gradients
             return None
-        self._engine.step()
+        self._engine.step(optimizer)
         if self.mixed and hasattr(model, "log"):
             if self.loss_scaler is not None:
                 model.log("loss_scale", float(self.loss_scaler.scale), prog_bar=True, sync_dist=False)
@@ -148,10 +150,10 @@ class ZeroPrecision(Precision):
         return closure_result
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        self._engine.clip_grad_norm_(clip_val)
+        self._engine.clip_grad_norm_(clip_val, raw_optimizer(optimizer))
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        self._engine.clip_grad_value_(clip_val)
+        self._engine.clip_grad_value_(clip_val, raw_optimizer(optimizer))
 
     # -- scaler state in checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

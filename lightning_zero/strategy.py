@@ -23,6 +23,7 @@ from torch.distributed.constants import default_pg_timeout
 from .engine import ZeroConfig, ZeroEngine
 from .engine.deferred_init import has_meta_params
 from .checkpoint_strategy import ZeroCheckpointMixin
+from .optimizers import bind as bind_optimizers
 from .precision import ZeroPrecision
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -130,13 +131,9 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         precision = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"ZeroStrategy shards exactly one optimizer; configure_optimizers returned {len(self.optimizers)}."
-                )
             self.engine = ZeroEngine(
                 self.lightning_module,
-                self.optimizers[0],
+                self.optimizers,  # several: each sharded on its own (disjoint parameters; see optimizers.py)
                 self.zero_config,
                 compute_dtype=precision.compute_dtype,
                 loss_scaler=precision.loss_scaler,
@@ -145,6 +142,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             )
             precision.attach(self.engine, self.root_device.type)
             self._guard_scheduler_on_skipped_steps()
+            self._unbind_optimizers = bind_optimizers(self, trainer)
         else:
             # evaluation only: no optimizer. Weights stay fp32 (mixed precision runs under autocast, see
             # ZeroPrecision.forward_context), so validate/test/predict never round the user's model.
@@ -252,6 +250,9 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         if getattr(self, "_unguard", None) is not None:
             self._unguard()
             self._unguard = None
+        if getattr(self, "_unbind_optimizers", None) is not None:
+            self._unbind_optimizers()
+            self._unbind_optimizers = None
         if self.engine is not None:
             self.engine.remove(hand_back=not self._failed)
             self.engine = None

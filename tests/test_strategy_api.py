@@ -173,12 +173,15 @@ def test_register_shardable_optimizer_admits_custom_class():
                     if p.grad is not None:
                         p.add_(p.grad.sign(), alpha=-g["lr"])
 
-    class MyAdamW(torch.optim.AdamW):  # a subclass of an allowed class is admitted without registering
+    class MyAdamW(torch.optim.AdamW):  # a subclass may override step(): admitted only once registered
         pass
 
     model = make_model()
     with pytest.raises(ValueError, match=r"SignSGD cannot run on parameter shards.*register_shardable_optimizer"):
         ZeroEngine(model, SignSGD(model.parameters()), ZeroConfig(stage=2))
+    with pytest.raises(ValueError, match=r"MyAdamW cannot run on parameter shards.*register_shardable_optimizer"):
+        ZeroEngine(model, MyAdamW(model.parameters()), ZeroConfig(stage=2))
+    register_shardable_optimizer(MyAdamW)
     ZeroEngine(model, MyAdamW(model.parameters()), ZeroConfig(stage=2)).remove()
 
     assert register_shardable_optimizer(SignSGD) is SignSGD  # usable as a decorator
@@ -201,14 +204,14 @@ forked = pytest.mark.timeout(300)  # the rank processes are forked from this one
 
 
 @forked
-def test_more_than_one_optimizer_is_a_clear_error(tmp_path):
-    model = ParityModule(str(tmp_path), n_optimizers=2)
+def test_optimizers_sharing_a_parameter_is_a_clear_error(tmp_path):
+    model = ParityModule(str(tmp_path), n_optimizers=2)  # AdamW and SGD over the same parameters
     trainer = Trainer(strategy=ZeroStrategy(stage=1, start_method="fork"), **trainer_kwargs(devices=1, max_steps=1))
     with pytest.raises(Exception) as info:  # raised in the forked rank, re-raised by torch.multiprocessing
         trainer.fit(model)
     text = str(info.value)
     assert "ValueError" in text or isinstance(info.value, ValueError)
-    assert "shards exactly one optimizer; configure_optimizers returned 2" in text
+    assert "is in optimizer 0 and optimizer 1" in text and "disjoint parameter sets" in text
 
 
 @forked

@@ -16,6 +16,10 @@ reduced shards, computes the global norm when clipping or loss scaling needs it 
 applies unscale and clip in one multiply, steps the user's optimizer on the masters, and publishes the
 updated shards back into the module's parameters (one all-gather per bucket).
 
+Several optimizers (a GAN): pass a list over disjoint parameter sets; each gets its own master shards
+and buckets, and ``step(opt)`` / ``zero_grad(opt)`` / ``clip_grad_norm_(x, opt)`` act on that one only
+(:mod:`.param_groups`, which also handles ``optimizer.add_param_group`` after setup).
+
 Accumulation: wrap non-boundary micro-batches in :meth:`no_sync` (stages 0-1 issue no collective
 there; stage 2 reduces each micro-batch into its gradient shard regardless, as DeepSpeed does).
 """
@@ -23,6 +27,7 @@ there; stage 2 reduces each micro-batch into its gradient shard regardless, as D
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from typing import Any, Iterator, Optional
@@ -31,9 +36,8 @@ import torch
 from torch import nn
 
 from . import collectives as C
-from .buckets import build_buckets
 from .deferred_init import has_meta_params
-from .units import build_units, grad_buckets_for_units
+from .units import build_units
 from .config import ZeroConfig
 from .memory import MemoryReport
 from .full_state import FullStateMixin
@@ -41,6 +45,7 @@ from .optimizer import ShardedOptimizer
 from .partition import ParamPartitioner
 from .reducer import GradReducer
 from .release import BackwardReleaser
+from . import param_groups as PG
 
 _log = logging.getLogger("lightning_zero.engine")
 
@@ -49,7 +54,7 @@ class ZeroEngine(FullStateMixin):
     def __init__(
         self,
         module: nn.Module,
-        optimizer: Optional[torch.optim.Optimizer],
+        optimizer: Any,
         config: Optional[ZeroConfig] = None,
         compute_dtype: Optional[torch.dtype] = None,
         loss_scaler: Optional[Any] = None,
@@ -57,20 +62,23 @@ class ZeroEngine(FullStateMixin):
         group: Optional[Any] = None,
         device: Optional[torch.device] = None,
     ) -> None:
-        """``optimizer=None`` builds an evaluation-only engine (stage 3 still partitions parameters).
+        """``optimizer=None`` builds an evaluation-only engine (stage 3 still partitions parameters); a list
+        of optimizers over disjoint parameter sets gives each its own shards (``step(opt)``, see param_groups).
 
         ``device``: where compute happens (default: where the parameters are; needed for a meta model).
         """
         self.config = cfg = config or ZeroConfig()
         self.module = module
-        self.optimizer = optimizer
+        self.optimizers = PG.as_optimizer_list(optimizer)
+        optimizer = self.optimizer = self.optimizers[0] if self.optimizers else None
         self.group = group
         self.compute_dtype = compute_dtype
         self.loss_scaler = loss_scaler
         self.check_finite = check_finite or loss_scaler is not None
         self.world_size = C.world_size(group)
         self.rank = C.rank(group)
-        self.params = self._managed_params(module, optimizer) if optimizer is not None else []
+        per_opt = PG.managed_params(module, self.optimizers)
+        self.params = [p for ps in per_opt for p in ps]
         if not has_meta_params(module):  # a meta model is broadcast unit by unit as it is built
             self.sync_module_states()
         mixed = compute_dtype is not None and compute_dtype != torch.float32
@@ -79,6 +87,10 @@ class ZeroEngine(FullStateMixin):
         sources = None
         reduce_group = group
         if cfg.stage == 3:
+            if len(self.optimizers) > 1 and cfg.order_check == "strict":
+                # each optimizer runs its own forward/backward: a step holds several different forward
+                # sequences, which one recorded order cannot describe. Check before every gather instead.
+                cfg = self.config = dataclasses.replace(cfg, order_check="always")
             units = build_units(module, self.world_size, self.rank, cfg.unit_classes, cfg.unit_bytes,
                                 cfg.persist_numel)
             device = torch.device(device) if device is not None else _compute_device(module)
@@ -86,9 +98,9 @@ class ZeroEngine(FullStateMixin):
                 _log.info(units.describe())
             self.partitioner = ParamPartitioner(module, units, compute_dtype, device, cfg.offload_params, group,
                                                 cfg.prefetch, cfg.order_check)
-            self.partitioner.guard.eval_only = optimizer is None
-            self.buckets, sources, self._bucket_unit = grad_buckets_for_units(
-                units, self.params, self.world_size, self.rank)
+            self.partitioner.guard.eval_only = not self.optimizers
+            self.buckets, self._bucket_opt, sources, self._bucket_unit = PG.build_optimizer_buckets(
+                self, per_opt, units)
             # releases each unit as soon as its backward is over (see release.py for units with frozen params)
             with_bucket = {id(u) for u in self._bucket_unit}
             frozen = [u for u in units if id(u) not in with_bucket and u.params and not u.persistent]
@@ -100,14 +112,16 @@ class ZeroEngine(FullStateMixin):
                     group or torch.distributed.group.WORLD), use_local_synchronization=True)
                 self._own_groups.append(reduce_group)
         else:
-            self.buckets = build_buckets(self.params, self.world_size, self.rank, cfg.bucket_bytes,
-                                         sharded=cfg.stage >= 1)
+            self.buckets, self._bucket_opt, _, _ = PG.build_optimizer_buckets(self, per_opt)
         self._sources = sources
-        self.sharded: Optional[ShardedOptimizer] = None
-        if optimizer is not None:
-            # masters are cut from the fp32 values before the module drops to the compute dtype
-            self.sharded = ShardedOptimizer(optimizer, self.buckets, cfg.stage, cfg.offload_optimizer,
-                                            compute_dtype, sources)
+        # masters are cut from the fp32 values before the module drops to the compute dtype
+        self.shardeds: list[ShardedOptimizer] = []
+        for k, opt in enumerate(self.optimizers):
+            mine = [i for i, o in enumerate(self._bucket_opt) if o == k]
+            self.shardeds.append(ShardedOptimizer(
+                opt, [self.buckets[i] for i in mine], cfg.stage, cfg.offload_optimizer, compute_dtype,
+                [sources[i] for i in mine] if sources is not None else None))
+        self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
         if mixed:
             module.to(compute_dtype)  # params (released ones too) and floating buffers, like module.half()
             if self.partitioner is not None and optimizer is not None:
@@ -123,10 +137,7 @@ class ZeroEngine(FullStateMixin):
                 on_end_of_backward=self._end_of_backward if self.partitioner else None,
                 host_grads=cfg.offload_optimizer,
             )
-        self._grads_final = False
-        self._clip_coef: Optional[float] = None
-        self._clip_value: Optional[float] = None
-        self._sq_norm: Optional[torch.Tensor] = None
+            PG.install_optimizer_methods(self)
         self.last_step_skipped = False
         self.skipped_steps = 0
 
@@ -150,23 +161,20 @@ class ZeroEngine(FullStateMixin):
 
     @property
     def bucket_params(self) -> list[nn.Parameter]:
-        """Managed parameters in bucket order (the order of masters and of full_master_params())."""
-        return [p for b in self.buckets for p in b.params]
+        """Managed parameters in master order: optimizer by optimizer, bucket by bucket (the order of
+        full_master_params() and master_items())."""
+        return [p for _, b in self.master_rows() for p in b.params]
 
-    # -- setup ------------------------------------------------------------------------------------
-    @staticmethod
-    def _managed_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
-        in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        in_module = {id(p) for p in module.parameters()}
-        stray = in_opt - in_module
-        if stray:
-            raise ValueError(
-                f"The optimizer holds {len(stray)} tensor(s) that are not parameters of the module; "
-                "ZeRO can only shard parameters of the module it wraps."
-            )
-        if len(optimizer.param_groups) and sum(len(g["params"]) for g in optimizer.param_groups) != len(in_opt):
-            raise ValueError("A parameter appears more than once in the optimizer's param_groups.")
-        return [p for p in module.parameters() if p.requires_grad and id(p) in in_opt]
+    def master_rows(self, shardeds=None) -> list[tuple[list[torch.Tensor], Any]]:
+        """(masters, bucket) of every bucket of ``shardeds`` (default: all optimizers)."""
+        return [(row, b) for s in (self.shardeds if shardeds is None else shardeds)
+                for row, b in zip(s.masters, s.buckets)]
+
+    def sharded_for(self, optimizer) -> ShardedOptimizer:
+        for s in self.shardeds:
+            if s.optimizer is optimizer:
+                return s
+        raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this engine shards.")
 
     def sync_module_states(self) -> None:
         """Make every rank start from rank 0's parameters and buffers (as DDP does at wrap time)."""
@@ -211,60 +219,70 @@ class ZeroEngine(FullStateMixin):
         return float(self.loss_scaler.scale) if self.loss_scaler is not None else 1.0
 
     # -- step-side ----------------------------------------------------------------------------------
-    def finalize_grads(self) -> None:
+    # ``optimizer``: the one to act on (several optimizers step independently); None = all of them.
+    def finalize_grads(self, optimizer=None) -> None:
         """Complete reductions and point the masters' ``.grad`` at this rank's reduced gradients."""
-        if self._grads_final:
-            return
-        masks = self.reducer.finalize()
-        grads: list[list[Optional[torch.Tensor]]] = []
-        for b, mask in zip(self.buckets, masks):
-            if self.config.stage == 0:
-                row = [p.grad if used else None for p, used in zip(b.params, mask.tolist())]
-            else:
-                host = self.reducer.host_shards[b.index]  # offload: already copied as the bucket completed
-                shard = host if host is not None else self.reducer.grad_shards[b.index]
-                views = b.local_views(shard) if shard is not None else [None] * len(b.params)
-                row = [v if used else None for v, used in zip(views, mask.tolist())]
-            grads.append(row)
-        self.sharded.assign_grads(grads)
-        self._grads_final = True
+        for s in PG.select(self, optimizer):
+            if s.grads_final:
+                continue
+            if s.frozen_at_setup:
+                s.check_not_unfrozen(lambda: PG.param_names(self.module))
+            masks = self.reducer.finalize([b.index for b in s.buckets])
+            grads: list[list[Optional[torch.Tensor]]] = []
+            for b, mask in zip(s.buckets, masks):
+                if self.config.stage == 0:
+                    row = [p.grad if used else None for p, used in zip(b.params, mask.tolist())]
+                else:
+                    host = self.reducer.host_shards[b.index]  # offload: already copied as the bucket completed
+                    shard = host if host is not None else self.reducer.grad_shards[b.index]
+                    views = b.local_views(shard) if shard is not None else [None] * len(b.params)
+                    row = [v if used else None for v, used in zip(views, mask.tolist())]
+                grads.append(row)
+            s.assign_grads(grads)
+            s.grads_final = True
 
-    def _global_sq_norm(self) -> torch.Tensor:
-        if self._sq_norm is None:
-            self.finalize_grads()
-            sq = self.sharded.local_sq_norm()
-            if self.config.stage >= 1:  # shards are disjoint: sum their squares over ranks
-                dev = self.params[0].device if self.params else sq.device
-                sq_dev = sq.to(dev)
-                C.all_reduce(sq_dev, group=self.group)
-                sq = sq_dev.to(sq.device)
-            self._sq_norm = sq
-        return self._sq_norm
+    def _global_sq_norm(self, optimizer=None) -> torch.Tensor:
+        total = None
+        for s in PG.select(self, optimizer):
+            if s.sq_norm is None:
+                self.finalize_grads(s.optimizer)
+                sq = s.local_sq_norm()
+                if self.config.stage >= 1:  # shards are disjoint: sum their squares over ranks
+                    dev = self.params[0].device if self.params else sq.device
+                    sq_dev = sq.to(dev)
+                    C.all_reduce(sq_dev, group=self.group)
+                    sq = sq_dev.to(sq.device)
+                s.sq_norm = sq
+            total = s.sq_norm if total is None else total + s.sq_norm.to(total.device)
+        return total if total is not None else torch.zeros(())
 
-    def global_grad_norm(self) -> torch.Tensor:
+    def global_grad_norm(self, optimizer=None) -> torch.Tensor:
         """2-norm of the (unscaled) gradient over all ranks' shards: DDP's ``clip_grad_norm_`` total."""
-        return self._global_sq_norm().sqrt() / self.loss_scale
+        return self._global_sq_norm(optimizer).sqrt() / self.loss_scale
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, optimizer=None) -> torch.Tensor:
         """Clip by the global norm; the multiply is fused with unscaling in :meth:`step`."""
-        total = self.global_grad_norm()
-        self._clip_coef = min(1.0, float(max_norm) / (float(total) + 1e-6)) if math.isfinite(total) else None
+        total = self.global_grad_norm(optimizer)
+        coef = min(1.0, float(max_norm) / (float(total) + 1e-6)) if math.isfinite(total) else None
+        for s in PG.select(self, optimizer):
+            s.clip_coef = coef
         return total
 
-    def clip_grad_value_(self, clip_value: float) -> None:
-        self._clip_value = float(clip_value)
+    def clip_grad_value_(self, clip_value: float, optimizer=None) -> None:
+        for s in PG.select(self, optimizer):
+            s.clip_value = float(clip_value)
 
-    def step(self) -> bool:
+    def step(self, optimizer=None) -> bool:
         """Step the optimizer on the master shards and publish the new parameters.
 
         Returns False when the step was skipped because a gradient was non-finite on some rank
         (only when a loss scaler or ``check_finite`` is active); every rank then skips together.
         """
-        self.finalize_grads()
+        self.finalize_grads(optimizer)
         inv_scale = 1.0 / self.loss_scale  # the scale the gradients carry; update() below may change it
         overflow = False
         if self.check_finite:
-            overflow = not bool(torch.isfinite(self._global_sq_norm()))
+            overflow = not bool(torch.isfinite(self._global_sq_norm(optimizer)))
         if self.loss_scaler is not None:
             skip = self.loss_scaler.update(overflow)
         else:
@@ -272,37 +290,38 @@ class ZeroEngine(FullStateMixin):
         self.last_step_skipped = skip
         self.skipped_steps += int(skip)
         if not skip:
-            coef = inv_scale * (self._clip_coef if self._clip_coef is not None else 1.0)
-            self.sharded.scale_grads(coef)
-            if self._clip_value is not None:
-                self.sharded.clamp_grads(self._clip_value)
-            self.sharded.step()
-            self.publish_params()
-        self.zero_grad()
+            for s in PG.select(self, optimizer):
+                s.scale_grads(inv_scale * (s.clip_coef if s.clip_coef is not None else 1.0))
+                if s.clip_value is not None:
+                    s.clamp_grads(s.clip_value)
+                s.step()
+            self.publish_params(optimizer)
+        self.zero_grad(optimizer)
         return not skip
 
     @torch.no_grad()
-    def publish_params(self) -> None:
+    def publish_params(self, optimizer=None) -> None:
         """Copy the updated masters into the module's parameters (all-gather in stages 1-2).
 
         Stage 3 only refreshes the unit shards; units are gathered again when next used.
         """
+        rows = self.master_rows(PG.select(self, optimizer))
         if self.partitioner is not None:
-            for row, srcs in zip(self.sharded.masters, self._sources):
-                for m, src in zip(row, srcs):
+            for row, b in rows:
+                for m, src in zip(row, self._sources[b.index]):
                     if m is not src:
                         src.copy_(m, non_blocking=True)
             self.partitioner.after_step()
             return
         if self.config.stage == 0:
-            for row, b in zip(self.sharded.masters, self.buckets):
+            for row, b in rows:
                 for m, p in zip(row, b.params):
                     if m is not p:
                         p.data.copy_(m.view_as(p))
             return
         pending = []
         host = self.config.offload_optimizer
-        for row, b in zip(self.sharded.masters, self.buckets):
+        for row, b in rows:
             dtype, dev = b.params[0].dtype, b.params[0].device
             # offload: cast the host masters into a pinned host buffer, then one asynchronous host->device
             # copy per bucket (not one small, synchronous, fp32 copy per parameter)
@@ -323,14 +342,14 @@ class ZeroEngine(FullStateMixin):
         work.wait()
         b.unpack_rank_major(out, [p.data for p in b.params])
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, optimizer=None) -> None:
         if self.reducer is None:
             return
-        self.reducer.clear()
-        self.sharded.clear_grads()
-        self._grads_final = False
-        self._clip_coef = self._clip_value = None
-        self._sq_norm = None
+        chosen = PG.select(self, optimizer)
+        self.reducer.clear(None if optimizer is None else [b.index for s in chosen for b in s.buckets])
+        for s in chosen:
+            s.clear_grads()
+            s.reset_step_state()
 
     # -- accounting -----------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
@@ -342,8 +361,8 @@ class ZeroEngine(FullStateMixin):
             params=part.shard_bytes() + part.gathered_bytes() if part is not None else nbytes(self.params),
             grads=nbytes(p.grad for p in self.params),
             grad_shards=nbytes(self.reducer.grad_shards),
-            master=self.sharded.master_bytes(),
-            optimizer_state=self.sharded.state_bytes(),
+            master=sum(s.master_bytes() for s in self.shardeds),
+            optimizer_state=sum(s.state_bytes() for s in self.shardeds),
         )
         if self.config.offload_optimizer:
             r.host = r.master + r.optimizer_state
@@ -366,6 +385,7 @@ class ZeroEngine(FullStateMixin):
                 self.partitioner = None
         if self.reducer is not None:
             self.reducer.remove_hooks()
+            PG.remove_optimizer_methods(self)
         if hand_back:  # after a failure, leave the groups alone: other ranks may be gone
             for g in self._own_groups:
                 torch.distributed.destroy_process_group(g)

@@ -29,10 +29,10 @@ class FullStateMixin:
         after training take these instead, so no precision is lost across a save/resume.
         """
         if self.config.stage == 0:
-            return [m.detach().float().view_as(p) for row, b in zip(self.sharded.masters, self.buckets)
+            return [m.detach().float().view_as(p) for row, b in self.master_rows()
                     for m, p in zip(row, b.params)]
         fulls: list[torch.Tensor] = []
-        for row, b in zip(self.sharded.masters, self.buckets):
+        for row, b in self.master_rows():
             dev = b.params[0].device
             send = torch.zeros(b.shard_numel, dtype=torch.float32, device=dev)
             for view, m in zip(b.local_views(send), row):
@@ -97,7 +97,7 @@ class FullStateMixin:
         if self.sharded is None:
             return out
         names = iter(self.param_names())
-        for row, b in zip(self.sharded.masters, self.buckets):
+        for row, b in self.master_rows():
             for m, p, spec in zip(row, b.params, b.specs):
                 out.append((next(names), m, spec, p.shape))
         return out
@@ -121,13 +121,14 @@ class FullStateMixin:
                     out.append((names[id(p)], view, spec, p.shape))
         return out
 
-    def optimizer_state_dict(self) -> dict:
-        """The full (unsharded) optimizer state, as a plain optimizer would save it. Collective call."""
-        return consolidate_optimizer_state(self)
+    def optimizer_state_dict(self, optimizer=None) -> dict:
+        """The full (unsharded) state of ``optimizer`` (default: the first), as a plain optimizer would
+        save it. Collective call."""
+        return consolidate_optimizer_state(self, self.sharded_for(optimizer) if optimizer is not None else None)
 
-    def load_optimizer_state_dict(self, state: dict) -> None:
+    def load_optimizer_state_dict(self, state: dict, optimizer=None) -> None:
         """Load a full optimizer state (from any world size or stage) into this rank's shards."""
-        load_sharded_optimizer_state(self, state)
+        load_sharded_optimizer_state(self, state, self.sharded_for(optimizer) if optimizer is not None else None)
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict, strict: bool = True) -> None:

@@ -59,14 +59,16 @@ def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
     if stage == 0:
         return  # stage 0 steps whole parameters: any closure-free optimizer works
     cls = type(optimizer)
-    if any(issubclass(cls, ok) for ok in _SHARDABLE):
+    # exact classes only: a subclass may override step() with a whole-tensor rule (LAMB written as
+    # ``class Lamb(torch.optim.Adam)``), which issubclass would admit and which trains wrong on shards
+    if cls in _SHARDABLE:
         return
     names = sorted(c.__name__ for c in _SHARDABLE)
     raise ValueError(
         f"{cls.__name__} cannot run on parameter shards: ZeRO stage {stage} needs an elementwise optimizer "
-        f"(each element's update depends only on its own gradient and state). Allowed: {', '.join(names)}. "
-        "Use stage=0, or, if your optimizer is elementwise, declare it with "
-        "lightning_zero.register_shardable_optimizer(YourOptimizer)."
+        f"(each element's update depends only on its own gradient and state). Allowed: {', '.join(names)} "
+        "(exactly these classes: a subclass may change step()). Use stage=0, or, if your optimizer is "
+        f"elementwise, declare it with lightning_zero.register_shardable_optimizer({cls.__name__})."
     )
 
 
@@ -86,7 +88,6 @@ class ShardedOptimizer:
         (the parameter itself no longer holds its values then)."""
         check_shardable(optimizer, stage)
         self.optimizer = optimizer
-        self.buckets = buckets
         self.stage = stage
         self.offload = offload
         # a master may alias its parameter only if the parameter stays fp32 on the compute device
@@ -97,19 +98,46 @@ class ShardedOptimizer:
         self.device = device  # where the gradients are reduced (the compute device)
         self.master_device = torch.device("cpu") if offload else device
         pin = offload and torch.cuda.is_available()
-        self.masters: list[list[torch.Tensor]] = []
-        by_param: dict[int, torch.Tensor] = {}
+        self._pin = pin
+        self.masters: list[list[torch.Tensor]] = []  # per bucket of self.buckets
         self._aliased: list[bool] = []  # a master aliasing its source costs no extra bytes
+        self.buckets: list[Bucket] = []  # this optimizer's buckets (a bucket never spans two optimizers)
+        self._rebind(self._add_masters(buckets, sources))
+        if offload:
+            self._use_fused_cpu_kernels()
+        self.reset_step_state()
+
+    def reset_step_state(self) -> None:
+        """Per-step bookkeeping of this optimizer's gradients (several optimizers step independently)."""
+        self.grads_final = False
+        self.clip_coef: Optional[float] = None
+        self.clip_value: Optional[float] = None
+        self.sq_norm: Optional[torch.Tensor] = None
+
+    def _add_masters(self, buckets: list[Bucket], sources) -> dict[int, torch.Tensor]:
+        by_param: dict[int, torch.Tensor] = {}
         for bi, b in enumerate(buckets):
             row = []
             for pi, (p, spec) in enumerate(zip(b.params, b.specs)):
                 src = sources[bi][pi] if sources is not None else None
-                m = self._make_master(p, spec, pin, src)
+                m = self._make_master(p, spec, self._pin, src)
                 row.append(m)
                 by_param[id(p)] = m
             self.masters.append(row)
-        self._rebind(by_param)
-        if offload:
+            self.buckets.append(b)
+        return by_param
+
+    def add_group(self, group: dict, buckets: list[Bucket], sources=None) -> None:
+        """``optimizer.add_param_group`` after setup: masters for the new buckets (from the parameters'
+        current values), then torch's own add_param_group on them (defaults filled in, existing state
+        untouched). ``group["params"]``: the module's parameters, frozen ones included."""
+        by_param = self._add_masters(buckets, sources)
+        params = list(group["params"])
+        self.group_layout.append([by_param.get(id(p)) for p in params])
+        self.group_params.append(params)
+        type(self.optimizer).add_param_group(
+            self.optimizer, {**group, "params": [by_param[id(p)] for p in params if id(p) in by_param]})
+        if self.offload:
             self._use_fused_cpu_kernels()
 
     def _make_master(self, p: torch.Tensor, spec, pin: bool, src: Optional[torch.Tensor]) -> torch.Tensor:
@@ -135,6 +163,10 @@ class ShardedOptimizer:
         # per group, the user's original parameter list as masters (None: frozen, never stepped), so a
         # consolidated checkpoint lists the same parameters as a plain optimizer's would
         self.group_layout = [[by_param.get(id(p)) for p in g["params"]] for g in self.optimizer.param_groups]
+        # ... and the module's parameters themselves, for code that thinks in parameters (toggle_optimizer)
+        self.group_params = [list(g["params"]) for g in self.optimizer.param_groups]
+        # frozen at setup, hence without master or bucket: unfreezing one later would train nothing
+        self.frozen_at_setup = [p for g in self.group_params for p in g if id(p) not in by_param]
         for group in self.optimizer.param_groups:
             group["params"] = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
 
@@ -153,6 +185,18 @@ class ShardedOptimizer:
     @property
     def uses_fused(self) -> bool:
         return all(g.get("fused") for g in self.optimizer.param_groups)
+
+    def check_not_unfrozen(self, names) -> None:
+        """One clear error instead of a parameter that silently never trains (DDP would drift instead).
+        ``names()``: {id(param): name}, built only for the message."""
+        thawed = [p for p in self.frozen_at_setup if p.requires_grad]
+        if thawed:
+            raise ValueError(
+                f"Parameter '{names().get(id(thawed[0]), '?')}' (and {len(thawed) - 1} more) was frozen when ZeRO "
+                "sharded the optimizer and requires a gradient now; it has no master shard, so it would never "
+                "be stepped. Allowed: pass only trainable parameters to the optimizer and add the unfrozen ones "
+                "with optimizer.add_param_group (what Lightning's BaseFinetuning does), or unfreeze before setup."
+            )
 
     # -- gradients ------------------------------------------------------------------------------
     def assign_grads(self, grads: list[list[Optional[torch.Tensor]]]) -> None:

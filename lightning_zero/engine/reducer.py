@@ -80,14 +80,41 @@ class GradReducer:
         self._next = 0
         self._pending: list[tuple] = []
         self._in_backward = False
-        self._dirty = False  # local gradients exist that no collective has seen yet
+        self._dirty: set[int] = set()  # buckets with local gradients that no collective has seen yet
+        # buckets whose parameters all have requires_grad=False in this backward (another optimizer's, under
+        # Lightning's toggle_optimizer) are skipped: the flag is the same on every rank, so the sequence of
+        # collectives stays identical, and a frozen bucket would only reduce zeros
+        self._active = [True] * len(buckets)
         device = buckets[0].params[0].device if buckets else torch.device("cpu")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._make_hook(bi))
-            for bi, b in enumerate(buckets)
-            for p in b.params
-        ]
+        self._handles: list = []
+        self._register(0)
+
+    def _register(self, first: int) -> None:
+        for bi in range(first, len(self.buckets)):
+            for p in self.buckets[bi].params:
+                # a hook needs requires_grad at registration only; it survives freezing and unfreezing
+                # (a frozen parameter of a group added after setup, to be unfrozen later)
+                frozen = not p.requires_grad
+                p.requires_grad_(True)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(bi)))
+                p.requires_grad_(not frozen)
+
+    def add_buckets(self, buckets: list[Bucket]) -> None:
+        """Reduce these buckets too (parameters added to an optimizer after setup); ``index`` continues
+        this reducer's numbering. Called between backwards only."""
+        if self._in_backward:
+            raise RuntimeError("Parameters cannot be added to the optimizer during backward.")
+        first = len(self.buckets)
+        assert [b.index for b in buckets] == list(range(first, first + len(buckets)))
+        self.buckets.extend(buckets)
+        n = len(buckets)
+        self.grad_shards += [None] * n
+        self.host_shards += [None] * n
+        self._used += [None] * n
+        self._ready += [0] * n
+        self._active += [True] * n
+        self._register(first)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _make_hook(self, bi: int):
@@ -101,7 +128,7 @@ class GradReducer:
 
     def _on_grad_ready(self, bi: int) -> None:
         if not self._syncing():
-            self._dirty = True
+            self._dirty.add(bi)
             return
         if not self._in_backward:
             self._in_backward = True
@@ -112,13 +139,20 @@ class GradReducer:
             self._on_bucket_complete(bi)
         self._launch_in_order(upto_ready=True)
 
-    def _begin_cycle(self) -> None:
+    def _begin_cycle(self, only: Optional[set[int]] = None) -> None:
         self._ready = [0] * len(self.buckets)
         self._next = 0
+        if only is None:
+            self._active = [any(p.requires_grad for p in b.params) for b in self.buckets]
+        else:
+            self._active = [b.index in only for b in self.buckets]
 
     def _launch_in_order(self, upto_ready: bool) -> None:
         while self._next < len(self.buckets):
             b = self.buckets[self._next]
+            if not self._active[self._next]:
+                self._next += 1
+                continue
             if upto_ready and self._ready[self._next] < len(b.params):
                 return
             self._launch(b)
@@ -128,7 +162,7 @@ class GradReducer:
         self._launch_in_order(upto_ready=False)
         self.wait()
         self._in_backward = False
-        self._dirty = False
+        self._dirty.clear()
         if self._on_end_of_backward is not None:
             self._on_end_of_backward()
 
@@ -199,31 +233,32 @@ class GradReducer:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
 
     # -- step boundary --------------------------------------------------------------------------
-    def finalize(self) -> list[torch.Tensor]:
-        """Make the reduced gradients final for an optimizer step.
+    def finalize(self, indices: Optional[list[int]] = None) -> list[torch.Tensor]:
+        """Make the reduced gradients of buckets ``indices`` (default: all) final for an optimizer step.
 
-        Returns, per bucket, a bool mask of the parameters that got a gradient on any rank.
+        Returns, per such bucket, a bool mask of the parameters that got a gradient on any rank.
         """
         self.wait()
-        if self._dirty:  # a step after un-synced backwards only: reduce what accumulated locally
-            self._begin_cycle()
+        indices = list(range(len(self.buckets))) if indices is None else list(indices)
+        if self._dirty & set(indices):  # a step after un-synced backwards only: reduce what accumulated
+            self._begin_cycle(only=set(indices))
             self._launch_in_order(upto_ready=False)
             self.wait()
-            self._dirty = False
-        sizes = [len(b.params) for b in self.buckets]
-        counts = [c if c is not None else torch.zeros(k) for c, k in zip(self._used, sizes)]
+            self._dirty -= set(indices)
+        sizes = [len(self.buckets[i].params) for i in indices]
+        counts = [self._used[i] if self._used[i] is not None else torch.zeros(k) for i, k in zip(indices, sizes)]
         masks = list((torch.cat([c.cpu() for c in counts]) > 0).split(sizes)) if counts else []
-        self._used = [None] * len(self.buckets)
+        for i in indices:
+            self._used[i] = None
         return masks
 
-    def clear(self) -> None:
-        """Drop all gradients (full and sharded) after a step or a skipped step."""
-        self.grad_shards = [None] * len(self.buckets)
-        self.host_shards = [None] * len(self.buckets)
-        for b in self.buckets:
-            for p in b.params:
+    def clear(self, indices: Optional[list[int]] = None) -> None:
+        """Drop the gradients (full and sharded) of buckets ``indices`` (default: all) after a step."""
+        for i in range(len(self.buckets)) if indices is None else indices:
+            self.grad_shards[i] = self.host_shards[i] = None
+            for p in self.buckets[i].params:
                 p.grad = None
-        self._dirty = False
+            self._dirty.discard(i)
 
     def remove_hooks(self) -> None:
         for h in self._handles:

@@ -32,25 +32,60 @@ from torch.utils._pytree import tree_flatten
 class BackwardReleaser:
     """Calls ``release(unit)`` as soon as a unit's backward is over.
 
-    Entry ``i < len(buckets)`` is bucket ``i``'s unit; the units of ``frozen_units`` (no bucket) follow.
+    A unit may own several gradient buckets (one per optimizer holding its parameters, or added later by
+    ``add_param_group``): it is done when all of them are complete. ``frozen_units`` have none.
     """
 
     def __init__(self, buckets, bucket_units, release: Callable, frozen_units=()) -> None:
-        self.units = list(bucket_units) + list(frozen_units)
         self.release = release
-        self._n_buckets = len(buckets)
-        # units with parameters outside their bucket (or no bucket) must also wait for their inputs' gradients
-        self.watch = [len(b.params) < len(u.params) for b, u in zip(buckets, bucket_units)] + [True] * len(frozen_units)
+        self.units: list = []
+        self._entry: dict[int, int] = {}  # id(unit) -> position in self.units
+        self._bucket_entry: list[int] = []  # bucket index -> position of its unit
+        self._n_buckets: list[int] = []
+        self._bucketed: list[int] = []  # parameters of the unit that are in one of its buckets
+        for b, u in zip(buckets, bucket_units):
+            self._count_bucket(b, u)
+        for u in frozen_units:
+            self._entry_of(u)
+        # units with parameters outside their buckets (or no bucket) must also wait for their inputs' gradients
+        self.watch = [n < len(u.params) for n, u in zip(self._bucketed, self.units)]
         self._handles = [
             u.module.register_forward_pre_hook(functools.partial(self._on_forward, i), with_kwargs=True)
             for i, u in enumerate(self.units) if self.watch[i]
         ]
         self.reset()
 
+    def _entry_of(self, u) -> int:
+        if id(u) not in self._entry:
+            self._entry[id(u)] = len(self.units)
+            self.units.append(u)
+            self._n_buckets.append(0)
+            self._bucketed.append(0)
+        return self._entry[id(u)]
+
+    def _count_bucket(self, b, u) -> None:
+        i = self._entry_of(u)
+        self._bucket_entry.append(i)
+        self._n_buckets[i] += 1
+        self._bucketed[i] += len(b.params)
+
+    def add_bucket(self, b, u) -> None:
+        """A bucket of parameters added to an optimizer after setup. Such parameters were outside every
+        bucket until now, so their unit is already watched (or persistent); it stays watched, which is
+        conservative (release waits for the input gradients too) and never early."""
+        i = self._entry_of(u)
+        if i == len(self.watch):  # a persistent unit seen for the first time: release() keeps it anyway
+            self.watch.append(False)
+            self._pending_inputs.append(0)
+            self._blind.append(False)
+            self._remaining.append(0)
+        self._count_bucket(b, u)
+        self._remaining[i] += 1
+
     def reset(self) -> None:
         """At the end of backward: the next forward starts counting again."""
         n = len(self.units)
-        self._bucket_done = [i >= self._n_buckets for i in range(n)]  # no bucket: nothing to wait for
+        self._remaining = list(self._n_buckets)  # buckets of the unit not complete yet in this backward
         self._pending_inputs = [0] * n  # forwards of this unit whose input gradients are not computed yet
         self._blind = [False] * n  # a forward had no input needing a gradient: wait for end of backward
 
@@ -68,12 +103,13 @@ class BackwardReleaser:
         self._pending_inputs[i] -= 1
         self._maybe_release(i)
 
-    def bucket_complete(self, i: int) -> None:
-        self._bucket_done[i] = True
+    def bucket_complete(self, bi: int) -> None:
+        i = self._bucket_entry[bi]
+        self._remaining[i] -= 1
         self._maybe_release(i)
 
     def _maybe_release(self, i: int) -> None:
-        if self._bucket_done[i] and (not self.watch[i] or (self._pending_inputs[i] == 0 and not self._blind[i])):
+        if self._remaining[i] == 0 and (not self.watch[i] or (self._pending_inputs[i] == 0 and not self._blind[i])):
             self.release(self.units[i])
 
     def remove(self) -> None:

@@ -24,15 +24,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .engine import ZeroEngine
 
 
-def _positions(engine: "ZeroEngine") -> list[Optional[tuple[int, int]]]:
-    """Per original optimizer position: (bucket, index) of its master, or None for a frozen parameter."""
-    where = {id(m): (bi, pi) for bi, row in enumerate(engine.sharded.masters) for pi, m in enumerate(row)}
-    return [where[id(m)] if m is not None else None for g in engine.sharded.group_layout for m in g]
+def _positions(s) -> list[Optional[tuple[int, int]]]:
+    """Per original optimizer position: (bucket of ``s``, index) of its master, or None for a frozen one."""
+    where = {id(m): (bi, pi) for bi, row in enumerate(s.masters) for pi, m in enumerate(row)}
+    return [where[id(m)] if m is not None else None for g in s.group_layout for m in g]
 
 
-def _groups_with_positions(engine: "ZeroEngine", groups: list[dict]) -> list[dict]:
+def _groups_with_positions(s, groups: list[dict]) -> list[dict]:
     out, pos = [], 0
-    for g, layout in zip(groups, engine.sharded.group_layout):
+    for g, layout in zip(groups, s.group_layout):
         g = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
         g["params"] = list(range(pos, pos + len(layout)))
         pos += len(layout)
@@ -40,26 +40,28 @@ def _groups_with_positions(engine: "ZeroEngine", groups: list[dict]) -> list[dic
     return out
 
 
-def consolidate_optimizer_state(engine: "ZeroEngine") -> dict:
-    local = engine.optimizer.state_dict()
-    positions = _positions(engine)
+def consolidate_optimizer_state(engine: "ZeroEngine", s=None) -> dict:
+    """``s``: the ShardedOptimizer to consolidate (default: the engine's first)."""
+    s = s or engine.sharded
+    local = s.optimizer.state_dict()
+    positions = _positions(s)
     # torch numbers the masters in param_groups order: map them to (bucket, index)
     local_bp = [bp for bp in positions if bp is not None]
     by_bp = {bp: local["state"].get(i, {}) for i, bp in enumerate(local_bp)}
     keys = sorted({k for st in by_bp.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
     full_by_bp: dict[tuple[int, int], dict] = {bp: {} for bp in local_bp}
     for (bi, pi), st in by_bp.items():
-        m = engine.sharded.masters[bi][pi]
+        m = s.masters[bi][pi]
         for k, v in st.items():
             if not (torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape):
                 full_by_bp[(bi, pi)][k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
             elif engine.config.stage == 0:
                 full_by_bp[(bi, pi)][k] = v.detach().cpu().clone()
     if engine.config.stage >= 1:
-        for b in engine.buckets:
+        for bi, b in enumerate(s.buckets):
             dev = b.params[0].device
             for key in keys:
-                vals = [by_bp.get((b.index, pi), {}).get(key) for pi in range(len(b.params))]
+                vals = [by_bp.get((bi, pi), {}).get(key) for pi in range(len(b.params))]
                 # every rank joins the same collectives: present = any rank has this key for this param
                 have = torch.tensor([v is not None for v in vals], dtype=torch.uint8, device=dev)
                 C.all_reduce(have, op=torch.distributed.ReduceOp.MAX if engine.world_size > 1 else None,
@@ -78,17 +80,18 @@ def consolidate_optimizer_state(engine: "ZeroEngine") -> dict:
                 b.unpack_rank_major(out, fulls)
                 for pi, (f, present) in enumerate(zip(fulls, have.tolist())):
                     if present:
-                        full_by_bp[(b.index, pi)][key] = f.cpu()
+                        full_by_bp[(bi, pi)][key] = f.cpu()
     if engine.rank != 0:
         return {}
     state = {i: full_by_bp[bp] for i, bp in enumerate(positions) if bp is not None and full_by_bp[bp]}
-    return {"state": state, "param_groups": _groups_with_positions(engine, local["param_groups"])}
+    return {"state": state, "param_groups": _groups_with_positions(s, local["param_groups"])}
 
 
-def load_sharded_optimizer_state(engine: "ZeroEngine", full: dict) -> None:
+def load_sharded_optimizer_state(engine: "ZeroEngine", full: dict, s=None) -> None:
     if "state" not in full or "param_groups" not in full:
         raise ValueError("Not an optimizer state dict: expected the keys 'state' and 'param_groups'.")
-    layout = engine.sharded.group_layout
+    s = s or engine.sharded
+    layout = s.group_layout
     saved = [len(g["params"]) for g in full["param_groups"]]
     if saved != [len(g) for g in layout]:
         raise ValueError(
@@ -96,7 +99,7 @@ def load_sharded_optimizer_state(engine: "ZeroEngine", full: dict) -> None:
             f"this optimizer's hold {[len(g) for g in layout]}. The checkpoint belongs to another model "
             "or another configure_optimizers()."
         )
-    positions = _positions(engine)
+    positions = _positions(s)
     saved_ids = [i for g in full["param_groups"] for i in g["params"]]
     local_state, local_index = {}, 0
     for pos, bp in enumerate(positions):
@@ -104,7 +107,7 @@ def load_sharded_optimizer_state(engine: "ZeroEngine", full: dict) -> None:
             continue
         st = full["state"].get(saved_ids[pos], full["state"].get(str(saved_ids[pos])))
         if st is not None:
-            local_state[local_index] = _slice_state(engine, bp, st, pos)
+            local_state[local_index] = _slice_state(engine, s, bp, st, pos)
         local_index += 1
     groups, n = [], 0
     for g, lay in zip(full["param_groups"], layout):
@@ -113,12 +116,12 @@ def load_sharded_optimizer_state(engine: "ZeroEngine", full: dict) -> None:
         g["params"] = list(range(n, n + k))
         n += k
         groups.append(g)
-    engine.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+    s.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
 
 
-def _slice_state(engine: "ZeroEngine", bp: tuple[int, int], st: dict, pos: int) -> dict:
+def _slice_state(engine: "ZeroEngine", s, bp: tuple[int, int], st: dict, pos: int) -> dict:
     bi, pi = bp
-    b, m = engine.buckets[bi], engine.sharded.masters[bi][pi]
+    b, m = s.buckets[bi], s.masters[bi][pi]
     spec, p = b.specs[pi], b.params[pi]
     out = {}
     for k, v in st.items():

@@ -1,0 +1,188 @@
+"""Several optimizers over disjoint parameters (a GAN, manual optimization) under ZeroStrategy vs Lightning DDP.
+
+The LightningModule uses the whole manual-optimization API: ``self.optimizers()``, ``toggle_optimizer`` /
+``untoggle_optimizer``, ``manual_backward``, ``clip_gradients(opt, ...)``, ``opt.step()``, ``opt.zero_grad()``.
+Reference: the same module under ``DDPStrategy(find_unused_parameters=True)`` (a toggled-off optimizer's
+parameters get no gradient in the other's backward), same seed and data; fp32 at rtol 1e-5.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_zero  # noqa: F401  (registers the zero* strategy names)
+from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
+from tests.lightning_models import _params, load_rank_files, trainer_kwargs
+from tests.models import make_model
+
+RTOL, ATOL = 1e-5, 1e-6
+LATENT, DATA = 4, 6
+
+
+class RealData(Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(31 * i + 5)
+        return torch.randn(DATA, generator=g) * 0.5 + 1.0
+
+
+def mlp(i: int, o: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(i, 8), nn.Tanh(), nn.Linear(8, o))
+
+
+class Gan(pl.LightningModule):
+    """``single=True``: one optimizer over both nets (manual optimization with ONE optimizer)."""
+
+    def __init__(self, out: str, tag: str, single: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gen, self.disc = mlp(LATENT, DATA), mlp(DATA, 1)
+        self.out, self.tag, self.single = out, tag, single
+        self.automatic_optimization = False
+        self.losses: list[float] = []
+
+    def setup(self, stage: str) -> None:
+        torch.set_num_threads(1)  # see tests/lightning_models.py: forked ranks must not use OpenMP pools
+
+    def train_dataloader(self):
+        return DataLoader(RealData(), batch_size=4, shuffle=False)
+
+    def configure_optimizers(self):
+        if self.single:
+            return torch.optim.AdamW(self.parameters(), lr=0.02)
+        return [torch.optim.Adam(self.gen.parameters(), lr=0.02, betas=(0.5, 0.9)),
+                torch.optim.SGD(self.disc.parameters(), lr=0.05, momentum=0.9)]
+
+    def _noise(self, n: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * self.global_step + 100 * self.global_rank)
+        return torch.randn(n, LATENT, generator=g)
+
+    def training_step(self, real, batch_idx):
+        z = self._noise(real.shape[0])
+        if self.single:
+            opt = self.optimizers()
+            fake = self.gen(z)
+            loss = F.softplus(-self.disc(fake)).mean() + F.softplus(-self.disc(real)).mean()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+            opt.step()
+            self.losses.append(loss.item())
+            return
+        g_opt, d_opt = self.optimizers()
+        self.toggle_optimizer(g_opt)
+        fake = self.gen(z)
+        g_loss = F.softplus(-self.disc(fake)).mean()
+        self.manual_backward(g_loss)
+        self.clip_gradients(g_opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+        g_opt.step()
+        g_opt.zero_grad()
+        self.untoggle_optimizer(g_opt)
+
+        self.toggle_optimizer(d_opt)
+        d_loss = F.softplus(-self.disc(real)).mean() + F.softplus(self.disc(fake.detach())).mean()
+        d_opt.zero_grad()
+        self.manual_backward(d_loss)
+        d_opt.step()
+        d_opt.zero_grad()
+        self.untoggle_optimizer(d_opt)
+        self.losses += [g_loss.item(), d_loss.item()]
+
+    def on_train_end(self):
+        torch.save({"losses": self.losses, "params": _params(self), "global_step": self.global_step},
+                   os.path.join(self.out, f"{self.tag}train_rank{self.global_rank}.pt"))
+
+
+def _fit(out, tag, strategy, single=False, max_epochs=2, ckpt_dir=None, ckpt_path=None):
+    model = Gan(out, tag, single)
+    kw = trainer_kwargs(devices=2, max_steps=-1, max_epochs=max_epochs)
+    if ckpt_dir is not None:
+        kw.update(enable_checkpointing=True, default_root_dir=ckpt_dir,
+                  callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)])
+    Trainer(strategy=strategy, **kw).fit(model, ckpt_path=ckpt_path)
+    return load_rank_files(out, tag, "train", 2)
+
+
+def _ddp():
+    return DDPStrategy(start_method="fork", find_unused_parameters=True)
+
+
+def _compare(got, ref, losses=True):
+    for rank, (z, d) in enumerate(zip(got, ref)):
+        if losses:
+            torch.testing.assert_close(torch.tensor(z["losses"]), torch.tensor(d["losses"]), rtol=RTOL, atol=ATOL)
+        assert set(z["params"]) == set(d["params"])
+        for name in d["params"]:
+            torch.testing.assert_close(z["params"][name], d["params"][name], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def ddp_gan(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("gan_ddp"))
+    ref = _fit(out, "ddp_", _ddp())
+    assert ref[0]["global_step"] == 8  # 2 epochs x 2 batches x 2 optimizers
+    init = Gan(out, "init")
+    assert not torch.equal(ref[0]["params"]["gen.0.weight"], init.gen[0].weight.detach())
+    assert not torch.equal(ref[0]["params"]["disc.0.weight"], init.disc[0].weight.detach())
+    return ref
+
+
+STAGE3 = dict(stage=3, unit_classes=["Sequential"], persist_numel=0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kw", [dict(stage=0), dict(stage=1), dict(stage=2), STAGE3,
+                                dict(stage=2, offload_optimizer=True),
+                                dict(STAGE3, offload_optimizer=True, offload_params=True), "zero3_fork"],
+                         ids=["zero0", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_preset"])
+def test_gan_two_optimizers_match_ddp(tmp_path, ddp_gan, kw):
+    strategy = kw if isinstance(kw, str) else ZeroStrategy(start_method="fork", **kw)
+    got = _fit(str(tmp_path), "zero_", strategy)
+    _compare(got, ddp_gan)
+
+
+@pytest.mark.timeout(300)
+def test_manual_optimization_one_optimizer_matches_ddp(tmp_path):
+    ref = _fit(str(tmp_path), "ddp_", _ddp(), single=True)
+    got = _fit(str(tmp_path), "zero_", ZeroStrategy(stage=2, start_method="fork"), single=True)
+    _compare(got, ref)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kw", [dict(stage=2), STAGE3, dict(stage=2, checkpoint_format="full")],
+                         ids=["zero2", "zero3", "zero2_full"])
+def test_gan_checkpoint_holds_both_optimizers_and_resumes(tmp_path, ddp_gan, kw):
+    out, ckpts = str(tmp_path), str(tmp_path / "ckpt")
+    whole = _fit(out, "a_", ZeroStrategy(start_method="fork", **kw), ckpt_dir=ckpts)
+    _compare(whole, ddp_gan)
+    first = sorted(glob.glob(os.path.join(ckpts, "epoch=0*")))
+    assert len(first) == 1
+    meta = torch.load(os.path.join(first[0], "meta.pt") if os.path.isdir(first[0]) else first[0], weights_only=False)
+    assert len(meta["optimizer_states"]) == 2  # Adam (generator) and SGD (discriminator)
+    assert [len(st["param_groups"][0]["params"]) for st in meta["optimizer_states"]] == [4, 4]
+    resumed = _fit(out, "b_", ZeroStrategy(start_method="fork", **kw), ckpt_path=first[0])
+    # the resumed run records only the second epoch's losses; its final weights are the whole run's
+    _compare(resumed, whole, losses=False)
+    for r, w in zip(resumed, whole):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(w["losses"][4:]), rtol=RTOL, atol=ATOL)
+
+
+def test_parameter_in_two_optimizers_is_refused():
+    model = make_model()
+    shared = [torch.optim.Adam(model.parameters()), torch.optim.SGD(model.fc1.parameters(), lr=0.1)]
+    with pytest.raises(ValueError, match=r"Parameter 'fc1.weight' is in optimizer 0 and optimizer 1.*disjoint"):
+        ZeroEngine(model, shared, ZeroConfig(stage=2))
