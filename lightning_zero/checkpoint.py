@@ -345,7 +345,7 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
             f"the checkpoint's {[len(s['params']) for s in saved_groups]}; only in the checkpoint: "
             f"{sorted(in_ckpt - in_opt)[:20]}, only in the optimizer: {sorted(in_opt - in_ckpt)[:20]}."
         )
-    check_state_entries(path, kinds, managed)
+    check_state_entries(path, kinds, managed, _optim_key(index))
     _init_state(opt, [managed[n][0] for n in kinds if n in managed])
     targets: dict[str, dict[str, torch.Tensor]] = {}
     for n, keys in kinds.items():

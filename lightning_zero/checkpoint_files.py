@@ -152,13 +152,16 @@ def read_meta(path: _PathLike, weights_only: Optional[bool] = None) -> dict:
 
 
 
-def check_state_entries(path: Path, kinds: Mapping[str, list], managed: Mapping[str, Any]) -> None:
-    """The json's list of which parameter has optimizer state must match the tensors DCP stored: a missing
-    entry would otherwise drop that parameter's moments without a word."""
+def check_state_entries(path: Path, kinds: Mapping[str, list], managed: Mapping[str, Any],
+                        optim_key: str = "optim") -> None:
+    """The json's list of which parameter has optimizer state must match the tensors DCP stored (under
+    ``optim_key``: one per optimizer): a missing entry would otherwise drop that parameter's moments
+    without a word."""
     stored: dict[str, set] = {}
+    prefix = f"{optim_key}.state."
     for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
-        if key.startswith("optim.state."):
-            name, _, state_key = key[len("optim.state."):].rpartition(".")
+        if key.startswith(prefix):
+            name, _, state_key = key[len(prefix):].rpartition(".")
             stored.setdefault(name, set()).add(state_key)
     unknown = sorted(n for n in kinds if n not in managed)
     unlisted = sorted(n for n in stored if n not in kinds)
