@@ -89,6 +89,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
         )
         self.engine: Optional[ZeroEngine] = None
+        self._trained_engine: Optional[ZeroEngine] = None  # see [Note: the trained state outlives fit]
         self._failed = False
 
     @property
@@ -128,6 +129,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         self.model_to_device()
         precision = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
+            self._trained_engine = None  # the previous fit's state gives way before the new one is built
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ValueError(
@@ -244,6 +246,12 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             self._unguard = None
         if self.engine is not None:
             self.engine.remove(hand_back=not self._failed)
+            if self.engine.sharded is not None and not self._failed:
+                # [Note: the trained state outlives fit] As DDP keeps its optimizer, a finished fit keeps
+                # its engine, detached (no hooks, module whole), so save_checkpoint after fit (or after a
+                # later validate/test) writes the optimizer state, loss scale and stage; released when
+                # the next fit sets up. Memory: the masters and optimizer shards DDP would also hold.
+                self._trained_engine = self.engine
             self.engine = None
         self._failed = False
         self.precision_plugin.attach(None)

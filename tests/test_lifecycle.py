@@ -1,0 +1,121 @@
+"""Every Trainer entry point, in any order, many times in one process, for every stage -- against DDP.
+
+Launchers: "external" ranks (tests/dist_utils.run_distributed initializes the process group, then one
+process runs many Trainers with the strategy's default launcher, which launches nothing: what
+torchrun/SLURM do), Lightning's fork launcher, and spawn for a small subset. Each sequence
+(tests/lifecycle_harness.py) records metrics, predictions, whole weights after each fit and the optimizer
+state a resumed fit starts from; ZeRO's record must equal DDP's doing the same sequence (fp32, rtol 1e-5).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_zero import checkpoint as ck
+from tests.dist_utils import free_port, run_distributed
+from tests.lifecycle_harness import SEQUENCES, STAGES, run_external, run_sequence
+
+RTOL, ATOL = 1e-5, 1e-6
+_REFS: dict = {}
+
+
+def _close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def _opt_close(got, want, what):
+    """A consolidated optimizer state (ZeRO) against torch's own (DDP): same groups, same moments."""
+    assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in want["param_groups"]], what
+    assert set(got["state"]) == set(want["state"]), what
+    for i, st in want["state"].items():
+        assert set(got["state"][i]) == set(st), (what, i)
+        for k, v in st.items():
+            _close(torch.as_tensor(got["state"][i][k]).reshape(torch.as_tensor(v).shape), torch.as_tensor(v),
+                   f"{what} state {i}.{k}")
+
+
+def compare_records(zero: dict, ddp: dict, what: str, rank: int = 0) -> None:
+    assert len(zero["metrics"]) == len(ddp["metrics"]) and len(zero["weights"]) == len(ddp["weights"]), what
+    for i, (a, b) in enumerate(zip(zero["metrics"], ddp["metrics"])):
+        assert [set(m) for m in a] == [set(m) for m in b], (what, a, b)
+        for ma, mb in zip(a, b):
+            for k in mb:
+                _close(torch.tensor(ma[k]), torch.tensor(mb[k]), f"{what} metrics[{i}] {k}")
+    for i, (a, b) in enumerate(zip(zero["preds"], ddp["preds"])):
+        assert (a is None) == (b is None), what
+        for j, (pa, pb) in enumerate(zip(a or [], b or [])):
+            _close(pa, pb, f"{what} predict[{i}] batch {j}")
+    for i, (a, b) in enumerate(zip(zero["weights"] + [zero["final"]], ddp["weights"] + [ddp["final"]])):
+        assert set(a) == set(b), what
+        for k in b:
+            _close(a[k], b[k], f"{what} weights[{i}] {k}")
+    for i, (a, b) in enumerate(zip(zero["losses"], ddp["losses"])):
+        _close(torch.tensor(a), torch.tensor(b), f"{what} losses[{i}]")
+    assert len(zero["start_opt"]) == len(ddp["start_opt"]), what
+    for a, b in zip(zero["start_opt"], ddp["start_opt"]):  # resumed from the after-fit checkpoint
+        assert (a is None) == (b is None), what  # None: recorded in a launched rank, not here
+        if rank == 0 and b is not None:  # the consolidated state exists on rank 0 only
+            assert a["state"], f"{what}: the after-fit checkpoint held no optimizer state"
+            _opt_close(a, b, f"{what} resumed optimizer state")
+
+
+def _external(name, seq, world_size, out, repeats=1):
+    return run_distributed(run_external, world_size, name, seq, str(out), repeats)
+
+
+def _ddp_external(seq, world_size, tmp_path_factory):
+    key = ("external", seq, world_size)
+    if key not in _REFS:
+        _REFS[key] = _external("ddp", seq, world_size, tmp_path_factory.mktemp("ddp"))
+    return _REFS[key]
+
+
+def _check_external(zero, ddp, what):
+    for rank, (z, d) in enumerate(zip(zero, ddp)):
+        for i, (rz, rd) in enumerate(zip(z["records"], d["records"])):
+            compare_records(rz, rd, f"{what} rank {rank} rep {i}", rank)
+        assert z["groups"] <= 1, "one reduce-scatter group per process, whatever the number of engines"
+
+
+# -- the matrix: external launcher (one process, many Trainers) --------------------------------------------------
+MATRIX = [(s, q, 2) for s in STAGES for q in SEQUENCES] + [("zero3", "fit_eval_save_resume", 4),
+                                                           ("zero2", "eval_first_then_ckpt_eval", 4)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage,seq,world_size", MATRIX, ids=[f"{s}-{q}-ws{w}" for s, q, w in MATRIX])
+def test_external_launcher_sequence_matches_ddp(tmp_path, tmp_path_factory, stage, seq, world_size):
+    zero = _external(stage, seq, world_size, tmp_path)
+    _check_external(zero, _ddp_external(seq, world_size, tmp_path_factory), f"{stage} {seq} ws{world_size}")
+    if stage.startswith("zero3") and seq == "fit_eval_save_resume":
+        info = ck.read_info(tmp_path / "rep0" / f"{stage}_after.dir")
+        assert info["stage"] == 3 and info["optimizer_state"], "the after-fit save holds the training state"
+
+
+# -- fork and spawn launchers: every entry point launches its own ranks -----------------------------------------------
+LAUNCHED = [("zero3", "fork", "fit_eval_save_resume"), ("zero2_offload", "fork", "eval_first_then_ckpt_eval"),
+            ("zero3", "spawn", "eval_first_then_ckpt_eval")]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage,method,seq", LAUNCHED, ids=[f"{s}-{m}-{q}" for s, m, q in LAUNCHED])
+def test_launched_sequence_matches_ddp(tmp_path, stage, method, seq, monkeypatch):
+    import tests.lifecycle_harness as h
+
+    monkeypatch.setattr(h, "make_strategy", _with_start_method(h.make_strategy, method))
+    key = ("launched", method, seq)
+    if key not in _REFS:
+        os.makedirs(tmp_path / "ddp")
+        _REFS[key] = run_sequence("ddp", SEQUENCES[seq], 2, str(tmp_path / "ddp"))
+    zero = run_sequence(stage, SEQUENCES[seq], 2, str(tmp_path))
+    compare_records(zero, _REFS[key], f"{stage} {method} {seq}")
+
+
+def _with_start_method(make, method):
+    return lambda name, **kw: make(name, start_method=method, **kw)
