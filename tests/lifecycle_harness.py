@@ -13,6 +13,7 @@ import contextlib
 import os
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -102,7 +103,9 @@ FIT_EVAL_SAVE_RESUME = [("fit", 2), ("validate", None), ("test", None), ("predic
                         ("resume", ("after", 4))]
 EVAL_FIRST = [("validate", None), ("fit", 2), ("save", "dir"), ("save_full", "file"),
               ("validate_new", "dir"), ("test_new", "file"), ("predict_new", "dir"), ("validate", None)]
-SEQUENCES = {"fit_eval_save_resume": FIT_EVAL_SAVE_RESUME, "eval_first_then_ckpt_eval": EVAL_FIRST}
+FIT_THEN_VALIDATE = [("fit", 2), ("validate", None)]
+SEQUENCES = {"fit_eval_save_resume": FIT_EVAL_SAVE_RESUME, "eval_first_then_ckpt_eval": EVAL_FIRST,
+             "fit_then_validate": FIT_THEN_VALIDATE}
 
 
 def run_sequence(name: str, steps, devices: int, out: str, rank: int = 0) -> dict:
@@ -164,8 +167,9 @@ def _evaluate(t: Trainer, what: str, model, ckpt_path, record) -> None:
 def run_external(rank: int, world_size: int, name: str, seq: str, out: str, repeats: int = 1):
     """Inside a forked rank with its process group initialized: Lightning launches nothing (LOCAL_RANK set)."""
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", LOCAL_WORLD_SIZE=str(world_size))
-    records = [run_sequence(name, SEQUENCES[seq], world_size, os.path.join(out, f"rep{i}"), rank)
-               for i in range(repeats) if not os.makedirs(os.path.join(out, f"rep{i}"), exist_ok=True)]
-    from lightning_zero.engine import groups
-
-    return {"records": records, "groups": groups.cached_groups()}
+    records, threads = [], []
+    for i in range(repeats):
+        os.makedirs(os.path.join(out, f"rep{i}"), exist_ok=True)
+        records.append(run_sequence(name, SEQUENCES[seq], world_size, os.path.join(out, f"rep{i}"), rank))
+        threads.append(len(os.listdir("/proc/self/task")))  # OS threads of this process (gloo's included)
+    return {"records": records, "groups": len(dist.distributed_c10d._world.pg_names), "threads": threads}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_zero import checkpoint as ck
 from tests.dist_utils import free_port, run_distributed
@@ -76,31 +77,45 @@ def _ddp_external(seq, world_size, tmp_path_factory):
     return _REFS[key]
 
 
-def _check_external(zero, ddp, what):
+def _check_external(zero, ddp, stage, what):
     for rank, (z, d) in enumerate(zip(zero, ddp)):
-        for i, (rz, rd) in enumerate(zip(z["records"], d["records"])):
-            compare_records(rz, rd, f"{what} rank {rank} rep {i}", rank)
-        assert z["groups"] <= 1, "one reduce-scatter group per process, whatever the number of engines"
+        for i, rz in enumerate(z["records"]):  # every repetition equals DDP's (deterministic) run
+            compare_records(rz, d["records"][0], f"{what} rank {rank} rep {i}", rank)
+        # the default group, plus one reduce-scatter group per process under stage 3 however many engines
+        assert z["groups"] == 1 + stage.startswith("zero3"), (what, z["groups"])
+        assert len(set(z["threads"][1:])) <= 1, f"{what}: OS threads grow with the repetitions: {z['threads']}"
 
 
-# -- the matrix: external launcher (one process, many Trainers) --------------------------------------------------
-MATRIX = [(s, q, 2) for s in STAGES for q in SEQUENCES] + [("zero3", "fit_eval_save_resume", 4),
-                                                           ("zero2", "eval_first_then_ckpt_eval", 4)]
+# -- the repetition test: fit -> validate -> test -> predict -> save -> fit(ckpt_path) 20 times in one process ----
+REPEATS = 20
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_repeated_lifecycle_in_one_process_matches_ddp(tmp_path, tmp_path_factory, stage):
+    zero = _external(stage, "fit_eval_save_resume", 2, tmp_path, REPEATS)
+    assert len(zero[0]["records"]) == REPEATS
+    _check_external(zero, _ddp_external("fit_eval_save_resume", 2, tmp_path_factory), stage, f"{stage} x{REPEATS}")
+    info = ck.read_info(tmp_path / "rep0" / f"{stage}_after.dir")
+    assert info["stage"] == STAGES[stage]["stage"] and info["optimizer_state"], "after-fit save: training state"
+
+
+# -- more sequences, external launcher; a 4-rank subset --------------------------------------------------------------
+MATRIX = [(s, "eval_first_then_ckpt_eval", 2) for s in STAGES] + [("zero3", "fit_eval_save_resume", 4),
+                                                                  ("zero3_offload", "eval_first_then_ckpt_eval", 4)]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage,seq,world_size", MATRIX, ids=[f"{s}-{q}-ws{w}" for s, q, w in MATRIX])
 def test_external_launcher_sequence_matches_ddp(tmp_path, tmp_path_factory, stage, seq, world_size):
     zero = _external(stage, seq, world_size, tmp_path)
-    _check_external(zero, _ddp_external(seq, world_size, tmp_path_factory), f"{stage} {seq} ws{world_size}")
-    if stage.startswith("zero3") and seq == "fit_eval_save_resume":
-        info = ck.read_info(tmp_path / "rep0" / f"{stage}_after.dir")
-        assert info["stage"] == 3 and info["optimizer_state"], "the after-fit save holds the training state"
+    _check_external(zero, _ddp_external(seq, world_size, tmp_path_factory), stage, f"{stage} {seq} ws{world_size}")
 
 
 # -- fork and spawn launchers: every entry point launches its own ranks -----------------------------------------------
+# spawn re-imports torch and Lightning in every rank of every entry point (seconds each): one short sequence
 LAUNCHED = [("zero3", "fork", "fit_eval_save_resume"), ("zero2_offload", "fork", "eval_first_then_ckpt_eval"),
-            ("zero3", "spawn", "eval_first_then_ckpt_eval")]
+            ("zero3", "spawn", "fit_then_validate")]
 
 
 @pytest.mark.timeout(180)
@@ -108,14 +123,43 @@ LAUNCHED = [("zero3", "fork", "fit_eval_save_resume"), ("zero2_offload", "fork",
 def test_launched_sequence_matches_ddp(tmp_path, stage, method, seq, monkeypatch):
     import tests.lifecycle_harness as h
 
-    monkeypatch.setattr(h, "make_strategy", _with_start_method(h.make_strategy, method))
-    key = ("launched", method, seq)
+    make = h.make_strategy
+    key = ("launched", seq)  # the reference always forks: the launcher changes no number
     if key not in _REFS:
         os.makedirs(tmp_path / "ddp")
+        monkeypatch.setattr(h, "make_strategy", _with_start_method(make, "fork"))
         _REFS[key] = run_sequence("ddp", SEQUENCES[seq], 2, str(tmp_path / "ddp"))
+    monkeypatch.setattr(h, "make_strategy", _with_start_method(make, method))
     zero = run_sequence(stage, SEQUENCES[seq], 2, str(tmp_path))
     compare_records(zero, _REFS[key], f"{stage} {method} {seq}")
 
 
 def _with_start_method(make, method):
     return lambda name, **kw: make(name, start_method=method, **kw)
+
+
+# -- engine level: one reduce-scatter group per process ------------------------------------------------------------
+def _engines_share_one_group(rank, world_size):
+    from lightning_zero import ZeroConfig, ZeroEngine
+    from tests.models import batch, loss_fn, make_model, make_optimizer
+
+    cfg = ZeroConfig(stage=3, unit_classes=["fc1", "fc2", "frozen"], persist_numel=0)
+    names = dist.distributed_c10d._world.pg_names
+    seen = []
+    for i in range(4):  # fit, validate, test, fit again: as Lightning builds them
+        model = make_model()
+        engine = ZeroEngine(model, make_optimizer(model, "adamw") if i % 3 == 0 else None, cfg)
+        if engine.reducer is not None:
+            loss_fn(model, batch(i, rank), False).backward()
+            engine.step()
+            seen.append(engine.reducer.group)
+        else:
+            assert len(names) == 1 + bool(seen), "an evaluation-only engine made a process group"
+        engine.remove()
+        assert len(names) == 2, "a removed engine destroyed the shared group (the next one would re-create it)"
+    return seen[0] is seen[1]
+
+
+@pytest.mark.timeout(60)
+def test_stage3_engines_share_one_reduce_group_and_eval_engines_make_none():
+    assert all(run_distributed(_engines_share_one_group, 2))
