@@ -22,6 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from .engine import ZeroConfig, ZeroEngine
 from .engine.deferred_init import has_meta_params
+from .callback_checks import check_callbacks
 from .checkpoint_strategy import ZeroCheckpointMixin
 from .precision import ZeroPrecision
 
@@ -129,6 +130,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         self.model_to_device()
         precision = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
+            check_callbacks(trainer.callbacks, self.stage, precision.compute_dtype, self.checkpoint_format)
             self._trained_engine = None  # the previous fit's state gives way before the new one is built
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
