@@ -101,8 +101,11 @@ def trainer(strategy, devices: int, max_steps: int, **kw) -> Trainer:
 # evaluation steps reuse the last Trainer unless they name a checkpoint ("new").
 FIT_EVAL_SAVE_RESUME = [("fit", 2), ("validate", None), ("test", None), ("predict", None), ("save", "after"),
                         ("resume", ("after", 4))]
+# ...then, on a Trainer that trained further, validate from the older checkpoint (the module now holds its
+# weights, as under DDP), save (those weights with the newer fit's optimizer state) and resume from that
 EVAL_FIRST = [("validate", None), ("fit", 2), ("save", "dir"), ("save_full", "file"),
-              ("validate_new", "dir"), ("test_new", "file"), ("predict_new", "dir"), ("validate", None)]
+              ("validate_new", "dir"), ("test_new", "file"), ("predict_new", "dir"), ("validate", None),
+              ("fit", 3), ("validate_ckpt", "dir"), ("save", "after_eval"), ("resume", ("after_eval", 5))]
 FIT_THEN_VALIDATE = [("fit", 2), ("validate", None)]
 SEQUENCES = {"fit_eval_save_resume": FIT_EVAL_SAVE_RESUME, "eval_first_then_ckpt_eval": EVAL_FIRST,
              "fit_then_validate": FIT_THEN_VALIDATE}
@@ -144,6 +147,9 @@ def run_sequence(name: str, steps, devices: int, out: str, rank: int = 0) -> dic
             if fmt is not None:
                 t.strategy.checkpoint_format = fmt
             ckpts[arg] = path
+        elif what == "validate_ckpt":
+            _evaluate(t, "validate", model, ckpts[arg], record)
+            record["weights"].append(whole_params(model, t.strategy))
         elif what in ("validate", "test", "predict"):
             if t is None:
                 t = trainer(make_strategy(name), devices, 1)
