@@ -163,3 +163,32 @@ def _engines_share_one_group(rank, world_size):
 @pytest.mark.timeout(60)
 def test_stage3_engines_share_one_reduce_group_and_eval_engines_make_none():
     assert all(run_distributed(_engines_share_one_group, 2))
+
+
+# -- torchrun elastic restart: a worker killed mid-fit, the job restarts and resumes -----------------------------------
+def _uninterrupted(rank, world_size, out):
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    from tests.scripts.elastic_train import main
+
+    return main(out, "zero3", 0, world_size)
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_restart_after_a_killed_worker_resumes_zero3(tmp_path):
+    script = Path(__file__).parent / "scripts" / "elastic_train.py"
+    out = tmp_path / "elastic"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--monitor-interval", "0.5",
+           str(script), str(out), "zero3", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "exitcode: 17" in proc.stderr, "the first attempt's worker did not die as planned"
+    final = torch.load(out / "final.pt", weights_only=False)
+    assert final["resumed_from"].endswith("epoch=0.ckpt") and final["global_step"] == 6
+    reference = run_distributed(_uninterrupted, 2, str(tmp_path / "ref"))[0]
+    for k, v in reference.items():
+        _close(final["weights"][k], v, f"restarted vs uninterrupted {k}")
