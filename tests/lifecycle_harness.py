@@ -106,9 +106,10 @@ FIT_EVAL_SAVE_RESUME = [("fit", 2), ("validate", None), ("test", None), ("predic
 EVAL_FIRST = [("validate", None), ("fit", 2), ("save", "dir"), ("save_full", "file"),
               ("validate_new", "dir"), ("test_new", "file"), ("predict_new", "dir"), ("validate", None),
               ("fit", 3), ("validate_ckpt", "dir"), ("save", "after_eval"), ("resume", ("after_eval", 5))]
-FIT_THEN_VALIDATE = [("fit", 2), ("validate", None)]
+# the chain the repetition test runs 20 times per stage (predict is covered by the two sequences above)
+REPEATED = [("fit", 2), ("validate", None), ("test", None), ("save", "after"), ("resume", ("after", 4))]
 SEQUENCES = {"fit_eval_save_resume": FIT_EVAL_SAVE_RESUME, "eval_first_then_ckpt_eval": EVAL_FIRST,
-             "fit_then_validate": FIT_THEN_VALIDATE}
+             "repeated": REPEATED, "fit": [("fit", 2)]}
 
 
 def run_sequence(name: str, steps, devices: int, out: str, rank: int = 0) -> dict:
