@@ -36,9 +36,30 @@ class ZeroCheckpointMixin:
     def _zero_engine(self):
         return getattr(self, "engine", None)
 
+    @property
+    def _zero_saved_engine(self):
+        """The engine whose state a save writes: the live one, else the detached one a finished fit left
+        (see [Note: the trained state outlives fit] in strategy.py), with the module's values adopted:
+        once fit is over the whole module is what the user holds (and may have loaded or averaged)."""
+        engine = self._zero_engine
+        if engine is not None:
+            return engine
+        trained = getattr(self, "_trained_engine", None)
+        if trained is not None:
+            trained.load_masters_from_module()
+        return trained
+
+    @property
+    def _zero_optimizer_engine(self):
+        """The engine holding the optimizer's shards: the live training engine, else a finished fit's."""
+        engine = self._zero_engine
+        if engine is not None and engine.sharded is not None:
+            return engine
+        return getattr(self, "_trained_engine", None)
+
     # -- what Lightning puts into the checkpoint dict -----------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        engine = self._zero_engine
+        engine = self._zero_saved_engine
         if self._zero_sharded:
             return sharded_model_state(self.lightning_module, engine)
         if engine is not None and engine.partitioner is not None:  # stage 3: nothing is whole in the module
@@ -55,7 +76,7 @@ class ZeroCheckpointMixin:
         return state
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        engine = self._zero_engine
+        engine = self._zero_optimizer_engine
         if engine is None:
             return super().optimizer_state(optimizer)
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the engine's
@@ -72,8 +93,8 @@ class ZeroCheckpointMixin:
         checkpoint = dict(checkpoint)
         model_state = checkpoint.pop("state_dict")
         opt_states = checkpoint.pop("optimizer_states", None)
-        engine = self._zero_engine
-        opt = opt_states if opt_states and engine is not None else None
+        engine = self._zero_saved_engine
+        opt = opt_states if opt_states and self._zero_optimizer_engine is not None else None
         if opt_states is not None and opt is None:
             checkpoint["optimizer_states"] = opt_states  # evaluation: no optimizer, an empty list
         save_checkpoint_dir(path, model_state, self.lightning_module, engine, opt, checkpoint, barrier=self.barrier)

@@ -22,6 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from .engine import ZeroConfig, ZeroEngine
 from .engine.deferred_init import has_meta_params
+from .callback_checks import check_callbacks
 from .checkpoint_strategy import ZeroCheckpointMixin
 from .optimizers import bind as bind_optimizers
 from .precision import ZeroPrecision
@@ -91,6 +92,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
         )
         self.engine: Optional[ZeroEngine] = None
+        self._trained_engine: Optional[ZeroEngine] = None  # see [Note: the trained state outlives fit]
         self._failed = False
 
     @property
@@ -130,6 +132,8 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         self.model_to_device()
         precision = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
+            check_callbacks(trainer.callbacks, self.stage, precision.compute_dtype, self.checkpoint_format)
+            self._trained_engine = None  # the previous fit's state gives way before the new one is built
             self.setup_optimizers(trainer)
             self.engine = ZeroEngine(
                 self.lightning_module,
@@ -255,6 +259,12 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             self._unbind_optimizers = None
         if self.engine is not None:
             self.engine.remove(hand_back=not self._failed)
+            if self.engine.sharded is not None and not self._failed:
+                # [Note: the trained state outlives fit] As DDP keeps its optimizer, a finished fit keeps
+                # its engine, detached (no hooks, module whole), so save_checkpoint after fit (or after a
+                # later validate/test) writes the optimizer state, loss scale and stage; released when
+                # the next fit sets up. Memory: the masters and optimizer shards DDP would also hold.
+                self._trained_engine = self.engine
             self.engine = None
         self._failed = False
         self.precision_plugin.attach(None)

@@ -41,6 +41,7 @@ from .units import build_units
 from .config import ZeroConfig
 from .memory import MemoryReport
 from .full_state import FullStateMixin
+from .groups import reduce_scatter_group
 from .optimizer import ShardedOptimizer
 from .partition import ParamPartitioner
 from .reducer import GradReducer
@@ -83,7 +84,6 @@ class ZeroEngine(FullStateMixin):
             self.sync_module_states()
         mixed = compute_dtype is not None and compute_dtype != torch.float32
         self.partitioner: Optional[ParamPartitioner] = None
-        self._own_groups: list = []  # process groups this engine created (destroyed by remove())
         sources = None
         reduce_group = group
         if cfg.stage == 3:
@@ -105,12 +105,11 @@ class ZeroEngine(FullStateMixin):
             with_bucket = {id(u) for u in self._bucket_unit}
             frozen = [u for u in units if id(u) not in with_bucket and u.params and not u.persistent]
             self.releaser = BackwardReleaser(self.buckets, self._bucket_unit, self.partitioner.release, frozen)
-            # reduce-scatters get their own group: they interleave with gathers differently per rank
-            # (local synchronization: only the members call this, so ``group`` may be a subgroup)
-            if self.world_size > 1:
-                reduce_group = torch.distributed.new_group(torch.distributed.get_process_group_ranks(
-                    group or torch.distributed.group.WORLD), use_local_synchronization=True)
-                self._own_groups.append(reduce_group)
+            # reduce-scatters get their own group: they interleave with gathers differently per rank.
+            # Made once per process and shared by later engines (see [Note: why a group is never
+            # re-created] in groups.py); an evaluation-only engine reduces nothing and needs none.
+            if self.world_size > 1 and optimizer is not None:
+                reduce_group = reduce_scatter_group(group)
         else:
             self.buckets, self._bucket_opt, _, _ = PG.build_optimizer_buckets(self, per_opt)
         self._sources = sources
@@ -303,8 +302,13 @@ class ZeroEngine(FullStateMixin):
     def publish_params(self, optimizer=None) -> None:
         """Copy the updated masters into the module's parameters (all-gather in stages 1-2).
 
-        Stage 3 only refreshes the unit shards; units are gathered again when next used.
+        Stage 3 only refreshes the unit shards; units are gathered again when next used. An
+        evaluation-only engine has no masters: its unit shards already hold the values.
         """
+        if self.sharded is None:
+            if self.partitioner is not None:
+                self.partitioner.after_step()
+            return
         rows = self.master_rows(PG.select(self, optimizer))
         if self.partitioner is not None:
             for row, b in rows:
@@ -386,10 +390,6 @@ class ZeroEngine(FullStateMixin):
         if self.reducer is not None:
             self.reducer.remove_hooks()
             PG.remove_optimizer_methods(self)
-        if hand_back:  # after a failure, leave the groups alone: other ranks may be gone
-            for g in self._own_groups:
-                torch.distributed.destroy_process_group(g)
-            self._own_groups.clear()
 
 
 def _compute_device(module: nn.Module) -> torch.device:

@@ -78,6 +78,17 @@ class FullStateMixin:
                 b.data = b.data.float()
         self.partitioner = None
 
+    @torch.no_grad()
+    def load_masters_from_module(self) -> None:
+        """Cut each master from the module's (whole) parameter: after training, when the module handed
+        back is what the user holds and may change (load weights, average them). No collective."""
+        if self.partitioner is not None or self.sharded is None:
+            raise RuntimeError("load_masters_from_module needs a detached engine (module whole, masters present).")
+        for p, (_, m, spec, _) in zip(self.bucket_params, self.master_items()):
+            if m is not p:
+                flat = p.detach().reshape(-1).to(device=m.device, dtype=m.dtype)
+                m.copy_((flat if spec.world_size == 1 else flat[spec.lo : spec.hi]).view_as(m))
+
     def param_names(self) -> list[str]:
         """Fully-qualified name of each managed parameter, in bucket order (first name of a tied one)."""
         names = {}

@@ -1,0 +1,50 @@
+"""Callbacks that read or write the module's parameters outside the training step: which ZeRO supports.
+
+ZeRO keeps the training values in fp32 master shards; the module holds a copy (stages 0-2, in the
+compute dtype) or, under stage 3, partitioned parameters that are whole only inside a unit's forward
+or ``strategy.gathered_params()``. A callback that averages ``pl_module.parameters()`` between steps
+therefore sees nothing under stage 3 (Lightning's SWA silently did nothing), sees rounded copies in
+mixed precision (and its result is overwritten by the masters at the end of fit), and Lightning's
+``WeightAveraging`` also replaces the checkpoint's ``state_dict`` with whole tensors, which a sharded
+checkpoint cannot hold. What works equals DDP (tests/test_lifecycle.py); the rest is refused at setup,
+as Lightning refuses SWA for DeepSpeed and FSDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_GATHER_HINT = ("Code of your own that reads parameters in a hook under stage 3 must do so inside "
+                "`with trainer.strategy.gathered_params():`.")
+
+
+def check_callbacks(callbacks: list[Any], stage: int, compute_dtype: torch.dtype, checkpoint_format: str) -> None:
+    """Raise one clear error for the first weight-averaging callback ZeroStrategy cannot run exactly."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    try:  # Lightning >= 2.6
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:  # pragma: no cover - older Lightning
+        WeightAveraging = ()
+    mixed = compute_dtype not in (None, torch.float32)
+    for cb in callbacks:
+        name = type(cb).__name__
+        if isinstance(cb, StochasticWeightAveraging) or (WeightAveraging and isinstance(cb, WeightAveraging)):
+            reason = None
+            if stage == 3:
+                reason = "stage 3 partitions the parameters, so the callback would average empty tensors"
+            elif mixed:
+                reason = ("in mixed precision the module holds rounded copies of the fp32 master weights, and "
+                          "the masters replace the module's values at the end of fit")
+            elif not isinstance(cb, StochasticWeightAveraging) and checkpoint_format != "full":
+                reason = ("it replaces the checkpoint's state_dict with whole tensors, which a sharded "
+                          "checkpoint directory cannot hold")
+            if reason is not None:
+                raise ValueError(
+                    f"{name} is not supported by ZeroStrategy(stage={stage}) here: {reason}. Supported: "
+                    "StochasticWeightAveraging at stages 0-2 with precision='32-true'; WeightAveraging/"
+                    "EMAWeightAveraging at stages 0-2 with precision='32-true' and checkpoint_format='full'. "
+                    + _GATHER_HINT
+                )
