@@ -255,6 +255,12 @@ def build_tokenizer(cfg: Any, train_pairs: list[dict]):
     pretrained = cfg.model.pretrained
     if pretrained:
         path = _absolute(pretrained)
+        from t5_module import check_local_model_dir
+
+        try:
+            check_local_model_dir(path)
+        except FileNotFoundError as e:
+            raise ConfigError(f"model.pretrained: {e}") from e
         if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             raise ConfigError(f"model.pretrained={pretrained!r} holds no tokenizer (tokenizer.json / "
                               "tokenizer_config.json): save the tokenizer the weights were trained with into it "

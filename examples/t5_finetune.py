@@ -139,7 +139,7 @@ def format_summary(cfg: DictConfig, strategy, s: dict) -> str:
     lines = summary_lines("t5_finetune", cfg, strategy, s)
     b, f, last = s["baseline_val"], s["first_val"], s["last_val"]
     if f:
-        cols = ([("untrained", b)] if b else []) + [("first val", f), ("last val", last)]
+        cols = ([("before fit", b)] if b else []) + [("first val", f), ("last val", last)]
         lines.append(f"{'':<16}" + "".join(f"{name:>11}" for name, _ in cols))
         # the CSV "step" of a validation row is the index of the last training step (0-based)
         steps = [0 if r is b else r.get("step", -2) + 1 for _, r in cols]

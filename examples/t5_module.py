@@ -55,14 +55,20 @@ def make_t5_config(preset: str = "t5_tiny", tokenizer: Any = None, **overrides: 
 
 
 def load_local_t5(path: str) -> T5ForConditionalGeneration:
+    p = check_local_model_dir(path)
+    return T5ForConditionalGeneration.from_pretrained(str(p), local_files_only=True)
+
+
+def check_local_model_dir(path: str) -> Path:
     p = Path(path).expanduser()
     if not (p.is_dir() and (p / "config.json").is_file()):
         raise FileNotFoundError(
             f"pretrained={path!r} is not a local model directory (need config.json + weights). "
             "Weights are never downloaded at run time: on a machine with network access run "
-            "`T5ForConditionalGeneration.from_pretrained('t5-small').save_pretrained('/some/dir')` "
+            "`T5ForConditionalGeneration.from_pretrained('t5-small').save_pretrained('/some/dir')` and the same "
+            "with AutoTokenizer (the run uses the directory's own tokenizer) "
             "(or copy a HF cache snapshot dir), then pass pretrained='/some/dir'.")
-    return T5ForConditionalGeneration.from_pretrained(str(p), local_files_only=True)
+    return p
 
 
 def _world_size() -> int:

@@ -163,7 +163,7 @@ def test_data_presets_load(tmp_path, pairs_file):
     dm = build_datamodule(_compose("data.stdlib_packages=[json,textwrap]", "data.max_pairs=null",
                                    f"data.cache_dir={tmp_path / 'cache'}", "data.limit_train=20"))
     dm.setup("fit")
-    assert len(dm.splits["train"]) == 20 and dm.max_source_len == 128
+    assert len(dm.splits["train"]) == 20 and dm.max_source_len == 64
     assert {p["module"].split(".")[0] for p in dm.splits["train"]} <= {"json", "textwrap"}
     assert list((tmp_path / "cache").glob("*.jsonl"))  # built once, cached
 
