@@ -50,8 +50,21 @@ class ModelConf:
     pretrained: Optional[str] = None  # LOCAL directory with config.json + weights; never downloaded
     dropout_rate: float = 0.1  # random init only (a pretrained checkpoint keeps its own config)
     num_gen_batches: int = 2  # validation batches that also run generate() for chrF/BLEU/ROUGE-L
+    num_samples: int = 4  # fixed validation examples shown as text (TensorBoard + console summary)
     max_new_tokens: int = 64
+    # greedy decoding never repeats an n-gram of this size (0 = off): a small model's greedy output otherwise
+    # loops ("the the the ...") until max_new_tokens, as summarisation decoders commonly prevent
+    no_repeat_ngram_size: int = 3
     config_overrides: Dict[str, Any] = field(default_factory=dict)  # extra T5Config fields, e.g. {d_model: 128}
+
+
+@dataclass
+class TokenizerConf:
+    """Ignored with ``model.pretrained=DIR``: the checkpoint's own tokenizer (saved in DIR) is used."""
+
+    kind: str = "subword"  # subword (BPE trained on the training split, cached) | bytes (ByT5Tokenizer)
+    vocab_size: int = 2048  # subword only
+    cache_dir: Optional[str] = None  # null = <data cache dir>/tokenizers
 
 
 @dataclass
@@ -61,7 +74,7 @@ class DataConf:
     source_field: str = "source"
     target_field: str = "target"
     batch_size: int = 16  # per rank
-    max_source_len: int = 256  # bytes (ByteTokenizer), including eos
+    max_source_len: int = 256  # tokens, including eos
     max_target_len: int = 64
     limit_train: Optional[int] = None  # first N training pairs (null = all)
     limit_val: Optional[int] = None  # first N validation pairs (null = all)
@@ -113,25 +126,47 @@ class OutputConf:
     save_top_k: int = 1
     save_last: bool = True
     tensorboard: bool = True  # also log to TensorBoard when the package is importable
+    export_hf: bool = True  # write <output>/hf_model: save_pretrained model + tokenizer (AutoTokenizer loads it)
+    predictions: Optional[str] = None  # mode=test: predictions JSONL (null = <output>/test_predictions.jsonl)
 
 
 @dataclass
 class T5FinetuneConf:
     strategy: StrategyConf = field(default_factory=StrategyConf)
     model: ModelConf = field(default_factory=ModelConf)
+    tokenizer: TokenizerConf = field(default_factory=TokenizerConf)
     data: DataConf = field(default_factory=DataConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     optim: OptimConf = field(default_factory=OptimConf)
     output: OutputConf = field(default_factory=OutputConf)
     seed: int = 0
+    mode: str = "fit"  # fit (train, validate, export) | test (test metrics + predictions JSONL of ckpt_path)
+    ckpt_path: Optional[str] = None  # mode=test: a checkpoint of a fit run (null = the model as configured)
+
+
+@dataclass
+class PretrainConf:
+    """Span corruption of examples/t5_pretrain.py (t5_pretrain_data.py)."""
+
+    chunk_len: int = 64  # tokens per chunk before corruption (input ~0.85x + one sentinel per span + eos)
+    noise_density: float = 0.15
+    mean_span: float = 3.0
+    val_every: int = 50  # every N-th chunk is held out for the pretraining val_loss
+    max_val: int = 256
+
+
+@dataclass
+class T5PretrainConf(T5FinetuneConf):
+    pretrain: PretrainConf = field(default_factory=PretrainConf)
 
 
 def register_configs() -> None:
     """Register the schemas (idempotent).  YAML presets start with ``defaults: [/schema/<group>/<group>@_here_, _self_]``."""
     cs = ConfigStore.instance()
     cs.store(name="t5_finetune_schema", node=T5FinetuneConf)
-    for group, node in (("strategy", StrategyConf), ("model", ModelConf), ("data", DataConf),
-                        ("trainer", TrainerConf)):
+    cs.store(name="t5_pretrain_schema", node=T5PretrainConf)
+    for group, node in (("strategy", StrategyConf), ("model", ModelConf), ("tokenizer", TokenizerConf),
+                        ("data", DataConf), ("trainer", TrainerConf)):
         cs.store(group=f"schema/{group}", name=group, node=node)
 
 
@@ -199,7 +234,7 @@ def build_strategy(cfg: Any):
 
 
 def build_t5_config(cfg: Any, tokenizer: Any = None):
-    """``transformers.T5Config`` of a ``model`` preset (random-init architecture, ByteTokenizer vocab)."""
+    """``transformers.T5Config`` of a ``model`` preset (random-init architecture, the tokenizer's vocab)."""
     m = cfg.model if isinstance(cfg, DictConfig) and "model" in cfg else cfg
     from t5_module import make_t5_config
 
@@ -208,6 +243,43 @@ def build_t5_config(cfg: Any, tokenizer: Any = None):
         return make_t5_config(m.preset, tokenizer, dropout_rate=m.dropout_rate, **overrides)
     except ValueError as e:
         raise ConfigError(f"Invalid model config (model.preset={m.preset!r}): {e}") from e
+
+
+def build_tokenizer(cfg: Any, train_pairs: list[dict]):
+    """The run's tokenizer: DIR's own with ``model.pretrained=DIR``, else ``cfg.tokenizer``.
+
+    The subword BPE is trained on the training split's sources and targets (never val/test), cached.
+    """
+    from t5_tokenizer import (TOKENIZER_KINDS, bytes_tokenizer, cached_subword_tokenizer,
+                              load_tokenizer_dir)
+
+    pretrained = cfg.model.pretrained
+    if pretrained:
+        path = _absolute(pretrained)
+        from t5_module import check_local_model_dir
+
+        try:
+            check_local_model_dir(path)
+        except FileNotFoundError as e:
+            raise ConfigError(f"model.pretrained: {e}") from e
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ConfigError(f"model.pretrained={pretrained!r} holds no tokenizer (tokenizer.json / "
+                              "tokenizer_config.json): save the tokenizer the weights were trained with into it "
+                              "(tokenizer.save_pretrained(DIR); t5_pretrain.py does).")
+        return load_tokenizer_dir(path)
+    t = cfg.tokenizer
+    if t.kind == "bytes":
+        return bytes_tokenizer()
+    if t.kind == "subword":
+        texts = [p["source"] for p in train_pairs] + [p["target"] for p in train_pairs]
+        if not texts:
+            raise ConfigError("tokenizer=subword trains on the training split, which is empty.")
+        cache = t.cache_dir or os.path.join(cfg.data.cache_dir or default_cache_dir(), "tokenizers")
+        try:
+            return cached_subword_tokenizer(texts, t.vocab_size, _absolute(cache))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    raise ConfigError(f"Unknown tokenizer.kind {t.kind!r}. Allowed: {', '.join(TOKENIZER_KINDS)}.")
 
 
 def default_cache_dir() -> str:

@@ -14,7 +14,9 @@ Design note
   a train/val/test split keyed on ``zlib.crc32`` of the *module name* (never
   ``hash()``, which is salted per process), so all ranks / reruns agree and no
   module leaks across splits.
-* ``ByteTokenizer`` (ByT5 style) needs no vocabulary file, hence no download.
+* Tokenizers live in t5_tokenizer.py (a BPE trained on the training split, or ByT5's bytes).
+* Every example carries its index in the split (``index``), so predictions written from several ranks
+  can be put back in order and the DistributedSampler's padding duplicates dropped.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ from typing import Any, Iterable, Sequence
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from t5_tokenizer import bytes_tokenizer, encode
 
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
 SPLITS = ("train", "val", "test")
@@ -248,27 +252,9 @@ def load_pairs_file(path: str | os.PathLike, source_field: str = "source",
 
 
 # --------------------------------------------------------------------------- tokenizer
-class ByteTokenizer:
-    """ByT5-style tokenizer: id = utf-8 byte + 3; pad=0, eos=1, unk=2. No files needed."""
-
-    pad_token_id, eos_token_id, unk_token_id = 0, 1, 2
-    offset = 3
-    vocab_size = 256 + offset
-
-    def encode(self, text: str, max_length: int | None = None) -> list[int]:
-        ids = [b + self.offset for b in text.encode("utf-8")]
-        if max_length is not None:
-            ids = ids[: max(max_length - 1, 0)]  # leave room for eos
-        return ids + [self.eos_token_id]
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        # Specials are always dropped (they have no byte); truncation may split a
-        # multi-byte char, so undecodable tails are ignored rather than raising.
-        data = bytes(int(i) - self.offset for i in ids if self.offset <= int(i) < self.vocab_size)
-        return data.decode("utf-8", errors="ignore")
-
-    def batch_decode(self, batch: Iterable[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
-        return [self.decode(ids) for ids in batch]
+def ByteTokenizer():
+    """transformers' ``ByT5Tokenizer`` (``tokenizer=bytes``): no vocabulary file, so nothing to download."""
+    return bytes_tokenizer()
 
 
 # --------------------------------------------------------------------------- datamodule
@@ -282,8 +268,8 @@ class Seq2SeqDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, list[int]]:
         p = self.pairs[i]  # tokenised lazily: cheap for bytes, and keeps setup fast
-        return {"input_ids": self.tok.encode(p["source"], max_length=self.max_source_len),
-                "labels": self.tok.encode(p["target"], max_length=self.max_target_len)}
+        return {"input_ids": encode(self.tok, p["source"], self.max_source_len),
+                "labels": encode(self.tok, p["target"], self.max_target_len), "index": i}
 
 
 def collate_seq2seq(batch: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
@@ -296,8 +282,10 @@ def collate_seq2seq(batch: list[dict], pad_token_id: int = 0) -> dict[str, torch
 
     input_ids = pad([b["input_ids"] for b in batch], pad_token_id)
     mask = pad([[1] * len(b["input_ids"]) for b in batch], 0)
-    return {"input_ids": input_ids, "attention_mask": mask,
-            "labels": pad([b["labels"] for b in batch], -100)}
+    out = {"input_ids": input_ids, "attention_mask": mask, "labels": pad([b["labels"] for b in batch], -100)}
+    if all("index" in b for b in batch):
+        out["index"] = torch.tensor([b["index"] for b in batch], dtype=torch.long)
+    return out
 
 
 class Seq2SeqDataModule(L.LightningDataModule):
@@ -310,7 +298,7 @@ class Seq2SeqDataModule(L.LightningDataModule):
                  stdlib_kwargs: dict | None = None):
         super().__init__()
         self.pairs_spec = pairs
-        self.tokenizer = tokenizer or ByteTokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else bytes_tokenizer()
         self.batch_size, self.num_workers = batch_size, num_workers
         self.max_source_len, self.max_target_len = max_source_len, max_target_len
         self.limit_train, self.limit_val = limit_train, limit_val

@@ -3,11 +3,13 @@
 Design note: the model is built from a ``T5Config`` so that nothing is fetched at
 run time; ``pretrained`` only accepts a local directory.  Validation computes
 loss + token accuracy on every batch and, on the first ``num_gen_batches``
-batches only, runs ``generate`` for text metrics (chrF, SacreBLEU, ROUGE-L --
+batches only, runs ``generate`` for text metrics (testing generates for every batch) (chrF, SacreBLEU, ROUGE-L --
 all pure-python in torchmetrics, no nltk/sacrebleu download needed as long as
 ``rougeLsum`` and the stemmer stay off).  Generation passes ``synced_gpus=True``
 under multi-process runs so ranks whose sequences finish early keep doing
 forwards: required with ZeRO-3, where every forward gathers shards collectively.
+The first ``num_samples`` validation examples are shown as text at every validation (TensorBoard +
+``samples.jsonl``); a test run writes every prediction to ``predictions_path`` (t5_samples.py).
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ from torchmetrics.text import CHRFScore, SacreBLEUScore  # noqa: E402
 from torchmetrics.text.rouge import ROUGEScore  # noqa: E402
 from transformers import T5Config, T5ForConditionalGeneration  # noqa: E402
 
+from t5_samples import append_jsonl, gather_rows, markdown_table, write_jsonl  # noqa: E402
+from t5_tokenizer import bytes_tokenizer, check_vocab_matches, tokenizer_vocab  # noqa: E402
+
 from lightning_zero.t5_dims import T5_PRESETS  # noqa: E402,F401  (one table for recipe and estimator)
 
 
@@ -39,11 +44,10 @@ def make_t5_config(preset: str = "t5_tiny", tokenizer: Any = None, **overrides: 
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(T5_PRESETS)}")
     cfg = dict(T5_PRESETS[preset], feed_forward_proj="relu", tie_word_embeddings=True)
     if tokenizer is not None:
-        # T5 convention: decoder starts from the pad id.  A byte tokenizer's vocab (259)
-        # must replace the preset's sentencepiece vocab (32128), whatever the preset.
+        # T5 convention: decoder starts from the pad id.  The recipe's tokenizer (a trained BPE or bytes)
+        # sizes the embedding, whatever vocabulary the preset's original checkpoint had.
         cfg.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                   decoder_start_token_id=tokenizer.pad_token_id,
-                   vocab_size=len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size)
+                   decoder_start_token_id=tokenizer.pad_token_id, vocab_size=tokenizer_vocab(tokenizer))
     else:
         cfg.update(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
     cfg.update(overrides)
@@ -51,14 +55,20 @@ def make_t5_config(preset: str = "t5_tiny", tokenizer: Any = None, **overrides: 
 
 
 def load_local_t5(path: str) -> T5ForConditionalGeneration:
+    p = check_local_model_dir(path)
+    return T5ForConditionalGeneration.from_pretrained(str(p), local_files_only=True)
+
+
+def check_local_model_dir(path: str) -> Path:
     p = Path(path).expanduser()
     if not (p.is_dir() and (p / "config.json").is_file()):
         raise FileNotFoundError(
             f"pretrained={path!r} is not a local model directory (need config.json + weights). "
             "Weights are never downloaded at run time: on a machine with network access run "
-            "`T5ForConditionalGeneration.from_pretrained('t5-small').save_pretrained('/some/dir')` "
+            "`T5ForConditionalGeneration.from_pretrained('t5-small').save_pretrained('/some/dir')` and the same "
+            "with AutoTokenizer (the run uses the directory's own tokenizer) "
             "(or copy a HF cache snapshot dir), then pass pretrained='/some/dir'.")
-    return T5ForConditionalGeneration.from_pretrained(str(p), local_files_only=True)
+    return p
 
 
 def _world_size() -> int:
@@ -69,86 +79,123 @@ class T5FineTuner(L.LightningModule):
     def __init__(self, preset: str = "t5_tiny", tokenizer: Any = None, pretrained: str | None = None,
                  lr: float = 1e-3, weight_decay: float = 0.01, warmup_steps: int = 100,
                  total_steps: int | None = None, num_gen_batches: int = 2, max_new_tokens: int = 64,
-                 dropout_rate: float = 0.1, **config_overrides: Any):
+                 dropout_rate: float = 0.1, no_repeat_ngram_size: int = 0, num_samples: int = 4,
+                 samples_path: str | None = None,
+                 predictions_path: str | None = None, **config_overrides: Any):
         super().__init__()
         # The tokenizer object is not a hyperparameter (not serialisable in general).
         self.save_hyperparameters(ignore=["tokenizer"])
-        if tokenizer is None:
-            try:
-                from t5_data import ByteTokenizer
-            except ImportError:  # run from repo root without examples/ on sys.path
-                from examples.t5_data import ByteTokenizer
-            tokenizer = ByteTokenizer()
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else bytes_tokenizer()
         if pretrained:
             self.model = load_local_t5(pretrained)
-            vocab = self.model.config.vocab_size
-            if tokenizer.vocab_size > vocab:
-                raise ValueError(f"tokenizer vocab {tokenizer.vocab_size} > checkpoint vocab {vocab}; "
-                                 "use the checkpoint's own tokenizer")
+            check_vocab_matches(self.tokenizer, self.model.config.vocab_size, f"model.pretrained={pretrained}")
         else:
-            config = make_t5_config(preset, tokenizer, dropout_rate=dropout_rate, **config_overrides)
+            config = make_t5_config(preset, self.tokenizer, dropout_rate=dropout_rate, **config_overrides)
             self.model = T5ForConditionalGeneration(config)
+        tok = self.tokenizer
         # generate() reads generation_config, not config: keep the special ids consistent.
         gc = self.model.generation_config
-        gc.pad_token_id, gc.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        gc.pad_token_id, gc.eos_token_id = tok.pad_token_id, tok.eos_token_id
         gc.decoder_start_token_id = self.model.config.decoder_start_token_id
         if gc.decoder_start_token_id is None:
-            gc.decoder_start_token_id = self.model.config.decoder_start_token_id = tokenizer.pad_token_id
+            gc.decoder_start_token_id = self.model.config.decoder_start_token_id = tok.pad_token_id
 
         vocab = self.model.config.vocab_size
         self.val_acc = MulticlassAccuracy(num_classes=vocab, ignore_index=-100, average="micro")
-        self.val_chrf = CHRFScore()
-        self.val_bleu = SacreBLEUScore()  # default "13a" tokenizer: pure python, no sacrebleu pkg
-        self.val_rouge = ROUGEScore(rouge_keys=("rougeL",))  # rougeLsum/stemmer would need nltk
+        self.test_acc = MulticlassAccuracy(num_classes=vocab, ignore_index=-100, average="micro")
+        self.chrf = CHRFScore()
+        self.bleu = SacreBLEUScore()  # default "13a" tokenizer: pure python, no sacrebleu pkg
+        self.rouge = ROUGEScore(rouge_keys=("rougeL",))  # rougeLsum/stemmer would need nltk
         self._generated = False
+        self._rows: list[dict] = []  # samples (validation) or predictions (test) of this rank
 
     def forward(self, **batch: torch.Tensor) -> Any:
         return self.model(**batch)
 
+    @staticmethod
+    def _inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in batch.items() if k != "index"}
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
+        loss = self.model(**self._inputs(batch)).loss
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        out = self.model(**batch)
-        labels = batch["labels"]
-        self.log("val_loss", out.loss, prog_bar=True, sync_dist=True, batch_size=labels.size(0))
-        # argmax first: a (tokens x vocab) float copy for a 32k vocab is wasteful.
-        self.val_acc.update(out.logits.argmax(-1).flatten(), labels.flatten())
-        self.log("val_token_acc", self.val_acc, on_step=False, on_epoch=True)
+    def _generate(self, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+        # ZeRO-3: hold the whole model once for the generate() call instead of gathering every unit at
+        # every decoding step; no collective runs inside, so ranks may stop at different lengths
+        gathered = getattr(self.trainer.strategy, "gathered_params", contextlib.nullcontext)
+        with gathered():
+            gen = self.model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                      max_new_tokens=self.hparams.max_new_tokens, do_sample=False, num_beams=1,
+                                      no_repeat_ngram_size=self.hparams.no_repeat_ngram_size,
+                                      synced_gpus=_world_size() > 1 and gathered is contextlib.nullcontext)
+        preds = self.tokenizer.batch_decode(gen.tolist(), skip_special_tokens=True)
+        refs = self.tokenizer.batch_decode(
+            [[t for t in row if t != -100] for row in batch["labels"].tolist()], skip_special_tokens=True)
+        preds, refs = [p.strip() for p in preds], [r.strip() for r in refs]
+        self.chrf.update(preds, [[r] for r in refs])
+        self.bleu.update(preds, [[r] for r in refs])
+        self.rouge.update(preds, refs)
+        self._generated = True
+        return preds, refs
 
+    def _rows_of(self, batch: dict[str, torch.Tensor], preds: list[str], refs: list[str],
+                 keep: int | None = None) -> list[dict]:
+        idx = batch["index"].tolist() if "index" in batch else [-1] * len(preds)
+        srcs = self.tokenizer.batch_decode(batch["input_ids"].tolist(), skip_special_tokens=True)
+        return [{"index": i, "source": s, "reference": r, "prediction": p}
+                for i, s, r, p in zip(idx, srcs, refs, preds) if keep is None or 0 <= i < keep]
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], prefix: str, acc: MulticlassAccuracy) -> None:
+        out = self.model(**self._inputs(batch))
+        labels = batch["labels"]
+        self.log(f"{prefix}_loss", out.loss, prog_bar=True, sync_dist=True, batch_size=labels.size(0))
+        # argmax first: a (tokens x vocab) float copy for a 32k vocab is wasteful.
+        acc.update(out.logits.argmax(-1).flatten(), labels.flatten())
+        self.log(f"{prefix}_token_acc", acc, on_step=False, on_epoch=True)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val", self.val_acc)
         # Same batch indices on every rank (the DistributedSampler pads ranks to equal
         # length), so all ranks enter generate() together.
         if batch_idx < self.hparams.num_gen_batches:
-            # ZeRO-3: hold the whole model once for the generate() call instead of gathering every unit at
-            # every decoding step; no collective runs inside, so ranks may stop at different lengths
-            gathered = getattr(self.trainer.strategy, "gathered_params", contextlib.nullcontext)
-            with gathered():
-                gen = self.model.generate(input_ids=batch["input_ids"],
-                                          attention_mask=batch["attention_mask"],
-                                          max_new_tokens=self.hparams.max_new_tokens,
-                                          do_sample=False, num_beams=1,
-                                          synced_gpus=_world_size() > 1 and gathered is contextlib.nullcontext)
-            preds = self.tokenizer.batch_decode(gen.tolist(), skip_special_tokens=True)
-            refs = self.tokenizer.batch_decode(
-                [[t for t in row if t != -100] for row in labels.tolist()], skip_special_tokens=True)
-            self.val_chrf.update(preds, [[r] for r in refs])
-            self.val_bleu.update(preds, [[r] for r in refs])
-            self.val_rouge.update(preds, refs)
-            self._generated = True
+            preds, refs = self._generate(batch)
+            self._rows += self._rows_of(batch, preds, refs, keep=self.hparams.num_samples)
 
-    def on_validation_epoch_end(self) -> None:
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test", self.test_acc)
+        preds, refs = self._generate(batch)
+        self._rows += self._rows_of(batch, preds, refs)
+
+    def _log_text_metrics(self, prefix: str) -> None:
         # compute() all-gathers metric state, so every rank must call it; `_generated`
         # is identical on all ranks for the reason given in validation_step.
         if self._generated:
-            self.log("val_chrf", self.val_chrf.compute(), sync_dist=True)
-            self.log("val_sacrebleu", self.val_bleu.compute(), sync_dist=True)
-            self.log("val_rougeL", self.val_rouge.compute()["rougeL_fmeasure"], sync_dist=True)
-        for m in (self.val_chrf, self.val_bleu, self.val_rouge):
+            self.log(f"{prefix}_chrf", self.chrf.compute(), sync_dist=True)
+            self.log(f"{prefix}_sacrebleu", self.bleu.compute(), sync_dist=True)
+            self.log(f"{prefix}_rougeL", self.rouge.compute()["rougeL_fmeasure"], sync_dist=True)
+        for m in (self.chrf, self.bleu, self.rouge):
             m.reset()
         self._generated = False
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_text_metrics("val")
+        rows, self._rows = gather_rows(self._rows), []  # collective: every rank
+        if not rows or not self.trainer.is_global_zero or self.trainer.sanity_checking:
+            return
+        step = self.trainer.global_step
+        for lg in self.loggers:
+            if hasattr(getattr(lg, "experiment", None), "add_text"):  # TensorBoard (SummaryWriter)
+                lg.experiment.add_text("val_samples", markdown_table(rows), global_step=step)
+        if self.hparams.samples_path:
+            append_jsonl(self.hparams.samples_path, {"step": step, "rows": rows})
+
+    def on_test_epoch_end(self) -> None:
+        self._log_text_metrics("test")
+        rows, self._rows = gather_rows(self._rows), []
+        if self.trainer.is_global_zero and self.hparams.predictions_path:
+            write_jsonl(self.hparams.predictions_path, rows)
 
     def configure_optimizers(self) -> dict[str, Any]:
         # No weight decay on biases and norm scales (T5LayerNorm has only a weight).

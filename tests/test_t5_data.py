@@ -15,6 +15,7 @@ import torch  # noqa: E402
 
 from t5_data import (  # noqa: E402
     ByteTokenizer, Seq2SeqDataModule, build_stdlib_pairs, collate_seq2seq, load_pairs_file)
+from t5_tokenizer import encode  # noqa: E402
 
 SMALL = dict(packages=("email", "json", "textwrap", "fractions", "argparse"), max_pairs=None)
 
@@ -140,23 +141,24 @@ def test_load_pairs_file(tmp_path):
         load_pairs_file(bad)
 
 
-def test_byte_tokenizer_roundtrip():
-    tok = ByteTokenizer()
-    assert tok.vocab_size == 259 and tok.pad_token_id == 0 and tok.eos_token_id == 1
+def test_byte_tokenizer_is_transformers_byt5():
+    from transformers import ByT5Tokenizer
+
+    tok = ByteTokenizer()  # tokenizer=bytes: transformers' own class, constructed without any file
+    assert isinstance(tok, ByT5Tokenizer) and len(tok) == 384
+    assert (tok.pad_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2)
     text = "def f(x): return 'héllo wörld ✓ 日本'"
-    ids = tok.encode(text)
-    assert ids[-1] == tok.eos_token_id and min(ids[:-1]) >= 3 and max(ids) < 259
-    assert tok.decode(ids) == text
-    assert tok.decode([0, 0] + ids + [0]) == text  # specials skipped
-    short = tok.encode(text, max_length=10)
-    assert len(short) == 10 and short[-1] == tok.eos_token_id
-    assert tok.decode(tok.encode("日本", max_length=3)) == ""  # split multibyte char dropped
+    ids = encode(tok, text, None)
+    assert ids[:-1] == [b + 3 for b in text.encode("utf-8")] and ids[-1] == tok.eos_token_id
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    short = encode(tok, text, 10)
+    assert len(short) == 10 and short[-1] == tok.eos_token_id  # eos survives truncation
 
 
 def test_collate_pads_labels_with_ignore_index():
     tok = ByteTokenizer()
-    batch = [{"input_ids": tok.encode("abc"), "labels": tok.encode("x")},
-             {"input_ids": tok.encode("a"), "labels": tok.encode("xyz")}]
+    batch = [{"input_ids": encode(tok, "abc", None), "labels": encode(tok, "x", None)},
+             {"input_ids": encode(tok, "a", None), "labels": encode(tok, "xyz", None)}]
     out = collate_seq2seq(batch, tok.pad_token_id)
     assert out["input_ids"].shape == (2, 4) and out["labels"].shape == (2, 4)
     assert out["input_ids"][1].tolist() == [100, 1, 0, 0]
@@ -184,7 +186,7 @@ def test_tiny_t5_fit_cpu():
     pairs = {"train": splits["train"][:8], "val": splits["train"][8:12]}
     dm = Seq2SeqDataModule(pairs, batch_size=4, max_source_len=64, max_target_len=16)
     model = T5FineTuner("t5_tiny", warmup_steps=1, num_gen_batches=1, max_new_tokens=8)
-    assert model.model.config.vocab_size == 259 and model.model.config.decoder_start_token_id == 0
+    assert model.model.config.vocab_size == 384 and model.model.config.decoder_start_token_id == 0
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, limit_val_batches=1,
                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -202,6 +204,6 @@ def test_presets_and_pretrained_error(tmp_path):
 
     assert T5_PRESETS["t5_base"]["d_model"] == 768 and T5_PRESETS["t5_3b"]["d_ff"] == 16384
     cfg = make_t5_config("t5_small", ByteTokenizer())
-    assert cfg.vocab_size == 259 and cfg.d_model == 512 and cfg.decoder_start_token_id == 0
+    assert cfg.vocab_size == 384 and cfg.d_model == 512 and cfg.decoder_start_token_id == 0
     with pytest.raises(FileNotFoundError, match="never downloaded"):
         T5FineTuner(pretrained=str(tmp_path / "missing"))
