@@ -112,9 +112,14 @@ def describe_strategy(strategy: Any) -> str:
         off += ["params"] if z.offload_params else []
         parts.append(f"offload {'+'.join(off) if off else 'none'}")
     if z.stage == 3:
-        units = (f"classes {','.join(map(str, z.unit_classes))}" if z.unit_classes
-                 else f"by size ({z.unit_mb:g} MiB)")
-        parts.append(f"units {units}, persist < {z.persist_numel} params, prefetch {'on' if z.prefetch else 'off'}")
+        if z.unit_classes:
+            units = f"classes {','.join(map(str, z.unit_classes))}"
+        elif z.unit_mb is not None:
+            units = f"by size ({z.unit_mb:g} MiB)"
+        else:  # the engine's policy: the model's _no_split_modules, else repeated blocks, else size
+            units = "automatic (the model's declared blocks, else repeated blocks, else size)"
+        persist = "auto" if z.persist_numel is None else z.persist_numel
+        parts.append(f"units {units}, persist < {persist} params, prefetch {'on' if z.prefetch else 'off'}")
     parts.append(f"bucket {z.bucket_mb:g} MiB")
     return ", ".join(parts)
 
