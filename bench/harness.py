@@ -29,7 +29,7 @@ from torch import nn
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.memory import model_state_floor
 # Runner, the launcher and machine_line live in the package, shared with the autotuner (lightning-zero tune)
-from lightning_zero.tuning.harness import Runner, _entry, launch, machine_line  # noqa: F401
+from lightning_zero.tools.tuning.harness import Runner, _entry, launch, machine_line  # noqa: F401
 
 from deepspeed_peer import DS_METHODS, build_deepspeed  # noqa: E402 -- bench/ is on sys.path
 

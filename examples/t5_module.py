@@ -30,7 +30,7 @@ from torchmetrics.text import CHRFScore, SacreBLEUScore  # noqa: E402
 from torchmetrics.text.rouge import ROUGEScore  # noqa: E402
 from transformers import T5Config, T5ForConditionalGeneration  # noqa: E402
 
-from lightning_zero.t5_dims import T5_PRESETS  # noqa: E402,F401  (one table for recipe and estimator)
+from lightning_zero.tools.t5_dims import T5_PRESETS  # noqa: E402,F401  (one table for recipe and estimator)
 
 
 def make_t5_config(preset: str = "t5_tiny", tokenizer: Any = None, **overrides: Any) -> T5Config:

@@ -36,16 +36,16 @@ import torch
 from torch import nn
 
 from . import collectives as C
-from .deferred_init import has_meta_params
-from .units import build_units
+from .stage3.deferred_init import has_meta_params
+from .stage3.units import build_units
 from .config import ZeroConfig
 from .memory import MemoryReport
 from .full_state import FullStateMixin
 from .groups import reduce_scatter_group
 from .optimizer import ShardedOptimizer
-from .partition import ParamPartitioner
+from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
-from .release import BackwardReleaser
+from .stage3.release import BackwardReleaser
 from . import param_groups as PG
 
 _log = logging.getLogger("lightning_zero.engine")

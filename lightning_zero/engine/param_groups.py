@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .buckets import build_buckets
-from .units import grad_buckets_for_units
+from .stage3.units import grad_buckets_for_units
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import ZeroEngine

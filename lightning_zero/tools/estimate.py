@@ -30,7 +30,7 @@ from typing import Optional, Sequence, Union
 
 from torch import nn
 
-from .engine.memory import optimizer_state_bytes_per_param
+from ..engine.memory import optimizer_state_bytes_per_param
 
 GiB = 2**30
 MiB = 2**20
@@ -67,7 +67,7 @@ def info_from_module(module: nn.Module, unit_classes: Optional[Sequence] = None,
                      name: Optional[str] = None) -> ModelInfo:
     """Sizes of a module (a meta-device module works: nothing is allocated); units as the engine's default
     policy chooses them (``unit_classes`` / ``unit_mb`` override, as in ZeroConfig)."""
-    from .engine.units import build_units
+    from ..engine.stage3.units import build_units
 
     params = list(module.parameters())
     sizes = [p.numel() for p in params]

@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from .checkpoint_files import (  # noqa: F401  (the on-disk names are part of this module's API)
+from .files import (  # noqa: F401  (the on-disk names are part of this module's API)
     _OLD, _TMP, DCP_METADATA, FORMAT, INFO_FILE, META_FILE, VERSION, _remove, check_state_entries,
     is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir, tidy_checkpoint_dir)
 

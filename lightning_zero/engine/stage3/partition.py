@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import collectives as C
+from .. import collectives as C
 from .deferred_init import has_meta_params, materialize
 from .guard import ReleasedParamGuard
 from .join import RankDivergenceError, agreed_unit, announce, serve_until_all_joined  # noqa: F401 (re-export)

@@ -19,7 +19,7 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def _consolidate(args: argparse.Namespace) -> int:
     import torch
 
-    from .consolidate import consolidate
+    from ..checkpoint.consolidate import consolidate
 
     info = consolidate(args.ckpt_dir, args.out, dtype=getattr(torch, _DTYPES[args.dtype]))
     print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.out}")

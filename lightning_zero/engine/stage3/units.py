@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .buckets import Bucket, _make
+from ..buckets import Bucket, _make
 from .unit_policy import auto_persist_numel, choose_unit_modules, describe_units
 
 

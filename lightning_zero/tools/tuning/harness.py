@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from ..engine import ZeroEngine
+from ...engine import ZeroEngine
 
 
 # -- runners ----------------------------------------------------------------------------------------------

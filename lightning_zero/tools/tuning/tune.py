@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 
 from ..estimate import (GiB, MiB, PRECISIONS, SETTINGS, estimate_model_states, info_from_t5, model_state_bytes,
                         t5_dims_from_config)
-from ..engine.memory import optimizer_state_bytes_per_param
+from ...engine.memory import optimizer_state_bytes_per_param
 
 # overrides the tuner decides; the user's values for them are dropped from the written file
 _DECIDED = ("strategy", "strategy.name", "strategy.stage", "strategy.offload_optimizer", "strategy.offload_params",
@@ -97,7 +97,7 @@ class TuneResult:
 
 
 def _find_config_dir(config_dir: Optional[str]) -> Path:
-    cands = [config_dir] if config_dir else [Path.cwd() / "conf", Path(__file__).resolve().parents[2] / "conf"]
+    cands = [config_dir] if config_dir else [Path.cwd() / "conf", Path(__file__).resolve().parents[3] / "conf"]
     for c in cands:
         if c and (Path(c) / "t5_finetune.yaml").is_file():
             return Path(c).resolve()
@@ -350,7 +350,7 @@ def _builder(args, spec: dict, device):
         import torch
         from transformers import T5Config, T5ForConditionalGeneration
 
-        from ..engine import ZeroConfig, ZeroEngine
+        from ...engine import ZeroConfig, ZeroEngine
         from .harness import Runner
 
         torch.manual_seed(args.seed)
