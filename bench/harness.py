@@ -241,7 +241,7 @@ def cycle_ratio(rounds: list[dict], base: list[dict]) -> Optional[float]:
 
 
 def method_floor(method: str, numel: int, world_size: int = WORLD_SIZE, mixed: bool = False) -> Optional[dict]:
-    """DESIGN.md floor (fp32, Adam K=8, offloaded bytes in 'host'); peers map to the ZeRO stage they match."""
+    """model-state floor (fp32, Adam K=8, offloaded bytes in 'host'); peers map to the ZeRO stage they match."""
     stage = {"ddp": 0, "zero_opt": 1, "fsdp2": 3, "fsdp2_noreshard": 3, "fsdp2_offload": 3}.get(method)
     if stage is None:
         stage = int(method.removeprefix("ds_")[4])

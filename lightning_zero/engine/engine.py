@@ -1,4 +1,4 @@
-"""ZeroEngine: one object that turns a module + optimizer into a ZeRO stage 0/1/2 training step.
+"""ZeroEngine: one object that turns a module + optimizer into a ZeRO training step (stages 0-3).
 
 Design note
 -----------

@@ -40,7 +40,7 @@ _SHARDABLE: set[type] = {
     torch.optim.ASGD,
     torch.optim.Rprop,
 }
-# torch's fused implementations run on the CPU: the offloaded step swaps them in (DESIGN.md).
+# torch's fused implementations run on the CPU: the offloaded step swaps them in.
 _FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
 

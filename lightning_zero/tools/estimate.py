@@ -5,7 +5,7 @@ Design note
 Three parts, each checked against a measurement (tests/test_estimate.py, docs/tuning.md):
 
 * **Model states** (params, grads, fp32 master, optimizer state) follow what :class:`ZeroEngine` really
-  allocates, which is DESIGN.md's floors plus two details: per-parameter shards are padded to a multiple
+  allocates, which is the model-state floors (docs/ARCHITECTURE.md) plus two details: per-parameter shards are padded to a multiple
   of the world size, and a master aliases its source when nothing forces a copy (fp32 stages 1-2; fp32
   stage 3 with offloaded params, whose host shard *is* the master). They match
   ``engine.memory_report()`` within padding.
@@ -92,7 +92,7 @@ def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: in
 
     Same kinds as :class:`~lightning_zero.engine.memory.MemoryReport` (``grads`` here includes the reduced
     shards), measured after a backward. ``accumulating``: gradient accumulation (``no_sync``), where stage
-    1 keeps full gradients (DESIGN.md's floor); without it stage 1 reduces each bucket during backward and
+    1 keeps full gradients (the stage-1 floor); without it stage 1 reduces each bucket during backward and
     holds gradient shards, like stage 2.
     ``offload``: the optimizer (master + state) on the host; at stage 3 also the parameter shards.
     """
