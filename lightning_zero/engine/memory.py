@@ -3,8 +3,7 @@
 Design note
 -----------
 ZeRO's promise is a formula (Rajbhandari et al. 2020; docs/ARCHITECTURE.md, "Memory floors"): with Psi
-parameters, N ranks and
-K bytes of optimizer state per parameter, a rank holds
+parameters, N ranks and K bytes of optimizer state per parameter, a rank holds
 
     mixed precision (2-byte params/grads, fp32 master)   fp32 (the parameter is its own master)
     stage 0: (2 + 2 + 4 + K) Psi                          (4 + 4 + K) Psi
