@@ -142,3 +142,21 @@ def test_reducer_launches_in_bucket_order_whatever_order_gradients_complete():
     for shard, g in zip(reducer.grad_shards, ref_grads):
         torch.testing.assert_close(shard, g, rtol=1e-5, atol=0)
     reducer.remove_hooks()
+
+
+def test_hydra_strategy_presets_agree_with_the_preset_table():
+    from pathlib import Path
+
+    import yaml
+
+    from lightning_zero.engine.config import PRESETS
+    from lightning_zero.tools.estimate import SETTINGS
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "strategy"
+    yamls = {f.stem: yaml.safe_load(f.read_text()) for f in conf.glob("*.yaml")}
+    assert sorted(yamls) == sorted(PRESETS) == sorted(SETTINGS.values())
+    for name, kw in PRESETS.items():
+        y = yamls[name]
+        assert y["name"] == name
+        for key in ("stage", "offload_optimizer", "offload_params"):
+            assert y[key] == kw.get(key, False), (name, key)

@@ -18,6 +18,7 @@ import torch
 from torch.distributed.constants import default_pg_timeout
 
 from ..engine import ZeroConfig, ZeroEngine
+from ..engine.config import PRESETS
 from ..engine.stage3.deferred_init import has_meta_params
 from .callback_checks import check_callbacks
 from .checkpoint_strategy import ZeroCheckpointMixin
@@ -279,16 +280,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
     # -- names ------------------------------------------------------------------------------------
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        presets = {
-            "zero0": dict(stage=0),
-            "zero1": dict(stage=1),
-            "zero1_offload": dict(stage=1, offload_optimizer=True),
-            "zero2": dict(stage=2),
-            "zero2_offload": dict(stage=2, offload_optimizer=True),
-            "zero3": dict(stage=3),
-            "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
-        }
-        for name, kw in presets.items():
+        for name, kw in PRESETS.items():
             for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
                 strategy_registry.register(
                     name + suffix, cls, description=f"ZeRO {kw} with start_method '{method}'",

@@ -30,15 +30,15 @@ from typing import Optional, Sequence, Union
 
 from torch import nn
 
+from ..engine.config import PRESETS
 from ..engine.memory import optimizer_state_bytes_per_param
 
 GiB = 2**30
 MiB = 2**20
 # (stage, offload) -> conf/strategy preset; offload = optimizer offload (+ param shards at stage 3)
-SETTINGS: dict[tuple[int, bool], str] = {
-    (0, False): "zero0", (1, False): "zero1", (1, True): "zero1_offload", (2, False): "zero2",
-    (2, True): "zero2_offload", (3, False): "zero3", (3, True): "zero3_offload",
-}
+# (stage, offloaded) -> preset name, from the one preset table
+SETTINGS: dict[tuple[int, bool], str] = {(kw["stage"], kw.get("offload_optimizer", False)): name
+                                         for name, kw in PRESETS.items()}
 PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
 from .t5_dims import BYTE_VOCAB, T5Dims, t5_activation_bytes, t5_dims, t5_dims_from_config  # noqa: F401
 
