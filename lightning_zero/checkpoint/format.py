@@ -24,7 +24,7 @@ Saving is atomic: all ranks write into a temporary sibling directory, barrier, t
 previous checkpoint aside (``X.zero-old``), renames the new one into place and only then deletes the old
 one. A directory named ``X`` is therefore always complete. A crash between the two renames leaves no
 ``X`` but a complete ``X.zero-old``: every load of ``X`` (and Lightning's ``ckpt_path="last"``, see
-``lightning_io.py``) falls back to it, and the next save in that directory first renames it back, so no
+``lightning/lightning_io.py``) falls back to it, and the next save in that directory first renames it back, so no
 save ever deletes the only complete copy. Stale temporaries (``*.zero-tmp``) and redundant old copies in
 the directory are removed by the next save there.
 """

@@ -89,8 +89,8 @@ def _estimate(args: argparse.Namespace) -> int:
 def _add_estimate(sub) -> None:
     p = sub.add_parser(
         "estimate", help="per-rank memory of every ZeRO stage x offload setting, and which fit",
-        description="Device bytes per rank (model states from the floors of docs/ARCHITECTURE.md as the engine allocates "
-        "them, plus its bucket / stage-3 unit buffers and, for T5 with --batch-size, activations) and CPU "
+        description="Device bytes per rank (model states from the floors of docs/ARCHITECTURE.md as the engine "
+        "allocates them, plus its bucket / stage-3 unit buffers and, for T5 with --batch-size, activations) and CPU "
         "RAM per node, for stages 0-3 with and without offload. Nothing is run or allocated. "
         "Memory sizes are GiB (2**30 bytes).")
     src = p.add_mutually_exclusive_group()
