@@ -247,7 +247,8 @@ class ParamPartitioner:
             if self._tracking(u):
                 self._track_forward(u)
             self.gather(u)
-            if self._tracking(u) and self.order_state is OrderState.VERIFIED and self.prefetch and self._pos < len(self._order):
+            if (self._tracking(u) and self.order_state is OrderState.VERIFIED and self.prefetch
+                    and self._pos < len(self._order)):
                 self._prefetch(self.units[self._order[self._pos]])
 
         return hook
