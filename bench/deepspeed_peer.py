@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from lightning_zero.tuning.harness import Runner
+from lightning_zero.tools.tuning.harness import Runner
 
 DS_METHODS = ("ds_zero1", "ds_zero2", "ds_zero3", "ds_zero2_offload", "ds_zero3_offload")
 INSTALL_HINT = 'pip install -e ".[bench]"  (DeepSpeed; its CPU ops are JIT-built with g++ on first use)'

@@ -29,7 +29,7 @@ from torch import nn
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.memory import model_state_floor
 # Runner, the launcher and machine_line live in the package, shared with the autotuner (lightning-zero tune)
-from lightning_zero.tuning.harness import Runner, _entry, launch, machine_line  # noqa: F401
+from lightning_zero.tools.tuning.harness import Runner, _entry, launch, machine_line  # noqa: F401
 
 from deepspeed_peer import DS_METHODS, build_deepspeed  # noqa: E402 -- bench/ is on sys.path
 
@@ -241,7 +241,7 @@ def cycle_ratio(rounds: list[dict], base: list[dict]) -> Optional[float]:
 
 
 def method_floor(method: str, numel: int, world_size: int = WORLD_SIZE, mixed: bool = False) -> Optional[dict]:
-    """ZeRO floor (fp32, Adam K=8, offloaded bytes in 'host'); peers map to the ZeRO stage they match."""
+    """model-state floor (fp32, Adam K=8, offloaded bytes in 'host'); peers map to the ZeRO stage they match."""
     stage = {"ddp": 0, "zero_opt": 1, "fsdp2": 3, "fsdp2_noreshard": 3, "fsdp2_offload": 3}.get(method)
     if stage is None:
         stage = int(method.removeprefix("ds_")[4])

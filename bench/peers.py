@@ -20,7 +20,7 @@ to FSDP2 (reshard True) and, for our presets, to DeepSpeed's same preset (``zero
 model-state bytes per rank measured after a backward, before the step (ours:
 ``engine.memory_report().model_states``; FSDP2: local shard bytes of the DTensor params, grads and
 optimizer state; DDP / ZeRO-Opt: bytes of params, ``.grad`` and the (local) optimizer-state tensors), the
-ZeRO floor of the ZeRO stage each method matches, stage 3's ``partitioner.peak_gathered_bytes``, and
+model-state floor of the ZeRO stage each method matches, stage 3's ``partitioner.peak_gathered_bytes``, and
 the final loss, which must agree across methods (flagged otherwise). A method that fails to build or
 to take its first step is reported in its row instead of stopping the run.
 
@@ -104,7 +104,7 @@ def print_table(s: dict, args) -> list[str]:
     elif any(m.startswith("ds_") for m in s["methods"]):
         lines.append("ds_* bytes: every distinct storage reachable from the DeepSpeed engine, its preallocated "
                      "buckets included (an upper bound of its model states).")
-    lines.append("floor = ZeRO fp32 floor of the matching ZeRO stage (ddp 0, zero_opt 1, fsdp2* 3), "
+    lines.append("floor = model-state fp32 floor of the matching ZeRO stage (ddp 0, zero_opt 1, fsdp2* 3), "
                  "offloaded bytes included; host (offloaded) share of the measured bytes:")
     for m, r in s["methods"].items():
         if r.get("host_bytes"):

@@ -1,4 +1,4 @@
-"""Plot model-state bytes per rank by ZeRO stage (measured) against the ZeRO floor -> docs/memory_by_stage.png.
+"""Plot model-state bytes per rank by ZeRO stage (measured) against the model-state floor -> docs/memory_by_stage.png.
 
 Measures with the shared harness (``bench/harness.py``: the bench TinyLM, fp32, AdamW, 2 gloo ranks; bytes
 after a backward, before the step, as in step_time.py / peers.py), one short round -- memory does not
@@ -81,9 +81,9 @@ def main() -> None:
     ax.bar([0], [0], color="w", hatch="//", edgecolor="k", linewidth=0, label="hatched: in host memory (offloaded)")
     floors = [method_floor(m, numel) for m in ms]
     ax.scatter(x, [psi(f["device"] + f["host"]) for f in floors], marker="_", s=900, color="k", zorder=5,
-               label="ZeRO floor (device + host)")
+               label="model-state floor (device + host)")
     ax.scatter(x, [psi(f["device"]) for f in floors], marker="_", s=900, color="0.5", zorder=5,
-               label="ZeRO floor, device only")
+               label="model-state floor, device only")
     for i, t in enumerate(bottom):
         ax.text(i, t + 0.2, f"{t:.1f}", ha="center", fontsize=9)
     ax.set_xticks(list(x), [LABELS[m] for m in ms])

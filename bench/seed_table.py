@@ -63,7 +63,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import deepspeed_peer  # noqa: E402
 from harness import build, launch, machine_line  # noqa: E402
 # the probe / search / timing code is the package's, shared with `lightning-zero tune`
-from lightning_zero.tuning.harness import Trial, search, t5_batch, timed  # noqa: E402
+from lightning_zero.tools.tuning.harness import Trial, search, t5_batch, timed  # noqa: E402
 
 CPU_METHODS = ("ddp", "ddp_bf16", "zero1", "zero2", "zero2_bf16", "zero3", "zero2_offload", "zero3_offload")
 DS_TABLE_METHODS = ("ds_zero2", "ds_zero3", "ds_zero2_offload", "ds_zero3_offload")

@@ -26,7 +26,7 @@ ranks. Reported per method: median and p90 step time over all timed steps; the r
 median over cycles of (this method's step time / DDP's step time in the same cycle), so load changes
 of the shared machine cancel; model-state bytes per rank (``engine.memory_report().model_states`` taken
 after a backward, before the step, with the optimizer state materialized; for DDP the bytes of the
-params, their ``.grad`` and the optimizer-state tensors); the ZeRO floor (``lightning_zero.engine.memory.model_state_floor``, fp32, Adam K=8,
+params, their ``.grad`` and the optimizer-state tensors); the model-state floor (``lightning_zero.engine.memory.model_state_floor``, fp32, Adam K=8,
 offloaded bytes counted too); and the final loss (mean over ranks of the last step's loss; all methods
 compute the same thing, so these must agree to ~1e-4 relative -- a mismatch is flagged).
 
@@ -129,7 +129,7 @@ def print_table(s: dict, args) -> list[str]:
         f"rounds={args.rounds} x (warmup {args.warmup} + {args.steps} timed steps) per method, interleaved",
         "",
         f"| {'method':<13} | median ms | p90 ms | ratio vs DDP | model-state B/rank | (Psi) "
-        f"| ZeRO floor B | (Psi) | final loss | rel. diff |",
+        f"| floor B | (Psi) | final loss | rel. diff |",
         "|" + "|".join(["-" * 15, "-" * 11, "-" * 8, "-" * 14, "-" * 20, "-" * 7, "-" * 16, "-" * 7, "-" * 12, "-" * 11])
         + "|",
     ]

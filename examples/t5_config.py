@@ -322,3 +322,10 @@ def _absolute(path: str) -> str:
         return to_absolute_path(path)
     except ValueError:  # HydraConfig not initialised (compose API, plain Python)
         return os.path.abspath(path)
+
+
+def tune_model_config(cfg: Any):
+    """The model ``lightning-zero tune`` measures (its recipe interface, ``TuneRecipe``): this recipe's T5."""
+    from t5_data import ByteTokenizer
+
+    return build_t5_config(cfg, ByteTokenizer())

@@ -35,7 +35,7 @@ from transformers import T5Config, T5ForConditionalGeneration  # noqa: E402
 from t5_samples import append_jsonl, gather_rows, markdown_table, write_jsonl  # noqa: E402
 from t5_tokenizer import bytes_tokenizer, check_vocab_matches, tokenizer_vocab  # noqa: E402
 
-from lightning_zero.t5_dims import T5_PRESETS  # noqa: E402,F401  (one table for recipe and estimator)
+from lightning_zero.tools.t5_dims import T5_PRESETS  # noqa: E402,F401  (one table for recipe and estimator)
 
 
 def make_t5_config(preset: str = "t5_tiny", tokenizer: Any = None, **overrides: Any) -> T5Config:

@@ -2,7 +2,12 @@
 
 Importing the package registers the strategy names zero0, zero1, zero1_offload, zero2, zero2_offload,
 zero3, zero3_offload (each also with a ``_spawn`` and a ``_fork`` variant) in Lightning's StrategyRegistry,
-and lets Lightning's own loaders read its checkpoint directories (``lightning_io.py``).
+and lets Lightning's own loaders read its checkpoint directories (``lightning/lightning_io.py``).
+
+Layout: ``engine/`` is ZeRO on plain torch.distributed (``engine/stage3/`` the parameter partitioning),
+``checkpoint/`` the sharded DCP directories, ``lightning/`` the adapter (the only code importing
+Lightning), ``tools/`` the ``lightning-zero`` command line (estimate, tune, from-deepspeed). See
+docs/ARCHITECTURE.md.
 """
 
 from .engine import (
@@ -14,12 +19,11 @@ from .engine import (
     model_state_floor,
     register_shardable_optimizer,
 )
-from .deepspeed_config import DeepSpeedConfigError, DeepSpeedWarmupLR, from_deepspeed_config
-from .engine.partition import RankDivergenceError
-from .estimate import estimate_model_states
-from .precision import ZeroPrecision
-from .strategy import ZeroStrategy
-from .tuning import tune
+from .engine.stage3.join import RankDivergenceError
+from .lightning import ZeroPrecision, ZeroStrategy
+from .tools.deepspeed_config import DeepSpeedConfigError, DeepSpeedWarmupLR, from_deepspeed_config
+from .tools.estimate import estimate_model_states
+from .tools.tuning import tune
 
 __version__ = "0.1.0"
 
@@ -41,8 +45,8 @@ _configure_logging()
 def _register() -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from ._pl_compat import register_pytorch_lightning
-    from .lightning_io import install
+    from .lightning._pl_compat import register_pytorch_lightning
+    from .lightning.lightning_io import install
 
     ZeroStrategy.register_strategies(StrategyRegistry)
     install()  # plain-DDP loads of ZeRO directories, ckpt_path="last" after an interrupted save

@@ -23,8 +23,8 @@ from lightning.pytorch.strategies import DDPStrategy
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroPrecision, ZeroStrategy
 from lightning_zero import checkpoint as ck
-from lightning_zero.consolidate import consolidate
-from lightning_zero.cli import main as cli_main
+from lightning_zero.checkpoint.consolidate import consolidate
+from lightning_zero.tools.cli import main as cli_main
 from tests.ckpt_models import TiedNet, TiedParityModule, make_tied, run_forked, train
 from tests.lightning_models import load_rank_files, trainer_kwargs
 from tests.models import make_optimizer
@@ -207,13 +207,11 @@ def test_consolidate_loads_strict_into_plain_model(saved, tmp_path, suffix):
 
 
 _PEAK_SCRIPT = textwrap.dedent("""
-    import importlib.util, json, sys, types
-    # the torch-only modules, without the package __init__ (which imports Lightning)
-    pkg = types.ModuleType("zpkg"); pkg.__path__ = []; sys.modules["zpkg"] = pkg
-    for name in ("checkpoint_files", "checkpoint", "consolidate"):
-        spec = importlib.util.spec_from_file_location(f"zpkg.{name}", sys.argv[1].replace("checkpoint.py", name + ".py"))
-        mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
-    consolidate_mod = sys.modules["zpkg.consolidate"]
+    import json, os, sys, types
+    # the torch-only checkpoint package, without the package __init__ (which imports Lightning)
+    pkg = types.ModuleType("lightning_zero"); pkg.__path__ = [os.path.dirname(os.path.dirname(sys.argv[1]))]
+    sys.modules["lightning_zero"] = pkg
+    import lightning_zero.checkpoint.consolidate as consolidate_mod
 
     def status(key):
         for line in open("/proc/self/status"):

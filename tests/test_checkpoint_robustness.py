@@ -17,8 +17,8 @@ from lightning.pytorch.strategies import DDPStrategy
 import lightning_zero  # noqa: F401  (installs the Lightning loaders)
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
 from lightning_zero import checkpoint as ck
-from lightning_zero.cli import main as cli_main
-from lightning_zero.consolidate import consolidate
+from lightning_zero.tools.cli import main as cli_main
+from lightning_zero.checkpoint.consolidate import consolidate
 from tests.ckpt_models import TiedParityModule, make_tied, train
 from tests.lightning_models import load_rank_files, trainer_kwargs
 from tests.models import make_optimizer

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import (DeepSpeedConfigError, DeepSpeedWarmupLR, ZeroPrecision, ZeroStrategy,
                             from_deepspeed_config)
-from lightning_zero.cli import main as cli_main
+from lightning_zero.tools.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The memory estimator (lightning_zero.estimate) against what the engine really holds, and its CLI."""
+"""The memory estimator (lightning_zero.tools.estimate) against what the engine really holds, and its CLI."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.cli import main as cli_main
+from lightning_zero.tools.cli import main as cli_main
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.estimate import SETTINGS, estimate_model_states, info_from_module, model_state_bytes, t5_dims
-from lightning_zero.t5_dims import t5_presets
+from lightning_zero.tools.estimate import SETTINGS, estimate_model_states, info_from_module, model_state_bytes, t5_dims
+from lightning_zero.tools.t5_dims import t5_presets
 from tests.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,8 +110,8 @@ def test_activation_formula_is_calibrated_on_t5_tiny():
     from t5_module import make_t5_config  # noqa: E402
     from transformers import T5ForConditionalGeneration
 
-    from lightning_zero.estimate import t5_activation_bytes
-    from lightning_zero.tuning.harness import SavedBytes
+    from lightning_zero.tools.estimate import t5_activation_bytes
+    from lightning_zero.tools.tuning.harness import SavedBytes
 
     for dtype, p in ((torch.float32, 0.0), (torch.bfloat16, 0.1)):
         torch.manual_seed(0)

@@ -116,7 +116,7 @@ def test_stage_override_and_zero3_preset_give_the_same_units():
     from t5_module import make_t5_config
     from transformers import T5ForConditionalGeneration
 
-    from lightning_zero.engine.units import build_units
+    from lightning_zero.engine.stage3.units import build_units
 
     with torch.device("meta"):
         model = T5ForConditionalGeneration(make_t5_config("t5_mini"))

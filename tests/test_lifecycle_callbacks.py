@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelSumma
 from lightning.pytorch.utilities.model_summary import summarize
 
 from lightning_zero import ZeroPrecision
-from lightning_zero.consolidate import consolidate
+from lightning_zero.checkpoint.consolidate import consolidate
 from tests.dist_utils import run_distributed
 from tests.lifecycle_harness import LifecycleModule, make_strategy, trainer, whole_params
 

@@ -1,4 +1,4 @@
-"""Bytes each rank holds for model states, against the per-stage ZeRO floors (docs/ARCHITECTURE.md) (counted exactly)."""
+"""Bytes each rank holds for model states, against the per-stage floors (docs/ARCHITECTURE.md) (counted exactly)."""
 
 from __future__ import annotations
 

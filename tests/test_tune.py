@@ -1,4 +1,4 @@
-"""The autotuner (lightning_zero.tuning) on CPU: byte budgets around the model-state floors of t5_tiny."""
+"""The autotuner (lightning_zero.tools.tuning) on CPU: byte budgets around the model-state floors of t5_tiny."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_zero.cli import main as cli_main
-from lightning_zero.estimate import MiB, info_from_t5, model_state_bytes, t5_dims
-from lightning_zero.tuning import tune
+from lightning_zero.tools.cli import main as cli_main
+from lightning_zero.tools.estimate import MiB, info_from_t5, model_state_bytes, t5_dims
+from lightning_zero.tools.tuning import tune
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))

@@ -12,9 +12,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.guard import ReleasedParameterError
-from lightning_zero.engine.unit_policy import CONTAINERS, choose_unit_modules
-from lightning_zero.engine.units import build_units
+from lightning_zero.engine.stage3.guard import ReleasedParameterError
+from lightning_zero.engine.stage3.unit_policy import CONTAINERS, choose_unit_modules
+from lightning_zero.engine.stage3.units import build_units
 from tests.dist_utils import run_distributed
 from tests.zoo_models import ZOO, MoE, SharedBlock, SharedModel, TorchTransformer, gpt2
 
@@ -263,7 +263,7 @@ def test_modules_run_outside_their_unit_are_gathered_on_demand_and_match_ddp(mod
 
 
 def test_estimator_uses_the_same_units_as_the_engine():
-    from lightning_zero.estimate import estimate_model_states, info_from_module
+    from lightning_zero.tools.estimate import estimate_model_states, info_from_module
 
     for name in ("gpt2", "moe", "uneven"):
         model = ZOO[name][0]()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import collectives as C
 from .sharding import ShardSpec, gather_from_rank_major, scatter_into_rank_major
 
 
@@ -76,6 +77,32 @@ class Bucket:
     def local_views(self, chunk: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter unpadded views of this rank's chunk (a reduce-scatter output)."""
         return [chunk[off : off + spec.shard_len] for off, spec in zip(self.offsets, self.specs)]
+
+    def all_gather(self, local: list[torch.Tensor | None], dtype: torch.dtype, group=None, host: bool = False,
+                   async_op: bool = False):
+        """The one all-gather of a bucket (publish, full-parameter views, optimizer-state consolidation).
+
+        This rank's slices ``local`` (one per parameter, ``None`` counts as zeros) go into a padded chunk --
+        ``host``: a (pinned) host chunk copied to the device in one asynchronous transfer -- and every
+        rank's chunk lands in one rank-major buffer. Returns ``(work, flat)``; read ``flat`` with
+        :meth:`unpack_rank_major` or :meth:`full_tensors` after ``work.wait()`` (``work`` is None when
+        ``async_op`` is False).
+        """
+        dev = self.params[0].device
+        send = torch.zeros(self.shard_numel, dtype=dtype, device="cpu" if host else dev,
+                           pin_memory=host and dev.type == "cuda")
+        for view, v in zip(self.local_views(send), local):
+            if v is not None:
+                view.copy_(v.reshape(-1), non_blocking=True)
+        send = send.to(dev, non_blocking=True)  # a no-op unless the chunk was built on the host
+        flat = torch.empty(self.world_size * self.shard_numel, dtype=dtype, device=dev)
+        return C.all_gather(flat, send, group=group, async_op=async_op), flat
+
+    def full_tensors(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """New full-shape tensors of every parameter from a gathered rank-major buffer."""
+        outs = [torch.empty(p.shape, dtype=flat.dtype, device=flat.device) for p in self.params]
+        self.unpack_rank_major(flat, outs)
+        return outs
 
     # -- param-major layout (stage 0) -----------------------------------------------------------
     def pack_full(self, tensors: list[torch.Tensor | None], dtype: torch.dtype, extra: int = 0) -> torch.Tensor:

@@ -125,3 +125,8 @@ def broadcast_flat(tensors: list[torch.Tensor], group: Optional[Any], cap: int =
             if t is not None:
                 chunk.append(t)
                 size += t.numel()
+
+
+def barrier(group: Optional[Any] = None) -> None:
+    if world_size(group) > 1:
+        dist.barrier(group=group)

@@ -111,3 +111,17 @@ class ZeroConfig:
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * 2**20))
+
+
+# The named settings: the registered strategy names (zero2, zero2_fork, ...), the estimator's and tuner's
+# rows and the Hydra presets conf/strategy/<name>.yaml (tests/test_pieces.py checks those agree) all read
+# this one table.
+PRESETS: dict[str, dict] = {
+    "zero0": dict(stage=0),
+    "zero1": dict(stage=1),
+    "zero1_offload": dict(stage=1, offload_optimizer=True),
+    "zero2": dict(stage=2),
+    "zero2_offload": dict(stage=2, offload_optimizer=True),
+    "zero3": dict(stage=3),
+    "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
+}

@@ -1,4 +1,4 @@
-"""ZeroEngine: one object that turns a module + optimizer into a ZeRO stage 0/1/2 training step.
+"""ZeroEngine: one object that turns a module + optimizer into a ZeRO training step (stages 0-3).
 
 Design note
 -----------
@@ -36,16 +36,16 @@ import torch
 from torch import nn
 
 from . import collectives as C
-from .deferred_init import has_meta_params
-from .units import build_units
+from .stage3.deferred_init import has_meta_params
+from .stage3.units import build_units
 from .config import ZeroConfig
 from .memory import MemoryReport
 from .full_state import FullStateMixin
 from .groups import reduce_scatter_group
 from .optimizer import ShardedOptimizer
-from .partition import ParamPartitioner
+from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
-from .release import BackwardReleaser
+from .stage3.release import BackwardReleaser
 from . import param_groups as PG
 
 _log = logging.getLogger("lightning_zero.engine")
@@ -324,18 +324,11 @@ class ZeroEngine(FullStateMixin):
                         p.data.copy_(m.view_as(p))
             return
         pending = []
-        host = self.config.offload_optimizer
         for row, b in rows:
-            dtype, dev = b.params[0].dtype, b.params[0].device
-            # offload: cast the host masters into a pinned host buffer, then one asynchronous host->device
-            # copy per bucket (not one small, synchronous, fp32 copy per parameter)
-            send = torch.zeros(b.shard_numel, dtype=dtype, device="cpu" if host else dev,
-                               pin_memory=host and dev.type == "cuda")
-            for view, m in zip(b.local_views(send), row):
-                view.copy_(m, non_blocking=True)
-            send = send.to(dev, non_blocking=True)  # a no-op unless offloaded to a GPU's host
-            out = torch.empty(b.world_size * b.shard_numel, dtype=dtype, device=dev)
-            pending.append((b, C.all_gather(out, send, group=self.group, async_op=True), out))
+            # offload: the host masters are cast into a pinned host chunk, then one asynchronous
+            # host->device copy per bucket (not one small, synchronous, fp32 copy per parameter)
+            pending.append((b, *b.all_gather(row, b.params[0].dtype, self.group,
+                                              host=self.config.offload_optimizer, async_op=True)))
             if len(pending) > 2:  # two buckets in flight overlap communication without a second model copy
                 self._unpack(*pending.pop(0))
         for item in pending:

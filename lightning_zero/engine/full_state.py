@@ -15,7 +15,6 @@ import torch
 
 from . import collectives as C
 from .sharding import ShardSpec
-from .state import consolidate_optimizer_state, load_sharded_optimizer_state
 
 
 class FullStateMixin:
@@ -33,15 +32,7 @@ class FullStateMixin:
                     for m, p in zip(row, b.params)]
         fulls: list[torch.Tensor] = []
         for row, b in self.master_rows():
-            dev = b.params[0].device
-            send = torch.zeros(b.shard_numel, dtype=torch.float32, device=dev)
-            for view, m in zip(b.local_views(send), row):
-                view.copy_(m)
-            out = torch.empty(b.world_size * b.shard_numel, dtype=torch.float32, device=dev)
-            C.all_gather(out, send, group=self.group)
-            outs = [torch.empty(p.shape, dtype=torch.float32, device=dev) for p in b.params]
-            b.unpack_rank_major(out, outs)
-            fulls.extend(outs)
+            fulls.extend(b.full_tensors(b.all_gather(row, torch.float32, self.group)[1]))
         return fulls
 
     @torch.no_grad()
@@ -135,11 +126,13 @@ class FullStateMixin:
     def optimizer_state_dict(self, optimizer=None) -> dict:
         """The full (unsharded) state of ``optimizer`` (default: the first), as a plain optimizer would
         save it. Collective call."""
-        return consolidate_optimizer_state(self, self.sharded_for(optimizer) if optimizer is not None else None)
+        s = self.sharded_for(optimizer) if optimizer is not None else self.sharded
+        return s.full_state_dict(self.group)
 
     def load_optimizer_state_dict(self, state: dict, optimizer=None) -> None:
         """Load a full optimizer state (from any world size or stage) into this rank's shards."""
-        load_sharded_optimizer_state(self, state, self.sharded_for(optimizer) if optimizer is not None else None)
+        s = self.sharded_for(optimizer) if optimizer is not None else self.sharded
+        s.load_full_state_dict(state)
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict, strict: bool = True) -> None:

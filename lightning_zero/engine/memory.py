@@ -2,8 +2,8 @@
 
 Design note
 -----------
-ZeRO's promise is a formula (Rajbhandari et al. 2020; docs/ARCHITECTURE.md): with Psi parameters, N ranks and
-K bytes of optimizer state per parameter, a rank holds
+ZeRO's promise is a formula (Rajbhandari et al. 2020; docs/ARCHITECTURE.md, "Memory floors"): with Psi
+parameters, N ranks and K bytes of optimizer state per parameter, a rank holds
 
     mixed precision (2-byte params/grads, fp32 master)   fp32 (the parameter is its own master)
     stage 0: (2 + 2 + 4 + K) Psi                          (4 + 4 + K) Psi
@@ -11,7 +11,7 @@ K bytes of optimizer state per parameter, a rank holds
     stage 2: 2 Psi + (2 + 4 + K) Psi / N                  4 Psi + (4 + K) Psi / N
     stage 3: (2 + 2 + 4 + K) Psi / N                      (4 + 4 + K) Psi / N
 
-(K = 8 for Adam's two moments, giving the 16 Psi, 4 Psi + 12 Psi / N, ...). The floors count
+(K = 8 for Adam's two moments, giving the paper's 16 Psi, 4 Psi + 12 Psi / N, ...). The floors count
 *device* bytes; with the optimizer offloaded, master (always a separate fp32 copy then) and optimizer
 state move to host memory.
 Measurement counts real tensor bytes (no allocator guesses), so tests can compare them exactly.

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .buckets import build_buckets
-from .units import grad_buckets_for_units
+from .stage3.units import grad_buckets_for_units
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import ZeroEngine
@@ -142,7 +142,7 @@ def add_param_group(engine: "ZeroEngine", optimizer: torch.optim.Optimizer, grou
                 "Allowed: parameters no optimizer holds yet (each parameter may belong to one optimizer).")
     if len({id(p) for p in params}) != len(params):
         raise ValueError("add_param_group: a parameter appears more than once in the new group.")
-    if engine.reducer is not None and engine.reducer._in_backward:
+    if engine.reducer is not None and engine.reducer.in_backward:
         raise RuntimeError("add_param_group cannot run during backward; call it between optimizer steps.")
     ids = {id(p) for p in params}
     # frozen parameters of the new group are managed too (unlike frozen ones at setup, which may be a

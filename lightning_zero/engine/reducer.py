@@ -36,6 +36,7 @@ instead of following it. On a CPU-only machine the same copy runs (host to host)
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 from typing import Any, Callable, Optional
 
@@ -44,6 +45,20 @@ from torch.autograd import Variable
 
 from . import collectives as C
 from .buckets import Bucket
+
+
+class BackwardPhase(enum.Enum):
+    """Where the reducer is in a backward: IDLE between backwards (an un-synced backward -- stages 0-1
+    under ``no_sync`` -- stays IDLE: its gradients only accumulate, noted in ``_dirty``), REDUCING from
+    the first synced gradient hook to the end-of-backward callback, which completes every bucket."""
+
+    IDLE = "idle"
+    REDUCING = "reducing"
+
+    def check(self, to: "BackwardPhase") -> "BackwardPhase":
+        if to is self:
+            raise RuntimeError(f"GradReducer: already {self.name} (a backward inside a backward?).")
+        return to
 
 
 class GradReducer:
@@ -79,7 +94,7 @@ class GradReducer:
         self._ready = [0] * len(buckets)
         self._next = 0
         self._pending: list[tuple] = []
-        self._in_backward = False
+        self.phase = BackwardPhase.IDLE
         self._dirty: set[int] = set()  # buckets with local gradients that no collective has seen yet
         # buckets whose parameters all have requires_grad=False in this backward (another optimizer's, under
         # Lightning's toggle_optimizer) are skipped: the flag is the same on every rank, so the sequence of
@@ -103,7 +118,7 @@ class GradReducer:
     def add_buckets(self, buckets: list[Bucket]) -> None:
         """Reduce these buckets too (parameters added to an optimizer after setup); ``index`` continues
         this reducer's numbering. Called between backwards only."""
-        if self._in_backward:
+        if self.in_backward:
             raise RuntimeError("Parameters cannot be added to the optimizer during backward.")
         first = len(self.buckets)
         assert [b.index for b in buckets] == list(range(first, first + len(buckets)))
@@ -115,6 +130,10 @@ class GradReducer:
         self._ready += [0] * n
         self._active += [True] * n
         self._register(first)
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is BackwardPhase.REDUCING
 
     # -- hooks ----------------------------------------------------------------------------------
     def _make_hook(self, bi: int):
@@ -130,8 +149,8 @@ class GradReducer:
         if not self._syncing():
             self._dirty.add(bi)
             return
-        if not self._in_backward:
-            self._in_backward = True
+        if self.phase is BackwardPhase.IDLE:
+            self.phase = self.phase.check(BackwardPhase.REDUCING)
             self._begin_cycle()
             Variable._execution_engine.queue_callback(self._end_of_backward)
         self._ready[bi] += 1
@@ -161,7 +180,7 @@ class GradReducer:
     def _end_of_backward(self) -> None:
         self._launch_in_order(upto_ready=False)
         self.wait()
-        self._in_backward = False
+        self.phase = self.phase.check(BackwardPhase.IDLE)
         self._dirty.clear()
         if self._on_end_of_backward is not None:
             self._on_end_of_backward()

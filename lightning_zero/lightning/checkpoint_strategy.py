@@ -7,7 +7,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .checkpoint import (_IMPL_KEYS, _OLD, _TMP, _remove, check_optimizer_count, load_model_state,
+from ..checkpoint.format import (_IMPL_KEYS, _OLD, _TMP, _remove, check_optimizer_count, load_model_state,
                          load_optimizer_state, read_info, read_meta, resolve_checkpoint_dir, save_checkpoint_dir,
                          sharded_model_state, sharded_optimizer_state)
 

@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from .checkpoint import _OLD, INFO_FILE, _dcp_load, is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir
-from .consolidate import full_model_state
+from ..checkpoint.format import _OLD, INFO_FILE, _dcp_load, is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir
+from ..checkpoint.consolidate import full_model_state
 
 
 def load_as_lightning_checkpoint(path, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -5,7 +5,7 @@ Design note
 Three parts, each checked against a measurement (tests/test_estimate.py, docs/tuning.md):
 
 * **Model states** (params, grads, fp32 master, optimizer state) follow what :class:`ZeroEngine` really
-  allocates, which is the ZeRO floors (docs/ARCHITECTURE.md) plus two details: per-parameter shards are padded to a multiple
+  allocates, which is the model-state floors (docs/ARCHITECTURE.md) plus two details: per-parameter shards are padded to a multiple
   of the world size, and a master aliases its source when nothing forces a copy (fp32 stages 1-2; fp32
   stage 3 with offloaded params, whose host shard *is* the master). They match
   ``engine.memory_report()`` within padding.
@@ -30,15 +30,15 @@ from typing import Optional, Sequence, Union
 
 from torch import nn
 
-from .engine.memory import optimizer_state_bytes_per_param
+from ..engine.config import PRESETS
+from ..engine.memory import optimizer_state_bytes_per_param
 
 GiB = 2**30
 MiB = 2**20
 # (stage, offload) -> conf/strategy preset; offload = optimizer offload (+ param shards at stage 3)
-SETTINGS: dict[tuple[int, bool], str] = {
-    (0, False): "zero0", (1, False): "zero1", (1, True): "zero1_offload", (2, False): "zero2",
-    (2, True): "zero2_offload", (3, False): "zero3", (3, True): "zero3_offload",
-}
+# (stage, offloaded) -> preset name, from the one preset table
+SETTINGS: dict[tuple[int, bool], str] = {(kw["stage"], kw.get("offload_optimizer", False)): name
+                                         for name, kw in PRESETS.items()}
 PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
 from .t5_dims import BYTE_VOCAB, T5Dims, t5_activation_bytes, t5_dims, t5_dims_from_config  # noqa: F401
 
@@ -67,7 +67,7 @@ def info_from_module(module: nn.Module, unit_classes: Optional[Sequence] = None,
                      name: Optional[str] = None) -> ModelInfo:
     """Sizes of a module (a meta-device module works: nothing is allocated); units as the engine's default
     policy chooses them (``unit_classes`` / ``unit_mb`` override, as in ZeroConfig)."""
-    from .engine.units import build_units
+    from ..engine.stage3.units import build_units
 
     params = list(module.parameters())
     sizes = [p.numel() for p in params]
@@ -92,7 +92,7 @@ def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: in
 
     Same kinds as :class:`~lightning_zero.engine.memory.MemoryReport` (``grads`` here includes the reduced
     shards), measured after a backward. ``accumulating``: gradient accumulation (``no_sync``), where stage
-    1 keeps full gradients (the ZeRO floor); without it stage 1 reduces each bucket during backward and
+    1 keeps full gradients (the stage-1 floor); without it stage 1 reduces each bucket during backward and
     holds gradient shards, like stage 2.
     ``offload``: the optimizer (master + state) on the host; at stage 3 also the parameter shards.
     """

@@ -21,24 +21,18 @@ installed ``lightning-zero tune`` command measures with the very code the benchm
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
-import json
 import math
 import os
-import socket
-import sys
-import tempfile
 import time
-import traceback
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from ..engine import ZeroEngine
+from ...engine import ZeroEngine
+from ..launch import run_ranks
 
 
 # -- runners ----------------------------------------------------------------------------------------------
@@ -125,49 +119,18 @@ class Runner:
 
 
 # -- launcher -----------------------------------------------------------------------------------------------
-def _entry(rank: int, port: int, body: Callable, args, outdir: str, world_size: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(getattr(args, "threads", 1) or 1)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    if dist.is_initialized():  # inherited by a forked child
-        dist.destroy_process_group()
-    dist.init_process_group(getattr(args, "backend", "gloo"), rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        result = body(rank, args)
-        if rank == 0:
-            with open(os.path.join(outdir, "results.json"), "w") as f:
-                json.dump(result, f)
-    except BaseException:
-        with open(os.path.join(outdir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+def _entry(rank: int, world_size: int, body: Callable, args) -> Any:
+    return body(rank, args)
 
 
 def launch(body: Callable, args, world_size: int = 2, start_method: str = "spawn") -> dict:
-    """Run ``body(rank, args)`` on ``world_size`` ranks; return rank 0's JSON-able result.
+    """Run ``body(rank, args)`` on ``world_size`` ranks (:func:`..launch.run_ranks`); return rank 0's result.
 
     ``start_method="fork"`` starts in well under a second (tests, CPU); "spawn" is safe with CUDA.
     """
-    with tempfile.TemporaryDirectory() as outdir:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            mp.start_processes(_entry, args=(port, body, args, outdir, world_size), nprocs=world_size, join=True,
-                               start_method=start_method)
-        except Exception:
-            for r in range(world_size):
-                path = os.path.join(outdir, f"error{r}.txt")
-                if os.path.exists(path):
-                    print(f"rank {r} failed:\n{open(path).read()}", file=sys.stderr)
-            raise
-        with open(os.path.join(outdir, "results.json")) as f:
-            return json.load(f)
+    return run_ranks(_entry, world_size, (body, args), start_method=start_method,
+                     backend=getattr(args, "backend", "gloo"), threads=getattr(args, "threads", 1) or 1,
+                     timeout_s=300)[0]
 
 
 # -- measuring a training step ---------------------------------------------------------------------------

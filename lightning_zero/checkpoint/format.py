@@ -24,7 +24,7 @@ Saving is atomic: all ranks write into a temporary sibling directory, barrier, t
 previous checkpoint aside (``X.zero-old``), renames the new one into place and only then deletes the old
 one. A directory named ``X`` is therefore always complete. A crash between the two renames leaves no
 ``X`` but a complete ``X.zero-old``: every load of ``X`` (and Lightning's ``ckpt_path="last"``, see
-``lightning_io.py``) falls back to it, and the next save in that directory first renames it back, so no
+``lightning/lightning_io.py``) falls back to it, and the next save in that directory first renames it back, so no
 save ever deletes the only complete copy. Stale temporaries (``*.zero-tmp``) and redundant old copies in
 the directory are removed by the next save there.
 """
@@ -42,106 +42,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from .checkpoint_files import (  # noqa: F401  (the on-disk names are part of this module's API)
+from ..engine.collectives import barrier as _barrier, rank as _rank
+from .sharded_state import _canonical, _flat, _managed, sharded_model_state, sharded_optimizer_state  # noqa: F401
+from .files import (  # noqa: F401  (the on-disk names are part of this module's API)
     _OLD, _TMP, DCP_METADATA, FORMAT, INFO_FILE, META_FILE, VERSION, _remove, check_state_entries,
     is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir, tidy_checkpoint_dir)
 
 _IMPL_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")  # not restored from a checkpoint
 _PathLike = Union[str, os.PathLike]
-
-
-# -- layout --------------------------------------------------------------------------------------------
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-_MESHES: dict = {}
-
-
-def _mesh(device_type: str):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    key = (device_type, dist.get_world_size(), id(dist.distributed_c10d._get_default_group()))
-    if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
-    return _MESHES[key]
-
-
-def _flat(t: torch.Tensor, spec) -> torch.Tensor:
-    """The 1-D global view of a master-shaped tensor: a DTensor Shard(0) slice, or a plain 1-D tensor."""
-    t = t.detach()
-    if spec.world_size == 1:
-        return t.view(-1) if t.is_contiguous() else t.reshape(-1)
-    from torch.distributed.tensor import DTensor, Shard
-
-    return DTensor.from_local(t.view(-1), _mesh(t.device.type), [Shard(0)], run_check=False,
-                              shape=torch.Size([spec.numel]), stride=(1,))
-
-
-def _aliases(module: nn.Module, preferred: Mapping[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensor entries of the state dict under their canonical names, and {alias: canonical} for tied ones."""
-    canonical: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[int, str] = {}
-    entries = [(k, v) for k, v in module.state_dict(keep_vars=True).items() if torch.is_tensor(v)]
-    for name, t in entries:  # a managed parameter keeps the engine's name even if it is listed later
-        if id(t) in preferred and preferred[id(t)] == name:
-            seen[id(t)] = name
-    for name, t in entries:
-        first = seen.setdefault(id(t), name)
-        if first == name:
-            canonical[name] = t.detach()
-        else:
-            aliases[name] = first
-    return canonical, aliases
-
-
-def _managed(engine) -> dict[str, tuple[torch.Tensor, Any, torch.Size]]:
-    """Tensors saved and loaded as flat shards: fp32 masters, and (stage 3) the unit-shard slices of
-    parameters without a master, which are never whole in the module."""
-    if engine is None:
-        return {}
-    items = list(engine.master_items()) + list(engine.unmanaged_shard_items())
-    return {n: (m, spec, shape) for n, m, spec, shape in items}
-
-
-# -- state dicts handed to Lightning (and to dcp.save) ---------------------------------------------------
-def sharded_model_state(module: nn.Module, engine=None) -> dict[str, torch.Tensor]:
-    """Model tensors for DCP: fp32 masters (flattened, DTensor-sharded on stages >= 1) + buffers/frozen."""
-    managed = _managed(engine)
-    params = {id(p): n for n, p in module.named_parameters()}
-    canonical, _ = _aliases(module, params)
-    return {n: (_flat(managed[n][0], managed[n][1]) if n in managed else t) for n, t in canonical.items()}
-
-
-def sharded_optimizer_state(engine, optimizer=None) -> dict[str, Any]:
-    """Optimizer state keyed by parameter name: per-element tensors flattened like the masters.
-    ``optimizer``: which of the engine's optimizers (default: the first)."""
-    name_of = {id(m): (n, spec) for n, (m, spec, _) in _managed(engine).items()}
-    opt = engine.optimizer if optimizer is None else optimizer
-    state: dict[str, dict] = {}
-    other: dict[str, dict] = {}
-    for group in opt.param_groups:
-        for m in group["params"]:
-            name, spec = name_of[id(m)]
-            for k, v in opt.state.get(m, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape:
-                    state.setdefault(name, {})[k] = _flat(v, spec)
-                elif torch.is_tensor(v):
-                    state.setdefault(name, {})[k] = v.detach()
-                else:
-                    other.setdefault(name, {})[k] = v
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(m)][0] for m in g["params"]]}
-              for g in opt.param_groups]
-    # the user's own parameter lists, frozen ones as None: what a plain (DDP) optimizer numbers by position
-    layout = [[None if m is None else name_of[id(m)][0] for m in g]
-              for g in getattr(engine.sharded, "group_layout", None) or []]
-    return {"state": state, "param_groups": groups, "nontensor_state": other, "layout": layout}
 
 
 # -- save -------------------------------------------------------------------------------------------------
@@ -218,8 +126,7 @@ def _check_optimizer_keys(optimizer_state) -> Optional[dict]:
 
 def _info(model_state, module, engine, state_kinds) -> dict:
     managed = _managed(engine)
-    params = {id(p): n for n, p in module.named_parameters()}
-    canonical, aliases = _aliases(module, params)
+    canonical, aliases = _canonical(module)
     tensors = {}
     for name, t in model_state.items():
         # a managed parameter's full shape comes from the engine (under stage 3 the module holds no full tensor)
@@ -256,7 +163,7 @@ def _dcp_load(state: dict, path: Path, no_dist: Optional[bool] = None) -> None:
 
 def check_compatible(info: dict, module: nn.Module, strict: bool = True, engine=None) -> list[str]:
     """Compare the checkpoint's tensors with the module's; raise ValueError listing every difference."""
-    canonical, _ = _aliases(module, {id(p): n for n, p in module.named_parameters()})
+    canonical, _ = _canonical(module)
     canonical.update({n: torch.empty(shape, device="meta") for n, (_, _, shape) in _managed(engine).items()})
     saved = info["tensors"]
     missing = [n for n in canonical if n not in saved]
@@ -285,7 +192,7 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
     info = info or read_info(path)
     names = check_compatible(info, module, strict, engine)
     managed = _managed(engine)
-    canonical, _ = _aliases(module, {id(p): n for n, p in module.named_parameters()})
+    canonical, _ = _canonical(module)
     targets: dict[str, torch.Tensor] = {}
     after: list[Callable[[], None]] = []
     for n in names:

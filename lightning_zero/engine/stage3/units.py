@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .buckets import Bucket, _make
+from ..buckets import Bucket, _make
+from .lifecycle import UnitState
 from .unit_policy import auto_persist_numel, choose_unit_modules, describe_units
 
 
@@ -38,9 +39,16 @@ class Unit:
     layout: Bucket  # rank-major layout of all of the unit's parameters (trainable and frozen)
     persistent: bool = False  # gathered once per step and kept (root, tiny units)
     shard: Optional[torch.Tensor] = None  # this rank's slices, flat, compute dtype (CPU when offloaded)
-    gathered: bool = False
-    pending: Optional[tuple] = None  # (work, out) of an all-gather in flight
+    state: UnitState = UnitState.SHARDED  # [Note: unit lifecycle] in lifecycle.py
+    inflight: Optional[tuple] = None  # (work, out) of the all-gather while GATHERING
     nbytes_full: list[int] = field(default_factory=list)
+
+    def move(self, to: UnitState) -> None:
+        self.state = self.state.check(to, self.name)
+
+    @property
+    def gathered(self) -> bool:
+        return self.state is UnitState.UNSHARDED
 
     @property
     def full_bytes(self) -> int:

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import collectives as C
+from .. import collectives as C
 
 
 def has_meta_params(module: nn.Module) -> bool:

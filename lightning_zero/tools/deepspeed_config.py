@@ -27,7 +27,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .engine.config import ZeroConfig
+from ..engine.config import ZeroConfig
 
 # keys that tune DeepSpeed's internals or its own logging; the run is the same without them
 _NO_EFFECT = {
@@ -104,13 +104,13 @@ class DeepSpeedTranslation:
     ignored: dict = field(default_factory=dict)  # key -> why it has no effect here
 
     def make_precision(self):
-        from .precision import ZeroPrecision
+        from ..lightning.precision import ZeroPrecision
 
         return ZeroPrecision(self.precision, **self.precision_kwargs)
 
     def make_strategy(self, **kwargs):
         """``ZeroStrategy`` with the translated ZeRO settings and precision plugin (``kwargs`` override)."""
-        from .strategy import ZeroStrategy
+        from ..lightning.strategy import ZeroStrategy
 
         return ZeroStrategy(**{**self.strategy, "precision_plugin": self.make_precision(), **kwargs})
 

@@ -96,7 +96,7 @@ class ReleasedParamGuard:
     # -- on demand ----------------------------------------------------------------------------------
     def _make_pre(self, units):
         def hook(module, _args):
-            if self.part._materialized:
+            if self.part._gathered_depth:
                 return
             for u in units:
                 if u.gathered or u.index in self._trigger:
@@ -159,7 +159,7 @@ class ReleasedParamGuard:
 
     def is_released(self, p: nn.Parameter) -> bool:
         u = self.part.unit_of.get(id(p))
-        return (u is not None and not u.gathered and not self.part._materialized and p.numel() > 0
+        return (u is not None and not u.gathered and not self.part._gathered_depth and p.numel() > 0
                 and p.untyped_storage().nbytes() == 0)
 
     def raise_released(self, p: nn.Parameter, func) -> None:

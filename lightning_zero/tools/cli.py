@@ -19,7 +19,7 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def _consolidate(args: argparse.Namespace) -> int:
     import torch
 
-    from .consolidate import consolidate
+    from ..checkpoint.consolidate import consolidate
 
     info = consolidate(args.ckpt_dir, args.out, dtype=getattr(torch, _DTYPES[args.dtype]))
     print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.out}")
@@ -89,8 +89,8 @@ def _estimate(args: argparse.Namespace) -> int:
 def _add_estimate(sub) -> None:
     p = sub.add_parser(
         "estimate", help="per-rank memory of every ZeRO stage x offload setting, and which fit",
-        description="Device bytes per rank (model states from the ZeRO floors as the engine allocates "
-        "them, plus its bucket / stage-3 unit buffers and, for T5 with --batch-size, activations) and CPU "
+        description="Device bytes per rank (model states from the floors of docs/ARCHITECTURE.md as the engine "
+        "allocates them, plus its bucket / stage-3 unit buffers and, for T5 with --batch-size, activations) and CPU "
         "RAM per node, for stages 0-3 with and without offload. Nothing is run or allocated. "
         "Memory sizes are GiB (2**30 bytes).")
     src = p.add_mutually_exclusive_group()
@@ -123,7 +123,8 @@ def _tune(args: argparse.Namespace) -> int:
     res = tune(args.overrides, memory_mb=args.memory_mb, memory_gb=args.memory_gb, out=args.out,
                config_dir=args.config_dir, config_name=args.config_name, stages=args.stages,
                offload=args.offload, max_batch=args.max_batch, steps=args.steps, warmup=args.warmup,
-               bisect_tol=args.bisect_tol, start_method=args.start_method, json_out=args.json)
+               bisect_tol=args.bisect_tol, start_method=args.start_method, json_out=args.json,
+               recipe=args.recipe)
     print(res.report())
     return 0 if res.best is not None else 1
 
@@ -143,6 +144,8 @@ def _add_tune(sub) -> None:
     p.add_argument("--out", default="tuned.overrides", help="file for the winning overrides")
     p.add_argument("--config-dir", default=None, help="the recipe's conf/ (default: ./conf or the repo's)")
     p.add_argument("--config-name", default="t5_finetune")
+    p.add_argument("--recipe", default=None, help="the recipe (module name or .py file with validate_schema, "
+                   "strategy_kwargs, tune_model_config); default: examples/t5_config.py beside --config-dir")
     p.add_argument("--stages", default="0,1,2,3", help="stages to try")
     p.add_argument("--offload", default="both", choices=["both", "no", "only"], help="offload settings to try")
     p.add_argument("--max-batch", type=int, default=256, help="search ceiling for the micro-batch")

@@ -34,7 +34,8 @@ from typing import Callable, Optional, Sequence
 
 from ..estimate import (GiB, MiB, PRECISIONS, SETTINGS, estimate_model_states, info_from_t5, model_state_bytes,
                         t5_dims_from_config)
-from ..engine.memory import optimizer_state_bytes_per_param
+from ...engine.memory import optimizer_state_bytes_per_param
+from .recipe import TuneRecipe, load_recipe
 
 # overrides the tuner decides; the user's values for them are dropped from the written file
 _DECIDED = ("strategy", "strategy.name", "strategy.stage", "strategy.offload_optimizer", "strategy.offload_params",
@@ -97,26 +98,12 @@ class TuneResult:
 
 
 def _find_config_dir(config_dir: Optional[str]) -> Path:
-    cands = [config_dir] if config_dir else [Path.cwd() / "conf", Path(__file__).resolve().parents[2] / "conf"]
+    cands = [config_dir] if config_dir else [Path.cwd() / "conf", Path(__file__).resolve().parents[3] / "conf"]
     for c in cands:
         if c and (Path(c) / "t5_finetune.yaml").is_file():
             return Path(c).resolve()
     raise FileNotFoundError(f"No Hydra recipe config (t5_finetune.yaml) in {', '.join(map(str, cands))}; "
                             "pass --config-dir path/to/conf.")
-
-
-def _import_recipe(config_dir: Path):
-    """The recipe's config module (registers the schema the YAML presets extend)."""
-    examples = os.environ.get("LIGHTNING_ZERO_EXAMPLES") or str(config_dir.parent / "examples")
-    if not (Path(examples) / "t5_config.py").is_file():
-        raise FileNotFoundError(f"examples/t5_config.py not found next to {config_dir}; set LIGHTNING_ZERO_EXAMPLES.")
-    if examples not in sys.path:
-        sys.path.insert(0, examples)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import t5_config
-
-    return t5_config
 
 
 def compose(config_dir: Path, config_name: str, overrides: Sequence[str]):
@@ -164,6 +151,7 @@ def tune(
     json_out: Optional[str] = None,
     prefilter: bool = True,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+    recipe: TuneRecipe | str | None = None,
 ) -> TuneResult:
     """Search stage x offload x micro-batch for the recipe experiment ``overrides`` under a memory cap per rank.
 
@@ -171,7 +159,8 @@ def tune(
     per-process memory fraction, on CPU the byte budget the measured peak is checked against.
     ``offload``: "both", "no" or "only". ``prefilter``: skip candidates whose estimated model states
     alone exceed the cap (False: measure them too). Returns a :class:`TuneResult`; writes the winner's
-    overrides to ``out`` (one per line) when something fits.
+    overrides to ``out`` (one per line) when something fits. ``recipe``: what composes the experiment
+    (:func:`.recipe.load_recipe`; default: the T5 recipe next to the config directory).
     """
     import torch
     from omegaconf import OmegaConf
@@ -185,12 +174,10 @@ def tune(
         raise ValueError(f"offload must be 'both', 'no' or 'only'; got {offload!r}.")
     overrides = list(overrides)
     cdir = _find_config_dir(config_dir)
-    recipe = _import_recipe(cdir)
+    recipe = load_recipe(recipe, cdir)
     cfg = compose(cdir, config_name, overrides)
     recipe.validate_schema(cfg)
-    from t5_data import ByteTokenizer  # the recipe's tokenizer (its vocabulary sizes the model)
-
-    t5cfg = recipe.build_t5_config(cfg, ByteTokenizer())
+    t5cfg = recipe.tune_model_config(cfg)
     dims = t5_dims_from_config(t5cfg)
     dims.name = cfg.model.preset
     info = info_from_t5(dims)
@@ -350,7 +337,7 @@ def _builder(args, spec: dict, device):
         import torch
         from transformers import T5Config, T5ForConditionalGeneration
 
-        from ..engine import ZeroConfig, ZeroEngine
+        from ...engine import ZeroConfig, ZeroEngine
         from .harness import Runner
 
         torch.manual_seed(args.seed)

@@ -1,4 +1,4 @@
-"""Optimizer state <-> shards: consolidate for a portable checkpoint, re-slice on load.
+"""Optimizer state <-> shards of one ShardedOptimizer: consolidate for a portable checkpoint, re-slice on load.
 
 Design note
 -----------
@@ -14,14 +14,11 @@ and to or from a plain (DDP) run all just work.
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 
 from . import collectives as C
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import ZeroEngine
 
 
 def _positions(s) -> list[Optional[tuple[int, int]]]:
@@ -40,9 +37,9 @@ def _groups_with_positions(s, groups: list[dict]) -> list[dict]:
     return out
 
 
-def consolidate_optimizer_state(engine: "ZeroEngine", s=None) -> dict:
-    """``s``: the ShardedOptimizer to consolidate (default: the engine's first)."""
-    s = s or engine.sharded
+def consolidate_optimizer_state(s, group: Optional[Any] = None) -> dict:
+    """The full state of the ShardedOptimizer ``s`` on rank 0 of ``group`` (``{}`` elsewhere). Collective."""
+    stage, rank, world_size = s.stage, C.rank(group), C.world_size(group)
     local = s.optimizer.state_dict()
     positions = _positions(s)
     # torch numbers the masters in param_groups order: map them to (bucket, index)
@@ -55,42 +52,36 @@ def consolidate_optimizer_state(engine: "ZeroEngine", s=None) -> dict:
         for k, v in st.items():
             if not (torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape):
                 full_by_bp[(bi, pi)][k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
-            elif engine.config.stage == 0:
+            elif stage == 0:
                 full_by_bp[(bi, pi)][k] = v.detach().cpu().clone()
-    if engine.config.stage >= 1:
+    if stage >= 1:
         for bi, b in enumerate(s.buckets):
             dev = b.params[0].device
             for key in keys:
                 vals = [by_bp.get((bi, pi), {}).get(key) for pi in range(len(b.params))]
                 # every rank joins the same collectives: present = any rank has this key for this param
                 have = torch.tensor([v is not None for v in vals], dtype=torch.uint8, device=dev)
-                C.all_reduce(have, op=torch.distributed.ReduceOp.MAX if engine.world_size > 1 else None,
-                             group=engine.group)
+                C.all_reduce(have, op=torch.distributed.ReduceOp.MAX if world_size > 1 else None,
+                             group=group)
                 if not have.any():
                     continue
-                send = torch.zeros(b.shard_numel, dtype=torch.float32, device=dev)
-                for view, v in zip(b.local_views(send), vals):
-                    if v is not None:
-                        view.copy_(v.reshape(-1))
-                out = torch.empty(b.world_size * b.shard_numel, dtype=torch.float32, device=dev)
-                C.all_gather(out, send, group=engine.group)
-                if engine.rank != 0:
+                _, out = b.all_gather(vals, torch.float32, group)
+                if rank != 0:
                     continue
-                fulls = [torch.empty(p.shape, dtype=torch.float32, device=dev) for p in b.params]
-                b.unpack_rank_major(out, fulls)
+                fulls = b.full_tensors(out)
                 for pi, (f, present) in enumerate(zip(fulls, have.tolist())):
                     if present:
                         full_by_bp[(bi, pi)][key] = f.cpu()
-    if engine.rank != 0:
+    if rank != 0:
         return {}
     state = {i: full_by_bp[bp] for i, bp in enumerate(positions) if bp is not None and full_by_bp[bp]}
     return {"state": state, "param_groups": _groups_with_positions(s, local["param_groups"])}
 
 
-def load_sharded_optimizer_state(engine: "ZeroEngine", full: dict, s=None) -> None:
+def load_sharded_optimizer_state(s, full: dict) -> None:
+    """Re-slice a full optimizer state (any world size or stage) into the shards of ShardedOptimizer ``s``."""
     if "state" not in full or "param_groups" not in full:
         raise ValueError("Not an optimizer state dict: expected the keys 'state' and 'param_groups'.")
-    s = s or engine.sharded
     layout = s.group_layout
     saved = [len(g["params"]) for g in full["param_groups"]]
     if saved != [len(g) for g in layout]:
@@ -107,7 +98,7 @@ def load_sharded_optimizer_state(engine: "ZeroEngine", full: dict, s=None) -> No
             continue
         st = full["state"].get(saved_ids[pos], full["state"].get(str(saved_ids[pos])))
         if st is not None:
-            local_state[local_index] = _slice_state(engine, s, bp, st, pos)
+            local_state[local_index] = _slice_state(s, bp, st, pos)
         local_index += 1
     groups, n = [], 0
     for g, lay in zip(full["param_groups"], layout):
@@ -119,7 +110,7 @@ def load_sharded_optimizer_state(engine: "ZeroEngine", full: dict, s=None) -> No
     s.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
 
 
-def _slice_state(engine: "ZeroEngine", s, bp: tuple[int, int], st: dict, pos: int) -> dict:
+def _slice_state(s, bp: tuple[int, int], st: dict, pos: int) -> dict:
     bi, pi = bp
     b, m = s.buckets[bi], s.masters[bi][pi]
     spec, p = b.specs[pi], b.params[pi]
@@ -131,7 +122,7 @@ def _slice_state(engine: "ZeroEngine", s, bp: tuple[int, int], st: dict, pos: in
                     f"Optimizer state '{k}' at position {pos} has {v.numel()} elements; the parameter has "
                     f"{p.numel()}. The checkpoint belongs to another model."
                 )
-            v = v.reshape(-1)[spec.lo : spec.hi] if engine.config.stage >= 1 else v.reshape(p.shape)
+            v = v.reshape(-1)[spec.lo : spec.hi] if s.stage >= 1 else v.reshape(p.shape)
             out[k] = v.to(device=m.device, dtype=m.dtype).clone()
         else:
             out[k] = v

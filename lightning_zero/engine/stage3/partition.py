@@ -16,6 +16,8 @@ Lifecycle in a training step::
     grads complete      reduce-scatter (GradReducer, on its own process group) ... release
     end of backward     release whatever is still gathered; after the step all units are stale
 
+The states and their moves: [Note: unit lifecycle] and [Note: order recording] in lifecycle.py.
+
 Order: the first training forward is recorded; while recording, every gather is preceded by a tiny
 all-gather of the unit index, so ranks that run different units fail with :class:`RankDivergenceError`
 instead of exchanging mismatched buffers (gloo aborts, NCCL hangs). The order is then compared across
@@ -36,9 +38,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from . import collectives as C
+from .. import collectives as C
 from .deferred_init import has_meta_params, materialize
 from .guard import ReleasedParamGuard
+from .lifecycle import OrderState, UnitState
 from .join import RankDivergenceError, agreed_unit, announce, serve_until_all_joined  # noqa: F401 (re-export)
 from .units import Unit
 
@@ -68,10 +71,9 @@ class ParamPartitioner:
         self.rank = C.rank(group)
         self.unit_of: dict[int, Unit] = {id(p): u for u in units for p in u.params}
         self._order: list[int] = []
-        self._recording = True
-        self._verified = False
+        self.order_state = OrderState.RECORDING  # [Note: order recording] in lifecycle.py
         self._pos = 0
-        self._materialized = 0
+        self._gathered_depth = 0  # nesting of gathered() blocks: > 0 holds every unit UNSHARDED
         self.peak_gathered_bytes = 0
         self._held = 0
         self.prefetches = 0
@@ -127,7 +129,7 @@ class ParamPartitioner:
 
     # -- gather / release -----------------------------------------------------------------------------
     def _launch_gather(self, u: Unit) -> None:
-        if u.gathered or u.pending is not None or not u.params:
+        if u.state is not UnitState.SHARDED or not u.params:
             return
         if self._announcing():
             self._check_same_unit(u)
@@ -136,7 +138,8 @@ class ParamPartitioner:
     def _launch_gather_unannounced(self, u: Unit) -> None:
         send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
         out = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=self.device)
-        u.pending = (C.all_gather(out, send, group=self.group, async_op=True), out)
+        u.inflight = (C.all_gather(out, send, group=self.group, async_op=True), out)
+        u.move(UnitState.GATHERING)
         self._held += out.numel() * out.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held)
 
@@ -145,7 +148,7 @@ class ParamPartitioner:
         yet verified, always with order_check="always", and in eval mode (see [Note: evaluation join])."""
         if self.order_check == "off" or self.world_size == 1:
             return False
-        return self.order_check == "always" or not self._verified or not self.module.training
+        return self.order_check == "always" or self.order_state is not OrderState.VERIFIED or not self.module.training
 
     def _check_same_unit(self, u: Unit) -> None:
         if self.world_size == 1:
@@ -178,15 +181,15 @@ class ParamPartitioner:
         return served
 
     def _finish_gather(self, u: Unit) -> None:
-        if u.pending is None:
+        if u.state is not UnitState.GATHERING:
             return
-        work, out = u.pending
+        work, out = u.inflight
         work.wait()
         for p, n in zip(u.params, u.nbytes_full):
             p.data.untyped_storage().resize_(n)
         u.layout.unpack_rank_major(out, [p.data for p in u.params])
-        u.pending = None
-        u.gathered = True
+        u.inflight = None
+        u.move(UnitState.UNSHARDED)
         self._held += u.full_bytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held)
         self._held -= out.numel() * out.element_size()  # the gather buffer is dropped on return
@@ -196,14 +199,13 @@ class ParamPartitioner:
         self._finish_gather(u)
 
     def release(self, u: Unit, force: bool = False) -> None:
-        if self._materialized or (u.persistent and not force):
+        if self._gathered_depth or (u.persistent and not force):
             return
-        if u.pending is not None:
-            self._finish_gather(u)
-        if u.gathered:
+        self._finish_gather(u)  # a gather in flight completes before its storage can be dropped
+        if u.state is UnitState.UNSHARDED:
             for p in u.params:
                 p.data.untyped_storage().resize_(0)
-            u.gathered = False
+            u.move(UnitState.SHARDED)
             self._held -= u.full_bytes
 
     def release_all(self, include_persistent: bool = False) -> None:
@@ -229,7 +231,7 @@ class ParamPartitioner:
         lost at the next release): point to the loader that writes into the shards instead."""
         released = [n for n, p in module.named_parameters(prefix.rstrip("."))  # names carry the prefix
                     if n in state_dict and p.numel() and p.untyped_storage().nbytes() == 0]
-        if released and not self._materialized:
+        if released and not self._gathered_depth:
             raise RuntimeError(
                 f"ZeRO-3 holds {len(released)} of these parameters only as shards (e.g. '{released[0]}'); "
                 "load_state_dict cannot write into them. Use engine.load_full_state_dict(state_dict) "
@@ -238,20 +240,21 @@ class ParamPartitioner:
 
     def _tracking(self, u: Unit) -> bool:
         return (self.order_check == "strict" and u.module.training and torch.is_grad_enabled()
-                and not self._materialized)
+                and not self._gathered_depth)
 
     def _make_pre_forward(self, u: Unit):
         def hook(_module, _args):
             if self._tracking(u):
                 self._track_forward(u)
             self.gather(u)
-            if self._tracking(u) and self._verified and self.prefetch and self._pos < len(self._order):
+            if (self._tracking(u) and self.order_state is OrderState.VERIFIED and self.prefetch
+                    and self._pos < len(self._order)):
                 self._prefetch(self.units[self._order[self._pos]])
 
         return hook
 
     def _track_forward(self, u: Unit) -> None:
-        if self._recording:
+        if self.order_state is OrderState.RECORDING:
             self._order.append(u.index)
             return
         expected = self._order[self._pos] if self._pos < len(self._order) else None
@@ -267,7 +270,7 @@ class ParamPartitioner:
     def _make_post_forward(self, u: Unit):
         def hook(_module, _args, output):
             self.release(u)
-            if torch.is_grad_enabled() and not self._materialized:
+            if torch.is_grad_enabled() and not self._gathered_depth:
                 tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
                 if tensors:
                     torch.autograd.graph.register_multi_grad_hook(
@@ -279,13 +282,13 @@ class ParamPartitioner:
 
     def _pre_backward(self, u: Unit) -> None:
         self.gather(u)
-        if self._verified and self.prefetch and u.index in self._order:
+        if self.order_state is OrderState.VERIFIED and self.prefetch and u.index in self._order:
             i = len(self._order) - 1 - self._order[::-1].index(u.index)
             if i > 0:
                 self._prefetch(self.units[self._order[i - 1]])
 
     def _prefetch(self, u: Unit) -> None:
-        if not u.gathered and u.pending is None and u.params:
+        if u.state is UnitState.SHARDED and u.params:
             self.prefetches += 1
             self._launch_gather(u)
 
@@ -293,22 +296,21 @@ class ParamPartitioner:
     def end_of_backward(self) -> None:
         self.guard.end_probe()
         for u in self.units:
-            if u.pending is not None:
-                self._finish_gather(u)
+            self._finish_gather(u)
         self.release_all()
         # the root stays whole through forward and backward; between backward and the next forward
         # (optimizer step, next micro-batch's data loading) only shards need to exist
         self.release(self.root, force=True)
         self._pos = 0
         if self._order:
-            self._recording = False
+            self._order_done()
 
     def after_step(self) -> None:
         """Shards changed: every gathered copy is stale. Verify the recorded order once."""
         self.release_all(include_persistent=True)
         self._pos = 0
-        if self._order and not self._verified:
-            self._recording = False
+        if self._order and self.order_state is not OrderState.VERIFIED:
+            self._order_done()
             self._verify_order()
 
     def _verify_order(self) -> None:
@@ -321,22 +323,26 @@ class ParamPartitioner:
                 f"ZeRO-3 ranks recorded different unit orders in their first step (rank {self.rank}: "
                 f"{[self.units[i].name for i in self._order]}). Every rank must run the same modules."
             )
-        self._verified = True
+        self.order_state = self.order_state.check(OrderState.VERIFIED)
+
+    def _order_done(self) -> None:
+        if self.order_state is OrderState.RECORDING:
+            self.order_state = self.order_state.check(OrderState.RECORDED)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """Hold every parameter whole for a block (generate(), export): no collective inside."""
-        if self._materialized == 0:
+        if self._gathered_depth == 0:
             for u in self.units:
                 self._launch_gather(u)
             for u in self.units:
                 self._finish_gather(u)
-        self._materialized += 1
+        self._gathered_depth += 1
         try:
             yield
         finally:
-            self._materialized -= 1
-            if self._materialized == 0:
+            self._gathered_depth -= 1
+            if self._gathered_depth == 0:
                 self.release_all(include_persistent=True)
 
     def remove_hooks(self) -> None:

@@ -18,7 +18,7 @@ from typing import Optional, Union
 
 import torch
 
-from .checkpoint import _dcp_load, read_info, resolve_checkpoint_dir
+from .format import _dcp_load, read_info, resolve_checkpoint_dir
 
 _PathLike = Union[str, "os.PathLike[str]"]
 

@@ -1,0 +1,101 @@
+"""The state dicts a checkpoint is made of, built from the engine's shards without gathering anything.
+
+Masters and per-element optimizer state are flat: a DTensor ``Shard(0)`` over a 1-D mesh of the default
+group on stages 1-3 (exactly the engine's ``ShardSpec`` slice), a plain 1-D tensor on stage 0. Tied
+parameters are stored once, under their canonical (first) name, with the other names as aliases.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_MESHES: dict = {}
+
+
+def _mesh(device_type: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, dist.get_world_size(), id(dist.distributed_c10d._get_default_group()))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _MESHES[key]
+
+
+def _flat(t: torch.Tensor, spec) -> torch.Tensor:
+    """The 1-D global view of a master-shaped tensor: a DTensor Shard(0) slice, or a plain 1-D tensor."""
+    t = t.detach()
+    if spec.world_size == 1:
+        return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(t.view(-1), _mesh(t.device.type), [Shard(0)], run_check=False,
+                              shape=torch.Size([spec.numel]), stride=(1,))
+
+
+def _aliases(module: nn.Module, preferred: Mapping[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensor entries of the state dict under their canonical names, and {alias: canonical} for tied ones."""
+    canonical: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    entries = [(k, v) for k, v in module.state_dict(keep_vars=True).items() if torch.is_tensor(v)]
+    for name, t in entries:  # a managed parameter keeps the engine's name even if it is listed later
+        if id(t) in preferred and preferred[id(t)] == name:
+            seen[id(t)] = name
+    for name, t in entries:
+        first = seen.setdefault(id(t), name)
+        if first == name:
+            canonical[name] = t.detach()
+        else:
+            aliases[name] = first
+    return canonical, aliases
+
+
+def _canonical(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """:func:`_aliases` with every parameter under its ``named_parameters`` name (the engine's names)."""
+    return _aliases(module, {id(p): n for n, p in module.named_parameters()})
+
+
+def _managed(engine) -> dict[str, tuple[torch.Tensor, Any, torch.Size]]:
+    """Tensors saved and loaded as flat shards: fp32 masters, and (stage 3) the unit-shard slices of
+    parameters without a master, which are never whole in the module."""
+    if engine is None:
+        return {}
+    items = list(engine.master_items()) + list(engine.unmanaged_shard_items())
+    return {n: (m, spec, shape) for n, m, spec, shape in items}
+
+
+# -- state dicts handed to Lightning (and to dcp.save) ---------------------------------------------------
+def sharded_model_state(module: nn.Module, engine=None) -> dict[str, torch.Tensor]:
+    """Model tensors for DCP: fp32 masters (flattened, DTensor-sharded on stages >= 1) + buffers/frozen."""
+    managed = _managed(engine)
+    canonical, _ = _canonical(module)
+    return {n: (_flat(managed[n][0], managed[n][1]) if n in managed else t) for n, t in canonical.items()}
+
+
+def sharded_optimizer_state(engine, optimizer=None) -> dict[str, Any]:
+    """Optimizer state keyed by parameter name: per-element tensors flattened like the masters.
+    ``optimizer``: which of the engine's optimizers (default: the first)."""
+    name_of = {id(m): (n, spec) for n, (m, spec, _) in _managed(engine).items()}
+    opt = engine.optimizer if optimizer is None else optimizer
+    state: dict[str, dict] = {}
+    other: dict[str, dict] = {}
+    for group in opt.param_groups:
+        for m in group["params"]:
+            name, spec = name_of[id(m)]
+            for k, v in opt.state.get(m, {}).items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape:
+                    state.setdefault(name, {})[k] = _flat(v, spec)
+                elif torch.is_tensor(v):
+                    state.setdefault(name, {})[k] = v.detach()
+                else:
+                    other.setdefault(name, {})[k] = v
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(m)][0] for m in g["params"]]}
+              for g in opt.param_groups]
+    # the user's own parameter lists, frozen ones as None: what a plain (DDP) optimizer numbers by position
+    layout = [[None if m is None else name_of[id(m)][0] for m in g]
+              for g in getattr(engine.sharded, "group_layout", None) or []]
+    return {"state": state, "param_groups": groups, "nontensor_state": other, "layout": layout}

@@ -1,0 +1,64 @@
+"""The states of stage 3, named: a unit's parameters and the recorded forward order.
+
+[Note: unit lifecycle]
+----------------------
+A unit is always in one of three states, and only these moves exist::
+
+    SHARDED ──launch all-gather──▶ GATHERING ──wait + copy-out──▶ UNSHARDED ──resize storage to 0──▶ SHARDED
+
+* SHARDED: each parameter's storage is empty; this rank holds only ``unit.shard`` (its flat slice).
+* GATHERING: an all-gather of the shards is in flight (``unit.inflight`` = (work, output buffer));
+  parameters are still empty. A prefetch leaves a unit here until its own pre-forward/pre-backward hook
+  (or ``end_of_backward``) waits for it.
+* UNSHARDED: every parameter has its full storage, written through ``param.data`` so autograd's
+  version counters do not move and tensors saved for backward stay valid across a release/re-gather.
+
+Persistent units (the root, tiny units) skip the UNSHARDED → SHARDED move until the step is over;
+``gathered()`` blocks every release while it is held. Every move goes through :meth:`UnitState.check`
+so an impossible one (waiting on a gather never launched, releasing mid-gather) fails at once instead
+of corrupting storage. FSDP2 names the same states ``ShardedState`` / ``TrainingState``.
+
+[Note: order recording]
+-----------------------
+``RECORDING`` (first training forward: unit indices appended, every gather announced to the other
+ranks) → ``RECORDED`` (end of that backward: the order is fixed, later forwards are checked against it
+locally) → ``VERIFIED`` (after the first step: the order's digest agreed on every rank; now it drives
+prefetch and gathers are no longer announced in training).
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
+
+    def check(self, to: "UnitState", name: str) -> "UnitState":
+        """The one place unit moves are allowed or refused ([Note: unit lifecycle])."""
+        if to is not _NEXT_UNIT[self]:
+            raise RuntimeError(f"ZeRO-3 unit '{name}': no move from {self.name} to {to.name} "
+                               f"(allowed: {self.name} -> {_NEXT_UNIT[self].name}).")
+        return to
+
+
+_NEXT_UNIT = {UnitState.SHARDED: UnitState.GATHERING, UnitState.GATHERING: UnitState.UNSHARDED,
+              UnitState.UNSHARDED: UnitState.SHARDED}
+
+
+class OrderState(enum.Enum):
+    RECORDING = "recording"
+    RECORDED = "recorded"
+    VERIFIED = "verified"
+
+    def check(self, to: "OrderState") -> "OrderState":
+        """The one place order moves are allowed ([Note: order recording]); staying put is allowed."""
+        if to is not self and to not in _NEXT_ORDER[self]:
+            raise RuntimeError(f"ZeRO-3 forward order: no move from {self.name} to {to.name}.")
+        return to
+
+
+_NEXT_ORDER = {OrderState.RECORDING: {OrderState.RECORDED}, OrderState.RECORDED: {OrderState.VERIFIED},
+               OrderState.VERIFIED: set()}

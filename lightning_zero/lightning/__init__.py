@@ -1,0 +1,13 @@
+"""The Lightning adapter: the only part of lightning_zero that imports Lightning.
+
+``strategy.py`` (the Trainer strategy) + ``checkpoint_strategy.py`` (its checkpoint hooks) + ``precision.py``
+(the precision plugin) drive the engine; ``optimizers.py`` binds Lightning's optimizers to it,
+``callback_checks.py`` refuses callbacks that cannot see sharded state, ``lightning_io.py`` teaches
+Lightning's loaders the checkpoint directories and ``_pl_compat.py`` registers the same classes for the
+separate ``pytorch_lightning`` distribution.
+"""
+
+from .precision import ZeroPrecision
+from .strategy import ZeroStrategy
+
+__all__ = ["ZeroPrecision", "ZeroStrategy"]

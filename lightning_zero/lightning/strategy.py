@@ -1,0 +1,288 @@
+"""ZeroStrategy: the thin Lightning adapter around :class:`~lightning_zero.engine.ZeroEngine`.
+
+It reuses everything process-related from Lightning's DDP strategy -- launchers (popen script, spawn,
+fork), cluster environments (torchrun, SLURM, ...), process-group init (NCCL on CUDA, gloo on CPU),
+DistributedSampler arguments, reduce/all_gather/broadcast/barrier -- and replaces only the model side:
+no DistributedDataParallel wrapper; after ``configure_optimizers`` the optimizer is sharded in place by
+the engine; ``block_backward_sync`` becomes the engine's ``no_sync``; optimizer checkpoints are
+consolidated (and re-sliced on load), so a run saved on N ranks at one stage resumes on M at another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any, Generator, Optional, Sequence
+
+import torch
+from torch.distributed.constants import default_pg_timeout
+
+from ..engine import ZeroConfig, ZeroEngine
+from ..engine.config import PRESETS
+from ..engine.stage3.deferred_init import has_meta_params
+from .callback_checks import check_callbacks
+from .checkpoint_strategy import ZeroCheckpointMixin
+from .optimizers import bind as bind_optimizers
+from ._distribution import lightning_import, sibling
+
+MixedPrecision, Precision = lightning_import("plugins.precision", "MixedPrecision", "Precision")
+DDPStrategy = lightning_import("strategies", "DDPStrategy")
+TrainerFn = lightning_import("trainer.states", "TrainerFn")
+_sync_module_states = lightning_import("strategies.ddp", "_sync_module_states")
+ZeroPrecision = sibling("precision").ZeroPrecision
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
+    """ZeRO data parallelism for Lightning.
+
+    Args:
+        stage: 0 (DDP-equivalent), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters).
+        offload_optimizer: keep fp32 master shards and optimizer state in CPU memory, step there.
+        offload_params: stage 3 only: parameter shards live in CPU memory between uses.
+        unit_classes, unit_mb, persist_numel, prefetch, order_check: stage 3 units (see ZeroConfig);
+            e.g. ``unit_classes=["T5Block"]``; by default the model's ``_no_split_modules``, else its
+            repeated blocks, else by size, with a persistence threshold relative to the units.
+        bucket_mb: size cap of one communication bucket (MiB).
+        reduce_dtype: dtype of gradient reductions (None = compute dtype, or "fp32").
+        broadcast_buffers: copy rank 0's buffers to every rank before each training step (as DDP).
+        start_method: "popen" (re-run the script per rank, like ``ddp``), "spawn", "fork" or "forkserver".
+        process_group_backend, timeout: as for Lightning's ``DDPStrategy``.
+        checkpoint_format: "sharded" (default: a torch.distributed.checkpoint directory per checkpoint,
+            each rank writing its shards; reshards on load) or "full" (Lightning's single file with
+            consolidated fp32 weights and optimizer state). Both load at any world size and stage.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 2,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        bucket_mb: float = 25.0,
+        reduce_dtype: Optional[Any] = None,
+        broadcast_buffers: bool = True,
+        unit_classes: Optional[Sequence[Any]] = None,
+        unit_mb: Optional[float] = None,
+        persist_numel: Optional[int] = None,
+        prefetch: bool = True,
+        order_check: str = "strict",
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen",
+        checkpoint_format: str = "sharded",
+    ) -> None:
+        self.zero_config = ZeroConfig(
+            stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
+            bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
+            unit_classes=unit_classes, unit_mb=unit_mb, persist_numel=persist_numel, prefetch=prefetch,
+            order_check=order_check,
+        )
+        if checkpoint_format not in ("sharded", "full"):
+            raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")
+        self.checkpoint_format = checkpoint_format
+        if start_method not in _START_METHODS:
+            raise ValueError(f"Unknown start_method {start_method!r}. Allowed: {', '.join(_START_METHODS)}.")
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+        )
+        self.engine: Optional[ZeroEngine] = None
+        self._trained_engine: Optional[ZeroEngine] = None  # see [Note: the trained state outlives fit]
+        self._failed = False
+
+    @property
+    def stage(self) -> int:
+        return self.zero_config.stage
+
+    # -- precision: any precision flag becomes a ZeroPrecision -------------------------------------
+    @property
+    def precision_plugin(self) -> ZeroPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision("32-true")
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if plugin is None or isinstance(plugin, ZeroPrecision):
+            self._precision_plugin = plugin
+        elif isinstance(plugin, MixedPrecision):
+            self._precision_plugin = ZeroPrecision(plugin.precision)
+        elif type(plugin) is Precision:
+            self._precision_plugin = ZeroPrecision("32-true")
+        else:
+            raise ValueError(
+                f"ZeroStrategy does not support the precision plugin {type(plugin).__name__}. "
+                "Allowed: precision='32-true', '16-mixed' or 'bf16-mixed', or plugins=[ZeroPrecision(...)]."
+            )
+
+    # -- setup ----------------------------------------------------------------------------------
+    def model_to_device(self) -> None:
+        if self.stage == 3 and has_meta_params(self.model):
+            return  # the engine materializes it shard by shard on the root device
+        super().model_to_device()
+
+    def setup(self, trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        precision = self.precision_plugin
+        if trainer.state.fn == TrainerFn.FITTING:
+            check_callbacks(trainer.callbacks, self.stage, precision.compute_dtype, self.checkpoint_format)
+            self._trained_engine = None  # the previous fit's state gives way before the new one is built
+            self.setup_optimizers(trainer)
+            self.engine = ZeroEngine(
+                self.lightning_module,
+                self.optimizers,  # several: each sharded on its own (disjoint parameters; see optimizers.py)
+                self.zero_config,
+                compute_dtype=precision.compute_dtype,
+                loss_scaler=precision.loss_scaler,
+                check_finite=precision.check_finite,
+                device=self.root_device,
+            )
+            precision.attach(self.engine, self.root_device.type)
+            self._guard_scheduler_on_skipped_steps()
+            self._unbind_optimizers = bind_optimizers(self, trainer)
+        else:
+            # evaluation only: no optimizer. Weights stay fp32 (mixed precision runs under autocast, see
+            # ZeroPrecision.forward_context), so validate/test/predict never round the user's model.
+            if self.stage == 3:  # parameters still partitioned
+                self.engine = ZeroEngine(self.lightning_module, None, self.zero_config, device=self.root_device)
+            else:  # every rank starts from rank 0's weights
+                _sync_module_states(self.model)
+            precision.attach(self.engine, self.root_device.type)
+        self.setup_precision_plugin()
+
+    def _guard_scheduler_on_skipped_steps(self) -> None:
+        """A step skipped for overflow must not advance the LR schedule (as in DeepSpeed)."""
+        module, engine = self.lightning_module, self.engine
+        original = module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler, metric=None):
+            if engine.last_step_skipped:
+                return None
+            return original(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # instance attribute; removed at teardown
+        self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
+
+    def _setup_model(self, model):  # no DDP wrapper: the engine's hooks do the reductions
+        return model
+
+    def configure_ddp(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator:
+        if self.engine is None:
+            yield None
+            return
+        with self.engine.no_sync():
+            yield None
+
+    def _prepared(self, step, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:  # rank 0's buffers; stage 3: the root unit
+            self.engine.prepare_forward()
+        return step(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._prepared(super().training_step, *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._joined(self._prepared(super().validation_step, *args, **kwargs))
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._joined(self._prepared(super().test_step, *args, **kwargs))
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._joined(self._prepared(super().predict_step, *args, **kwargs))
+
+    def _joined(self, output: Any) -> Any:
+        """After a rank's last evaluation batch, serve the stage-3 gathers of ranks that still have batches
+        (uneven per-rank lengths: the predict sampler does not pad), so no rank blocks in a gather."""
+        loop = getattr(getattr(self.lightning_module, "_trainer", None), "_active_loop", None)
+        progress = getattr(loop, "batch_progress", None)
+        if self.engine is not None and getattr(progress, "is_last_batch", False):
+            self.engine.join()
+        return output
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Generator:
+        """Full parameters for a block of code (stage 3; no-op below): ``generate()``, export.
+
+        No collective runs inside, so ranks may run different numbers of forwards (unequal lengths).
+        """
+        if self.engine is None:
+            yield
+            return
+        with self.engine.gathered_params():
+            yield
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator:
+        """``Trainer.init_module(empty_init=True)`` under stage 3 builds on the meta device (as FSDP does):
+        the engine then materializes the model unit by unit, already sharded, with the same values as an
+        eager build from the same seed (``reset_parameters`` in registration order)."""
+        if self.stage == 3 and empty_init:
+            with torch.device("meta"):
+                yield
+        else:
+            with super().tensor_init_context(empty_init):
+                yield
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator:
+        """Stage 3: modules built in ``configure_model`` go to the meta device and are materialized
+        unit by unit, already sharded, when the engine is created (no rank ever holds the whole model)."""
+        if self.stage == 3:
+            with torch.device("meta"):
+                yield
+        else:
+            yield
+
+    def on_train_end(self) -> None:
+        if self.engine is not None:
+            self.engine.restore_fp32_module()
+
+    def teardown(self) -> None:
+        if getattr(self, "_unguard", None) is not None:
+            self._unguard()
+            self._unguard = None
+        if getattr(self, "_unbind_optimizers", None) is not None:
+            self._unbind_optimizers()
+            self._unbind_optimizers = None
+        if self.engine is not None:
+            self.engine.remove(hand_back=not self._failed)
+            if self.engine.sharded is not None and not self._failed:
+                # [Note: the trained state outlives fit] As DDP keeps its optimizer, a finished fit keeps
+                # its engine, detached (no hooks, module whole), so save_checkpoint after fit (or after a
+                # later validate/test) writes the optimizer state, loss scale and stage; released when
+                # the next fit sets up. Memory: the masters and optimizer shards DDP would also hold.
+                self._trained_engine = self.engine
+            self.engine = None
+        self._failed = False
+        self.precision_plugin.attach(None)
+        super().teardown()
+
+    def on_exception(self, exception: BaseException) -> None:
+        # teardown must not start collectives (handing a stage-3 module back) that dead ranks never join
+        self._failed = True
+        super().on_exception(exception)
+
+    # -- names ------------------------------------------------------------------------------------
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, kw in PRESETS.items():
+            for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+                strategy_registry.register(
+                    name + suffix, cls, description=f"ZeRO {kw} with start_method '{method}'",
+                    override=True, start_method=method, **kw,
+                )

@@ -1,0 +1,162 @@
+"""The small pieces on their own, in one process: ShardSpec, Bucket packing, unit building, the reducer's
+bucket order, the unit lifecycle's moves. (End to end they are covered by every parity test.)"""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero.engine.buckets import Bucket, build_buckets
+from lightning_zero.engine.reducer import BackwardPhase, GradReducer
+from lightning_zero.engine.sharding import ShardSpec
+from lightning_zero.engine.stage3.lifecycle import OrderState, UnitState
+from lightning_zero.engine.stage3.units import build_units
+
+
+@pytest.mark.parametrize("numel,world", [(10, 4), (3, 4), (8, 2), (1, 1), (0, 3)])
+def test_shard_spec_slices_tile_the_parameter(numel, world):
+    specs = [ShardSpec(numel, world, r) for r in range(world)]
+    assert all(s.shard_numel == -(-numel // world) for s in specs)
+    flat = torch.arange(numel)
+    # rank order concatenates back to the parameter: the torch.chunk layout, empty slices allowed
+    assert torch.equal(torch.cat([s.local_slice(flat) for s in specs]), flat)
+    assert sum(s.shard_len for s in specs) == numel and all(0 <= s.shard_len <= s.shard_numel for s in specs)
+    assert [s.hi for s in specs][-1] == numel
+
+
+def _bucket(shapes, world, rank):
+    params = [torch.randn(*s) for s in shapes]
+    return Bucket(0, params, [ShardSpec(p.numel(), world, rank) for p in params])
+
+
+def test_bucket_rank_major_round_trip_and_local_views():
+    world = 3
+    b = _bucket([(5,), (2, 3), (1,)], world, rank=1)
+    tensors = [p.clone() for p in b.params]
+    flat = b.pack_rank_major(tensors, torch.float32)
+    assert flat.numel() == world * b.shard_numel == world * (2 + 2 + 1)
+    outs = [torch.empty_like(t) for t in tensors]
+    b.unpack_rank_major(flat, outs)
+    assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
+    # rank 1's row holds exactly its slice of every parameter, the padding zero
+    row = flat.view(world, b.shard_numel)[1]
+    for view, t, spec in zip(b.local_views(row), tensors, b.specs):
+        assert torch.equal(view, spec.local_slice(t.reshape(-1)))
+    assert row[b.offsets[2]:].abs().sum() == 0  # the 1-element parameter lives on rank 0 only
+    # None packs as zeros; extra columns are left to the caller
+    assert flat.numel() + world == b.pack_rank_major([None, tensors[1], None], torch.float32, extra=1).numel()
+    assert b.pack_rank_major([None, None, None], torch.float32).abs().sum() == 0
+
+
+def test_bucket_all_gather_single_rank_rebuilds_full_tensors():
+    b = _bucket([(4,), (3, 2)], 1, 0)
+    work, flat = b.all_gather([p.reshape(-1) for p in b.params], torch.float64)
+    assert work is None and flat.dtype == torch.float64
+    assert all(torch.equal(f, p.double()) for f, p in zip(b.full_tensors(flat), b.params))
+
+
+def test_build_buckets_caps_bytes_and_runs_in_reverse_registration_order():
+    params = [torch.zeros(n) for n in (4, 4, 4, 100)]  # 16 B, 16 B, 16 B, 400 B
+    buckets = build_buckets(params, world_size=2, rank=0, bucket_bytes=40)
+    assert [[p.numel() for p in b.params] for b in buckets] == [[100], [4, 4], [4]]
+    assert [b.index for b in buckets] == [0, 1, 2]
+    stage0 = build_buckets(params, world_size=2, rank=1, bucket_bytes=40, sharded=False)
+    assert all(s.world_size == 1 and s.rank == 0 for b in stage0 for s in b.specs)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.blocks = nn.Sequential(_Block(), _Block())
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_build_units_root_last_tied_weight_once_every_param_in_one_unit():
+    model = _Tied()
+    units = build_units(model, world_size=2, rank=0, unit_classes=[_Block])
+    assert [u.name for u in units] == ["blocks.0", "blocks.1", "<root>"]
+    assert [u.index for u in units] == [0, 1, 2] and units[-1].persistent
+    owned = [id(p) for u in units for p in u.params]
+    assert sorted(owned) == sorted(id(p) for p in model.parameters())  # tied emb/head weight: one entry
+    assert units[0].layout.shard_numel == 8 + 2 and units[2].layout.shard_numel == 20
+    assert all(u.state is UnitState.SHARDED and not u.gathered for u in units)
+
+
+def test_unit_and_order_moves_are_checked():
+    u = build_units(_Tied(), 1, 0, unit_classes=[_Block])[0]
+    with pytest.raises(RuntimeError, match="no move from SHARDED to UNSHARDED"):
+        u.move(UnitState.UNSHARDED)  # a wait on a gather never launched
+    for to in (UnitState.GATHERING, UnitState.UNSHARDED, UnitState.SHARDED):
+        u.move(to)
+    assert OrderState.RECORDING.check(OrderState.RECORDED) is OrderState.RECORDED
+    with pytest.raises(RuntimeError, match="RECORDING to VERIFIED"):
+        OrderState.RECORDING.check(OrderState.VERIFIED)  # verified without a recorded order
+
+
+class _Reversed(nn.Module):
+    """``first`` is registered first but runs last: its gradients are ready before ``second``'s."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(3, 2), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.first(self.second(x))
+
+
+def test_reducer_launches_in_bucket_order_whatever_order_gradients_complete():
+    torch.manual_seed(0)
+    model, ref = _Reversed(), _Reversed()
+    ref.load_state_dict(model.state_dict())
+    buckets = build_buckets(list(model.parameters()), world_size=1, rank=0, bucket_bytes=1)  # one param each
+    # reverse registration: bucket 0 = second.bias, 1 = second.weight, 2 = first.bias, 3 = first.weight
+    events = []
+
+    class Recording(GradReducer):
+        def _launch(self, b):
+            events.append(("launch", b.index))
+            super()._launch(b)
+
+    reducer = Recording(buckets, stage=1, reduce_dtype=None, on_bucket_complete=lambda i: events.append(("done", i)))
+    x = torch.randn(5, 4)
+    assert reducer.phase is BackwardPhase.IDLE
+    model(x).sum().backward()
+    assert reducer.phase is BackwardPhase.IDLE and not reducer.in_backward
+    launches = [i for kind, i in events if kind == "launch"]
+    done = [i for kind, i in events if kind == "done"]
+    assert launches == [0, 1, 2, 3]
+    assert set(done[:2]) == {2, 3}  # first's gradients completed first ...
+    assert events.index(("launch", 0)) > events.index(("done", 0))  # ... but waited for bucket 0
+    ref(x).sum().backward()
+    ref_grads = [p.grad.reshape(-1) for p in reversed(list(ref.parameters()))]
+    for shard, g in zip(reducer.grad_shards, ref_grads):
+        torch.testing.assert_close(shard, g, rtol=1e-5, atol=0)
+    reducer.remove_hooks()
+
+
+def test_hydra_strategy_presets_agree_with_the_preset_table():
+    from pathlib import Path
+
+    import yaml
+
+    from lightning_zero.engine.config import PRESETS
+    from lightning_zero.tools.estimate import SETTINGS
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "strategy"
+    yamls = {f.stem: yaml.safe_load(f.read_text()) for f in conf.glob("*.yaml")}
+    assert sorted(yamls) == sorted(PRESETS) == sorted(SETTINGS.values())
+    for name, kw in PRESETS.items():
+        y = yamls[name]
+        assert y["name"] == name
+        for key in ("stage", "offload_optimizer", "offload_params"):
+            assert y[key] == kw.get(key, False), (name, key)
