@@ -42,7 +42,7 @@ from omegaconf import DictConfig  # noqa: E402
 from t5_config import (  # noqa: E402,F401  (importing registers the schemas in the ConfigStore)
     ConfigError, build_datamodule, build_strategy, build_tokenizer, strategy_kwargs, validate_schema)
 from t5_run import (  # noqa: E402,F401  (resolve_start_method, output_dir: part of this app's API)
-    eval_trainer, fmt_metric, make_trainer, one_line_per_message, output_dir, read_run_info, read_val_history,
+    eval_trainer, fit_and_report, fmt_metric, make_trainer, one_line_per_message, output_dir,
     resolve_start_method, run_report, set_cpu_threads, summary_lines)
 from t5_samples import console_table, last_samples  # noqa: E402
 from t5_tokenizer import describe  # noqa: E402
@@ -111,26 +111,12 @@ def train(cfg: DictConfig) -> Optional[dict]:
         res = eval_trainer(cfg, build_strategy(cfg), out).validate(model, datamodule=dm, verbose=False)
         baseline = {k: float(v) for k, v in (res[0] if res else {}).items()}
         baseline["step"] = 0
-    t0 = time.time()
-    trainer.fit(model, datamodule=dm)
-    wall = time.time() - t0
-    if not trainer.is_global_zero:
+    summary = fit_and_report(trainer, model, dm, out, checkpoint, csv_logger, loggers, tok)
+    if summary is None:
         return None
-
-    # 4. report (the CSV is written by global rank 0, whichever process that was)
-    hist = read_val_history(os.path.join(csv_logger.log_dir, "metrics.csv"))
-    info = read_run_info(out)
-    steps = info.get("global_step", trainer.global_step)
-    summary = {
-        "output_dir": out, "checkpoint_dir": checkpoint.dirpath, "best_checkpoint": checkpoint.best_model_path,
-        "metrics_csv": os.path.join(csv_logger.log_dir, "metrics.csv"),
-        "tensorboard_dir": loggers[1].log_dir if len(loggers) > 1 else None,
-        "fit_seconds": wall, "steps_per_s": steps / wall if wall > 0 else float("nan"), "val_history": hist,
-        "baseline_val": baseline, "first_val": hist[0] if hist else {}, "last_val": hist[-1] if hist else {},
-        "run_info": info, "world_size": trainer.world_size, "tokenizer": describe(tok),
-        "n_params": sum(p.numel() for p in model.model.parameters()),
-        "samples": last_samples(os.path.join(out, "samples.jsonl")),
-    }
+    hist = summary["val_history"]
+    summary.update(baseline_val=baseline, first_val=hist[0] if hist else {}, last_val=hist[-1] if hist else {},
+                   samples=last_samples(os.path.join(out, "samples.jsonl")))
     print(format_summary(cfg, strategy, summary), flush=True)
     return summary
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -29,8 +28,8 @@ from t5_config import (  # noqa: E402
     ConfigError, T5PretrainConf, build_datamodule, build_strategy, build_tokenizer, default_cache_dir,
     validate_schema)
 from t5_run import (  # noqa: E402
-    fmt_metric, make_trainer, one_line_per_message, output_dir, read_run_info, read_val_history,
-    resolve_start_method, run_report, set_cpu_threads, summary_lines)
+    fit_and_report, fmt_metric, make_trainer, one_line_per_message, output_dir, resolve_start_method, run_report,
+    set_cpu_threads, summary_lines)
 from t5_tokenizer import describe  # noqa: E402
 
 log = logging.getLogger("t5_pretrain")
@@ -86,21 +85,11 @@ def pretrain(cfg: DictConfig) -> Optional[dict]:
         log.info("pretraining on %d stdlib files (%d train / %d val chunks of %d tokens) | tokenizer=%s | "
                  "output: %s", len(files), len(dm.splits["train"]), len(dm.splits["val"]), p.chunk_len,
                  describe(tok), out)
-    t0 = time.time()
-    trainer.fit(model, datamodule=dm)
-    wall = time.time() - t0
-    if not trainer.is_global_zero:
+    s = fit_and_report(trainer, model, dm, out, checkpoint, csv_logger, loggers, tok)
+    if s is None:
         return None
-
-    hist = read_val_history(os.path.join(csv_logger.log_dir, "metrics.csv"))
-    info = read_run_info(out)
-    steps = info.get("global_step", trainer.global_step)
-    s = {"output_dir": out, "checkpoint_dir": checkpoint.dirpath, "best_checkpoint": checkpoint.best_model_path,
-         "metrics_csv": os.path.join(csv_logger.log_dir, "metrics.csv"),
-         "tensorboard_dir": loggers[1].log_dir if len(loggers) > 1 else None, "fit_seconds": wall,
-         "steps_per_s": steps / wall if wall > 0 else float("nan"), "val_history": hist, "run_info": info,
-         "world_size": trainer.world_size, "tokenizer": describe(tok),
-         "n_params": sum(q.numel() for q in model.model.parameters()), "hf_model": info.get("hf_model")}
+    hist, info = s["val_history"], s["run_info"]
+    s["hf_model"] = info.get("hf_model")
     lines = summary_lines("t5_pretrain", cfg, strategy, s)
     lines.append(f"pretraining text: {len(files)} stdlib files, {len(dm.splits['train'])} chunks of "
                  f"{p.chunk_len} tokens, {p.noise_density:.0%} noise in spans of mean {p.mean_span:g}")

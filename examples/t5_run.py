@@ -280,3 +280,23 @@ def summary_lines(app: str, cfg: DictConfig, strategy: Any, s: dict) -> list[str
     if s.get("tensorboard_dir"):
         lines.append(f"tensorboard:  tensorboard --logdir {s['tensorboard_dir']}")
     return lines
+
+
+def fit_and_report(trainer, model, dm, out: str, checkpoint, csv_logger, loggers, tok) -> Optional[dict]:
+    """Fit, then (global rank 0 only; None elsewhere) the summary fields both apps report: outputs, wall
+    time and speed, validation history, what the ranks recorded (run_info.json), tokenizer, size."""
+    from t5_tokenizer import describe
+
+    t0 = time.time()
+    trainer.fit(model, datamodule=dm)
+    wall = time.time() - t0
+    if not trainer.is_global_zero:
+        return None
+    metrics_csv = os.path.join(csv_logger.log_dir, "metrics.csv")  # written by global rank 0
+    hist, info = read_val_history(metrics_csv), read_run_info(out)
+    steps = info.get("global_step", trainer.global_step)
+    return {"output_dir": out, "checkpoint_dir": checkpoint.dirpath, "best_checkpoint": checkpoint.best_model_path,
+            "metrics_csv": metrics_csv, "tensorboard_dir": loggers[1].log_dir if len(loggers) > 1 else None,
+            "fit_seconds": wall, "steps_per_s": steps / wall if wall > 0 else float("nan"), "val_history": hist,
+            "run_info": info, "world_size": trainer.world_size, "tokenizer": describe(tok),
+            "n_params": sum(q.numel() for q in model.model.parameters())}
