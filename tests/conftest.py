@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 
 
@@ -23,3 +24,15 @@ def _environment_restored():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def restore_threads():
+    """An in-process recipe run sets torch's thread count and OMP_NUM_THREADS; later tests get them back."""
+    n, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    yield
+    torch.set_num_threads(n)
+    if omp is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp

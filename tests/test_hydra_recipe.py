@@ -226,17 +226,6 @@ def test_pretrained_must_be_a_local_dir(tmp_path, pairs_file):
         train(cfg)
 
 
-@pytest.fixture
-def restore_threads():
-    n, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    yield
-    torch.set_num_threads(n)
-    if omp is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = omp
-
-
 # "zero2+stage3": the headline override (strategy.stage=3 on the zero2 preset) must be reported as stage 3
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["zero2", "zero2+stage3"])

@@ -59,11 +59,19 @@ def _engine_run(rank, world_size, kw, ckpt=None):
     model = make_model()
     opt = _optimizer(model)
     engine = ZeroEngine(model, opt, ZeroConfig(**kw))
-    for step in range(BEFORE + AFTER):
+    def at_step(step):
         if step == BEFORE:
             _unfreeze(model, opt)
             if ckpt is not None:  # saved right after the add, before the new group's first step
                 save_engine_checkpoint(ckpt, model, engine)
+
+    return _train_and_collect(model, engine, rank, range(BEFORE + AFTER), at_step)
+
+
+def _train_and_collect(model, engine, rank, steps, at_step=lambda step: None):
+    """Engine steps on this rank's batches; the full weights at the end (the engine removed)."""
+    for step in steps:
+        at_step(step)
         loss_fn(model, batch(step, rank), False).backward()
         engine.step()
     with engine.gathered_params():
@@ -78,13 +86,7 @@ def _resume_run(rank, world_size, kw, ckpt):
     engine = ZeroEngine(model, opt, ZeroConfig(**kw))
     _unfreeze(model, opt)  # the same param groups as when saved
     load_checkpoint_dir(ckpt, model, engine)
-    for step in range(BEFORE, BEFORE + AFTER):
-        loss_fn(model, batch(step, rank), False).backward()
-        engine.step()
-    with engine.gathered_params():
-        out = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    engine.remove()
-    return out
+    return _train_and_collect(model, engine, rank, range(BEFORE, BEFORE + AFTER))
 
 
 def _assert_close(got, ref, what):

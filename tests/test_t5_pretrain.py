@@ -66,17 +66,6 @@ def test_pretraining_text_leaves_out_finetuning_val_and_test():
     assert mods <= everything and len(everything) >= len(mods)  # the summary filter only ever drops files
 
 
-@pytest.fixture
-def restore_threads():
-    n, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    yield
-    torch.set_num_threads(n)
-    if omp is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = omp
-
-
 def _compose(name, *overrides):
     from hydra import compose, initialize_config_dir
 
