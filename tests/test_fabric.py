@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 import lightning_zero
 from lightning_zero import ZeroFabricPrecision, ZeroFabricStrategy, ZeroStrategy
+from lightning_zero.engine import collectives
 from lightning_zero.engine.config import PRESETS
 from tests.dist_utils import run_distributed
 from tests.lightning_models import TokenDataset, trainer_kwargs, uses_sometimes
@@ -42,13 +43,18 @@ def _params(fabric, model) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
 
-def _train(fabric, model, opt, rank, steps, start=0, accum=1, clip=None, clip_val=None, sometimes=True):
+def _train(fabric, model, opt, rank, steps, start=0, accum=1, clip=None, clip_val=None, sometimes=True,
+           reductions=None):
+    """The loop; ``reductions`` (a list) gets the gradient reductions issued inside no_backward_sync."""
     losses = []
     for step in range(start, start + steps):
         for micro in range(accum):
+            before = collectives.stats.calls.copy()
             with fabric.no_backward_sync(model, enabled=micro < accum - 1):
                 loss = loss_fn(model, batch(step, rank, micro), sometimes and uses_sometimes(rank, step))
                 fabric.backward(loss)
+            if micro < accum - 1 and reductions is not None:
+                reductions.append(sum(n for op, n in (collectives.stats.calls - before).items() if "reduce" in op))
             losses.append(loss.item())
         if clip is not None:
             fabric.clip_gradients(model, opt, max_norm=clip)
@@ -92,8 +98,9 @@ def _run(strategy, rank, precision="32-true", plugins=None, build="setup", net=m
     else:
         model, opt = fabric.setup(model, make_optimizer(model, "adamw"))
     dtypes = {p.dtype for p in model.parameters()}
-    losses = _train(fabric, model, opt, rank, STEPS, **loop)
-    out = {"losses": losses, "params": _params(fabric, model), "dtypes": dtypes}
+    reductions: list[int] = []
+    losses = _train(fabric, model, opt, rank, STEPS, reductions=reductions, **loop)
+    out = {"losses": losses, "params": _params(fabric, model), "dtypes": dtypes, "reductions": reductions}
     if isinstance(fabric.strategy, ZeroFabricStrategy):
         out["loss_scale"] = fabric.strategy.precision.loss_scale
         fabric.strategy.teardown()
@@ -146,6 +153,11 @@ def test_every_stage_equals_fabric_ddp(parity):
             assert set(res[what, name]["params"]) == set(ref["params"])
             for k, v in ref["params"].items():
                 _close(res[what, name]["params"][k], v, f"rank {rank} {what} {name} {k}")
+        # no_backward_sync: stages 0-1 reduce nothing before the boundary; stage 2+ reduces every micro-batch
+        # into its gradient shard (as DeepSpeed does)
+        for name in ("zero0", "zero1", "zero1_offload"):
+            assert res["accum_clip", name]["reductions"] == [0] * STEPS, name
+        assert all(n > 0 for n in res["accum_clip", "zero2"]["reductions"])
         for what, net in (("accum_clip", make_model), ("meta", _meta_net)):  # it trained
             assert not torch.equal(res[what, "ddp"]["params"]["fc1.weight"], net().fc1.weight.detach())
     # the clipping was active: without it the run ends elsewhere
@@ -221,7 +233,10 @@ def _checkpoint_job(rank, world_size, root):
     fabric, model, opt = _setup_lit("zero2")
     counter = Counter(7)
     out["before"] = _train(fabric, model, opt, rank, 2, sometimes=False)
+    out["at save"] = _params(fabric, model)
     fabric.save(os.path.join(root, "fabric.ckpt"), {"model": model, "optimizer": opt, "step": 2, "counter": counter})
+    full = fabric.load(os.path.join(root, "fabric.ckpt"))  # no state: everything, consolidated, as saved
+    out["full"] = {k: (v if k != "optimizer" else sorted(v["state"])) for k, v in full.items()}
     out["after"] = _train(fabric, model, opt, rank, 2, start=2, sometimes=False)
     out["uninterrupted"] = _params(fabric, model)
     fabric.strategy.teardown()
@@ -233,6 +248,17 @@ def _checkpoint_job(rank, world_size, root):
     out["restored"] = (state["step"], state["counter"].n)
     out["resumed"] = _train(fabric, model, opt, rank, 2, start=state["step"], sometimes=False)
     out["resumed params"] = _params(fabric, model)
+    fabric.strategy.teardown()
+
+    # a single file from Fabric's own DDP loads into the engine (stage 3)
+    fabric, model, opt = _setup_lit(DDPStrategy(find_unused_parameters=True))
+    _train(fabric, model, opt, rank, 2, sometimes=False)
+    fabric.save(os.path.join(root, "ddp.ckpt"), {"model": model, "optimizer": opt, "step": 2})
+    fabric, model, opt = _setup_lit(ZeroFabricStrategy(stage=3))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    out["ddp remainder"] = fabric.load(os.path.join(root, "ddp.ckpt"), state)
+    out["from ddp"] = _train(fabric, model, opt, rank, 2, start=state["step"], sometimes=False)
+    out["from ddp params"] = _params(fabric, model)
     fabric.strategy.teardown()
 
     # the Fabric checkpoint resumes under the Trainer (stage 1)
@@ -279,7 +305,12 @@ def test_save_load_resume_reshard_and_trainer_interop(tmp_path):
     res = run_distributed(_checkpoint_job, 2, str(tmp_path))
     for rank, r in enumerate(res):
         assert r["restored"] == (2, 7)
-        assert r["remainder"] == {}  # every entry went back into the state; bookkeeping keys are ours
+        assert r["remainder"] == {} and r["ddp remainder"] == {}  # every entry went back into the state
+        assert sorted(r["full"]) == ["counter", "model", "optimizer", "step"]
+        assert r["full"]["step"] == 2 and r["full"]["counter"] == {"n": 7} and r["full"]["optimizer"]
+        for k, v in r["at save"].items():
+            torch.testing.assert_close(r["full"]["model"][k], v, rtol=0, atol=0, msg=k)
+        _close(r["from ddp"], r["after"], f"rank {rank} Fabric DDP file -> ZeRO-3 losses")
         _close(r["resumed"], r["after"], f"rank {rank} Fabric resume losses")
         _close(r["trainer resumed"], r["after"], f"rank {rank} Fabric -> Trainer losses")
         _close(r["trainer before"], r["before"], f"rank {rank} Trainer losses")
@@ -288,7 +319,8 @@ def test_save_load_resume_reshard_and_trainer_interop(tmp_path):
         for k, v in r["uninterrupted"].items():
             _close(r["resumed params"][k], v, f"rank {rank} Fabric resume {k}")
             _close(r["from trainer params"][k], v, f"rank {rank} Trainer -> Fabric {k}")
-            _close(r["trainer params"]["net." + k.removeprefix("net.")], v, f"rank {rank} Fabric -> Trainer {k}")
+            _close(r["from ddp params"][k], v, f"rank {rank} Fabric DDP file -> ZeRO-3 {k}")
+            _close(r["trainer params"][k], v, f"rank {rank} Fabric -> Trainer {k}")
     one = run_distributed(_reshard_job, 1, str(tmp_path))[0]
     for rank in range(2):
         _close([pair[rank] for pair in one["losses"]], res[rank]["after"], f"1-rank reshard losses of rank {rank}")
@@ -348,4 +380,28 @@ def test_zero_grad_goes_through_the_engine():
     for k, v in _params(fabric, model).items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)
     assert lightning_zero.ZeroFabricStrategy is ZeroFabricStrategy
+    fabric.strategy.teardown()
+
+
+@pytest.mark.timeout(120)
+def test_loss_scale_survives_save_and_load(tmp_path):
+    """fp16: the dynamic loss scale and the skipped-step count come back with the checkpoint (the Trainer's
+    precision key, so a Trainer resume restores them too)."""
+    plugin = lambda: ZeroFabricPrecision("16-mixed", initial_scale_power=4, loss_scale_window=1)  # noqa: E731
+    fabric = Fabric(strategy=ZeroFabricStrategy(stage=2), accelerator="cpu", devices=1, plugins=[plugin()])
+    fabric.launch()
+    model = make_model()
+    model, opt = fabric.setup(model, make_optimizer(model, "adamw"))
+    _train(fabric, model, opt, 0, 3, sometimes=False)
+    saved = fabric.strategy.precision.state_dict()
+    assert saved["loss_scaler"]["scale"] > 2.0**4  # it grew, so a fresh scaler would differ
+    fabric.save(tmp_path / "fp16.ckpt", {"model": model, "optimizer": opt})
+    fabric.strategy.teardown()
+
+    fabric = Fabric(strategy=ZeroFabricStrategy(stage=3), accelerator="cpu", devices=1, plugins=[plugin()])
+    fabric.launch()
+    model = make_model()
+    model, opt = fabric.setup(model, make_optimizer(model, "adamw"))
+    assert fabric.load(tmp_path / "fp16.ckpt", {"model": model, "optimizer": opt}) == {}
+    assert fabric.strategy.precision.state_dict() == saved
     fabric.strategy.teardown()
