@@ -67,7 +67,8 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
         **unknown: Any,
     ) -> None:
         if unknown:  # Fabric's DDPStrategy forwards extra kwargs to DistributedDataParallel; there is none here
-            allowed = [n for n in inspect.signature(ZeroFabricStrategy.__init__).parameters if n not in ("self", "unknown")]
+            allowed = [n for n in inspect.signature(ZeroFabricStrategy.__init__).parameters
+                       if n not in ("self", "unknown")]
             raise TypeError(f"ZeroFabricStrategy got unknown argument(s) {', '.join(sorted(unknown))}. "
                             f"Allowed: {', '.join(allowed)}.")
         self.zero_config = ZeroConfig(
