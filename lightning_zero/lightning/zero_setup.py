@@ -30,9 +30,9 @@ def build_engine(module: torch.nn.Module, optimizers: Optional[Sequence[Any]], c
                  device: torch.device) -> ZeroEngine:
     """The engine for ``module`` (its optimizers sharded in place) with the precision plugin attached.
 
-    Without optimizers: an evaluation engine (stage 3 still partitions, a meta model is materialized
+    ``optimizers=None``: an evaluation engine (stage 3 still partitions, a meta model is materialized
     sharded); the weights stay fp32 and mixed precision runs under autocast."""
-    if optimizers:
+    if optimizers is not None:
         engine = ZeroEngine(module, list(optimizers), config, compute_dtype=precision.compute_dtype,
                             loss_scaler=precision.loss_scaler, check_finite=precision.check_finite, device=device)
     else:
