@@ -2,7 +2,8 @@
 
 Importing the package registers the strategy names zero0, zero1, zero1_offload, zero2, zero2_offload,
 zero3, zero3_offload (each also with a ``_spawn`` and a ``_fork`` variant) in Lightning's StrategyRegistry,
-and lets Lightning's own loaders read its checkpoint directories (``lightning/lightning_io.py``).
+and lets Lightning's own loaders read its checkpoint directories (``lightning/lightning_io.py``). The same
+names go into Fabric's registry for :class:`ZeroFabricStrategy` (``Fabric(strategy="zero3")``).
 
 Layout: ``engine/`` is ZeRO on plain torch.distributed (``engine/stage3/`` the parameter partitioning),
 ``checkpoint/`` the sharded DCP directories, ``lightning/`` the adapter (the only code importing
@@ -21,6 +22,8 @@ from .engine import (
 )
 from .engine.stage3.join import RankDivergenceError
 from .lightning import ZeroPrecision, ZeroStrategy
+from .lightning.fabric_precision import ZeroFabricPrecision
+from .lightning.fabric_strategy import ZeroFabricStrategy
 from .tools.deepspeed_config import DeepSpeedConfigError, DeepSpeedWarmupLR, from_deepspeed_config
 from .tools.estimate import estimate_model_states
 from .tools.tuning import tune
@@ -43,12 +46,16 @@ _configure_logging()
 
 
 def _register() -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from .lightning import fabric_strategy
     from .lightning._pl_compat import register_pytorch_lightning
     from .lightning.lightning_io import install
 
     ZeroStrategy.register_strategies(StrategyRegistry)
+    ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+    fabric_strategy.install()  # Fabric's optimizer wrapper: zero_grad / add_param_group through the engine
     install()  # plain-DDP loads of ZeRO directories, ckpt_path="last" after an interrupted save
     register_pytorch_lightning()  # the separate pytorch_lightning registry, when installed
 
@@ -64,6 +71,8 @@ __all__ = [
     "StaticLossScaler",
     "ZeroConfig",
     "ZeroEngine",
+    "ZeroFabricPrecision",
+    "ZeroFabricStrategy",
     "ZeroPrecision",
     "ZeroStrategy",
     "__version__",

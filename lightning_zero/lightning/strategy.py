@@ -18,20 +18,18 @@ import torch
 from torch.distributed.constants import default_pg_timeout
 
 from ..engine import ZeroConfig, ZeroEngine
-from ..engine.config import PRESETS
 from ..engine.stage3.deferred_init import has_meta_params
 from .callback_checks import check_callbacks
 from .checkpoint_strategy import ZeroCheckpointMixin
 from .optimizers import bind as bind_optimizers
 from ._distribution import lightning_import, sibling
+from .zero_setup import as_zero_precision, build_engine, check_start_method, register_presets
 
 MixedPrecision, Precision = lightning_import("plugins.precision", "MixedPrecision", "Precision")
 DDPStrategy = lightning_import("strategies", "DDPStrategy")
 TrainerFn = lightning_import("trainer.states", "TrainerFn")
 _sync_module_states = lightning_import("strategies.ddp", "_sync_module_states")
 ZeroPrecision = sibling("precision").ZeroPrecision
-
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
@@ -88,8 +86,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")
         self.checkpoint_format = checkpoint_format
-        if start_method not in _START_METHODS:
-            raise ValueError(f"Unknown start_method {start_method!r}. Allowed: {', '.join(_START_METHODS)}.")
+        check_start_method(start_method)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
@@ -112,17 +109,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        if plugin is None or isinstance(plugin, ZeroPrecision):
-            self._precision_plugin = plugin
-        elif isinstance(plugin, MixedPrecision):
-            self._precision_plugin = ZeroPrecision(plugin.precision)
-        elif type(plugin) is Precision:
-            self._precision_plugin = ZeroPrecision("32-true")
-        else:
-            raise ValueError(
-                f"ZeroStrategy does not support the precision plugin {type(plugin).__name__}. "
-                "Allowed: precision='32-true', '16-mixed' or 'bf16-mixed', or plugins=[ZeroPrecision(...)]."
-            )
+        self._precision_plugin = as_zero_precision(plugin, ZeroPrecision, MixedPrecision, Precision, "ZeroStrategy")
 
     # -- setup ----------------------------------------------------------------------------------
     def model_to_device(self) -> None:
@@ -139,26 +126,19 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             check_callbacks(trainer.callbacks, self.stage, precision.compute_dtype, self.checkpoint_format)
             self._trained_engine = None  # the previous fit's state gives way before the new one is built
             self.setup_optimizers(trainer)
-            self.engine = ZeroEngine(
-                self.lightning_module,
-                self.optimizers,  # several: each sharded on its own (disjoint parameters; see optimizers.py)
-                self.zero_config,
-                compute_dtype=precision.compute_dtype,
-                loss_scaler=precision.loss_scaler,
-                check_finite=precision.check_finite,
-                device=self.root_device,
-            )
-            precision.attach(self.engine, self.root_device.type)
+            # several optimizers: each sharded on its own (disjoint parameters; see optimizers.py)
+            self.engine = build_engine(self.lightning_module, self.optimizers, self.zero_config, precision,
+                                       self.root_device)
             self._guard_scheduler_on_skipped_steps()
             self._unbind_optimizers = bind_optimizers(self, trainer)
         else:
             # evaluation only: no optimizer. Weights stay fp32 (mixed precision runs under autocast, see
             # ZeroPrecision.forward_context), so validate/test/predict never round the user's model.
             if self.stage == 3:  # parameters still partitioned
-                self.engine = ZeroEngine(self.lightning_module, None, self.zero_config, device=self.root_device)
+                self.engine = build_engine(self.lightning_module, None, self.zero_config, precision, self.root_device)
             else:  # every rank starts from rank 0's weights
                 _sync_module_states(self.model)
-            precision.attach(self.engine, self.root_device.type)
+                precision.attach(self.engine, self.root_device.type)
         self.setup_precision_plugin()
 
     def _guard_scheduler_on_skipped_steps(self) -> None:
@@ -280,9 +260,4 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
     # -- names ------------------------------------------------------------------------------------
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        for name, kw in PRESETS.items():
-            for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
-                strategy_registry.register(
-                    name + suffix, cls, description=f"ZeRO {kw} with start_method '{method}'",
-                    override=True, start_method=method, **kw,
-                )
+        register_presets(cls, strategy_registry)

@@ -1,0 +1,66 @@
+"""What the Trainer strategy and the Fabric strategy build the same way.
+
+Both are Lightning ``DDPStrategy`` subclasses (launchers, process groups, samplers reused) that replace
+the model side with one :class:`~lightning_zero.engine.ZeroEngine`. The engine, the precision plugin any
+precision flag becomes, the launcher check and the registered names are made here, once, so a
+``Trainer(strategy="zero3")`` and a ``Fabric(strategy="zero3")`` run the same ZeRO. Imports nothing from
+Lightning: the callers pass their own distribution's classes and registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..engine import ZeroConfig, ZeroEngine
+from ..engine.config import PRESETS
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_LAUNCH_VARIANTS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
+PRECISIONS = "precision='32-true', '16-mixed' or 'bf16-mixed'"
+
+
+def check_start_method(start_method: str) -> None:
+    if start_method not in START_METHODS:
+        raise ValueError(f"Unknown start_method {start_method!r}. Allowed: {', '.join(START_METHODS)}.")
+
+
+def build_engine(module: torch.nn.Module, optimizers: Optional[Sequence[Any]], config: ZeroConfig, precision,
+                 device: torch.device) -> ZeroEngine:
+    """The engine for ``module`` (its optimizers sharded in place) with the precision plugin attached.
+
+    ``optimizers=None``: an evaluation engine (stage 3 still partitions, a meta model is materialized
+    sharded); the weights stay fp32 and mixed precision runs under autocast."""
+    if optimizers is not None:
+        engine = ZeroEngine(module, list(optimizers), config, compute_dtype=precision.compute_dtype,
+                            loss_scaler=precision.loss_scaler, check_finite=precision.check_finite, device=device)
+    else:
+        engine = ZeroEngine(module, None, config, device=device)
+    precision.attach(engine, device.type)
+    return engine
+
+
+def as_zero_precision(plugin, zero_cls: type, mixed_cls: type, plain_cls: type, owner: str):
+    """Lightning's plugin for a precision flag -> our ``zero_cls``: the module itself in fp16/bf16 with fp32
+    master shards (fp16: loss scaling), not autocast over fp32 weights. Anything else is refused."""
+    if plugin is None or isinstance(plugin, zero_cls):
+        return plugin
+    if isinstance(plugin, mixed_cls):
+        return zero_cls(plugin.precision)
+    if type(plugin) is plain_cls:
+        return zero_cls("32-true")
+    flag = getattr(plugin, "precision", None)
+    raise ValueError(
+        f"{owner} does not support the precision plugin {type(plugin).__name__}"
+        + (f" (precision={flag!r})" if isinstance(flag, str) else "")
+        + f". Allowed: {PRECISIONS}, or plugins=[{zero_cls.__name__}(...)]."
+    )
+
+
+def register_presets(cls: type, registry, what: str = "ZeRO") -> None:
+    """zero0 ... zero3_offload (the PRESETS table), each also with a ``_spawn`` and a ``_fork`` launcher."""
+    for name, kw in PRESETS.items():
+        for suffix, method in _LAUNCH_VARIANTS:
+            registry.register(name + suffix, cls, description=f"{what} {kw} with start_method '{method}'",
+                              override=True, start_method=method, **kw)
