@@ -9,9 +9,11 @@ Four gloo ranks seen as 2 "nodes" x 2 ranks. Methods (stage 3 / fully sharded, t
 * ``fsdp2_hybrid``  -- ``fully_shard(mesh=init_device_mesh("cpu", (2, 2)))``: FSDP2's HYBRID_SHARD (HSDP).
 
 Traffic: one step of each method (after a warm-up step) with ``torch.distributed``'s collectives wrapped,
-so ours and FSDP2 are counted by the same code: bytes each rank hands to a collective (all-gather: its
-input shard; reduce-scatter: the full input; all-reduce / broadcast: the tensor), by group -- "shard"
-(inside a node), "replicate" (across nodes, one rank per node) or "world" (all 4 ranks: crosses nodes).
+so ours and FSDP2 are counted by the same code, by group -- "shard" (inside a node), "replicate" (across
+nodes, one rank per node) or "world" (all 4 ranks: crosses nodes). Two figures per rank: the bytes handed
+to collectives (all-gather: its input shard; reduce-scatter: the full input; all-reduce / broadcast: the
+tensor) and the bytes a ring implementation puts on the wire for them over a group of n ranks
+(all-gather (n-1) x input, reduce-scatter (n-1)/n x input, all-reduce 2 (n-1)/n x tensor, broadcast 1 x).
 Step time: the interleaved rounds of the harness (A B C D A B C D ..., max over ranks, median).
 
 Run::
@@ -99,7 +101,8 @@ def count_bytes(out: Counter):
             t = bound.arguments[_INPUT[op]]
             nbytes = sum(x.numel() * x.element_size() for x in t) if isinstance(t, list) else t.numel() * t.element_size()
             kind = "all_gather" if "gather" in op else "reduce_scatter" if "scatter" in op else op
-            out[(C.group_name(bound.arguments.get("group")), kind)] += nbytes
+            group = bound.arguments.get("group")
+            out[(C.group_name(group), kind, dist.get_world_size(group))] += nbytes
             return fn(*a, **k)
 
         return counted
@@ -120,7 +123,11 @@ def traffic(method: str, args, batches) -> dict:
     with count_bytes(counts):
         train_step(r, batches[1], args.vocab)
     r.close()
-    return {f"{g}/{op}": v for (g, op), v in sorted(counts.items())}
+    return {f"{g}/{op}/{n}": v for (g, op, n), v in sorted(counts.items())}
+
+
+_WIRE = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: (n - 1) / n,
+         "all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}
 
 
 def body(rank: int, args) -> dict:
@@ -135,6 +142,7 @@ def table(raw: dict, args) -> list[str]:
     groups = ("shard", "replicate", "world")
     lines = [f"bytes per step per rank (MB) by group and step time; {WORLD} gloo ranks as {WORLD // NODE} nodes x "
              f"{NODE}; TinyLM d_model={args.d_model} layers={args.layers}",
+             "MB handed to collectives (on the wire, ring)",
              "| method | " + " | ".join(f"{g} MB" for g in groups) + " | crosses nodes MB | median step ms | "
              "vs fsdp2_hybrid |", "|---|" + "---|" * (len(groups) + 3)]
     med = {m: statistics.median([t for r in raw["rounds"][m] if "times_ms" in r for t in r["times_ms"]])
@@ -142,12 +150,14 @@ def table(raw: dict, args) -> list[str]:
     for m in args.methods:
         b = raw["bytes"][m]
         per = {g: sum(v for k, v in b.items() if k.startswith(g + "/")) / 1e6 for g in groups}
-        cross = per["replicate"] + per["world"]
+        wire = {g: sum(v * _WIRE[k.split("/")[1]](int(k.split("/")[2])) for k, v in b.items()
+                       if k.startswith(g + "/")) / 1e6 for g in groups}
         ratio = f"{med[m] / med['fsdp2_hybrid']:.2f}" if m in med and "fsdp2_hybrid" in med else "-"
-        lines.append(f"| {m} | " + " | ".join(f"{per[g]:.3f}" for g in groups)
-                     + f" | {cross:.3f} | {med.get(m, float('nan')):.1f} | {ratio} |")
-    lines.append("by op: " + "; ".join(f"{m}: " + ", ".join(f"{k} {v / 1e6:.3f}" for k, v in raw["bytes"][m].items())
-                                       for m in args.methods))
+        lines.append(f"| {m} | " + " | ".join(f"{per[g]:.3f} ({wire[g]:.3f})" for g in groups)
+                     + f" | {per['replicate'] + per['world']:.3f} ({wire['replicate'] + wire['world']:.3f})"
+                     + f" | {med.get(m, float('nan')):.1f} | {ratio} |")
+    lines.append("by group/op/ranks: " + "; ".join(
+        f"{m}: " + ", ".join(f"{k} {v / 1e6:.3f}" for k, v in raw["bytes"][m].items()) for m in args.methods))
     return lines
 
 
