@@ -203,3 +203,26 @@ def test_lightning_trainer_with_shard_group_size(tmp_path):
     zero = _fit(tmp_path, ZeroStrategy(stage=2, shard_group_size=2, start_method="fork", bucket_mb=0.0004), accum=2,
                 clip=0.5, devices=4)
     _compare(zero, ref)
+
+
+def _overflow(rank, world_size):
+    model = make_model()
+    engine = ZeroEngine(model, make_optimizer(model, "sgd"), ZeroConfig(stage=2, shard_group_size=K), check_finite=True)
+    stepped = []
+    for step in range(2):
+        loss = loss_fn(model, batch(step, rank), False)
+        if step == 1 and rank == 3:  # one rank of the second shard group only
+            loss = loss * float("inf")
+        loss.backward()
+        stepped.append(engine.step())
+    return stepped, [t.clone() for t in engine.full_master_params()]
+
+
+@pytest.mark.timeout(60)
+def test_overflow_on_one_rank_skips_the_step_everywhere():
+    """A non-finite gradient in one shard group reaches the other through the replicate all-reduce."""
+    per_rank = run_distributed(_overflow, 4)
+    for stepped, params in per_rank:
+        assert stepped == [True, False]
+        for a, b in zip(params, per_rank[0][1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
