@@ -226,3 +226,11 @@ def test_overflow_on_one_rank_skips_the_step_everywhere():
         assert stepped == [True, False]
         for a, b in zip(params, per_rank[0][1]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_hydra_key_reaches_the_strategy():
+    from examples.t5_config import build_strategy
+    from tests.test_hydra_recipe import _compose
+
+    assert build_strategy(_compose("strategy=zero3", "strategy.shard_group_size=2")).zero_config.shard_group_size == 2
+    assert build_strategy(_compose("strategy=zero2")).zero_config.shard_group_size is None
