@@ -42,6 +42,9 @@ class StrategyConf:
     checkpoint_format: str = "sharded"  # sharded (DCP directory) | full (one file)
     # popen | spawn | fork | forkserver.  Defaults to the trainer preset's choice (cpu: fork, gpu: popen).
     start_method: str = "${trainer.start_method}"
+    # hybrid sharding: shard within groups of this many consecutive ranks (a node), replicate across them;
+    # null = the whole world. E.g. `strategy.shard_group_size=8` on 2 nodes x 8 GPUs
+    shard_group_size: Optional[int] = None
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The state dicts a checkpoint is made of, built from the engine's shards without gathering anything.
 
 Masters and per-element optimizer state are flat: a DTensor ``Shard(0)`` over a 1-D mesh of the default
-group on stages 1-3 (exactly the engine's ``ShardSpec`` slice), a plain 1-D tensor on stage 0. Tied
+group on stages 1-3 (exactly the engine's ``ShardSpec`` slice; hybrid sharding: ``(Replicate(), Shard(0))``
+over a 2-D mesh of the replicate x shard groups), a plain 1-D tensor on stage 0. Tied
 parameters are stored once, under their canonical (first) name, with the other names as aliases.
 """
 
@@ -16,23 +17,31 @@ from torch import nn
 _MESHES: dict = {}
 
 
-def _mesh(device_type: str):
+def _mesh(device_type: str, shard_size: int):
+    """The default group's mesh: 1-D, or (hybrid sharding) 2-D ("replicate", "shard") with shard groups of
+    ``shard_size`` consecutive ranks -- the engine's groups, so DCP writes each slice from one replica only."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = (device_type, dist.get_world_size(), id(dist.distributed_c10d._get_default_group()))
+    world = dist.get_world_size()
+    key = (device_type, world, shard_size, id(dist.distributed_c10d._get_default_group()))
     if key not in _MESHES:
-        _MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+        _MESHES[key] = (init_device_mesh(device_type, (world,)) if shard_size == world else
+                        init_device_mesh(device_type, (world // shard_size, shard_size),
+                                         mesh_dim_names=("replicate", "shard")))
     return _MESHES[key]
 
 
 def _flat(t: torch.Tensor, spec) -> torch.Tensor:
-    """The 1-D global view of a master-shaped tensor: a DTensor Shard(0) slice, or a plain 1-D tensor."""
+    """The 1-D global view of a master-shaped tensor: a DTensor Shard(0) slice (hybrid: replicated over the
+    shard groups), or a plain 1-D tensor."""
     t = t.detach()
-    if spec.world_size == 1:
+    if spec.world_size == 1:  # stage 0, or shard groups of one rank: every rank holds the whole tensor
         return t.view(-1) if t.is_contiguous() else t.reshape(-1)
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    return DTensor.from_local(t.view(-1), _mesh(t.device.type), [Shard(0)], run_check=False,
+    world = dist.get_world_size()
+    placements = [Shard(0)] if spec.world_size == world else [Replicate(), Shard(0)]
+    return DTensor.from_local(t.view(-1), _mesh(t.device.type, spec.world_size), placements, run_check=False,
                               shape=torch.Size([spec.numel]), stride=(1,))
 
 

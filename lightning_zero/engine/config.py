@@ -55,6 +55,9 @@ class ZeroConfig:
     order_check (stage 3): "strict" (record the first training forward, verify it across ranks, then
         require it every step: clean errors for diverging ranks, prefetch enabled), "always" (a tiny
         check before every gather: any consistent control flow, no prefetch) or "off".
+    shard_group_size: hybrid sharding: stages 1-3 shard within groups of this many consecutive ranks and
+        replicate across the groups (gradients: reduce-scatter inside, one all-reduce of the shard across);
+        must divide the world size; None = the world size (one group). Stage 0 ignores it.
     """
 
     stage: int = 2
@@ -68,6 +71,9 @@ class ZeroConfig:
     persist_numel: Optional[int] = None
     prefetch: bool = True
     order_check: str = "strict"
+    # -- hybrid sharding (engine/groups.py hybrid_groups): shard within groups of this many consecutive
+    # ranks (a node), replicate across the groups; None = the whole world (plain ZeRO)
+    shard_group_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.stage) or self.stage not in STAGES:
@@ -103,6 +109,10 @@ class ZeroConfig:
             if isinstance(self.unit_classes, (str, type)):
                 self.unit_classes = [self.unit_classes]
             self.unit_classes = list(self.unit_classes)
+        if self.shard_group_size is not None and (not _is_int(self.shard_group_size) or self.shard_group_size < 1):
+            raise ValueError(f"shard_group_size must be an int >= 1 that divides the world size (ranks per shard "
+                             f"group, e.g. the GPUs of a node) or None (the whole world); "
+                             f"got {self.shard_group_size!r}.")
 
     @property
     def unit_bytes(self) -> Optional[int]:

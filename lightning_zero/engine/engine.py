@@ -41,7 +41,7 @@ from .stage3.units import build_units
 from .config import ZeroConfig
 from .memory import MemoryReport
 from .full_state import FullStateMixin
-from .groups import reduce_scatter_group
+from .groups import HybridGroups, check_shard_group_size, hybrid_groups, reduce_scatter_group
 from .optimizer import ShardedOptimizer
 from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
@@ -76,8 +76,13 @@ class ZeroEngine(FullStateMixin):
         self.compute_dtype = compute_dtype
         self.loss_scaler = loss_scaler
         self.check_finite = check_finite or loss_scaler is not None
-        self.world_size = C.world_size(group)
-        self.rank = C.rank(group)
+        # hybrid sharding: shards, gathers and norms live in the shard group, gradient shards are all-reduced
+        # across the replicate group; ``group`` (the world) keeps the broadcasts. Stage 0 shards nothing.
+        check_shard_group_size(cfg.shard_group_size, C.world_size(group))
+        hybrid = hybrid_groups(cfg.shard_group_size, group) if cfg.stage >= 1 else HybridGroups(group)
+        self.shard_group, self.replicate_group = hybrid.shard, hybrid.replicate
+        self.world_size = C.world_size(self.shard_group)  # the ranks a parameter is sharded over
+        self.rank = C.rank(self.shard_group)
         per_opt = PG.managed_params(module, self.optimizers)
         self.params = [p for ps in per_opt for p in ps]
         if not has_meta_params(module):  # a meta model is broadcast unit by unit as it is built
@@ -85,7 +90,7 @@ class ZeroEngine(FullStateMixin):
         mixed = compute_dtype is not None and compute_dtype != torch.float32
         self.partitioner: Optional[ParamPartitioner] = None
         sources = None
-        reduce_group = group
+        reduce_group = self.shard_group
         if cfg.stage == 3:
             if len(self.optimizers) > 1 and cfg.order_check == "strict":
                 # each optimizer runs its own forward/backward: a step holds several different forward
@@ -96,8 +101,8 @@ class ZeroEngine(FullStateMixin):
             device = torch.device(device) if device is not None else _compute_device(module)
             if self.rank == 0:
                 _log.info(units.describe())
-            self.partitioner = ParamPartitioner(module, units, compute_dtype, device, cfg.offload_params, group,
-                                                cfg.prefetch, cfg.order_check)
+            self.partitioner = ParamPartitioner(module, units, compute_dtype, device, cfg.offload_params,
+                                                self.shard_group, cfg.prefetch, cfg.order_check, init_group=group)
             self.partitioner.guard.eval_only = not self.optimizers
             self.buckets, self._bucket_opt, sources, self._bucket_unit = PG.build_optimizer_buckets(
                 self, per_opt, units)
@@ -109,7 +114,8 @@ class ZeroEngine(FullStateMixin):
             # Made once per process and shared by later engines (see [Note: why a group is never
             # re-created] in groups.py); an evaluation-only engine reduces nothing and needs none.
             if self.world_size > 1 and optimizer is not None:
-                reduce_group = reduce_scatter_group(group)
+                reduce_group = (hybrid.reduce_scatter if hybrid.reduce_scatter is not None
+                                else reduce_scatter_group(group))
         else:
             self.buckets, self._bucket_opt, _, _ = PG.build_optimizer_buckets(self, per_opt)
         self._sources = sources
@@ -134,7 +140,7 @@ class ZeroEngine(FullStateMixin):
                 self.buckets, cfg.stage, cfg.reduce_dtype, reduce_group,
                 on_bucket_complete=self.releaser.bucket_complete if self.partitioner else None,
                 on_end_of_backward=self._end_of_backward if self.partitioner else None,
-                host_grads=cfg.offload_optimizer,
+                host_grads=cfg.offload_optimizer, replicate_group=self.replicate_group,
             )
             PG.install_optimizer_methods(self)
         self.last_step_skipped = False
@@ -177,7 +183,7 @@ class ZeroEngine(FullStateMixin):
 
     def sync_module_states(self) -> None:
         """Make every rank start from rank 0's parameters and buffers (as DDP does at wrap time)."""
-        if self.world_size == 1:
+        if C.world_size(self.group) == 1:
             return
         with torch.no_grad():
             tensors = [p.data for p in self.module.parameters()] + [b for b in self.module.buffers()]
@@ -195,7 +201,7 @@ class ZeroEngine(FullStateMixin):
             self.partitioner.gather(self.partitioner.root)
 
     def sync_buffers(self) -> None:
-        if self.world_size > 1 and self.config.broadcast_buffers:
+        if C.world_size(self.group) > 1 and self.config.broadcast_buffers:
             with torch.no_grad():
                 C.broadcast_flat(list(self.module.buffers()), self.group)
 
@@ -249,7 +255,7 @@ class ZeroEngine(FullStateMixin):
                 if self.config.stage >= 1:  # shards are disjoint: sum their squares over ranks
                     dev = self.params[0].device if self.params else sq.device
                     sq_dev = sq.to(dev)
-                    C.all_reduce(sq_dev, group=self.group)
+                    C.all_reduce(sq_dev, group=self.shard_group)  # replicas hold the same shards
                     sq = sq_dev.to(sq.device)
                 s.sq_norm = sq
             total = s.sq_norm if total is None else total + s.sq_norm.to(total.device)
@@ -327,7 +333,7 @@ class ZeroEngine(FullStateMixin):
         for row, b in rows:
             # offload: the host masters are cast into a pinned host chunk, then one asynchronous
             # host->device copy per bucket (not one small, synchronous, fp32 copy per parameter)
-            pending.append((b, *b.all_gather(row, b.params[0].dtype, self.group,
+            pending.append((b, *b.all_gather(row, b.params[0].dtype, self.shard_group,
                                               host=self.config.offload_optimizer, async_op=True)))
             if len(pending) > 2:  # two buckets in flight overlap communication without a second model copy
                 self._unpack(*pending.pop(0))

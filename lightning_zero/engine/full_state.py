@@ -32,7 +32,7 @@ class FullStateMixin:
                     for m, p in zip(row, b.params)]
         fulls: list[torch.Tensor] = []
         for row, b in self.master_rows():
-            fulls.extend(b.full_tensors(b.all_gather(row, torch.float32, self.group)[1]))
+            fulls.extend(b.full_tensors(b.all_gather(row, torch.float32, self.shard_group)[1]))
         return fulls
 
     @torch.no_grad()
@@ -127,7 +127,7 @@ class FullStateMixin:
         """The full (unsharded) state of ``optimizer`` (default: the first), as a plain optimizer would
         save it. Collective call."""
         s = self.sharded_for(optimizer) if optimizer is not None else self.sharded
-        return s.full_state_dict(self.group)
+        return s.full_state_dict(self.shard_group)
 
     def load_optimizer_state_dict(self, state: dict, optimizer=None) -> None:
         """Load a full optimizer state (from any world size or stage) into this rank's shards."""

@@ -22,7 +22,10 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from .collectives import name_group
+
 _GROUPS: dict[tuple, tuple[Any, Any]] = {}  # (id(default pg), ranks) -> (default pg, group)
+_HYBRID: dict[tuple, tuple[Any, tuple]] = {}  # (id(default pg), shard group size) -> (default pg, groups)
 
 
 def _registered(group: Any) -> bool:
@@ -52,4 +55,64 @@ def reduce_scatter_group(group: Optional[Any] = None) -> Any:
 
 def cached_groups() -> int:
     """How many groups this process holds (for tests: later engines must not add any)."""
-    return len(_GROUPS)
+    return len(_GROUPS) + len(_HYBRID)
+
+
+class HybridGroups:
+    """Hybrid sharding's groups: ``shard`` (K consecutive ranks: shards, gathers, norms), ``replicate``
+    (the ranks at the same position in every shard group: one all-reduce of each gradient shard) and
+    ``reduce_scatter`` (stage 3: the shard group's reduce-scatters, apart from its gathers).
+    Without hybrid sharding ``shard`` is the engine's group and ``replicate`` is None."""
+
+    def __init__(self, shard: Any, replicate: Any = None, reduce_scatter: Any = None) -> None:
+        self.shard, self.replicate, self.reduce_scatter = shard, replicate, reduce_scatter
+
+
+def check_shard_group_size(size: Optional[int], world: int) -> int:
+    """The shard group size for a world of ``world`` ranks (``None`` = the world); one clear error."""
+    if size is None:
+        return world
+    if not 1 <= size <= world or world % size:
+        allowed = ", ".join(str(k) for k in range(1, world + 1) if world % k == 0)
+        raise ValueError(f"shard_group_size={size} does not divide the world of {world} rank(s) into equal shard "
+                         f"groups. Allowed: {allowed} or None (the whole world).")
+    return size
+
+
+def hybrid_groups(size: Optional[int], group: Optional[Any] = None) -> HybridGroups:
+    """The groups of hybrid sharding with shard groups of ``size`` consecutive ranks, made once per process
+    (see [Note: why a group is never re-created]): every rank creates every group, in one order, as
+    counter-named groups (no local synchronization, so no reused names). Collective over the world."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    size = check_shard_group_size(size, world)
+    if size == world:
+        return HybridGroups(group)
+    if group is not None and dist.get_process_group_ranks(group) != list(range(world)):
+        raise ValueError("shard_group_size needs the engine to run on the default (world) process group; "
+                         "got a subgroup. Allowed: group=None with shard_group_size, or no shard_group_size.")
+    default = dist.distributed_c10d._get_default_group()
+    key = (id(default), size)
+    hit = _HYBRID.get(key)
+    if hit is not None and hit[0] is default and all(_registered(g) for g in hit[1] if g is not None):
+        return HybridGroups(*hit[1])
+    me = dist.get_rank()
+    mine: list = [None, None, None]
+    blocks = [list(range(s, s + size)) for s in range(0, world, size)]
+    for ranks in blocks:
+        g = dist.new_group(ranks)
+        mine[0] = g if me in ranks else mine[0]
+    for pos in range(size):
+        ranks = list(range(pos, world, size))
+        g = dist.new_group(ranks)
+        mine[1] = g if me in ranks else mine[1]
+    if size > 1:
+        for ranks in blocks:
+            g = dist.new_group(ranks)
+            mine[2] = g if me in ranks else mine[2]
+    for g, name in zip(mine, ("shard", "replicate", "shard")):
+        if g is not None:
+            name_group(g, name)
+    for k in [k for k, (pg, _) in _HYBRID.items() if pg is not default]:
+        del _HYBRID[k]  # an earlier default group's: destroyed with it
+    _HYBRID[key] = (default, tuple(mine))
+    return HybridGroups(*mine)

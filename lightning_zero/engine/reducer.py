@@ -31,6 +31,15 @@ are issued with ``async_op=True`` and completed at the end of backward.
 With the optimizer offloaded, each completed shard of the boundary micro-batch is also copied to (pinned)
 host memory right there -- on the side stream, so device->host traffic overlaps the rest of backward
 instead of following it. On a CPU-only machine the same copy runs (host to host), so tests exercise it.
+
+[Note: hybrid reduction]
+With hybrid sharding (``ZeroConfig.shard_group_size``) the reduce-scatter runs inside the shard group and
+its output (shard + used-counts) is summed over the micro-batches locally, unreplicated; the boundary
+micro-batch's completion all-reduces that sum once across the replicate group (the ranks holding the same
+shard in the other groups) and only then divides by what is left of 1/N and adds it to the gradient shard.
+So cross-group traffic is one all-reduce per bucket per optimizer step even at stage 2 under
+accumulation, and the counts -- hence the used-parameter masks -- agree over the whole world. A step after
+un-synced backwards only (an engine user's choice) replicates what is left in :meth:`finalize`.
 """
 
 from __future__ import annotations
@@ -71,15 +80,22 @@ class GradReducer:
         on_bucket_complete: Optional[Callable[[int], None]] = None,
         on_end_of_backward: Optional[Callable[[], None]] = None,
         host_grads: bool = False,
+        replicate_group: Optional[Any] = None,
     ) -> None:
         self.buckets = buckets
         self.stage = stage
         self.reduce_dtype = reduce_dtype
         self.group = group
         self.world_size = C.world_size(group)
+        # hybrid sharding: ``group`` is the shard group; each reduced shard is then all-reduced once per step
+        # across the replicas ([Note: hybrid reduction]), so the average is over both: world * replicas ranks
+        self.replicate_group = replicate_group if stage >= 1 else None
+        replicas = C.world_size(self.replicate_group) if self.replicate_group is not None else 1
+        ranks = self.world_size * replicas
         # fp16 sums of many ranks can overflow: split the 1/N averaging into a pre- and a post-factor.
-        pre = math.sqrt(self.world_size) if reduce_dtype == torch.float16 else float(self.world_size)
-        self._pre, self._post = pre, self.world_size / pre
+        pre = math.sqrt(ranks) if reduce_dtype == torch.float16 else float(ranks)
+        self._pre, self._post = pre, ranks / pre
+        self._unreplicated: list[Optional[torch.Tensor]] = [None] * len(buckets)  # hybrid: shard + counts
         self.sync_enabled = True
         self._on_bucket_complete = on_bucket_complete  # stage 3: release the unit's parameters
         self._on_end_of_backward = on_end_of_backward
@@ -129,6 +145,7 @@ class GradReducer:
         self._used += [None] * n
         self._ready += [0] * n
         self._active += [True] * n
+        self._unreplicated += [None] * n
         self._register(first)
 
     @property
@@ -218,6 +235,20 @@ class GradReducer:
     def _complete(self, item: tuple) -> None:
         b, work, _flat, out = item
         work.wait()
+        if self.replicate_group is not None:  # [Note: hybrid reduction]
+            acc = self._unreplicated[b.index]
+            self._unreplicated[b.index] = out if acc is None else acc.add_(out)
+            if self.sync_enabled:
+                self._replicate(b)
+            return
+        self._add_shard(b, out)
+
+    def _replicate(self, b: Bucket) -> None:
+        out, self._unreplicated[b.index] = self._unreplicated[b.index], None
+        C.all_reduce(out, group=self.replicate_group)
+        self._add_shard(b, out)
+
+    def _add_shard(self, b: Bucket, out: torch.Tensor) -> None:
         if self._post != 1.0:
             out.div_(self._post)
         n = len(b.params)
@@ -264,6 +295,9 @@ class GradReducer:
             self._launch_in_order(upto_ready=False)
             self.wait()
             self._dirty -= set(indices)
+        for i in indices:
+            if self._unreplicated[i] is not None:
+                self._replicate(self.buckets[i])
         sizes = [len(self.buckets[i].params) for i in indices]
         counts = [self._used[i] if self._used[i] is not None else torch.zeros(k) for i, k in zip(indices, sizes)]
         masks = list((torch.cat([c.cpu() for c in counts]) > 0).split(sizes)) if counts else []
@@ -274,7 +308,7 @@ class GradReducer:
     def clear(self, indices: Optional[list[int]] = None) -> None:
         """Drop the gradients (full and sharded) of buckets ``indices`` (default: all) after a step."""
         for i in range(len(self.buckets)) if indices is None else indices:
-            self.grad_shards[i] = self.host_shards[i] = None
+            self.grad_shards[i] = self.host_shards[i] = self._unreplicated[i] = None
             for p in self.buckets[i].params:
                 p.grad = None
             self._dirty.discard(i)

@@ -50,6 +50,10 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         checkpoint_format: "sharded" (default: a torch.distributed.checkpoint directory per checkpoint,
             each rank writing its shards; reshards on load) or "full" (Lightning's single file with
             consolidated fp32 weights and optimizer state). Both load at any world size and stage.
+        shard_group_size: hybrid sharding (stages 1-3): shard within groups of this many consecutive ranks
+            (e.g. the GPUs of one node) and replicate across the groups, so parameter all-gathers and
+            reduce-scatters stay inside a node and only one all-reduce per gradient bucket and step
+            crosses nodes; must divide the world size. None = the world size (plain ZeRO).
     """
 
     strategy_name = "zero"
@@ -76,12 +80,13 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: str = "popen",
         checkpoint_format: str = "sharded",
+        shard_group_size: Optional[int] = None,
     ) -> None:
         self.zero_config = ZeroConfig(
             stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
             bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
             unit_classes=unit_classes, unit_mb=unit_mb, persist_numel=persist_numel, prefetch=prefetch,
-            order_check=order_check,
+            order_check=order_check, shard_group_size=shard_group_size,
         )
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")

@@ -81,7 +81,8 @@ def _estimate(args: argparse.Namespace) -> int:
         model, world_size=args.ranks, num_nodes=args.nodes, precision=args.precision, optimizer=args.optimizer,
         bucket_mb=args.bucket_mb, grad_accumulation=args.grad_accum, batch_size=args.batch_size, src_len=args.src_len, tgt_len=args.tgt_len,
         device_memory_gb=args.device_memory, cpu_memory_gb=args.cpu_memory,
-        settings=args.settings.split(",") if args.settings else None, vocab_size=vocab)
+        settings=args.settings.split(",") if args.settings else None, vocab_size=vocab,
+        shard_group_size=args.shard_group_size)
     print(est)
     return 0
 
@@ -114,6 +115,8 @@ def _add_estimate(sub) -> None:
     p.add_argument("--device-memory", type=float, default=None, metavar="GB", help="memory per device: say what fits")
     p.add_argument("--cpu-memory", type=float, default=None, metavar="GB", help="CPU RAM per node (with --device-memory)")
     p.add_argument("--settings", default=None, help="comma list of settings to show (default: all seven)")
+    p.add_argument("--shard-group-size", type=int, default=None, metavar="K",
+                   help="hybrid sharding: shard over groups of K ranks (e.g. GPUs per node); also shows K = ranks")
     p.set_defaults(func=_estimate)
 
 

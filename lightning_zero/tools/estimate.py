@@ -143,6 +143,7 @@ class Row:
     host_per_rank: float
     cpu_ram_per_node: float
     fits: Optional[bool] = None
+    states_world: Optional[dict] = None  # hybrid sharding: the same setting's model states at K = world size
 
 
 @dataclass
@@ -159,6 +160,7 @@ class Estimate:
     activations: Optional[float] = None
     device_memory: Optional[float] = None  # bytes per device
     cpu_memory: Optional[float] = None  # bytes per node
+    shard_group_size: Optional[int] = None  # hybrid sharding: ranks that shard the states (None: all)
 
     @property
     def ranks_per_node(self) -> int:
@@ -193,6 +195,7 @@ def estimate_model_states(
     settings: Optional[Sequence[str]] = None,
     unit_classes: Optional[Sequence] = None,
     vocab_size: Optional[int] = BYTE_VOCAB,
+    shard_group_size: Optional[int] = None,
 ) -> Estimate:
     """Per-rank device bytes and per-node CPU RAM for every ZeRO stage x offload setting.
 
@@ -201,6 +204,8 @@ def estimate_model_states(
     the preset's own), or :class:`T5Dims`. ``batch_size`` (per rank) with ``src_len``/``tgt_len`` adds
     the T5 activation estimate (T5 models only). ``grad_accumulation`` > 1: stage 1 holds full gradients
     between micro-batches. ``device_memory_gb``/``cpu_memory_gb`` are GiB (2**30).
+    ``shard_group_size`` (hybrid sharding, ZeroConfig.shard_group_size): stages 1-3 shard over K ranks, not
+    the world (stage 2 mixed: 2 Psi + 14 Psi / K per rank); each row also keeps its K = world figure.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}. Allowed: 32-true, bf16-mixed, 16-mixed.")
@@ -229,24 +234,30 @@ def estimate_model_states(
         if info.t5 is None:
             raise ValueError("The activation estimate needs a T5 model (a preset name or a T5 module).")
         act = float(t5_activation_bytes(info.t5, batch_size, src_len, tgt_len, mixed))
+    from ..engine.groups import check_shard_group_size
+
+    shards = check_shard_group_size(shard_group_size, world_size)  # the ranks one parameter is cut over
     ranks_per_node = math.ceil(world_size / num_nodes)
     rows = []
     for (stage, offload), name in SETTINGS.items():
         if settings is not None and name not in settings:
             continue
-        st = model_state_bytes(info, stage, offload, world_size, mixed, k, grad_accumulation > 1)
-        buf = buffer_bytes(info, stage, offload, world_size, mixed, bucket_mb, grad_accumulation > 1)
+        st = model_state_bytes(info, stage, offload, shards, mixed, k, grad_accumulation > 1)
+        buf = buffer_bytes(info, stage, offload, shards, mixed, bucket_mb, grad_accumulation > 1)
         peak = st["device"] + max(buf["backward"] + (act or 0.0), buf["step"])
-        staging = 4 * info.trainable / world_size if offload else 0.0  # fp32 gradient copies for the CPU step
+        staging = 4 * info.trainable / shards if offload else 0.0  # fp32 gradient copies for the CPU step
         host = st["host"] + staging
         row = Row(name, stage, offload, st, buf, act, peak, host, host * ranks_per_node)
+        if shards != world_size and stage >= 1:
+            row.states_world = model_state_bytes(info, stage, offload, world_size, mixed, k, grad_accumulation > 1)
         if device_memory_gb is not None:
             row.fits = peak <= device_memory_gb * GiB and (cpu_memory_gb is None or row.cpu_ram_per_node <= cpu_memory_gb * GiB)
         rows.append(row)
     return Estimate(info, world_size, num_nodes, precision, optimizer, bucket_mb, grad_accumulation, rows,
                     (batch_size, src_len, tgt_len) if batch_size is not None else None, act,
                     device_memory_gb * GiB if device_memory_gb is not None else None,
-                    cpu_memory_gb * GiB if cpu_memory_gb is not None else None)
+                    cpu_memory_gb * GiB if cpu_memory_gb is not None else None,
+                    shard_group_size if shards != world_size else None)
 
 
 def _gib(x: Optional[float]) -> str:
@@ -285,6 +296,12 @@ def format_estimate(est: Estimate) -> str:
             f"| {_gib(st['grads']):>5} | {_gib(mo):>12} | {_gib(st['device']):>13} "
             f"| {_gib(r.buffers['backward']) + '/' + _gib(r.buffers['step']):>16} | {_gib(r.activations):>11} "
             f"| {_gib(r.peak_device):>11} | {_gib(r.host_per_rank):>9} | {_gib(r.cpu_ram_per_node):>12} |{fits}")
+    if est.shard_group_size is not None:
+        lines.append(f"hybrid sharding: shard_group_size={est.shard_group_size} (states sharded over "
+                     f"{est.shard_group_size} ranks, replicated {est.world_size // est.shard_group_size}x); "
+                     f"device states per rank at K={est.world_size} vs K={est.shard_group_size}: " + ", ".join(
+                         f"{r.setting} {_gib(r.states_world['device'])} vs {_gib(r.states['device'])}"
+                         for r in est.rows if r.states_world is not None))
     lines.append(f"host/rank: offloaded states + fp32 gradient copies for the CPU step; CPU RAM/node = host/rank x "
                  f"{est.ranks_per_node} rank(s) per node (plus {_gib(4 * info.numel * est.ranks_per_node)} GiB/node "
                  "while building an fp32 model eagerly; stage 3 with meta-device init avoids it).")

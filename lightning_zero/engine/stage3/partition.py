@@ -57,8 +57,10 @@ class ParamPartitioner:
         group: Optional[Any] = None,
         prefetch: bool = True,
         order_check: str = "strict",
+        init_group: Optional[Any] = None,
     ) -> None:
         self.module = module
+        self.init_group = init_group if init_group is not None else group  # deferred init broadcasts from rank 0 of it
         self.units = units
         self.root = units[-1]
         self.device = device
@@ -87,7 +89,7 @@ class ParamPartitioner:
         """Cut this rank's slices (fp32 for now: masters are taken from them) and free the full params."""
         if has_meta_params(self.module):  # shard-as-you-build: never hold the whole model
             by_module = {id(u.module): u for u in self.units[:-1]}
-            materialize(self.module, [u.module for u in self.units[:-1]], self.device, self.group,
+            materialize(self.module, [u.module for u in self.units[:-1]], self.device, self.init_group,
                         lambda m: self._shard_unit(by_module[id(m)]))
             self._shard_unit(self.root)
             return
