@@ -1,4 +1,4 @@
-"""Gradient reduction: bucketed all-reduce (stage 0) or reduce-scatter (stages 1-2) driven by backward.
+"""Gradient reduction: bucketed all-reduce (stage 0) or reduce-scatter (stages 1-3) driven by backward.
 
 Design note
 -----------
@@ -61,6 +61,17 @@ class BackwardPhase(enum.Enum):
         return to
 
 
+class GradSync(enum.Enum):
+    """What a micro-batch's backward does with its gradients, set for the whole backward by ``no_sync``:
+    BOUNDARY (the default: the last micro-batch of a step, whose reductions give the step's gradients) or
+    ACCUMULATE (an earlier one: stages 0-1 issue no collective and only note the buckets touched in
+    ``_dirty``, reduced by the next ``finalize``; stages 2-3 still reduce into the gradient shard, but an
+    offloaded shard is copied to the host only at the boundary)."""
+
+    BOUNDARY = "boundary"
+    ACCUMULATE = "accumulate"
+
+
 class GradReducer:
     def __init__(
         self,
@@ -80,7 +91,7 @@ class GradReducer:
         # fp16 sums of many ranks can overflow: split the 1/N averaging into a pre- and a post-factor.
         pre = math.sqrt(self.world_size) if reduce_dtype == torch.float16 else float(self.world_size)
         self._pre, self._post = pre, self.world_size / pre
-        self.sync_enabled = True
+        self.sync = GradSync.BOUNDARY
         self._on_bucket_complete = on_bucket_complete  # stage 3: release the unit's parameters
         self._on_end_of_backward = on_end_of_backward
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
@@ -135,6 +146,19 @@ class GradReducer:
     def in_backward(self) -> bool:
         return self.phase is BackwardPhase.REDUCING
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside accumulate (GradSync.ACCUMULATE); the previous setting comes back after."""
+        prev, self.sync = self.sync, GradSync.ACCUMULATE
+        try:
+            yield
+        finally:
+            self.sync = prev
+
+    @property
+    def sync_enabled(self) -> bool:  # the boolean spelling of ``sync``
+        return self.sync is GradSync.BOUNDARY
+
     # -- hooks ----------------------------------------------------------------------------------
     def _make_hook(self, bi: int):
         def hook(_param: torch.Tensor) -> None:
@@ -143,7 +167,7 @@ class GradReducer:
         return hook
 
     def _syncing(self) -> bool:
-        return self.stage >= 2 or self.sync_enabled
+        return self.stage >= 2 or self.sync is GradSync.BOUNDARY
 
     def _on_grad_ready(self, bi: int) -> None:
         if not self._syncing():
@@ -236,7 +260,7 @@ class GradReducer:
             shard = self.grad_shards[b.index] = out
         else:
             shard.add_(out)
-        if self.host_grads and self.sync_enabled:  # the boundary micro-batch: this sum is the final one
+        if self.host_grads and self.sync is GradSync.BOUNDARY:  # this sum is the final one
             host = self.host_shards[b.index]
             if host is None:
                 host = self.host_shards[b.index] = torch.empty(
