@@ -321,8 +321,8 @@ class ZeroEngine:
     # -- accounting -----------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
         """The tensor bytes this rank holds now, by kind (exact: tests compare them with the floors)."""
-        return measure_model_states(self.params, self.shardeds, self.reducer.grad_shards if self.reducer is not None else [],
-                                    self.partitioner, self.config.offload_optimizer, self.config.offload_params)
+        return measure_model_states(self.params, self.shardeds, self.reducer, self.partitioner,
+                                    self.config.offload_optimizer, self.config.offload_params)
 
     # -- whole-model views: plain functions in full_state.py --------------------------------------------
     def full_master_params(self) -> list[torch.Tensor]:

@@ -92,10 +92,10 @@ def model_state_floor(
             "device": r["device"], "host": r["host"]}
 
 
-def measure_model_states(params, shardeds, grad_shards, partitioner=None, offload_optimizer: bool = False,
+def measure_model_states(params, shardeds, reducer=None, partitioner=None, offload_optimizer: bool = False,
                          offload_params: bool = False) -> "MemoryReport":
     """The tensor bytes one rank holds now: ``params`` (managed parameters), the ShardedOptimizers'
-    masters and state, the reducer's ``grad_shards``, stage 3's unit shards and gathered units."""
+    masters and state, the reducer's gradient shards, stage 3's unit shards and gathered units."""
     def nbytes(ts):
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
@@ -103,7 +103,7 @@ def measure_model_states(params, shardeds, grad_shards, partitioner=None, offloa
     r = MemoryReport(
         params=part.shard_bytes() + part.gathered_bytes() if part is not None else nbytes(params),
         grads=nbytes(p.grad for p in params),
-        grad_shards=nbytes(grad_shards),
+        grad_shards=nbytes(reducer.grad_shards) if reducer is not None else 0,
         master=sum(s.master_bytes() for s in shardeds),
         optimizer_state=sum(s.state_bytes() for s in shardeds),
     )

@@ -163,7 +163,7 @@ class ZeroPrecision(Precision):
         state: dict[str, Any] = {}
         if self.loss_scaler is not None:
             state["loss_scaler"] = self.loss_scaler.state_dict()
-        if self.check_finite:  # steps skipped for non-finite gradients (the engine's count; bf16 has no scaler)
+        if self.check_finite:  # steps skipped for non-finite gradients (self.counters; bf16 has no scaler)
             state["skipped_steps"] = self.skipped_steps
         return state
 
