@@ -148,7 +148,7 @@ class GradReducer:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backwards inside accumulate (GradSync.ACCUMULATE); the previous setting comes back after."""
+        """Backwards in this block accumulate (GradSync.ACCUMULATE); the previous setting is restored after."""
         prev, self.sync = self.sync, GradSync.ACCUMULATE
         try:
             yield
