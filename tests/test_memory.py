@@ -64,3 +64,33 @@ def test_model_states_meet_floor(world_size, case):
             expect_opt = (8 + (4 if mixed else 0)) * numel / world_size
             got = rep["optimizer_state"] + rep["master"]
             assert abs(got - expect_opt) <= 0.05 * expect_opt
+
+
+@pytest.mark.parametrize("numel", [4096, 1_000_003])  # divisible by 1, 2, 4 / by none of 2, 4
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_estimator_and_floor_are_one_model(world_size, numel):
+    """tools/estimate.py and the floors share engine/memory.py's model: with the engine's padding (< 1
+    element per rank for one tensor) as the only difference, for every preset, precision and optimizer."""
+    from lightning_zero.engine.config import PRESETS
+    from lightning_zero.tools.estimate import ModelInfo, model_state_bytes
+
+    info = ModelInfo(numel, numel)
+    for name, kw in PRESETS.items():
+        stage, offload = kw["stage"], kw.get("offload_optimizer", False)
+        assert kw.get("offload_params", False) == (offload and stage == 3), name  # the estimator's "offload"
+        for mixed in (False, True):
+            for k in (0, 4, 8):
+                est = model_state_bytes(info, stage, offload, world_size, mixed, k, accumulating=True)
+                floor = model_state_floor(stage, numel, world_size, mixed, k, offload_optimizer=offload,
+                                          offload_params=kw.get("offload_params", False))
+                pad = (2 if mixed else 4) * (-(-numel // world_size) - numel / world_size)  # bytes, < 1 element
+                case = (name, mixed, k, est, floor)
+                assert est["params"] - floor["params"] == pytest.approx(pad if stage == 3 else 0, abs=1e-6), case
+                assert est["grads"] - floor["grads"] == pytest.approx(pad if stage >= 2 else 0, abs=1e-6), case
+                assert est["master"] + est["optimizer_state"] == pytest.approx(floor["optimizer"]), case
+                on_host = pad if stage == 3 and kw.get("offload_params", False) else 0
+                assert est["host"] - floor["host"] == pytest.approx(on_host, abs=1e-6), case
+                extra = (pad if stage == 3 else 0) + (pad if stage >= 2 else 0) - on_host
+                assert est["device"] - floor["device"] == pytest.approx(extra, abs=1e-6), case
+                if numel % world_size == 0:
+                    assert est["device"] == pytest.approx(floor["device"]) and est["host"] == floor["host"]

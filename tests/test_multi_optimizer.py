@@ -186,3 +186,18 @@ def test_parameter_in_two_optimizers_is_refused():
     shared = [torch.optim.Adam(model.parameters()), torch.optim.SGD(model.fc1.parameters(), lr=0.1)]
     with pytest.raises(ValueError, match=r"Parameter 'fc1.weight' is in optimizer 0 and optimizer 1.*disjoint"):
         ZeroEngine(model, shared, ZeroConfig(stage=2))
+
+
+def test_sharded_optimizer_state_lists_each_optimizers_own_layout():
+    """The "layout" a checkpoint keeps per optimizer (positions, frozen ones as None; what lightning_io maps
+    back to torch's numbering) is that optimizer's, not the first one's."""
+    from lightning_zero.checkpoint.sharded_state import sharded_optimizer_state
+
+    gen, disc = nn.Linear(3, 4), nn.Linear(4, 2)
+    model = nn.ModuleDict({"gen": gen, "disc": disc})
+    gen.bias.requires_grad_(False)  # frozen at setup: keeps its position, as None
+    opts = [torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)]
+    engine = ZeroEngine(model, opts, ZeroConfig(stage=0))
+    layouts = [sharded_optimizer_state(engine, o)["layout"] for o in opts]
+    assert layouts == [[["gen.weight", None]], [["disc.weight", "disc.bias"]]]
+    engine.remove()

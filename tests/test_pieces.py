@@ -160,3 +160,118 @@ def test_hydra_strategy_presets_agree_with_the_preset_table():
         assert y["name"] == name
         for key in ("stage", "offload_optimizer", "offload_params"):
             assert y[key] == kw.get(key, False), (name, key)
+
+
+def test_bucket_param_major_round_trip():
+    b = _bucket([(2, 3), (1,), (4,)], world=1, rank=0)  # stage 0: whole parameters, one after another
+    flat = b.pack_full([b.params[0], None, b.params[2]], torch.float64, extra=2)
+    assert flat.numel() == b.numel + 2 == 13 and flat.dtype == torch.float64
+    views = b.full_views(flat)
+    assert torch.equal(views[0], b.params[0].double()) and views[1].abs().sum() == 0
+    assert torch.equal(views[2], b.params[2].double())
+
+
+def test_unit_gradient_buckets_in_backward_order_with_their_shard_views():
+    from lightning_zero.engine.stage3.units import grad_buckets_for_units
+
+    model, world, rank = _Tied(), 2, 1
+    units = build_units(model, world, rank, unit_classes=[_Block])
+    for u in units:  # this rank's flat slice of each unit, as the partitioner cuts it
+        u.shard = u.layout.pack_rank_major([p.detach() for p in u.params], torch.float32).view(world, -1)[rank]
+    model.blocks[0].fc.bias.requires_grad_(False)
+    managed = [p for p in model.parameters() if p.requires_grad]
+    buckets, sources, owner = grad_buckets_for_units(units, managed, world, rank)
+    assert [u.name for u in owner] == ["blocks.1", "blocks.0", "<root>"]  # reversed blocks, root last
+    assert [b.index for b in buckets] == [0, 1, 2]
+    assert [len(b.params) for b in buckets] == [2, 1, 1]  # the frozen bias is in no bucket; root: the tied weight
+    for b, src in zip(buckets, sources):
+        for p, spec, view in zip(b.params, b.specs, src):
+            assert torch.equal(view, spec.local_slice(p.detach().reshape(-1)))
+
+
+def test_reducer_no_sync_accumulates_then_finalize_reduces_the_sum():
+    from lightning_zero.engine.reducer import GradSync
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4)
+    for stage, collectives_under_no_sync in ((1, 0), (2, 4)):
+        model, ref = _Reversed(), _Reversed()
+        ref.load_state_dict(model.state_dict())
+        buckets = build_buckets(list(model.parameters()), world_size=1, rank=0, bucket_bytes=1)
+        launched = []
+
+        class Recording(GradReducer):
+            def _launch(self, b):
+                launched.append(b.index)
+                super()._launch(b)
+
+        reducer = Recording(buckets, stage=stage, reduce_dtype=None)
+        assert reducer.sync is GradSync.BOUNDARY
+        with reducer.no_sync():
+            assert reducer.sync is GradSync.ACCUMULATE and not reducer.sync_enabled
+            model(x).sum().backward()
+            model(x).sum().backward()
+        assert reducer.sync is GradSync.BOUNDARY and reducer.phase is BackwardPhase.IDLE
+        assert len(launched) == 2 * collectives_under_no_sync  # stage 1: nothing; stage 2: every bucket
+        reducer.finalize()  # stage 1: the accumulated sum is reduced now, once per bucket
+        assert len(launched) == (4 if stage == 1 else 8)
+        (ref(x).sum() * 2).backward()
+        for shard, p in zip(reducer.grad_shards, reversed(list(ref.parameters()))):
+            torch.testing.assert_close(shard, p.grad.reshape(-1), rtol=1e-5, atol=0)
+        reducer.remove_hooks()
+
+
+def test_order_check_is_named_and_the_config_keeps_the_users_string():
+    from lightning_zero.engine import ZeroConfig
+    from lightning_zero.engine.stage3.lifecycle import OrderCheck
+
+    assert ZeroConfig(stage=3).order_check == "strict"
+    assert ZeroConfig(stage=3, order_check=OrderCheck.ALWAYS).order_check == "always"
+    assert OrderCheck.parse("off") is OrderCheck.OFF
+    with pytest.raises(ValueError, match="order_check must be one of 'strict', 'always', 'off'; got 'sometimes'"):
+        ZeroConfig(stage=3, order_check="sometimes")
+
+
+def test_engine_mode_and_partitioning_are_named():
+    from lightning_zero.engine import EngineMode, ZeroConfig, ZeroEngine
+
+    model = _Tied()
+    train = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=2))
+    assert train.mode is EngineMode.TRAIN and not train.partitions_params
+    train.remove()
+    evaluation = ZeroEngine(_Tied(), None, ZeroConfig(stage=3, unit_classes=[_Block]))
+    assert evaluation.mode is EngineMode.EVAL_ONLY and evaluation.partitions_params
+    assert evaluation.master_items() == [] and len(evaluation.unmanaged_shard_items()) == 5  # tied: once
+    evaluation.remove()  # the module is handed back whole
+    assert not evaluation.partitions_params
+
+
+def test_one_count_of_skipped_steps_shared_by_scaler_engine_and_precision_plugin():
+    from lightning_zero import ZeroPrecision
+    from lightning_zero.engine import StepCounters, ZeroConfig, ZeroEngine
+
+    model = _Tied()
+    fp16 = ZeroPrecision("16-mixed")
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=1),
+                        compute_dtype=torch.float16, loss_scaler=fp16.loss_scaler)
+    fp16.attach(engine)
+    assert engine.counters is fp16.counters is fp16.loss_scaler.counters
+    (model.head(model.emb(torch.tensor([1, 2]))).float().sum() * float("inf")).backward()
+    assert engine.step() is False
+    assert engine.skipped_steps == fp16.skipped_steps == fp16.loss_scaler.skipped_steps == 1
+    fp16.load_state_dict({"loss_scaler": fp16.loss_scaler.state_dict(), "skipped_steps": 7})
+    assert engine.skipped_steps == fp16.loss_scaler.state_dict()["skipped_steps"] == 7  # nothing copied
+    engine.remove()
+    assert fp16.skipped_steps == 7  # the count outlives the engine
+
+    bf16 = ZeroPrecision("bf16-mixed")
+    other = _Tied()
+    engine = ZeroEngine(other, torch.optim.SGD(other.parameters(), lr=0.1), ZeroConfig(stage=1),
+                        compute_dtype=torch.bfloat16, check_finite=True)
+    bf16.attach(engine)
+    assert engine.counters is bf16.counters and isinstance(bf16.counters, StepCounters)
+    bf16.load_state_dict({"skipped_steps": 3})
+    assert engine.skipped_steps == 3
+    engine.remove()
+    with pytest.raises(TypeError, match="loss_scaler must be a DynamicLossScaler or a StaticLossScaler"):
+        ZeroEngine(_Tied(), torch.optim.SGD(_Tied().parameters(), lr=0.1), loss_scaler=object())

@@ -321,7 +321,7 @@ def load_checkpoint_dir(path: _PathLike, module: nn.Module, engine=None, load_op
         if scaler is not None and "loss_scaler" in meta:
             scaler.load_state_dict(meta["loss_scaler"])
         if "skipped_steps" in meta:
-            engine.skipped_steps = int(meta["skipped_steps"])
+            engine.counters.skipped_steps = int(meta["skipped_steps"])
     return meta
 
 
@@ -333,6 +333,6 @@ def save_engine_checkpoint(path: _PathLike, module: nn.Module, engine=None, meta
     if scaler is not None:
         meta["loss_scaler"] = scaler.state_dict()
     if engine is not None:
-        meta["skipped_steps"] = engine.skipped_steps
+        meta["skipped_steps"] = engine.counters.skipped_steps
     opt = [sharded_optimizer_state(engine, o) for o in engine.optimizers] if optimizer and engine is not None else None
     return save_checkpoint_dir(path, sharded_model_state(module, engine), module, engine, opt, meta)

@@ -105,6 +105,5 @@ def sharded_optimizer_state(engine, optimizer=None) -> dict[str, Any]:
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(m)][0] for m in g["params"]]}
               for g in opt.param_groups]
     # the user's own parameter lists, frozen ones as None: what a plain (DDP) optimizer numbers by position
-    layout = [[None if m is None else name_of[id(m)][0] for m in g]
-              for g in getattr(engine.sharded, "group_layout", None) or []]
+    layout = [[None if m is None else name_of[id(m)][0] for m in g] for g in engine.sharded_for(opt).group_layout]
     return {"state": state, "param_groups": groups, "nontensor_state": other, "layout": layout}

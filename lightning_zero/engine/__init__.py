@@ -3,6 +3,7 @@
 from . import collectives
 from .config import STAGES, ZeroConfig, parse_dtype
 from .engine import ZeroEngine
+from .engine_state import EngineMode, StepCounters
 from .loss_scaler import DynamicLossScaler, LossScalerError, StaticLossScaler
 from .memory import MemoryReport, model_state_floor
 from .optimizer import check_shardable, register_shardable_optimizer
@@ -11,10 +12,12 @@ from .sharding import ShardSpec
 __all__ = [
     "STAGES",
     "DynamicLossScaler",
+    "EngineMode",
     "LossScalerError",
     "MemoryReport",
     "ShardSpec",
     "StaticLossScaler",
+    "StepCounters",
     "ZeroConfig",
     "ZeroEngine",
     "check_shardable",

@@ -16,6 +16,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .stage3.lifecycle import OrderCheck
+
 STAGES = (0, 1, 2, 3)
 
 
@@ -46,7 +48,7 @@ class ZeroConfig:
     broadcast_buffers: copy rank 0's buffers to all ranks before each training forward (like DDP).
     unit_classes (stage 3): module classes, class names or qualified module names whose instances are
         gathered/released as one unit, e.g. ["T5Block"]; None = automatic: the model's own
-        ``_no_split_modules``, else its repeated blocks, else by size (see engine/unit_policy.py).
+        ``_no_split_modules``, else its repeated blocks, else by size (see engine/stage3/unit_policy.py).
     unit_mb (stage 3): units by size: a module becomes a unit once it owns this many MiB of params;
         None = automatic (the rule above; the size rule then uses min(8 MiB, model / 8)).
     persist_numel (stage 3): units with fewer elements stay gathered for the whole step; None = a
@@ -103,8 +105,7 @@ class ZeroConfig:
                 "Allowed: offload_params with stage 3 only (use offload_optimizer for stages 1-2)."
             )
         self.reduce_dtype = parse_dtype(self.reduce_dtype)
-        if self.order_check not in ("strict", "always", "off"):
-            raise ValueError(f"order_check must be 'strict', 'always' or 'off'; got {self.order_check!r}.")
+        self.order_check = OrderCheck.parse(self.order_check).value  # stays the user's string; engines use the enum
         if self.unit_classes is not None:
             if isinstance(self.unit_classes, (str, type)):
                 self.unit_classes = [self.unit_classes]

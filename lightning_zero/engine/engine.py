@@ -10,18 +10,13 @@ The engine imports nothing from Lightning; it is usable from plain torch.distrib
         loss.backward()            # gradients are reduced (and sharded) during backward
         engine.step()              # master shards step, full params are rebuilt, grads cleared
 
-Path of one step: ``backward`` -> :class:`~.reducer.GradReducer` hooks reduce buckets as they fill ->
-:meth:`step` finalizes (which parameters were used anywhere), points the masters' ``.grad`` at the
-reduced shards, computes the global norm when clipping or loss scaling needs it (one all-reduce),
-applies unscale and clip in one multiply, steps the user's optimizer on the masters, and publishes the
-updated shards back into the module's parameters (one all-gather per bucket).
-
-Several optimizers (a GAN): pass a list over disjoint parameter sets; each gets its own master shards
-and buckets, and ``step(opt)`` / ``zero_grad(opt)`` / ``clip_grad_norm_(x, opt)`` act on that one only
-(:mod:`.param_groups`, which also handles ``optimizer.add_param_group`` after setup).
-
-Accumulation: wrap non-boundary micro-batches in :meth:`no_sync` (stages 0-1 issue no collective
-there; stage 2 reduces each micro-batch into its gradient shard regardless, as DeepSpeed does).
+Path of one step (docs/ARCHITECTURE.md, "One training step"): :class:`~.reducer.GradReducer` hooks reduce
+buckets during ``backward``; :meth:`step` points the masters' ``.grad`` at the reduced shards
+(:class:`~.optimizer.ShardedOptimizer`), unscales and clips in one multiply, steps the user's optimizer on
+the masters and publishes them into the module (one all-gather per bucket). Stage 3 partitions parameters
+into units (:mod:`.stage3`); whole-model views (checkpoints, handing the module back) are the functions of
+:mod:`.full_state`. Several optimizers over disjoint parameters: ``step(opt)`` etc. act on one
+(:mod:`.param_groups`). Accumulation: :meth:`no_sync` (stages 0-1 issue no collective under it).
 """
 
 from __future__ import annotations
@@ -36,13 +31,15 @@ import torch
 from torch import nn
 
 from . import collectives as C
-from .stage3.deferred_init import has_meta_params
+from .stage3.deferred_init import compute_device, has_meta_params
 from .stage3.units import build_units
 from .config import ZeroConfig
-from .memory import MemoryReport
-from .full_state import FullStateMixin
+from .engine_state import EngineMode, StepCounters
+from .memory import MemoryReport, measure_model_states
+from . import full_state as FS
 from .groups import HybridGroups, check_shard_group_size, hybrid_groups, reduce_scatter_group
 from .optimizer import ShardedOptimizer
+from .stage3.lifecycle import OrderCheck
 from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
 from .stage3.release import BackwardReleaser
@@ -51,7 +48,7 @@ from . import param_groups as PG
 _log = logging.getLogger("lightning_zero.engine")
 
 
-class ZeroEngine(FullStateMixin):
+class ZeroEngine:
     def __init__(
         self,
         module: nn.Module,
@@ -71,10 +68,12 @@ class ZeroEngine(FullStateMixin):
         self.config = cfg = config or ZeroConfig()
         self.module = module
         self.optimizers = PG.as_optimizer_list(optimizer)
-        optimizer = self.optimizer = self.optimizers[0] if self.optimizers else None
+        self.optimizer = self.optimizers[0] if self.optimizers else None
+        self.mode = EngineMode.TRAIN if self.optimizers else EngineMode.EVAL_ONLY
         self.group = group
         self.compute_dtype = compute_dtype
         self.loss_scaler = loss_scaler
+        self.counters = StepCounters.of(loss_scaler)  # the one count of skipped steps (engine_state.py)
         self.check_finite = check_finite or loss_scaler is not None
         # hybrid sharding: shards, gathers and norms live in the shard group, gradient shards are all-reduced
         # across the replicate group; ``group`` (the world) keeps the broadcasts. Stage 0 shards nothing.
@@ -92,59 +91,62 @@ class ZeroEngine(FullStateMixin):
         sources = None
         reduce_group = self.shard_group
         if cfg.stage == 3:
-            if len(self.optimizers) > 1 and cfg.order_check == "strict":
+            if len(self.optimizers) > 1 and OrderCheck(cfg.order_check) is OrderCheck.STRICT:
                 # each optimizer runs its own forward/backward: a step holds several different forward
                 # sequences, which one recorded order cannot describe. Check before every gather instead.
-                cfg = self.config = dataclasses.replace(cfg, order_check="always")
+                cfg = self.config = dataclasses.replace(cfg, order_check=OrderCheck.ALWAYS.value)
             units = build_units(module, self.world_size, self.rank, cfg.unit_classes, cfg.unit_bytes,
                                 cfg.persist_numel)
-            device = torch.device(device) if device is not None else _compute_device(module)
+            device = torch.device(device) if device is not None else compute_device(module)
             if self.rank == 0:
                 _log.info(units.describe())
             self.partitioner = ParamPartitioner(module, units, compute_dtype, device, cfg.offload_params,
                                                 self.shard_group, cfg.prefetch, cfg.order_check, init_group=group)
-            self.partitioner.guard.eval_only = not self.optimizers
+            self.partitioner.guard.eval_only = self.mode is EngineMode.EVAL_ONLY
             self.buckets, self._bucket_opt, sources, self._bucket_unit = PG.build_optimizer_buckets(
                 self, per_opt, units)
             # releases each unit as soon as its backward is over (see release.py for units with frozen params)
-            with_bucket = {id(u) for u in self._bucket_unit}
-            frozen = [u for u in units if id(u) not in with_bucket and u.params and not u.persistent]
-            self.releaser = BackwardReleaser(self.buckets, self._bucket_unit, self.partitioner.release, frozen)
+            self.releaser = BackwardReleaser.for_units(units, self.buckets, self._bucket_unit,
+                                                       self.partitioner.release)
             # reduce-scatters get their own group: they interleave with gathers differently per rank.
             # Made once per process and shared by later engines (see [Note: why a group is never
             # re-created] in groups.py); an evaluation-only engine reduces nothing and needs none.
-            if self.world_size > 1 and optimizer is not None:
+            if self.world_size > 1 and self.mode is EngineMode.TRAIN:
                 reduce_group = (hybrid.reduce_scatter if hybrid.reduce_scatter is not None
                                 else reduce_scatter_group(group))
         else:
             self.buckets, self._bucket_opt, _, _ = PG.build_optimizer_buckets(self, per_opt)
         self._sources = sources
         # masters are cut from the fp32 values before the module drops to the compute dtype
-        self.shardeds: list[ShardedOptimizer] = []
-        for k, opt in enumerate(self.optimizers):
-            mine = [i for i, o in enumerate(self._bucket_opt) if o == k]
-            self.shardeds.append(ShardedOptimizer(
-                opt, [self.buckets[i] for i in mine], cfg.stage, cfg.offload_optimizer, compute_dtype,
-                [sources[i] for i in mine] if sources is not None else None))
+        self.shardeds: list[ShardedOptimizer] = PG.shard_optimizers(
+            self.optimizers, self.buckets, self._bucket_opt, sources, cfg, compute_dtype)
         self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
         if mixed:
             module.to(compute_dtype)  # params (released ones too) and floating buffers, like module.half()
-            if self.partitioner is not None and optimizer is not None:
+            if self.partitions_params and self.mode is EngineMode.TRAIN:
                 self.partitioner.cast_shards(compute_dtype)
                 # the shards are new tensors now: point publish_params at them, not at the fp32 originals
                 self._sources = [[dict(zip(map(id, u.params), u.local_views()))[id(p)] for p in b.params]
                                  for b, u in zip(self.buckets, self._bucket_unit)]
         self.reducer: Optional[GradReducer] = None
-        if optimizer is not None:
+        if self.mode is EngineMode.TRAIN:
             self.reducer = GradReducer(
                 self.buckets, cfg.stage, cfg.reduce_dtype, reduce_group,
-                on_bucket_complete=self.releaser.bucket_complete if self.partitioner else None,
-                on_end_of_backward=self._end_of_backward if self.partitioner else None,
+                on_bucket_complete=self.releaser.bucket_complete if self.partitions_params else None,
+                on_end_of_backward=self._end_of_backward if self.partitions_params else None,
                 host_grads=cfg.offload_optimizer, replicate_group=self.replicate_group,
             )
             PG.install_optimizer_methods(self)
         self.last_step_skipped = False
-        self.skipped_steps = 0
+
+    @property
+    def partitions_params(self) -> bool:
+        """Parameters live as stage-3 unit shards (until the module is handed back whole)."""
+        return self.partitioner is not None
+
+    @property
+    def skipped_steps(self) -> int:  # a view of self.counters, which checkpoints read and write
+        return self.counters.skipped_steps
 
     def _end_of_backward(self) -> None:
         self.partitioner.end_of_backward()
@@ -153,7 +155,7 @@ class ZeroEngine(FullStateMixin):
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
         """Hold full parameters for a block of code (stage 3; a no-op below): generate(), export."""
-        if self.partitioner is None:
+        if not self.partitions_params:
             yield
             return
         with torch.no_grad(), self.partitioner.gathered():
@@ -162,12 +164,11 @@ class ZeroEngine(FullStateMixin):
     def join(self) -> int:
         """End of this rank's evaluation work (stage 3): serve the gathers of ranks that still have batches
         until every rank has called it ([Note: evaluation join]). A no-op below stage 3."""
-        return self.partitioner.join() if self.partitioner is not None else 0
+        return self.partitioner.join() if self.partitions_params else 0
 
     @property
     def bucket_params(self) -> list[nn.Parameter]:
-        """Managed parameters in master order: optimizer by optimizer, bucket by bucket (the order of
-        full_master_params() and master_items())."""
+        """Managed parameters in master order (optimizer by optimizer, bucket by bucket)."""
         return [p for _, b in self.master_rows() for p in b.params]
 
     def master_rows(self, shardeds=None) -> list[tuple[list[torch.Tensor], Any]]:
@@ -190,14 +191,11 @@ class ZeroEngine(FullStateMixin):
             C.broadcast_flat(tensors, self.group)
 
     def prepare_forward(self) -> None:
-        """Before a training/eval step: rank 0's buffers (training, like DDP); stage 3: the root unit.
-
-        Lightning calls ``training_step``, not ``forward``, so root parameters used directly in a step
-        must be gathered here rather than in a forward hook.
-        """
+        """Before a training/eval step: rank 0's buffers (training, like DDP); stage 3: the root unit (Lightning
+        calls ``training_step``, not ``forward``: root parameters it uses are gathered here, not in a hook)."""
         if self.module.training:
             self.sync_buffers()
-        if self.partitioner is not None:
+        if self.partitions_params:
             self.partitioner.gather(self.partitioner.root)
 
     def sync_buffers(self) -> None:
@@ -206,15 +204,9 @@ class ZeroEngine(FullStateMixin):
                 C.broadcast_flat(list(self.module.buffers()), self.group)
 
     # -- backward-side controls ---------------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager:
         """Accumulate gradients locally (no collective in stages 0-1) for non-boundary micro-batches."""
-        prev = self.reducer.sync_enabled
-        self.reducer.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.reducer.sync_enabled = prev
+        return self.reducer.no_sync()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
@@ -232,33 +224,15 @@ class ZeroEngine(FullStateMixin):
                 continue
             if s.frozen_at_setup:
                 s.check_not_unfrozen(lambda: PG.param_names(self.module))
-            masks = self.reducer.finalize([b.index for b in s.buckets])
-            grads: list[list[Optional[torch.Tensor]]] = []
-            for b, mask in zip(s.buckets, masks):
-                if self.config.stage == 0:
-                    row = [p.grad if used else None for p, used in zip(b.params, mask.tolist())]
-                else:
-                    host = self.reducer.host_shards[b.index]  # offload: already copied as the bucket completed
-                    shard = host if host is not None else self.reducer.grad_shards[b.index]
-                    views = b.local_views(shard) if shard is not None else [None] * len(b.params)
-                    row = [v if used else None for v, used in zip(views, mask.tolist())]
-                grads.append(row)
-            s.assign_grads(grads)
-            s.grads_final = True
+            s.take_reduced_grads(self.reducer)
 
     def _global_sq_norm(self, optimizer=None) -> torch.Tensor:
         total = None
         for s in PG.select(self, optimizer):
-            if s.sq_norm is None:
-                self.finalize_grads(s.optimizer)
-                sq = s.local_sq_norm()
-                if self.config.stage >= 1:  # shards are disjoint: sum their squares over ranks
-                    dev = self.params[0].device if self.params else sq.device
-                    sq_dev = sq.to(dev)
-                    C.all_reduce(sq_dev, group=self.shard_group)  # replicas hold the same shards
-                    sq = sq_dev.to(sq.device)
-                s.sq_norm = sq
-            total = s.sq_norm if total is None else total + s.sq_norm.to(total.device)
+            self.finalize_grads(s.optimizer)
+            # replicas hold the same shards: the squares sum over the shard group only
+            sq = s.global_sq_norm(self.shard_group, self.params[0].device if self.params else None)
+            total = sq if total is None else total + sq.to(total.device)
         return total if total is not None else torch.zeros(())
 
     def global_grad_norm(self, optimizer=None) -> torch.Tensor:
@@ -288,12 +262,9 @@ class ZeroEngine(FullStateMixin):
         overflow = False
         if self.check_finite:
             overflow = not bool(torch.isfinite(self._global_sq_norm(optimizer)))
-        if self.loss_scaler is not None:
-            skip = self.loss_scaler.update(overflow)
-        else:
-            skip = overflow
+        # whoever decides the skip records it in self.counters: the scaler, else the engine itself
+        skip = self.loss_scaler.update(overflow) if self.loss_scaler is not None else self.counters.record(overflow)
         self.last_step_skipped = skip
-        self.skipped_steps += int(skip)
         if not skip:
             for s in PG.select(self, optimizer):
                 s.scale_grads(inv_scale * (s.clip_coef if s.clip_coef is not None else 1.0))
@@ -311,12 +282,12 @@ class ZeroEngine(FullStateMixin):
         Stage 3 only refreshes the unit shards; units are gathered again when next used. An
         evaluation-only engine has no masters: its unit shards already hold the values.
         """
-        if self.sharded is None:
-            if self.partitioner is not None:
+        if self.mode is EngineMode.EVAL_ONLY:
+            if self.partitions_params:
                 self.partitioner.after_step()
             return
         rows = self.master_rows(PG.select(self, optimizer))
-        if self.partitioner is not None:
+        if self.partitions_params:
             for row, b in rows:
                 for m, src in zip(row, self._sources[b.index]):
                     if m is not src:
@@ -346,7 +317,7 @@ class ZeroEngine(FullStateMixin):
         b.unpack_rank_major(out, [p.data for p in b.params])
 
     def zero_grad(self, optimizer=None) -> None:
-        if self.reducer is None:
+        if self.mode is EngineMode.EVAL_ONLY:
             return
         chosen = PG.select(self, optimizer)
         self.reducer.clear(None if optimizer is None else [b.index for s in chosen for b in s.buckets])
@@ -356,43 +327,81 @@ class ZeroEngine(FullStateMixin):
 
     # -- accounting -----------------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
-        def nbytes(ts):
-            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        """The tensor bytes this rank holds now, by kind (exact: tests compare them with the floors)."""
+        return measure_model_states(self.params, self.shardeds, self.reducer, self.partitioner,
+                                    self.config.offload_optimizer, self.config.offload_params)
 
-        part = self.partitioner
-        r = MemoryReport(
-            params=part.shard_bytes() + part.gathered_bytes() if part is not None else nbytes(self.params),
-            grads=nbytes(p.grad for p in self.params),
-            grad_shards=nbytes(self.reducer.grad_shards),
-            master=sum(s.master_bytes() for s in self.shardeds),
-            optimizer_state=sum(s.state_bytes() for s in self.shardeds),
-        )
-        if self.config.offload_optimizer:
-            r.host = r.master + r.optimizer_state
-        if part is not None and self.config.offload_params:
-            r.host += part.shard_bytes()
-        return r
+    # -- whole-model views: plain functions in full_state.py --------------------------------------------
+    def full_master_params(self) -> list[torch.Tensor]:
+        """fp32 full value of every managed parameter on every rank, in :attr:`bucket_params` order (what
+        checkpoints and the module handed back take, not the module's rounded copies). Collective."""
+        return FS.full_master_params(self.master_rows(), self.config.stage, self.shard_group)
+
+    def restore_fp32_module(self) -> None:
+        """Hand the module back whole, in fp32, with the master values (end of training). Stage 3
+        un-partitions it for good (as DeepSpeed's ``zero_to_fp32``): the engine is spent."""
+        if self.partitions_params:
+            self._unpartition()
+        elif self.compute_dtype not in (None, torch.float32):
+            FS.to_fp32_module(self.module, self.bucket_params, self.full_master_params())
+
+    def _unpartition(self) -> None:
+        masters = dict(zip(map(id, self.bucket_params), self.full_master_params()))  # {} if EVAL_ONLY
+        FS.unpartition(self.module, self.partitioner, masters)
+        if self.mode is EngineMode.TRAIN:
+            self.reducer.remove_hooks()
+        self.partitioner = None
+
+    def load_masters_from_module(self) -> None:
+        """Cut each master from the module's whole parameter (after training, the module handed back may
+        have been changed by the user). No collective."""
+        if self.partitions_params or self.mode is EngineMode.EVAL_ONLY:
+            raise RuntimeError("load_masters_from_module needs a detached engine (module whole, masters present).")
+        FS.load_masters_from_module(self.bucket_params, self.master_items())
+
+    def param_names(self) -> list[str]:
+        """Fully-qualified name of each managed parameter, in bucket order (first name of a tied one)."""
+        return FS.param_names(self.module, self.bucket_params)
+
+    def master_items(self) -> list[tuple[str, torch.Tensor, Any, torch.Size]]:
+        """(name, master, spec, full shape) per managed parameter, in bucket order. ``master``: this rank's
+        fp32 slice ``[spec.lo, spec.hi)`` of the flattened parameter (stage 0: all of it); write, publish."""
+        return FS.master_items(self.master_rows(), self.param_names()) if self.mode is EngineMode.TRAIN else []
+
+    def unmanaged_shard_items(self) -> list[tuple[str, torch.Tensor, Any, torch.Size]]:
+        """Stage 3: (name, unit-shard slice, spec, shape) of each parameter without a master; else empty."""
+        if not self.partitions_params:
+            return []
+        return FS.unmanaged_shard_items(self.module, self.partitioner.units, set(map(id, self.bucket_params)))
+
+    def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
+        """A full state dict into the module, the masters and (stage 3) the unit shards; then published."""
+        FS.load_full_state_dict(self.module, state_dict, strict, self.partitions_params,
+                                self.master_items() + self.unmanaged_shard_items())
+        if self.mode is EngineMode.TRAIN:
+            self.publish_params()
+        elif self.partitions_params:
+            self.partitioner.after_step()
+
+    # optimizer state: consolidated and re-sliced by the ShardedOptimizer that owns masters and layout
+    def optimizer_state_dict(self, optimizer=None) -> dict:
+        """The full state of ``optimizer`` (default: the first) as a plain optimizer saves it. Collective."""
+        return (self.sharded_for(optimizer) if optimizer is not None else self.sharded).full_state_dict(self.shard_group)
+
+    def load_optimizer_state_dict(self, state: dict, optimizer=None) -> None:
+        """Load a full optimizer state (from any world size or stage) into this rank's shards."""
+        (self.sharded_for(optimizer) if optimizer is not None else self.sharded).load_full_state_dict(state)
 
     def remove(self, hand_back: bool = True) -> None:
-        """Detach hooks; a stage-3 module is first handed back whole (see restore_fp32_module).
-
-        ``hand_back=False`` skips that collective: after a failure other ranks may be gone, and waiting for
-        them would turn an error into a hang. The stage-3 module then stays partitioned (unusable).
-        """
-        if self.partitioner is not None:
+        """Detach hooks; a stage-3 module is first handed back whole (see restore_fp32_module), unless
+        ``hand_back=False``: after a failure other ranks may be gone, and that collective would hang."""
+        if self.partitions_params:
             self.releaser.remove()
             if hand_back:
                 self._unpartition()
             else:
                 self.partitioner.remove_hooks()
                 self.partitioner = None
-        if self.reducer is not None:
+        if self.mode is EngineMode.TRAIN:
             self.reducer.remove_hooks()
             PG.remove_optimizer_methods(self)
-
-
-def _compute_device(module: nn.Module) -> torch.device:
-    for t in list(module.parameters()) + list(module.buffers()):
-        if not t.is_meta:
-            return t.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

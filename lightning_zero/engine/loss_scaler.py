@@ -13,18 +13,36 @@ Design note:
   scale without further communication.
 - Pure Python, no Lightning or torch.distributed imports, so it is trivially
   unit-testable and checkpointable through ``state_dict``.
+- A scaler decides which steps are skipped, so it records them, in its
+  ``counters`` (:class:`~.engine_state.StepCounters`): the one count of
+  skipped steps, shared with the engine that uses the scaler (``skipped_steps``
+  is a view of it).
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict
 
+from .engine_state import StepCounters
+
 
 class LossScalerError(RuntimeError):
     """Raised when gradients keep overflowing although the scale is at its minimum."""
 
 
-class DynamicLossScaler:
+class _RecordsSkips:
+    counters: StepCounters
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.counters.skipped_steps = int(value)
+
+
+class DynamicLossScaler(_RecordsSkips):
     dynamic = True
 
     _CONFIG_KEYS = (
@@ -58,7 +76,7 @@ class DynamicLossScaler:
         # `scale_window` clean steps rather than at step 0.
         self.last_overflow_iter = -1
         self.cur_iter = 0
-        self.skipped_steps = 0
+        self.counters = StepCounters()
 
     @staticmethod
     def _validate(init_scale, scale_window, hysteresis, min_scale, scale_factor) -> None:
@@ -96,7 +114,7 @@ class DynamicLossScaler:
                 # giving up scale that took many windows to earn.
                 self.cur_hysteresis -= 1
             self.last_overflow_iter = self.cur_iter
-            self.skipped_steps += 1
+            self.counters.record(True)
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.hysteresis
@@ -136,21 +154,18 @@ class DynamicLossScaler:
                 f"cur_iter={self.cur_iter}, skipped_steps={self.skipped_steps})")
 
 
-class StaticLossScaler:
+class StaticLossScaler(_RecordsSkips):
     dynamic = False
 
     def __init__(self, scale: float = 1.0) -> None:
         if not scale > 0:
             raise ValueError(f"scale must be > 0, got {scale}")
         self.scale = float(scale)
-        self.skipped_steps = 0
+        self.counters = StepCounters()
 
     def update(self, overflow: bool) -> bool:
         """Return True (skip) on overflow; a fixed scale is never adjusted and never raises."""
-        overflow = bool(overflow)
-        if overflow:
-            self.skipped_steps += 1
-        return overflow
+        return self.counters.record(bool(overflow))
 
     def state_dict(self) -> Dict[str, Any]:
         return {"scale": self.scale, "skipped_steps": self.skipped_steps, "dynamic": False}

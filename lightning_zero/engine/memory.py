@@ -14,12 +14,19 @@ parameters, N ranks and K bytes of optimizer state per parameter, a rank holds
 (K = 8 for Adam's two moments, giving the paper's 16 Psi, 4 Psi + 12 Psi / N, ...). The floors count
 *device* bytes; with the optimizer offloaded, master (always a separate fp32 copy then) and optimizer
 state move to host memory.
-Measurement counts real tensor bytes (no allocator guesses), so tests can compare them exactly.
+
+One model, two uses: :func:`rank_model_states` is what a rank holds, given how many elements of
+parameters and gradients it really keeps. The floor (:func:`model_state_floor`) calls it with the exact
+Psi / N of the table; the estimator (``tools/estimate.py``) with the per-parameter padding of the flat
+shards, frozen parameters and stage 1 without accumulation -- so the two agree by construction.
+Measurement (:func:`measure_model_states`) counts real tensor bytes (no allocator guesses), so tests can
+compare it with both exactly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Optional
 
 
 def optimizer_state_bytes_per_param(name: str) -> int:
@@ -36,19 +43,75 @@ def optimizer_state_bytes_per_param(name: str) -> int:
     raise ValueError(f"Unknown optimizer {name!r} for the memory estimate.")
 
 
-def model_state_floor(
-    stage: int, numel: int, world_size: int, mixed: bool, state_bytes: int = 8, offload_optimizer: bool = False
+def rank_model_states(
+    stage: int, world_size: int, mixed: bool, numel: float, trainable: Optional[float] = None,
+    state_bytes: int = 8, offload_optimizer: bool = False, offload_params: bool = False,
+    full_grads: Optional[bool] = None, param_shard: Optional[float] = None, grad_shard: Optional[float] = None,
 ) -> dict[str, float]:
-    """Device and host bytes per rank for params, grads, master and optimizer state (the ZeRO floor)."""
+    """Bytes of params, grads, master and optimizer state one rank holds, and how many are on the host.
+
+    ``numel`` parameters, ``trainable`` of them with a master and optimizer state (default: all). Stage 3
+    keeps ``param_shard`` elements of parameters and stages 2-3 ``grad_shard`` of gradients (defaults: the
+    exact ``numel / N`` and ``trainable / N``; the engine's flat shards pad each parameter to a multiple of
+    N). ``full_grads``: full-size gradients (default: stages 0-1; stage 1 reducing during backward, without
+    accumulation, holds shards like stage 2). ``offload_params`` (stage 3): the parameter shards live on the
+    host, and in fp32 such a shard *is* the master (no separate copy).
+    """
     n = world_size
-    p16 = 2 if mixed else 4
-    master = 4 if (mixed or offload_optimizer) else 0  # an offloaded master is always a separate fp32 copy
-    param = p16 * numel / (n if stage >= 3 else 1)
-    grad = p16 * numel / (n if stage >= 2 else 1)
-    opt = (master + state_bytes) * numel / (n if stage >= 1 else 1)
-    device = param + grad + (0 if offload_optimizer else opt)
-    host = opt if offload_optimizer else 0.0
-    return {"params": param, "grads": grad, "optimizer": opt, "device": device, "host": host}
+    trainable = numel if trainable is None else trainable
+    p = 2 if mixed else 4
+    full_grads = stage <= 1 if full_grads is None else full_grads
+    if stage < 3:
+        params = p * numel
+    else:
+        params = p * numel / n if param_shard is None else p * param_shard
+    if full_grads:
+        grads = p * trainable
+    else:
+        grads = p * trainable / n if grad_shard is None else p * grad_shard
+    div = n if stage >= 1 else 1
+    # a separate fp32 master: mixed precision, or offloaded (the host copy), unless it is the host shard
+    separate_master = (mixed or offload_optimizer) and not (stage == 3 and offload_params and not mixed)
+    master = 4 * trainable / div if separate_master else 0.0
+    opt = state_bytes * trainable / div
+    host = (master + opt if offload_optimizer else 0.0) + (params if stage == 3 and offload_params else 0.0)
+    total = params + grads + master + opt
+    return {"params": params, "grads": grads, "master": master, "optimizer_state": opt,
+            "model_states": total, "host": host, "device": total - host}
+
+
+def model_state_floor(
+    stage: int, numel: int, world_size: int, mixed: bool, state_bytes: int = 8, offload_optimizer: bool = False,
+    offload_params: bool = False,
+) -> dict[str, float]:
+    """Device and host bytes per rank for params, grads, master and optimizer state (the ZeRO floor):
+    :func:`rank_model_states` with the exact Psi / N of the table, every parameter trainable."""
+    r = rank_model_states(stage, world_size, mixed, numel, state_bytes=state_bytes,
+                          offload_optimizer=offload_optimizer, offload_params=offload_params)
+    return {"params": r["params"], "grads": r["grads"], "optimizer": r["master"] + r["optimizer_state"],
+            "device": r["device"], "host": r["host"]}
+
+
+def measure_model_states(params, shardeds, reducer=None, partitioner=None, offload_optimizer: bool = False,
+                         offload_params: bool = False) -> "MemoryReport":
+    """The tensor bytes one rank holds now: ``params`` (managed parameters), the ShardedOptimizers'
+    masters and state, the reducer's gradient shards, stage 3's unit shards and gathered units."""
+    def nbytes(ts):
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    part = partitioner
+    r = MemoryReport(
+        params=part.shard_bytes() + part.gathered_bytes() if part is not None else nbytes(params),
+        grads=nbytes(p.grad for p in params),
+        grad_shards=nbytes(reducer.grad_shards) if reducer is not None else 0,
+        master=sum(s.master_bytes() for s in shardeds),
+        optimizer_state=sum(s.state_bytes() for s in shardeds),
+    )
+    if offload_optimizer:
+        r.host = r.master + r.optimizer_state
+    if part is not None and offload_params:
+        r.host += part.shard_bytes()
+    return r
 
 
 @dataclass

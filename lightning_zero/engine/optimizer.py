@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from . import collectives as C
 from .buckets import Bucket
 from .optimizer_state import consolidate_optimizer_state, load_sharded_optimizer_state
 
@@ -208,6 +209,23 @@ class ShardedOptimizer:
             )
 
     # -- gradients ------------------------------------------------------------------------------
+    def take_reduced_grads(self, reducer) -> None:
+        """Complete the reductions of this optimizer's buckets and point the masters' ``.grad`` at this
+        rank's reduced gradients (parameters no rank used keep ``grad=None``, as under DDP)."""
+        masks = reducer.finalize([b.index for b in self.buckets])
+        grads: list[list[Optional[torch.Tensor]]] = []
+        for b, mask in zip(self.buckets, masks):
+            if self.stage == 0:
+                row = [p.grad if used else None for p, used in zip(b.params, mask.tolist())]
+            else:
+                host = reducer.host_shards[b.index]  # offload: already copied as the bucket completed
+                shard = host if host is not None else reducer.grad_shards[b.index]
+                views = b.local_views(shard) if shard is not None else [None] * len(b.params)
+                row = [v if used else None for v, used in zip(views, mask.tolist())]
+            grads.append(row)
+        self.assign_grads(grads)
+        self.grads_final = True
+
     def assign_grads(self, grads: list[list[Optional[torch.Tensor]]]) -> None:
         """Point each master's ``.grad`` at its reduced gradient (fp32, on the master's device)."""
         for row, grow in zip(self.masters, grads):
@@ -235,6 +253,18 @@ class ShardedOptimizer:
             return torch.zeros((), device=self.master_device)
         norms = torch._foreach_norm(grads, 2.0)
         return torch.stack(norms).float().pow(2).sum()
+
+    def global_sq_norm(self, group=None, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Sum of squares of the whole gradient over all ranks, once per step (``sq_norm``): the shards of
+        stages 1-3 are disjoint, so their squares add (one all-reduce, on ``device``: the compute device)."""
+        if self.sq_norm is None:
+            sq = self.local_sq_norm()
+            if self.stage >= 1:
+                sq_dev = sq.to(device if device is not None else sq.device)
+                C.all_reduce(sq_dev, group=group)
+                sq = sq_dev.to(sq.device)
+            self.sq_norm = sq
+        return self.sq_norm
 
     def scale_grads(self, coef: float) -> None:
         grads = self.grads()

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .buckets import build_buckets
+from .optimizer import ShardedOptimizer
 from .stage3.units import grad_buckets_for_units
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,6 +103,16 @@ def build_optimizer_buckets(engine: "ZeroEngine", per_opt: list[list[nn.Paramete
     return buckets, [it[1] for it in items], [it[3] for it in items], [it[4] for it in items]
 
 
+def shard_optimizers(optimizers, buckets, bucket_opt: list[int], sources, cfg, compute_dtype) -> list[ShardedOptimizer]:
+    """One :class:`ShardedOptimizer` per optimizer over its own buckets (``bucket_opt``: owner per bucket)."""
+    out = []
+    for k, opt in enumerate(optimizers):
+        mine = [i for i, o in enumerate(bucket_opt) if o == k]
+        out.append(ShardedOptimizer(opt, [buckets[i] for i in mine], cfg.stage, cfg.offload_optimizer, compute_dtype,
+                                    [sources[i] for i in mine] if sources is not None else None))
+    return out
+
+
 def install_optimizer_methods(engine: "ZeroEngine") -> None:
     """Route each managed optimizer's ``add_param_group`` and ``zero_grad`` through the engine (instance
     attributes): torch's would add module parameters next to masters, or clear only the masters' ``.grad``
@@ -142,14 +153,14 @@ def add_param_group(engine: "ZeroEngine", optimizer: torch.optim.Optimizer, grou
                 "Allowed: parameters no optimizer holds yet (each parameter may belong to one optimizer).")
     if len({id(p) for p in params}) != len(params):
         raise ValueError("add_param_group: a parameter appears more than once in the new group.")
-    if engine.reducer is not None and engine.reducer.in_backward:
+    if engine.reducer.in_backward:  # installed on training engines only: there is a reducer
         raise RuntimeError("add_param_group cannot run during backward; call it between optimizer steps.")
     ids = {id(p) for p in params}
     # frozen parameters of the new group are managed too (unlike frozen ones at setup, which may be a
     # LoRA base too large for masters): the group was added to be trained, and unfreezing it later must
     # work; while frozen, their bucket is skipped by the reducer and they get no gradient, so no step
     new_params = [p for p in engine.module.parameters() if id(p) in ids]
-    if engine.partitioner is not None:
+    if engine.partitions_params:
         # the parameters already live in their units' shards: per unit, a gradient bucket of the new ones,
         # sourced from the current (compute-dtype) shard, so masters start from the values in use
         new, sources, units = grad_buckets_for_units(engine.partitioner.units, new_params, engine.world_size,
@@ -164,7 +175,7 @@ def add_param_group(engine: "ZeroEngine", optimizer: torch.optim.Optimizer, grou
     assert engine.reducer.buckets is engine.buckets  # add_buckets below extends the one shared list
     engine._bucket_opt.extend([k_new] * len(new))
     engine.params.extend(new_params)
-    if engine.partitioner is not None:
+    if engine.partitions_params:
         engine._sources.extend(sources)
         engine._bucket_unit.extend(units)
         for b, u in zip(new, units):

@@ -1,4 +1,4 @@
-"""Gradient reduction: bucketed all-reduce (stage 0) or reduce-scatter (stages 1-2) driven by backward.
+"""Gradient reduction: bucketed all-reduce (stage 0) or reduce-scatter (stages 1-3) driven by backward.
 
 Design note
 -----------
@@ -70,6 +70,17 @@ class BackwardPhase(enum.Enum):
         return to
 
 
+class GradSync(enum.Enum):
+    """What a micro-batch's backward does with its gradients, set for the whole backward by ``no_sync``:
+    BOUNDARY (the default: the last micro-batch of a step, whose reductions give the step's gradients) or
+    ACCUMULATE (an earlier one: stages 0-1 issue no collective and only note the buckets touched in
+    ``_dirty``, reduced by the next ``finalize``; stages 2-3 still reduce into the gradient shard, but an
+    offloaded shard is copied to the host only at the boundary)."""
+
+    BOUNDARY = "boundary"
+    ACCUMULATE = "accumulate"
+
+
 class GradReducer:
     def __init__(
         self,
@@ -96,7 +107,7 @@ class GradReducer:
         pre = math.sqrt(ranks) if reduce_dtype == torch.float16 else float(ranks)
         self._pre, self._post = pre, ranks / pre
         self._unreplicated: list[Optional[torch.Tensor]] = [None] * len(buckets)  # hybrid: shard + counts
-        self.sync_enabled = True
+        self.sync = GradSync.BOUNDARY
         self._on_bucket_complete = on_bucket_complete  # stage 3: release the unit's parameters
         self._on_end_of_backward = on_end_of_backward
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
@@ -152,6 +163,19 @@ class GradReducer:
     def in_backward(self) -> bool:
         return self.phase is BackwardPhase.REDUCING
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards in this block accumulate (GradSync.ACCUMULATE); the previous setting is restored after."""
+        prev, self.sync = self.sync, GradSync.ACCUMULATE
+        try:
+            yield
+        finally:
+            self.sync = prev
+
+    @property
+    def sync_enabled(self) -> bool:  # the boolean spelling of ``sync``
+        return self.sync is GradSync.BOUNDARY
+
     # -- hooks ----------------------------------------------------------------------------------
     def _make_hook(self, bi: int):
         def hook(_param: torch.Tensor) -> None:
@@ -160,7 +184,7 @@ class GradReducer:
         return hook
 
     def _syncing(self) -> bool:
-        return self.stage >= 2 or self.sync_enabled
+        return self.stage >= 2 or self.sync is GradSync.BOUNDARY
 
     def _on_grad_ready(self, bi: int) -> None:
         if not self._syncing():
@@ -238,7 +262,7 @@ class GradReducer:
         if self.replicate_group is not None:  # [Note: hybrid reduction]
             acc = self._unreplicated[b.index]
             self._unreplicated[b.index] = out if acc is None else acc.add_(out)
-            if self.sync_enabled:
+            if self.sync is GradSync.BOUNDARY:
                 self._replicate(b)
             return
         self._add_shard(b, out)
@@ -267,7 +291,7 @@ class GradReducer:
             shard = self.grad_shards[b.index] = out
         else:
             shard.add_(out)
-        if self.host_grads and self.sync_enabled:  # the boundary micro-batch: this sum is the final one
+        if self.host_grads and self.sync is GradSync.BOUNDARY:  # this sum is the final one
             host = self.host_shards[b.index]
             if host is None:
                 host = self.host_shards[b.index] = torch.empty(

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from ..engine.engine_state import EngineMode
 from ..checkpoint.format import (_IMPL_KEYS, _OLD, _TMP, _remove, check_optimizer_count, load_model_state,
                          load_optimizer_state, read_info, read_meta, resolve_checkpoint_dir, save_checkpoint_dir,
                          sharded_model_state, sharded_optimizer_state)
@@ -53,7 +54,7 @@ class ZeroCheckpointMixin:
     def _zero_optimizer_engine(self):
         """The engine holding the optimizer's shards: the live training engine, else a finished fit's."""
         engine = self._zero_engine
-        if engine is not None and engine.sharded is not None:
+        if engine is not None and engine.mode is EngineMode.TRAIN:
             return engine
         return getattr(self, "_trained_engine", None)
 
@@ -62,12 +63,12 @@ class ZeroCheckpointMixin:
         engine = self._zero_saved_engine
         if self._zero_sharded:
             return sharded_model_state(self.lightning_module, engine)
-        if engine is not None and engine.partitioner is not None:  # stage 3: nothing is whole in the module
+        if engine is not None and engine.partitions_params:  # stage 3: nothing is whole in the module
             with engine.gathered_params():
                 state = {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
         else:
             state = super().lightning_module_state_dict()
-        if engine is not None and engine.sharded is not None and engine.compute_dtype not in (None, torch.float32):
+        if engine is not None and engine.mode is EngineMode.TRAIN and engine.compute_dtype not in (None, torch.float32):
             # the module holds fp16/bf16 copies: save the fp32 masters so a resume loses nothing
             by_id = {id(p): f for p, f in zip(engine.bucket_params, engine.full_master_params())}
             for name, p in self.lightning_module.named_parameters(remove_duplicate=False):

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..engine import DynamicLossScaler, StaticLossScaler
+from ..engine.engine_state import EngineMode, StepCounters
 from ._distribution import lightning_import
 from .optimizers import raw_optimizer
 
@@ -78,8 +79,10 @@ class ZeroPrecision(Precision):
         self._static_scale = loss_scale if loss_scale else None
         self.check_finite = (self.precision != "32-true") if check_finite is None else bool(check_finite)
         self.loss_scaler = self._make_scaler()
+        # the one count of skipped steps, for the plugin's whole life (it outlives each fit's engine): the
+        # scaler's own when there is one, handed to every training engine attached (engine_state.py)
+        self.counters = self.loss_scaler.counters if self.loss_scaler is not None else StepCounters()
         self._engine = None  # attached by the strategy once the optimizer is sharded
-        self._skipped = 0  # the count while no training engine is attached (restored, or after fit)
         self._cast_hooks: list = []
 
     def _make_scaler(self):
@@ -94,8 +97,6 @@ class ZeroPrecision(Precision):
         return self.compute_dtype != torch.float32
 
     def attach(self, engine, device_type: str = "cpu") -> None:
-        if _training(self._engine):  # keep the count past teardown: save_checkpoint after fit still has it
-            self._skipped = self._engine.skipped_steps
         self._engine = engine
         self.device_type = device_type
         for handle in self._cast_hooks:
@@ -104,7 +105,7 @@ class ZeroPrecision(Precision):
         if _training(engine) and self.mixed:  # training: the module itself is fp16/bf16
             self._cast_hooks = _cast_inputs_to_param_dtype(engine.module)
         if _training(engine):  # restored before the engine existed, or carried on from an earlier fit
-            engine.skipped_steps = self._skipped
+            engine.counters = self.counters  # the same object (already so when the scaler brought it)
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
@@ -162,7 +163,7 @@ class ZeroPrecision(Precision):
         state: dict[str, Any] = {}
         if self.loss_scaler is not None:
             state["loss_scaler"] = self.loss_scaler.state_dict()
-        if self.check_finite:  # steps skipped for non-finite gradients (the engine's count; bf16 has no scaler)
+        if self.check_finite:  # steps skipped for non-finite gradients (self.counters; bf16 has no scaler)
             state["skipped_steps"] = self.skipped_steps
         return state
 
@@ -170,9 +171,7 @@ class ZeroPrecision(Precision):
         if self.loss_scaler is not None and "loss_scaler" in state_dict:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         if "skipped_steps" in state_dict:
-            self._skipped = int(state_dict["skipped_steps"])
-            if _training(self._engine):
-                self._engine.skipped_steps = self._skipped
+            self.counters.skipped_steps = int(state_dict["skipped_steps"])
 
     @property
     def loss_scale(self) -> float:
@@ -180,13 +179,11 @@ class ZeroPrecision(Precision):
 
     @property
     def skipped_steps(self) -> int:
-        if self.loss_scaler is not None:
-            return self.loss_scaler.skipped_steps
-        return self._engine.skipped_steps if _training(self._engine) else self._skipped
+        return self.counters.skipped_steps
 
 
 def _training(engine) -> bool:
-    return engine is not None and engine.sharded is not None
+    return engine is not None and engine.mode is EngineMode.TRAIN
 
 
 def _cast_inputs_to_param_dtype(module: torch.nn.Module) -> list:

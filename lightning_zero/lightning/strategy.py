@@ -19,6 +19,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from ..engine import ZeroConfig, ZeroEngine
 from ..engine.stage3.deferred_init import has_meta_params
+from ..engine.engine_state import EngineMode
 from .callback_checks import check_callbacks
 from .checkpoint_strategy import ZeroCheckpointMixin
 from .optimizers import bind as bind_optimizers
@@ -246,7 +247,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             self._unbind_optimizers = None
         if self.engine is not None:
             self.engine.remove(hand_back=not self._failed)
-            if self.engine.sharded is not None and not self._failed:
+            if self.engine.mode is EngineMode.TRAIN and not self._failed:
                 # [Note: the trained state outlives fit] As DDP keeps its optimizer, a finished fit keeps
                 # its engine, detached (no hooks, module whole), so save_checkpoint after fit (or after a
                 # later validate/test) writes the optimizer state, loss scale and stage; released when

@@ -5,10 +5,11 @@ Design note
 Three parts, each checked against a measurement (tests/test_estimate.py, docs/tuning.md):
 
 * **Model states** (params, grads, fp32 master, optimizer state) follow what :class:`ZeroEngine` really
-  allocates, which is the model-state floors (docs/ARCHITECTURE.md) plus two details: per-parameter shards are padded to a multiple
-  of the world size, and a master aliases its source when nothing forces a copy (fp32 stages 1-2; fp32
-  stage 3 with offloaded params, whose host shard *is* the master). They match
-  ``engine.memory_report()`` within padding.
+  allocates: the engine's one model (``engine/memory.py`` ``rank_model_states``, whose exact Psi / N case
+  is the model-state floors of docs/ARCHITECTURE.md) with per-parameter shards padded to a multiple of
+  the world size, frozen parameters without master or state, and a master aliasing its source when
+  nothing forces a copy (fp32 stages 1-2; fp32 stage 3 with offloaded params, whose host shard *is* the
+  master). They match ``engine.memory_report()`` within padding.
 * **Buffers** the engine holds on top (on an accelerator; gloo on CPU keeps every pending bucket until
   the end of backward): stages 0-2, two reduction buckets in flight (stage 2 also the full gradients of
   the bucket being filled); stage 3, the root unit plus the current and the prefetched unit, the current
@@ -31,7 +32,7 @@ from typing import Optional, Sequence, Union
 from torch import nn
 
 from ..engine.config import PRESETS
-from ..engine.memory import optimizer_state_bytes_per_param
+from ..engine.memory import optimizer_state_bytes_per_param, rank_model_states
 
 GiB = 2**30
 MiB = 2**20
@@ -95,19 +96,13 @@ def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: in
     1 keeps full gradients (the stage-1 floor); without it stage 1 reduces each bucket during backward and
     holds gradient shards, like stage 2.
     ``offload``: the optimizer (master + state) on the host; at stage 3 also the parameter shards.
+    The engine's own model (:func:`~lightning_zero.engine.memory.rank_model_states`, which the floors use
+    too) with the shards as the engine pads them.
     """
-    n, p = world_size, (2 if mixed else 4)
-    div = n if stage >= 1 else 1
-    params = p * (info.padded(n, False) if stage == 3 else info.numel)
-    full_grads = stage == 0 or (stage == 1 and accumulating)
-    grads = p * (info.trainable if full_grads else info.padded(n, True))
-    separate_master = (mixed or offload) and not (stage == 3 and offload and not mixed)
-    master = 4 * info.trainable / div if separate_master else 0.0
-    opt = state_bytes * info.trainable / div
-    host = (master + opt if offload else 0.0) + (params if stage == 3 and offload else 0.0)
-    total = params + grads + master + opt
-    return {"params": params, "grads": grads, "master": master, "optimizer_state": opt,
-            "model_states": total, "host": host, "device": total - host}
+    return rank_model_states(
+        stage, world_size, mixed, info.numel, info.trainable, state_bytes, offload_optimizer=offload,
+        offload_params=offload and stage == 3, full_grads=stage == 0 or (stage == 1 and accumulating),
+        param_shard=info.padded(world_size, False), grad_shard=info.padded(world_size, True))
 
 
 def buffer_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mixed: bool,

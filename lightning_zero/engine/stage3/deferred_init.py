@@ -65,3 +65,11 @@ def materialize(root: nn.Module, unit_modules: list[nn.Module], device: torch.de
     rest = [p.data for p in root.parameters() if p.untyped_storage().nbytes() > 0]
     for t in rest + list(root.buffers()):
         C.broadcast(t, 0, group)
+
+
+def compute_device(module: nn.Module) -> torch.device:
+    """Where a (possibly meta) module computes: where its first real tensor is, else the current device."""
+    for t in list(module.parameters()) + list(module.buffers()):
+        if not t.is_meta:
+            return t.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

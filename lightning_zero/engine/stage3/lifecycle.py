@@ -23,7 +23,9 @@ of corrupting storage. FSDP2 names the same states ``ShardedState`` / ``Training
 ``RECORDING`` (first training forward: unit indices appended, every gather announced to the other
 ranks) → ``RECORDED`` (end of that backward: the order is fixed, later forwards are checked against it
 locally) → ``VERIFIED`` (after the first step: the order's digest agreed on every rank; now it drives
-prefetch and gathers are no longer announced in training).
+prefetch and gathers are no longer announced in training). How much of this runs is ``OrderCheck``
+(``ZeroConfig.order_check``): STRICT all of it, ALWAYS announces every gather and never trusts an order
+(so never prefetches), OFF neither records nor announces.
 """
 
 from __future__ import annotations
@@ -58,6 +60,22 @@ class OrderState(enum.Enum):
         if to is not self and to not in _NEXT_ORDER[self]:
             raise RuntimeError(f"ZeRO-3 forward order: no move from {self.name} to {to.name}.")
         return to
+
+
+class OrderCheck(enum.Enum):
+    """``ZeroConfig.order_check`` named (the config keeps the strings users write: "strict", ...)."""
+
+    STRICT = "strict"
+    ALWAYS = "always"
+    OFF = "off"
+
+    @classmethod
+    def parse(cls, value) -> "OrderCheck":
+        try:
+            return value if isinstance(value, cls) else cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(c.value) for c in cls)
+            raise ValueError(f"order_check must be one of {allowed}; got {value!r}.") from None
 
 
 _NEXT_ORDER = {OrderState.RECORDING: {OrderState.RECORDED}, OrderState.RECORDED: {OrderState.VERIFIED},

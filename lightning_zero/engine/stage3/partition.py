@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from .. import collectives as C
 from .deferred_init import has_meta_params, materialize
 from .guard import ReleasedParamGuard
-from .lifecycle import OrderState, UnitState
+from .lifecycle import OrderCheck, OrderState, UnitState
 from .join import RankDivergenceError, agreed_unit, announce, serve_until_all_joined  # noqa: F401 (re-export)
 from .units import Unit
 
@@ -56,7 +56,7 @@ class ParamPartitioner:
         offload_params: bool = False,
         group: Optional[Any] = None,
         prefetch: bool = True,
-        order_check: str = "strict",
+        order_check: "str | OrderCheck" = "strict",
         init_group: Optional[Any] = None,
     ) -> None:
         self.module = module
@@ -66,8 +66,8 @@ class ParamPartitioner:
         self.device = device
         self.offload = offload_params
         self.group = group
-        self.order_check = order_check
-        self.prefetch = prefetch and order_check == "strict"  # prefetch needs a trusted order
+        self.order_check = OrderCheck.parse(order_check)
+        self.prefetch = prefetch and self.order_check is OrderCheck.STRICT  # prefetch needs a trusted order
         self.compute_dtype = compute_dtype
         self.world_size = C.world_size(group)
         self.rank = C.rank(group)
@@ -148,9 +148,9 @@ class ParamPartitioner:
     def _announcing(self) -> bool:
         """Whether a gather is preceded by the unit-index all-gather: while the training order is not
         yet verified, always with order_check="always", and in eval mode (see [Note: evaluation join])."""
-        if self.order_check == "off" or self.world_size == 1:
+        if self.order_check is OrderCheck.OFF or self.world_size == 1:
             return False
-        return self.order_check == "always" or self.order_state is not OrderState.VERIFIED or not self.module.training
+        return self.order_check is OrderCheck.ALWAYS or self.order_state is not OrderState.VERIFIED or not self.module.training
 
     def _check_same_unit(self, u: Unit) -> None:
         if self.world_size == 1:
@@ -167,7 +167,7 @@ class ParamPartitioner:
         on every rank (persistent ones too), so the ranks leave in the same state. Returns the number of
         gathers served.
         """
-        if self.world_size == 1 or self.order_check == "off":
+        if self.world_size == 1 or self.order_check is OrderCheck.OFF:
             return 0
 
         def serve(index: int) -> None:
@@ -241,7 +241,7 @@ class ParamPartitioner:
             )
 
     def _tracking(self, u: Unit) -> bool:
-        return (self.order_check == "strict" and u.module.training and torch.is_grad_enabled()
+        return (self.order_check is OrderCheck.STRICT and u.module.training and torch.is_grad_enabled()
                 and not self._gathered_depth)
 
     def _make_pre_forward(self, u: Unit):

@@ -55,6 +55,14 @@ class BackwardReleaser:
         ]
         self.reset()
 
+    @classmethod
+    def for_units(cls, units, buckets, bucket_units, release: Callable) -> "BackwardReleaser":
+        """The releaser of a partitioned model: units without a gradient bucket (no trainable parameter)
+        are watched through their inputs; persistent units are never released in backward."""
+        with_bucket = {id(u) for u in bucket_units}
+        frozen = [u for u in units if id(u) not in with_bucket and u.params and not u.persistent]
+        return cls(buckets, bucket_units, release, frozen)
+
     def _entry_of(self, u) -> int:
         if id(u) not in self._entry:
             self._entry[id(u)] = len(self.units)

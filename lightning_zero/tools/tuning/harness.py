@@ -88,7 +88,7 @@ class Runner:
             if finalize:
                 self.engine.finalize_grads()
             mem = self.engine.memory_report().as_dict()
-            if self.engine.partitioner is not None:
+            if self.engine.partitions_params:
                 mem["peak_gathered"] = self.engine.partitioner.peak_gathered_bytes
                 mem["gathered_now"] = self.engine.partitioner.gathered_bytes()
             return mem
