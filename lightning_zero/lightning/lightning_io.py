@@ -66,7 +66,8 @@ def write_lightning_checkpoint(ckpt_dir, out, optimizer: bool = False, dtype: Op
     with atomic_output(Path(out)) as tmp:
         torch.save(checkpoint, tmp)
     sd = checkpoint["state_dict"]
-    return {"tensors": len(sd), "bytes": sum(t.numel() * t.element_size() for t in sd.values()),
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in sd.values()}  # tied names share one tensor
+    return {"tensors": len(sd), "bytes": sum(unique.values()),
             "optimizer": "optimizer_states" in checkpoint}
 
 
