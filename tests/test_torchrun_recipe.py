@@ -85,3 +85,39 @@ def test_recipe_default_launcher_under_torchrun_two_nodes(tmp_path):
                 p.communicate()
     assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(x[-4000:] for x in logs)
     _check_finished(tmp_path / "out", logs[0])  # node 0 holds global rank 0
+
+
+_SLURM = {"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+          "SLURM_NODEID": "0", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "77", "SLURM_NODELIST": "127.0.0.1"}
+_TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "x"}
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "popen"])
+@pytest.mark.parametrize("launcher", ["slurm", "torchrun", "none"])
+def test_an_external_launcher_is_never_launched_again(monkeypatch, launcher, start_method):
+    """Under srun (SLURM) or torchrun every rank exists already: whatever start_method says, the strategy's
+    launcher starts no process; without one, start_method decides as before."""
+    from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "TORCHELASTIC_")) or k in _TORCHRUN:
+            monkeypatch.delenv(k)
+    for k, v in {"slurm": _SLURM, "torchrun": _TORCHRUN, "none": {}}[launcher].items():
+        monkeypatch.setenv(k, v)
+    from lightning_zero import ZeroStrategy
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=2, start_method=start_method),
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    env = trainer.strategy.cluster_environment
+    want_env = {"slurm": SLURMEnvironment, "torchrun": TorchElasticEnvironment, "none": LightningEnvironment}[launcher]
+    assert type(env) is want_env
+    launched = trainer.strategy.launcher
+    if launcher != "none" or start_method == "popen":
+        assert type(launched) is _SubprocessScriptLauncher
+        assert env.creates_processes_externally == (launcher != "none")
+        assert trainer.global_rank == (1 if launcher != "none" else 0)
+    else:
+        assert type(launched) is _MultiProcessingLauncher and launched._start_method == start_method
