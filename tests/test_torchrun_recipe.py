@@ -93,8 +93,8 @@ _TORCHRUN = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "GROUP_RANK": "0
              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "x"}
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn", "popen"])
-@pytest.mark.parametrize("launcher", ["slurm", "torchrun", "none"])
+@pytest.mark.parametrize("launcher,start_method", [("slurm", "fork"), ("slurm", "spawn"), ("torchrun", "fork"),
+                                                   ("torchrun", "spawn"), ("none", "fork"), ("none", "popen")])
 def test_an_external_launcher_is_never_launched_again(monkeypatch, launcher, start_method):
     """Under srun (SLURM) or torchrun every rank exists already: whatever start_method says, the strategy's
     launcher starts no process; without one, start_method decides as before."""
