@@ -52,11 +52,13 @@ def _register() -> None:
     from .lightning import fabric_strategy
     from .lightning._pl_compat import register_pytorch_lightning
     from .lightning.lightning_io import install
+    from .lightning.model_summary import install as install_model_summary
 
     ZeroStrategy.register_strategies(StrategyRegistry)
     ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
     fabric_strategy.install()  # Fabric's optimizer wrapper: zero_grad / add_param_group through the engine
     install()  # plain-DDP loads of ZeRO directories, ckpt_path="last" after an interrupted save
+    install_model_summary()  # ModelSummary's "Params per Device" column under stage 3
     register_pytorch_lightning()  # the separate pytorch_lightning registry, when installed
 
 

@@ -4,17 +4,18 @@ Design note
 -----------
 No process group and no optimizer state: each saved tensor is read back whole (DCP's metadata knows
 every slice of it) and written straight out, so peak memory stays near the largest tensor (safetensors,
-streamed) or the weights (torch.save) -- never weights plus optimizer state. Tied weights are written
+streamed in small batches) or the weights (torch.save) -- never weights plus optimizer state. Tied weights are written
 under every alias recorded at save time, so the result loads with ``strict=True`` into the plain model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -28,78 +29,132 @@ _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"
               torch.bool: "BOOL"}
 
 
-def consolidate(ckpt_dir: _PathLike, out_path: _PathLike, dtype: torch.dtype = torch.float32) -> dict:
+_Progress = Optional[Callable[[int], None]]
+_STREAM_BATCH_BYTES = 8 * 2**20  # one DCP read per batch: few reads, peak memory near the largest tensor
+
+
+def consolidate(ckpt_dir: _PathLike, out_path: _PathLike, dtype: torch.dtype = torch.float32,
+                progress: _Progress = None) -> dict:
     """Write the full model state dict (floating tensors in ``dtype``) loadable with ``strict=True``.
 
-    ``out_path`` ending in ``.safetensors`` is written in safetensors format, one tensor at a time (peak
-    memory: the largest tensor); anything else with ``torch.save`` (peak: the weights). Optimizer state is
-    never read. Tied weights are re-emitted under every alias. Returns {"tensors": n, "bytes": weights}.
+    ``out_path`` ending in ``.safetensors`` is written in safetensors format, streamed in small batches
+    (peak memory: about the largest tensor); anything else with ``torch.save`` (peak: the weights).
+    Optimizer state is never read. Tied weights are re-emitted under every alias. ``progress(nbytes)`` is
+    called as tensors are read. Returns {"tensors": n, "bytes": weights}.
     """
     path, out = resolve_checkpoint_dir(ckpt_dir), Path(out_path)
     info = read_info(path)
+    if out.suffix == ".safetensors":
+        order = [n for n in info["order"] if n in info["tensors"] or n in info["aliases"]]
+        return write_safetensors(out, path, info, {n: n for n in order}, dtype, progress)
+    with atomic_output(out) as tmp:
+        sd = full_model_state(path, info, dtype, progress)
+        torch.save(sd, tmp)
+    return {"tensors": len(sd), "bytes": sum(t.numel() * t.element_size() for n, t in sd.items()
+                                             if n not in info["aliases"])}
+
+
+@contextlib.contextmanager
+def atomic_output(out: Path) -> Iterator[Path]:
+    """A temporary beside ``out``, renamed onto it on success; a failure (a corrupt input half-way) leaves
+    no partial output behind."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    try:  # a corrupt input fails half-way: leave no partial output behind
-        result = _write(path, info, out, tmp, dtype)
+    try:
+        yield tmp
+        os.replace(tmp, out)
     finally:
         if tmp.exists():
             tmp.unlink()
-    return result
+
+
+def _dtype_of(spec: dict, name: str, dtype) -> torch.dtype:
+    dt = getattr(torch, spec[name]["dtype"])
+    return dtype if dt.is_floating_point and dtype is not None else dt
 
 
 def _empty(spec: dict, name: str, dtype) -> torch.Tensor:
     d = spec[name]
-    dt = getattr(torch, d["dtype"])
-    dt = dtype if dt.is_floating_point and dtype is not None else dt
-    return torch.empty(int(torch.Size(d["shape"]).numel()) if d["flat"] else d["shape"], dtype=dt)
+    return torch.empty(int(torch.Size(d["shape"]).numel()) if d["flat"] else d["shape"],
+                       dtype=_dtype_of(spec, name, dtype))
 
 
-def full_model_state(path: Path, info: dict, dtype: Optional[torch.dtype] = torch.float32) -> dict:
+def stored_nbytes(info: dict, dtype: Optional[torch.dtype] = torch.float32) -> int:
+    """Bytes of the stored tensors (each once, aliases not counted) in ``dtype``: a progress bar's total."""
+    spec = info["tensors"]
+    return sum(int(torch.Size(d["shape"]).numel()) * _dtype_of(spec, n, dtype).itemsize for n, d in spec.items())
+
+
+def iter_stored_tensors(path: Path, info: dict, names: Sequence[str], dtype: Optional[torch.dtype] = torch.float32,
+                        progress: _Progress = None, batch_bytes: int = _STREAM_BATCH_BYTES
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) for the stored ``names`` (no aliases), in order, read in batches of about
+    ``batch_bytes`` (one DCP read each, in this process only: no collective)."""
+    spec = info["tensors"]
+    batch: dict[str, torch.Tensor] = {}
+
+    def flush():
+        _dcp_load({"model": batch}, path, no_dist=True)
+        for n, t in batch.items():
+            if progress is not None:
+                progress(t.numel() * t.element_size())
+            yield n, t.view(spec[n]["shape"])
+        batch.clear()
+
+    size = 0
+    for n in names:
+        batch[n] = _empty(spec, n, dtype)
+        size += batch[n].numel() * batch[n].element_size()
+        if size >= batch_bytes:
+            yield from flush()
+            size = 0
+    if batch:
+        yield from flush()
+
+
+def full_model_state(path: Path, info: dict, dtype: Optional[torch.dtype] = torch.float32,
+                     progress: _Progress = None) -> dict:
     """Every tensor of the checkpoint whole, under every name (aliases too), in module order; floating
     tensors in ``dtype`` (None: as saved). Reads in this process only (no collective)."""
-    spec = info["tensors"]
-    targets = {n: _empty(spec, n, dtype) for n in spec}
-    _dcp_load({"model": targets}, path, no_dist=True)
-    return {n: targets[info["aliases"].get(n, n)].view(spec[info["aliases"].get(n, n)]["shape"])
-            for n in info["order"] if n in spec or n in info["aliases"]}
+    spec, aliases = info["tensors"], info["aliases"]
+    loaded = dict(iter_stored_tensors(path, info, list(spec), dtype, progress, batch_bytes=2**62))
+    return {n: loaded[aliases.get(n, n)] for n in info["order"] if n in spec or n in aliases}
 
 
-def _write(path: Path, info: dict, out: Path, tmp: Path, dtype) -> dict:
-    spec = info["tensors"]
-
-    def load(name):
-        t = _empty(spec, name, dtype)
-        _dcp_load({"model": {name: t}}, path, no_dist=True)
-        return t.view(spec[name]["shape"])
-
-    order = [n for n in info["order"] if n in spec or n in info["aliases"]]
-    total = 0
-    if out.suffix == ".safetensors":
-        header, offset = {}, 0
-        for n in order:
-            d = spec[info["aliases"].get(n, n)]
-            dt = getattr(torch, d["dtype"])
-            dt = dtype if dt.is_floating_point else dt
-            nbytes = int(torch.Size(d["shape"]).numel()) * dt.itemsize
-            header[n] = {"dtype": _ST_DTYPES[dt], "shape": d["shape"], "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        header["__metadata__"] = {"format": "pt"}
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for n in order:
-                t = load(info["aliases"].get(n, n)).contiguous()
-                total += t.numel() * t.element_size()
-                if t.numel():
-                    f.write(t.reshape(-1).view(torch.uint8).numpy().data)
-                del t
-    else:
-        sd = full_model_state(path, info, dtype)
-        total = sum(t.numel() * t.element_size() for n, t in sd.items() if n not in info["aliases"])
-        torch.save(sd, tmp)
-    os.replace(tmp, out)
-    return {"tensors": len(order), "bytes": total}
+def write_safetensors(out: Path, path: Path, info: dict, names: Mapping[str, str], dtype: Optional[torch.dtype],
+                      progress: _Progress = None) -> dict:
+    """``out`` in safetensors format, streamed: ``names`` maps each name written to its checkpoint name (an
+    alias or a stored tensor), in the order written. Returns {"tensors": n, "bytes": data written}."""
+    spec, aliases = info["tensors"], info["aliases"]
+    src = {new: aliases.get(old, old) for new, old in names.items()}
+    header, offset = {}, 0
+    for new, stored in src.items():
+        dt = _dtype_of(spec, stored, dtype)
+        nbytes = int(torch.Size(spec[stored]["shape"]).numel()) * dt.itemsize
+        header[new] = {"dtype": _ST_DTYPES[dt], "shape": spec[stored]["shape"], "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    # a stored tensor written under two names (tied weights) is read once per name: streaming keeps no cache
+    with atomic_output(out) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        written = 0
+        for (new, stored), (_, t) in zip(src.items(), _each(path, info, list(src.values()), dtype, progress)):
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            written += t.numel() * t.element_size()
+    return {"tensors": len(src), "bytes": written}
 
 
+def _each(path: Path, info: dict, stored: list[str], dtype, progress: _Progress) -> Iterator[tuple[str, torch.Tensor]]:
+    """``stored`` names in order, repeats allowed (batches hold distinct names)."""
+    i = 0
+    while i < len(stored):
+        j, seen = i, set()
+        while j < len(stored) and stored[j] not in seen:
+            seen.add(stored[j])
+            j += 1
+        yield from iter_stored_tensors(path, info, stored[i:j], dtype, progress)
+        i = j

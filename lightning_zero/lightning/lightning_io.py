@@ -2,13 +2,14 @@
 
 Design note
 -----------
-Two places in Lightning look at checkpoint paths without asking the strategy, so ``import lightning_zero``
+Three places in Lightning look at checkpoint paths without asking the strategy, so ``import lightning_zero``
 wraps them; each wrapper acts on lightning_zero directories only and leaves every other path to Lightning:
 
 * ``TorchCheckpointIO.load_checkpoint`` (what ``DDPStrategy`` and the other non-ZeRO strategies read
   through): a sharded directory is consolidated on the fly -- full fp32 weights and the optimizer state
   keyed by position, as a plain optimizer saves it -- so ``Trainer(strategy="ddp").fit(ckpt_path=DIR)``
   resumes from a ZeRO run (each rank reads the whole directory, no collective, as it would read a file).
+* ``saving.pl_load`` (``LightningModule.load_from_checkpoint(DIR)``): the same consolidation, weights only.
 * ``ModelCheckpoint._find_last_checkpoints`` (``ckpt_path="last"``): when a save was interrupted between
   its two renames, ``last.ckpt`` is missing and its complete previous copy is ``last.ckpt.zero-old``;
   that copy is offered instead, so a resume does not silently start again from step 0.
@@ -25,21 +26,49 @@ from typing import Any, Optional
 
 import torch
 
+from ..checkpoint.files import META_FILE
 from ..checkpoint.format import _OLD, INFO_FILE, _dcp_load, is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir
 from ..checkpoint.consolidate import full_model_state
 
 
-def load_as_lightning_checkpoint(path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-    """A sharded directory as the dict Lightning's DDP would have saved: full ``state_dict`` and
-    position-keyed ``optimizer_states``; the loops, callbacks, schedulers, hparams as saved."""
+def load_as_lightning_checkpoint(path, weights_only: Optional[bool] = None, optimizer: bool = True,
+                                 dtype: Optional[torch.dtype] = None, progress=None) -> dict[str, Any]:
+    """A sharded directory as the dict Lightning's DDP would have saved: full ``state_dict`` (floating
+    tensors in ``dtype``; None: as saved, the fp32 masters) and position-keyed ``optimizer_states``; the
+    loops, callbacks, schedulers, hparams, ``pytorch-lightning_version`` as saved. ``optimizer=False``: the
+    weights-only checkpoint ``ModelCheckpoint(save_weights_only=True)`` writes (no optimizer state read)."""
     path = resolve_checkpoint_dir(path)
     info = read_info(path)
     checkpoint = read_meta(path, weights_only)
-    checkpoint["state_dict"] = full_model_state(path, info, dtype=None)
+    checkpoint["state_dict"] = full_model_state(path, info, dtype=dtype, progress=progress)
     saved = checkpoint.get("optimizer_states")
-    if info["optimizer_state"] is not None and saved:
+    if not optimizer:
+        for key in ("optimizer_states", "lr_schedulers"):  # as Lightning's own weights-only dump
+            checkpoint.pop(key, None)
+    elif info["optimizer_state"] is not None and saved:
         checkpoint["optimizer_states"] = [_positional_optimizer_state(path, info, saved[0])]
     return checkpoint
+
+
+def write_lightning_checkpoint(ckpt_dir, out, optimizer: bool = False, dtype: Optional[torch.dtype] = torch.float32,
+                               progress=None) -> dict[str, Any]:
+    """``lightning-zero consolidate DIR OUT --lightning``: the directory as one Lightning checkpoint file
+    that ``LightningModule.load_from_checkpoint`` and (with ``optimizer=True``) any strategy's
+    ``fit(ckpt_path=...)`` accept. Returns {"tensors", "bytes", "optimizer"}."""
+    from ..checkpoint.consolidate import atomic_output
+
+    checkpoint = load_as_lightning_checkpoint(ckpt_dir, weights_only=False, optimizer=optimizer, dtype=dtype,
+                                              progress=progress)
+    if "pytorch-lightning_version" not in checkpoint:
+        raise ValueError(f"{str(ckpt_dir)!r} was not saved by a Lightning Trainer (its {META_FILE} has no "
+                         "'pytorch-lightning_version'): write a plain state dict with `lightning-zero consolidate "
+                         "DIR OUT.pt` instead.")
+    with atomic_output(Path(out)) as tmp:
+        torch.save(checkpoint, tmp)
+    sd = checkpoint["state_dict"]
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in sd.values()}  # tied names share one tensor
+    return {"tensors": len(sd), "bytes": sum(unique.values()),
+            "optimizer": "optimizer_states" in checkpoint}
 
 
 def _positional_optimizer_state(path: Path, info: dict, opt_meta: dict) -> dict:
@@ -95,6 +124,38 @@ def _wrap_torch_checkpoint_io(TorchCheckpointIO) -> None:
     TorchCheckpointIO.load_checkpoint = load_checkpoint
 
 
+def _wrap_pl_load(saving) -> None:
+    """``LightningModule.load_from_checkpoint(DIR)`` reads through ``saving.pl_load`` (a ``torch.load``):
+    a sharded directory is consolidated on the fly, as for ``TorchCheckpointIO`` above."""
+    original = saving.pl_load
+    if getattr(original, "_lightning_zero", False):
+        return
+
+    @functools.wraps(original)
+    def pl_load(path_or_url, map_location=None, weights_only=None):
+        if isinstance(path_or_url, (str, os.PathLike)) and _is_ours(path_or_url):
+            checkpoint = load_as_lightning_checkpoint(path_or_url, weights_only, optimizer=False)
+            if map_location is not None:  # the state dict is read on the CPU; move it as torch.load would
+                checkpoint["state_dict"] = {k: _to(v, map_location) for k, v in checkpoint["state_dict"].items()}
+            return checkpoint
+        if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
+            raise IsADirectoryError(f"{str(path_or_url)!r} is a directory but not a complete lightning_zero "
+                                    f"checkpoint ({INFO_FILE} is missing); a lightning_zero directory converts with "
+                                    "`lightning-zero consolidate DIR OUT.ckpt --lightning`.")
+        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    pl_load._lightning_zero = True
+    saving.pl_load = pl_load
+
+
+def _to(t: torch.Tensor, map_location) -> torch.Tensor:
+    if callable(map_location):
+        return map_location(t, "cpu")
+    if isinstance(map_location, dict):
+        return t.to(map_location.get("cpu", "cpu"))
+    return t.to(map_location)
+
+
 def _wrap_find_last_checkpoints(ModelCheckpoint) -> None:
     original = ModelCheckpoint._find_last_checkpoints
     if getattr(original, "_lightning_zero", False):
@@ -122,12 +183,17 @@ def install() -> None:
     """Wrap both copies of Lightning: ``lightning`` and, when installed, ``pytorch_lightning``."""
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.core import saving
 
     _wrap_torch_checkpoint_io(TorchCheckpointIO)
     _wrap_find_last_checkpoints(ModelCheckpoint)
+    _wrap_pl_load(saving)
     if importlib.util.find_spec("pytorch_lightning") is not None and importlib.util.find_spec("lightning_fabric"):
         from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO as FabricTorchCheckpointIO
         from pytorch_lightning.callbacks import ModelCheckpoint as PLModelCheckpoint
 
+        from pytorch_lightning.core import saving as pl_saving
+
         _wrap_torch_checkpoint_io(FabricTorchCheckpointIO)
         _wrap_find_last_checkpoints(PLModelCheckpoint)
+        _wrap_pl_load(pl_saving)

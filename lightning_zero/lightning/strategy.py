@@ -22,6 +22,7 @@ from ..engine.stage3.deferred_init import has_meta_params
 from ..engine.engine_state import EngineMode
 from .callback_checks import check_callbacks
 from .checkpoint_strategy import ZeroCheckpointMixin
+from .memory_summary import report as memory_report
 from .optimizers import bind as bind_optimizers
 from ._distribution import lightning_import, sibling
 from .zero_setup import as_zero_precision, build_engine, check_start_method, register_presets
@@ -30,6 +31,8 @@ MixedPrecision, Precision = lightning_import("plugins.precision", "MixedPrecisio
 DDPStrategy = lightning_import("strategies", "DDPStrategy")
 TrainerFn = lightning_import("trainer.states", "TrainerFn")
 _sync_module_states = lightning_import("strategies.ddp", "_sync_module_states")
+_SubprocessScriptLauncher = lightning_import("strategies.launchers", "_SubprocessScriptLauncher")
+rank_zero_info = lightning_import("utilities.rank_zero", "rank_zero_info")
 ZeroPrecision = sibling("precision").ZeroPrecision
 
 
@@ -55,6 +58,8 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             (e.g. the GPUs of one node) and replicate across the groups, so parameter all-gathers and
             reduce-scatters stay inside a node and only one all-reduce per gradient bucket and step
             crosses nodes; must divide the world size. None = the world size (plain ZeRO).
+        memory_summary: after the first optimizer step, global rank 0 prints the per-rank model-state
+            table (ZeRO beside DDP) and logs the numbers as ``zero/*`` metrics (``lightning/memory_summary.py``).
     """
 
     strategy_name = "zero"
@@ -82,6 +87,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         start_method: str = "popen",
         checkpoint_format: str = "sharded",
         shard_group_size: Optional[int] = None,
+        memory_summary: bool = True,
     ) -> None:
         self.zero_config = ZeroConfig(
             stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
@@ -101,6 +107,9 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         self.engine: Optional[ZeroEngine] = None
         self._trained_engine: Optional[ZeroEngine] = None  # see [Note: the trained state outlives fit]
         self._failed = False
+        self.memory_summary = memory_summary
+        self._memory_reported = False
+        self.memory_table: Optional[str] = None  # global rank 0: the table printed by this fit
 
     @property
     def stage(self) -> int:
@@ -135,6 +144,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             # several optimizers: each sharded on its own (disjoint parameters; see optimizers.py)
             self.engine = build_engine(self.lightning_module, self.optimizers, self.zero_config, precision,
                                        self.root_device)
+            self._memory_reported = not self.memory_summary
             self._guard_scheduler_on_skipped_steps()
             self._unbind_optimizers = bind_optimizers(self, trainer)
         else:
@@ -159,6 +169,18 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
 
         module.lr_scheduler_step = lr_scheduler_step  # instance attribute; removed at teardown
         self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
+
+    def _configure_launcher(self) -> None:
+        # torchrun / SLURM / any external launcher has already made every process: a fork or spawn
+        # launcher here would start world-size more ranks inside each of them (whose rendezvous then
+        # fails with gloo's "Connection reset by peer"). The script launcher starts nothing in that case.
+        env = self.cluster_environment
+        if self._start_method != "popen" and env is not None and env.creates_processes_externally:
+            rank_zero_info(f"ZeroStrategy: processes created by {type(env).__name__}; "
+                           f"start_method={self._start_method!r} is not used.")
+            self._launcher = _SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
+            return
+        super()._configure_launcher()
 
     def _setup_model(self, model):  # no DDP wrapper: the engine's hooks do the reductions
         return model
@@ -234,7 +256,19 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         else:
             yield
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.lightning_module.trainer.global_step >= 1:  # gradients and optimizer state exist now
+            self._report_memory()
+
+    def _report_memory(self) -> None:
+        """The model-state table (ZeRO beside DDP) on global rank 0 and the ``zero/*`` metrics, once per fit."""
+        if not self._memory_reported and self.engine is not None and self.engine.sharded is not None:
+            self._memory_reported = True
+            self.memory_table = memory_report(self, self.lightning_module.trainer)
+
     def on_train_end(self) -> None:
+        self._report_memory()  # a fit too short to reach a second batch
         if self.engine is not None:
             self.engine.restore_fp32_module()
 

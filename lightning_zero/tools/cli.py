@@ -1,6 +1,8 @@
-"""``lightning-zero`` console command. Subcommands: ``consolidate``, ``estimate``, ``tune``, ``from-deepspeed``.
+"""``lightning-zero`` console command. Subcommands: ``consolidate``, ``export``, ``estimate``, ``tune``,
+``from-deepspeed``.
 
-    lightning-zero consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16]
+    lightning-zero consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--lightning [--optimizer]] [--quiet]
+    lightning-zero export CKPT_DIR OUTDIR --hf [--prefix model.] [--config DIR_or_config.json]
     lightning-zero estimate --model t5_large --ranks 8 --precision bf16-mixed --batch-size 8 --device-memory 24
     lightning-zero estimate --params 1.5e9 --ranks 16 --nodes 2 --optimizer sgd
     lightning-zero tune --memory-mb 12 --out tuned.overrides model=t5_tiny trainer.devices=2
@@ -19,11 +21,59 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def _consolidate(args: argparse.Namespace) -> int:
     import torch
 
-    from ..checkpoint.consolidate import consolidate
+    from ..checkpoint.consolidate import consolidate, stored_nbytes
+    from ..checkpoint.files import read_info, resolve_checkpoint_dir
+    from .progress import byte_progress
 
-    info = consolidate(args.ckpt_dir, args.out, dtype=getattr(torch, _DTYPES[args.dtype]))
-    print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.out}")
+    if args.optimizer and not args.lightning:
+        raise ValueError("--optimizer needs --lightning (a plain state dict holds the weights only).")
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    total = stored_nbytes(read_info(resolve_checkpoint_dir(args.ckpt_dir)), dtype)
+    with byte_progress(total, "consolidate", args.quiet) as progress:
+        if args.lightning:
+            from ..lightning.lightning_io import write_lightning_checkpoint
+
+            info = write_lightning_checkpoint(args.ckpt_dir, args.out, optimizer=args.optimizer, dtype=dtype,
+                                              progress=progress)
+        else:
+            info = consolidate(args.ckpt_dir, args.out, dtype=dtype, progress=progress)
+    what = " (Lightning checkpoint" + (", with optimizer state)" if info.get("optimizer") else ", weights only)") \
+        if args.lightning else ""
+    print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.out}{what}")
     return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    from .export_hf import export_hf
+
+    if not args.hf:
+        raise ValueError("export needs a target format; allowed: --hf (a transformers save_pretrained directory).")
+    res = export_hf(args.ckpt_dir, args.out_dir, prefix=args.prefix, config=args.config,
+                    dtype=getattr(torch, _DTYPES[args.dtype]), quiet=args.quiet)
+    print(f"wrote {res['tensors']} tensors ({res['bytes'] / 2**20:.1f} MiB) of {res['class']} (prefix "
+          f"{res['prefix']!r}) to {res['out']}: {res['class']}.from_pretrained({res['out']!r})")
+    return 0
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser(
+        "export", help="write a transformers save_pretrained directory from a sharded checkpoint directory",
+        description="Write OUTDIR/model.safetensors + config.json from a sharded checkpoint of a LightningModule "
+        "holding a transformers model: the checkpoint names under --prefix (found when unambiguous) must be "
+        "exactly the keys of the model class built from the config (missing, unexpected or mis-shaped keys are "
+        "an error), so from_pretrained(OUTDIR) loads every weight. Runs on CPU in one process.")
+    p.add_argument("ckpt_dir", help="checkpoint directory written by ZeroStrategy / trainer.save_checkpoint")
+    p.add_argument("out_dir", help="output directory (created)")
+    p.add_argument("--hf", action="store_true", help="transformers format (the one export format)")
+    p.add_argument("--prefix", default=None, help="attribute path of the HF model in the LightningModule, with "
+                   "the dot (e.g. 'model.'; '' when the module is the model); default: found from the keys")
+    p.add_argument("--config", default=None, help="config.json or a directory holding it; default: a transformers "
+                   "config among the checkpoint's hyper-parameters")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of floating tensors")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_export)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,13 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
         "consolidate",
         help="write one full model state dict from a sharded checkpoint directory",
         description="Write the full model state dict of a sharded (DCP) checkpoint directory to OUT: "
-        "torch.save, or safetensors when OUT ends with .safetensors. Runs on CPU in one process; the "
-        "optimizer state is never read. The result loads into the plain model with strict=True.",
+        "torch.save, or safetensors when OUT ends with .safetensors; with --lightning a Lightning checkpoint "
+        "file. Runs on CPU in one process; the optimizer state is read only with --optimizer. The state dict "
+        "loads into the plain model with strict=True.",
     )
     p.add_argument("ckpt_dir", help="checkpoint directory written by ZeroStrategy / trainer.save_checkpoint")
     p.add_argument("out", help="output file (.pt/.ckpt/.bin: torch.save; .safetensors: safetensors)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of floating tensors")
+    p.add_argument("--lightning", action="store_true", help="write a Lightning checkpoint (state_dict, "
+                   "hyper_parameters, loops, pytorch-lightning_version) for LightningModule.load_from_checkpoint")
+    p.add_argument("--optimizer", action="store_true", help="with --lightning: include the optimizer and LR "
+                   "scheduler states, so Trainer(strategy='ddp').fit(ckpt_path=OUT) resumes the run")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_consolidate)
+    _add_export(sub)
     _add_estimate(sub)
     _add_tune(sub)
     _add_from_deepspeed(sub)

@@ -1,0 +1,79 @@
+"""``ModelSummary`` under stage 3: a "Params per Device" column beside "Params", as Lightning's DeepSpeed
+summary has.
+
+Design note
+-----------
+Lightning's ``ModelSummary`` callback picks its summary class in ``_summary`` by asking whether the strategy
+is DeepSpeed's; ``import lightning_zero`` wraps that method (both copies of Lightning) so a ZeroStrategy at
+stage 3 gets :class:`ZeroStage3Summary`, and every other strategy Lightning's own choice. The summary runs
+at ``on_fit_start``, after the engine has partitioned the model: the stage-3 parameters keep their full
+shapes (the "Params" column stays the whole count) and each one's per-rank length comes from its unit's
+shard layout (``ShardSpec.shard_len``: what this rank stores, padding excluded).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+_COLUMN = "Params per Device"  # Lightning's spelling: RichModelSummary lays out a column of this name
+
+
+def per_device_numel(engine) -> dict[int, int]:
+    """{id(parameter): elements this rank stores} for every partitioned parameter."""
+    return {id(p): spec.shard_len for u in engine.partitioner.units for p, spec in zip(u.layout.params, u.layout.specs)}
+
+
+def _summary_class(ModelSummary, get_human_readable_count, NOT_APPLICABLE):
+    class ZeroStage3Summary(ModelSummary):
+        """Lightning's summary plus the per-device parameter count of each layer (and of the leftovers)."""
+
+        def __init__(self, model, engine, max_depth: int = 1) -> None:
+            self._per_device = per_device_numel(engine)
+            super().__init__(model, max_depth=max_depth)
+
+        def _local(self, module) -> int:
+            return sum(self._per_device.get(id(p), p.numel()) for p in module.parameters())
+
+        def _get_summary_data(self):
+            arrays = super()._get_summary_data()
+            names = [n for n, _ in arrays]
+            layers = [self._local(layer._module) for layer in self._layer_summary.values()]
+            column = list(map(get_human_readable_count, layers))
+            if len(dict(arrays)["Params"]) > len(column):  # Lightning's row of parameters outside every layer
+                column.append(NOT_APPLICABLE)
+            arrays.insert(names.index("Params") + 1, (_COLUMN, column))
+            return arrays
+
+    return ZeroStage3Summary
+
+
+def _wrap(callback_module, summary_module) -> None:
+    ModelSummaryCallback = callback_module.ModelSummary
+    original = ModelSummaryCallback._summary
+    if getattr(original, "_lightning_zero", False):
+        return
+    cls = _summary_class(summary_module.ModelSummary, summary_module.get_human_readable_count,
+                         summary_module.NOT_APPLICABLE)
+
+    @functools.wraps(original)
+    def _summary(self, trainer, pl_module):
+        engine = getattr(trainer.strategy, "engine", None)
+        if getattr(engine, "partitioner", None) is not None:
+            return cls(pl_module, engine, max_depth=self._max_depth)
+        return original(self, trainer, pl_module)
+
+    _summary._lightning_zero = True
+    ModelSummaryCallback._summary = _summary
+
+
+def install() -> None:
+    from lightning.pytorch.callbacks import model_summary as callback_module
+    from lightning.pytorch.utilities.model_summary import model_summary as summary_module
+
+    _wrap(callback_module, summary_module)
+    if importlib.util.find_spec("pytorch_lightning") is not None:
+        from pytorch_lightning.callbacks import model_summary as pl_callback_module
+        from pytorch_lightning.utilities.model_summary import model_summary as pl_summary_module
+
+        _wrap(pl_callback_module, pl_summary_module)
