@@ -121,3 +121,25 @@ def test_an_external_launcher_is_never_launched_again(monkeypatch, launcher, sta
         assert trainer.global_rank == (1 if launcher != "none" else 0)
     else:
         assert type(launched) is _MultiProcessingLauncher and launched._start_method == start_method
+
+
+@pytest.mark.parametrize("launcher,start_method", [("torchrun", "fork"), ("slurm", "spawn"), ("none", "fork")])
+def test_fabric_under_an_external_launcher_starts_no_process(monkeypatch, launcher, start_method):
+    """The same rule for ``Fabric(strategy=ZeroFabricStrategy(...))``: torchrun / srun made the ranks."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "TORCHELASTIC_")) or k in _TORCHRUN:
+            monkeypatch.delenv(k)
+    for k, v in {"slurm": _SLURM, "torchrun": _TORCHRUN, "none": {}}[launcher].items():
+        monkeypatch.setenv(k, v)
+    from lightning_zero import ZeroFabricStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=ZeroFabricStrategy(stage=2, start_method=start_method))
+    launched = fabric._strategy.launcher
+    if launcher != "none":
+        assert type(launched) is _SubprocessScriptLauncher
+        assert fabric._strategy.cluster_environment.creates_processes_externally
+    else:
+        assert type(launched) is _MultiProcessingLauncher and launched._start_method == start_method

@@ -23,7 +23,9 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -31,7 +33,7 @@ from ..engine import ZeroConfig, ZeroEngine, collectives
 from ..engine.stage3.deferred_init import has_meta_params
 from .fabric_checkpoint import ZeroFabricCheckpointMixin
 from .fabric_precision import ZeroFabricPrecision
-from .zero_setup import as_zero_precision, build_engine, check_start_method, register_presets
+from .zero_setup import as_zero_precision, build_engine, check_start_method, external_launcher, register_presets
 
 
 class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
@@ -105,6 +107,10 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
                                             "ZeroFabricStrategy")
 
     # -- model construction ---------------------------------------------------------------------------
+    def _configure_launcher(self) -> None:  # torchrun / SLURM made the processes: start none (zero_setup.py)
+        if not external_launcher(self, _SubprocessScriptLauncher, rank_zero_info):
+            super()._configure_launcher()
+
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Stage 3 with ``empty_init=True``: the model is built on the meta device and materialized by the
         engine unit by unit, already sharded, with the values of an eager build from the same seed."""

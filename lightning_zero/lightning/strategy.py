@@ -25,7 +25,7 @@ from .checkpoint_strategy import ZeroCheckpointMixin
 from .memory_summary import report as memory_report
 from .optimizers import bind as bind_optimizers
 from ._distribution import lightning_import, sibling
-from .zero_setup import as_zero_precision, build_engine, check_start_method, register_presets
+from .zero_setup import as_zero_precision, build_engine, check_start_method, external_launcher, register_presets
 
 MixedPrecision, Precision = lightning_import("plugins.precision", "MixedPrecision", "Precision")
 DDPStrategy = lightning_import("strategies", "DDPStrategy")
@@ -171,16 +171,8 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
 
     def _configure_launcher(self) -> None:
-        # torchrun / SLURM / any external launcher has already made every process: a fork or spawn
-        # launcher here would start world-size more ranks inside each of them (whose rendezvous then
-        # fails with gloo's "Connection reset by peer"). The script launcher starts nothing in that case.
-        env = self.cluster_environment
-        if self._start_method != "popen" and env is not None and env.creates_processes_externally:
-            rank_zero_info(f"ZeroStrategy: processes created by {type(env).__name__}; "
-                           f"start_method={self._start_method!r} is not used.")
-            self._launcher = _SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
-            return
-        super()._configure_launcher()
+        if not external_launcher(self, _SubprocessScriptLauncher, rank_zero_info):
+            super()._configure_launcher()
 
     def _setup_model(self, model):  # no DDP wrapper: the engine's hooks do the reductions
         return model

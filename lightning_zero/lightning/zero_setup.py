@@ -26,6 +26,20 @@ def check_start_method(start_method: str) -> None:
         raise ValueError(f"Unknown start_method {start_method!r}. Allowed: {', '.join(START_METHODS)}.")
 
 
+def external_launcher(strategy, script_launcher_cls: type, info) -> bool:
+    """torchrun / SLURM / any external launcher has already made every process: a fork or spawn launcher
+    would start world-size more ranks inside each of them (whose rendezvous then fails with gloo's
+    "Connection reset by peer"). Give ``strategy`` the script launcher, which starts nothing, and say so.
+    False: the strategy's own ``start_method`` applies."""
+    env = strategy.cluster_environment
+    if strategy._start_method == "popen" or env is None or not env.creates_processes_externally:
+        return False
+    info(f"{type(strategy).__name__}: processes created by {type(env).__name__}; "
+         f"start_method={strategy._start_method!r} is not used.")
+    strategy._launcher = script_launcher_cls(env, strategy.num_processes, strategy.num_nodes)
+    return True
+
+
 def build_engine(module: torch.nn.Module, optimizers: Optional[Sequence[Any]], config: ZeroConfig, precision,
                  device: torch.device) -> ZeroEngine:
     """The engine for ``module`` (its optimizers sharded in place) with the precision plugin attached.
