@@ -29,7 +29,9 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence, outdir: str, backend: str,
            threads: int, timeout_s: float) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads))
+    # the exported count also stops Lightning's launchers (``_set_num_threads_if_needed``) from raising it:
+    # a forked child whose parent already ran a parallel region deadlocks in its first OpenMP team of 2+
     torch.set_num_threads(threads)
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
