@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from . import collectives as C
+from .activations import ActivationMemory, activation_memory
 from .stage3.deferred_init import has_meta_params
 from .stage3.units import build_units
 from .config import ZeroConfig
@@ -139,6 +140,14 @@ class ZeroEngine(FullStateMixin):
             PG.install_optimizer_methods(self)
         self.last_step_skipped = False
         self.skipped_steps = 0
+        # activation checkpointing / offload (None when both are off)
+        self.activations: Optional[ActivationMemory] = activation_memory(
+            module, cfg, self.partitioner.units if self.partitioner is not None else None)
+
+    def activation_context(self):
+        """Where a training step's saved activations go (host memory with ``offload_activations``); the root
+        module's forward enters it by itself, Lightning's ``training_step`` through the strategy."""
+        return self.activations.context() if self.activations is not None else contextlib.nullcontext()
 
     def _end_of_backward(self) -> None:
         self.partitioner.end_of_backward()
@@ -373,6 +382,9 @@ class ZeroEngine(FullStateMixin):
         ``hand_back=False`` skips that collective: after a failure other ranks may be gone, and waiting for
         them would turn an error into a hang. The stage-3 module then stays partitioned (unusable).
         """
+        if self.activations is not None:
+            self.activations.remove()
+            self.activations = None
         if self.partitioner is not None:
             self.releaser.remove()
             if hand_back:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...engine import ZeroEngine
+from ...engine.activations import SavedBytes, measure_recompute  # noqa: F401 (SavedBytes: re-exported)
 from ..launch import run_ranks
 
 
@@ -134,33 +135,6 @@ def launch(body: Callable, args, world_size: int = 2, start_method: str = "spawn
 
 
 # -- measuring a training step ---------------------------------------------------------------------------
-class SavedBytes:
-    """Bytes of the tensors autograd saves in a forward: each storage once, parameters excluded.
-
-    A parameter can be saved as itself or as a view (``F.linear`` saves ``weight.t()``); both share the
-    parameter's storage, already counted as a model state, so storages of parameters are skipped.
-    Copies of parameters (autocast's bf16 weights) have storages of their own and count.
-    """
-
-    def __init__(self, params) -> None:
-        params = list(params)
-        self.param_ids = {id(p) for p in params}
-        self.seen: set[int] = {p.untyped_storage().data_ptr() for p in params if p.untyped_storage().nbytes()}
-        self.bytes = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if id(t) not in self.param_ids and id(base) not in self.param_ids and not isinstance(base, nn.Parameter):
-            st = t.untyped_storage()
-            if st.data_ptr() not in self.seen:
-                self.seen.add(st.data_ptr())
-                self.bytes += st.nbytes()
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
 def t5_batch(args, rank: int, step: int, b: int, device) -> dict:
     """Synthetic seq2seq batch: ``b`` rows of ``args.src_len`` / ``args.tgt_len`` random tokens (per rank, step)."""
     g = torch.Generator().manual_seed(1_000_003 * rank + step)
