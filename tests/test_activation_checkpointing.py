@@ -10,15 +10,19 @@ recompute neither re-records the order nor gathers more), also for a region hold
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_zero  # noqa: F401  (registers the presets)
+from lightning_zero import ZeroStrategy
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.activations import SavedBytes, checkpoint_modules
 from tests.dist_utils import run_distributed
+from tests.lightning_models import _params, trainer_kwargs
 from tests.zoo_models import ZOO
 
 STEPS = 2
@@ -126,3 +130,45 @@ def test_bad_values_get_one_clear_error():
     with pytest.raises(ValueError, match="offload_activations must be True or False"):
         ZeroConfig(offload_activations="yes")
     assert ZeroConfig(activation_checkpointing="T5Block").activation_checkpointing == ["T5Block"]
+
+
+class T5Module(LightningModule):
+    def __init__(self, out: str, tag: str) -> None:
+        super().__init__()
+        self.model = ZOO["t5"][0]()
+        self.out, self.tag = out, tag
+        self.losses: list[float] = []
+
+    def setup(self, stage: str) -> None:
+        torch.set_num_threads(1)  # forked ranks (see tests/lightning_models.py)
+
+    def training_step(self, batch, batch_idx):
+        loss = _t5_loss(self.model, batch[0])
+        self.losses.append(loss.item())
+        act = self.trainer.strategy.engine.activations
+        self.applied = (len(act.checkpointed), act.offloaded_bytes) if act is not None else (0, 0)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def on_train_end(self) -> None:
+        torch.save({"losses": self.losses, "state": _params(self), "applied": self.applied}, os.path.join(self.out, f"{self.tag}{self.global_rank}.pt"))
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randint(0, 100, (16, 8), generator=g)), batch_size=2)
+
+
+@pytest.mark.timeout(120)
+def test_strategy_kwargs_under_a_trainer(tmp_path):
+    for tag, kw in (("plain", {}), ("ckpt", dict(activation_checkpointing=["T5Block"], offload_activations=True))):
+        torch.manual_seed(0)
+        strategy = ZeroStrategy(stage=3, start_method="fork", **kw)
+        Trainer(**trainer_kwargs(max_steps=3), strategy=strategy).fit(T5Module(str(tmp_path), tag))
+    for rank in range(2):
+        plain, ckpt = (torch.load(tmp_path / f"{t}{rank}.pt") for t in ("plain", "ckpt"))
+        torch.testing.assert_close(torch.tensor(ckpt["losses"]), torch.tensor(plain["losses"]), rtol=1e-6, atol=0)
+        assert plain["applied"] == (0, 0) and ckpt["applied"][0] == 4 and ckpt["applied"][1] > 0  # 4 T5Blocks
+        for k, v in plain["state"].items():
+            torch.testing.assert_close(ckpt["state"][k], v, rtol=1e-6, atol=1e-7, msg=k)
