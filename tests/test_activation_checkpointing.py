@@ -172,3 +172,23 @@ def test_strategy_kwargs_under_a_trainer(tmp_path):
         assert plain["applied"] == (0, 0) and ckpt["applied"][0] == 4 and ckpt["applied"][1] > 0  # 4 T5Blocks
         for k, v in plain["state"].items():
             torch.testing.assert_close(ckpt["state"][k], v, rtol=1e-6, atol=1e-7, msg=k)
+
+
+def test_hydra_keys_reach_the_strategy():
+    import sys
+    from pathlib import Path
+
+    from lightning_zero.tools.tuning.tune import compose
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "examples"))  # examples/ is not a package
+    from t5_config import ConfigError, build_strategy
+
+    cfg = compose(root / "conf", "t5_finetune", ["strategy=zero3_offload", "strategy.activation_checkpointing=[T5Block]",
+                                                 "strategy.offload_activations=true"])
+    zc = build_strategy(cfg).zero_config
+    assert (zc.activation_checkpointing, zc.offload_activations, zc.offload_params) == (["T5Block"], True, True)
+    assert build_strategy(compose(root / "conf", "t5_finetune", ["strategy.activation_checkpointing=auto"])
+                          ).zero_config.activation_checkpointing == "auto"
+    with pytest.raises(ConfigError, match="activation_checkpointing must be None, 'auto'"):
+        build_strategy(compose(root / "conf", "t5_finetune", ["strategy.activation_checkpointing=5"]))
