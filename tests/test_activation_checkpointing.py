@@ -192,3 +192,21 @@ def test_hydra_keys_reach_the_strategy():
                           ).zero_config.activation_checkpointing == "auto"
     with pytest.raises(ConfigError, match="activation_checkpointing must be None, 'auto'"):
         build_strategy(compose(root / "conf", "t5_finetune", ["strategy.activation_checkpointing=5"]))
+
+
+@pytest.mark.timeout(180)
+def test_tune_searches_the_activation_options(tmp_path):
+    from lightning_zero.tools.estimate import MiB, info_from_t5, model_state_bytes, t5_dims
+    from lightning_zero.tools.tuning import tune
+
+    states = model_state_bytes(info_from_t5(t5_dims("t5_tiny")), 2, False, 2, False, 8, False)["device"]
+    out = tmp_path / "tuned.overrides"
+    res = tune(["model=t5_tiny", "data.max_source_len=16", "data.max_target_len=8", "trainer.devices=2"],
+               memory_mb=(states + 0.7 * MiB) / MiB, out=str(out), stages="2", offload="no", activations="search",
+               steps=1, warmup=0, max_batch=4)
+    batch = {c.setting: c.max_batch for c in res.candidates}
+    assert set(batch) == {"zero2", "zero2+ckpt", "zero2+ckpt+offload"}
+    assert 0 < batch["zero2"] < 4 and batch["zero2+ckpt"] == 4, res.report()  # checkpointing fits more
+    assert res.best.setting.startswith("zero2+ckpt")
+    lines = out.read_text().split()
+    assert "strategy.activation_checkpointing=auto" in lines and "strategy=zero2" in lines

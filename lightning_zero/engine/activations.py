@@ -64,9 +64,9 @@ class RecomputeBytes:
 
 @contextlib.contextmanager
 def measure_recompute() -> Iterator[RecomputeBytes]:
-    """Measure what each recompute in the enclosed backward holds: after the real recompute its forward runs
-    once more under :class:`SavedBytes` (the real one's saves go to the checkpoint, out of any hook's
-    sight). Costs one extra forward per region; for measurements (the tuner's probes), not training."""
+    """Measure what each recompute in the enclosed backward holds: its forward runs once more, first, under
+    :class:`SavedBytes` (the real one's saves go to the checkpoint, out of any hook's sight), with the RNG
+    state restored after it. Costs one extra forward per region; for measurements (the tuner's probes)."""
     prev, _local.measure = getattr(_local, "measure", None), RecomputeBytes()
     try:
         yield _local.measure
@@ -83,14 +83,14 @@ def checkpointed_call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
             first[0] = False
             return fn(*a, **kw)
         with _recompute():
-            out = fn(*a, **kw)
             rec = getattr(_local, "measure", None)
-            if rec is not None:
+            if rec is not None:  # before the real recompute, which stops early once backward has what it needs
                 saved = SavedBytes(())
-                with saved.hooks():
+                cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+                with torch.random.fork_rng(devices=cuda), saved.hooks():  # the same dropout masks after it
                     fn(*a, **kw)
                 rec.peak, rec.count = max(rec.peak, saved.bytes), rec.count + 1
-            return out
+            return fn(*a, **kw)
 
     return checkpoint(body, *args, use_reentrant=False, **kwargs)
 

@@ -13,7 +13,8 @@ installed ``lightning-zero tune`` command measures with the very code the benchm
   rank. GPU: a real ``torch.OutOfMemoryError`` under ``torch.cuda.set_per_process_memory_fraction``,
   peak = ``max_memory_allocated``. CPU: a byte budget checked against the measured peak = device-side
   model states (minus offloaded bytes, plus stage 3's peak of gathered units) + the bytes autograd
-  saves during the forward (:class:`SavedBytes`).
+  saves during the forward (:class:`SavedBytes`; with ``offload_activations`` the offloaded ones are host
+  bytes) + with activation checkpointing the largest recompute's saves in backward (``measure_recompute``).
 * :func:`search`: doubling from ``start_batch`` until a probe fails, then bisection; :func:`timed`: the
   wall time (max over ranks) of training / evaluating a number of samples at a micro-batch.
 """
@@ -204,12 +205,14 @@ class Trial:
             with sync:
                 with self.amp(), (saved.hooks() if saved else contextlib.nullcontext()):
                     loss = self.loss_fn(r.module, batch)
-                r.backward(loss if accumulate == 1 else loss / accumulate)
+                # checkpointed regions: what one recompute holds in backward, on top of the forward's saves
+                with measure_recompute() if saved else contextlib.nullcontext() as recompute:
+                    r.backward(loss if accumulate == 1 else loss / accumulate)
             if saved is not None:
                 mem = r.state_bytes(finalize=last)
                 device_states = mem["model_states"] - mem.get("host", 0)
                 device_states += mem.get("peak_gathered", 0) - mem.get("gathered_now", 0)
-                peak = max(peak, device_states + saved.bytes)
+                peak = max(peak, device_states + saved.bytes + recompute.peak)
         r.step()
         if self.gpu and measure:
             torch.cuda.synchronize()
