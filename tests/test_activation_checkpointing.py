@@ -210,3 +210,37 @@ def test_tune_searches_the_activation_options(tmp_path):
     assert res.best.setting.startswith("zero2+ckpt")
     lines = out.read_text().split()
     assert "strategy.activation_checkpointing=auto" in lines and "strategy=zero2" in lines
+
+
+@pytest.mark.parametrize("preset,batch,src,tgt,dropout", [("t5_tiny", 2, 16, 8, 0.0), ("t5_tiny", 3, 24, 16, 0.1)])
+def test_activation_bytes_match_the_estimator(preset, batch, src, tgt, dropout):
+    """Saved bytes per micro-batch, measured with a saved-tensors hook, against tools/t5_dims.py (fp32)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from lightning_zero.engine.activations import ActivationMemory, measure_recompute
+    from lightning_zero.tools.t5_dims import t5_activation_memory, t5_dims
+
+    d = t5_dims(preset, dropout_rate=dropout)
+    cfg = T5Config(vocab_size=d.vocab_size, d_model=d.d_model, d_ff=d.d_ff, num_layers=d.num_layers,
+                   num_heads=d.num_heads, d_kv=d.d_kv, dropout_rate=dropout, feed_forward_proj="relu",
+                   decoder_start_token_id=0, pad_token_id=0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(2, d.vocab_size, (batch, src), generator=g), torch.randint(2, d.vocab_size, (batch, tgt), generator=g)
+    for ckpt, offload in ((False, False), (True, False), (True, True)):
+        torch.manual_seed(0)
+        model = T5ForConditionalGeneration(cfg).train()
+        act = ActivationMemory(model, checkpoint_modules(model, "auto" if ckpt else None), offload)
+        counter = SavedBytes(model.parameters())
+        with counter.hooks():
+            loss = model(input_ids=x, labels=y, use_cache=False).loss
+        with measure_recompute() as recompute:
+            loss.backward()
+        est = t5_activation_memory(d, batch, src, tgt, False, ckpt, offload)
+        measured_device = counter.bytes + recompute.peak
+        where = f"{preset} ckpt={ckpt} offload={offload}: measured {measured_device}, estimated {est['device']}"
+        assert measured_device == pytest.approx(est["device"], rel=0.03), where
+        if ckpt:
+            assert recompute.peak == pytest.approx(est["recompute"], rel=0.01), where
+            assert recompute.count == d.num_layers + d.dec_layers
+        if offload:
+            assert counter.bytes == 0 and act.offloaded_bytes >= est["host"] * 0.97, where

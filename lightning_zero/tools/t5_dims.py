@@ -144,7 +144,8 @@ def t5_activation_parts(dims: T5Dims, batch: int, src_len: int, tgt_len: int, mi
     ckpt = (enc + dec - e * (ne + nd) * d - bias0 + e * h * (S * S + T * T + T * S)
             + dims.num_layers * e * ne * d + dims.dec_layers * e * nd * d)
     return {"outside": int(enc + dec), "enc_layer": int(enc_layer), "dec_layer": int(dec_layer),
-            "checkpointed": int(ckpt), "recompute": int(max(enc_layer + 8 * S * S, dec_layer + bias0 - 8 * S * S))}
+            "checkpointed": int(ckpt), "recompute": int(max(enc_layer + 8 * S * S,  # the first decoder block with dropout: an fp32 B x h x T x S bias
+                                          dec_layer + bias0 - 8 * S * S + drop * 4 * B * h * T * S))}
 
 
 def t5_activation_bytes(dims: T5Dims, batch: int, src_len: int, tgt_len: int, mixed: bool,
