@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -180,16 +181,24 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, owner: "ActivationMemory") -> None:
-        # one host copy per save, as save_on_cpu: a cache keyed by storage address would hand a stale copy to a
-        # tensor allocated where a freed one was
+        # one host copy per tensor: a mask, a position bias or the encoder output that every block saves again
+        # is copied once. Keyed by the tensor object, checked alive (a weak reference) and unmodified: a key
+        # by storage address would hand a stale copy to a tensor allocated where a freed one was.
+        self._copies: dict[int, tuple[weakref.ref, int, Any]] = {}
+
         def pack(t: torch.Tensor) -> Any:
             if _is_param_storage(t):
                 return t
+            hit = self._copies.get(id(t))
+            if hit is not None and hit[0]() is t and hit[1] == t._version:
+                return hit[2]
             pin = t.is_cuda
             host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
             host.copy_(t, non_blocking=pin)
             owner.offloaded_bytes += host.numel() * host.element_size()
-            return t.device, host
+            packed = (t.device, host)
+            self._copies[id(t)] = (weakref.ref(t), t._version, packed)
+            return packed
 
         def unpack(packed: Any) -> torch.Tensor:
             if torch.is_tensor(packed):
@@ -198,6 +207,10 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
         super().__init__(pack, unpack)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._copies.clear()  # the graph holds what it saved; the cache is only for this forward
+        super().__exit__(*exc)
 
 
 class ActivationMemory:
