@@ -29,11 +29,9 @@ STEPS = 2
 # (name, engine config without the activation options, activation options)
 CASES = [
     *[(f"zero{s}", dict(stage=s), dict(activation_checkpointing="auto")) for s in (0, 1, 2, 3)],
-    ("zero2_offload", dict(stage=2, offload_optimizer=True),
-     dict(activation_checkpointing="auto", offload_activations=True)),
+    ("zero3 offload only", dict(stage=3), dict(offload_activations=True)),
     ("zero3_offload", dict(stage=3, offload_optimizer=True, offload_params=True),
      dict(activation_checkpointing="auto", offload_activations=True)),
-    ("zero3 offload only", dict(stage=3), dict(offload_activations=True)),
 ]
 T5_ONLY = [  # one checkpointed region holding every block of a stack: its recompute re-runs several units
     ("zero3 T5Stack", dict(stage=3), dict(activation_checkpointing=["T5Stack"])),
@@ -93,7 +91,7 @@ def _all_cases(rank, world_size, cases):
 @pytest.mark.timeout(240)
 def test_checkpointing_and_offload_equal_the_run_without_them():
     cases = ([("t5", *c) for c in CASES + T5_ONLY]
-             + [("gpt2", *c) for c in CASES if c[0] in ("zero2", "zero3", "zero3_offload")])
+             + [("gpt2", *c) for c in CASES if c[0] in ("zero3", "zero3_offload")])
     results = run_distributed(_all_cases, 2, cases)
     for rank_results in results:
         for (model_name, label, _base, options) in cases:
@@ -212,7 +210,7 @@ def test_tune_searches_the_activation_options(tmp_path):
     assert "strategy.activation_checkpointing=auto" in lines and "strategy=zero2" in lines
 
 
-@pytest.mark.parametrize("preset,batch,src,tgt,dropout", [("t5_tiny", 2, 16, 8, 0.0), ("t5_tiny", 3, 24, 16, 0.1)])
+@pytest.mark.parametrize("preset,batch,src,tgt,dropout", [("t5_tiny", 3, 24, 16, 0.1)])
 def test_activation_bytes_match_the_estimator(preset, batch, src, tgt, dropout):
     """Saved bytes per micro-batch, measured with a saved-tensors hook, against tools/t5_dims.py (fp32)."""
     from transformers import T5Config, T5ForConditionalGeneration
