@@ -38,7 +38,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .stage3.unit_policy import NO_FORWARD, _outermost, choose_unit_modules
 
-_local = threading.local()
+_local = threading.local()  # recompute depth: per thread (CUDA backward runs on the autograd engine's device thread)
+_measure: Optional["RecomputeBytes"] = None  # process-wide: read on whichever thread recomputes
 
 
 def recomputing() -> bool:
@@ -68,11 +69,12 @@ def measure_recompute() -> Iterator[RecomputeBytes]:
     """Measure what each recompute in the enclosed backward holds: its forward runs once more, first, under
     :class:`SavedBytes` (the real one's saves go to the checkpoint, out of any hook's sight), with the RNG
     state restored after it. Costs one extra forward per region; for measurements (the tuner's probes)."""
-    prev, _local.measure = getattr(_local, "measure", None), RecomputeBytes()
+    global _measure
+    prev, _measure = _measure, RecomputeBytes()
     try:
-        yield _local.measure
+        yield _measure
     finally:
-        _local.measure = prev
+        _measure = prev
 
 
 def checkpointed_call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -84,7 +86,7 @@ def checkpointed_call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
             first[0] = False
             return fn(*a, **kw)
         with _recompute():
-            rec = getattr(_local, "measure", None)
+            rec = _measure
             if rec is not None:  # before the real recompute, which stops early once backward has what it needs
                 saved = SavedBytes(())
                 cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
