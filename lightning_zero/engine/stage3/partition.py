@@ -309,6 +309,7 @@ class ParamPartitioner:
     # -- step boundaries ------------------------------------------------------------------------------
     def end_of_backward(self) -> None:
         self.guard.end_probe()
+        self._recompute_gathered.clear()
         for u in self.units:
             self._finish_gather(u)
         self.release_all()
