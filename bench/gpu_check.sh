@@ -4,7 +4,10 @@
 #   2. the reference table on t5-large:   bench/seed_table.py --model t5_large --cap-gb 24, 1 GPU
 #   3. t5-3b dimensions under a 24 GB cap: DDP at batch 1 (expected OOM), then the largest batch of
 #      zero3_offload / zero2_offload (bf16 compute, fp32 master + Adam on the CPU)
-# Everything fits in 8 minutes (a timeout per part); results -> "${OUT:-bench_out}/gpu_results.txt".
+#   4. t5-3b with activation checkpointing + activation offload (every T5Block recomputed, its saved inputs
+#      in pinned host memory) on top of zero3_offload / zero2_offload: the largest batch (reference: 20)
+# A timeout per part; parts 1-3 fit in 8 minutes, part 4 adds 3.5: ONLY=activations runs 1 and 4 alone
+# (one call of a 10-minute device budget each). Results -> "${OUT:-bench_out}/gpu_results.txt".
 # Models are built from T5Config (examples/t5_module.py presets): nothing is downloaded.
 # Usage (repo root):  bash bench/gpu_check.sh
 set -u
@@ -52,6 +55,8 @@ if ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 
   exit 0
 fi
 
+ONLY="${ONLY:-all}"   # all | activations (skips parts 2-3)
+if [ "$ONLY" != activations ]; then
 # 2. The reference table, t5-large on one GPU capped at 24 GB (the reference had two 24 GB GPUs).
 part "seed table t5_large, 1 GPU, cap 24 GB" 200 \
   python bench/seed_table.py --model t5_large --cap-gb 24 --world-size 1 \
@@ -71,6 +76,15 @@ part "t5_3b dims, zero3_offload / zero2_offload (bf16), cap 24 GB" 180 \
     --methods zero3_offload_bf16,zero2_offload_bf16 \
     --src-len 128 --tgt-len 128 --start-batch 8 --bisect-tol 0.25 --max-batch 64 \
     --train-samples 32 --eval-samples 32 --json "$OUTDIR/seed_table_t5_3b_offload.json"
+fi
+
+# 4. t5-3b dims, checkpointing + activation offload on the offload presets: activations were what bounded
+#    the batch at the ZeRO floors (reference: DeepSpeed offload trains at 20, OOM at 30; target >= 2x of 3b).
+part "t5_3b dims, zero3_offload / zero2_offload + activation checkpointing + offload (bf16), cap 24 GB" 210 \
+  python bench/seed_table.py --model t5_3b --cap-gb 24 --world-size 1 \
+    --methods zero3_offload_ckpt_offact_bf16,zero2_offload_ckpt_offact_bf16 \
+    --src-len 128 --tgt-len 128 --start-batch 16 --bisect-tol 0.25 --max-batch 256 \
+    --train-samples 32 --eval-samples 32 --json "$OUTDIR/seed_table_t5_3b_ckpt_offload.json"
 
 log ""
 log "gpu_check.sh done in $(( $(date +%s) - START ))s; results in $RES"

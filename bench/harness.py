@@ -102,8 +102,11 @@ def make_adamw(params, args) -> torch.optim.Optimizer:
 
 
 def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: type = BLOCK_CLASS,
-          compute_dtype: Optional[torch.dtype] = None) -> Runner:
-    """A fresh model + AdamW under ``method``, seeded identically on every rank and every call."""
+          compute_dtype: Optional[torch.dtype] = None, activations: Optional[dict] = None) -> Runner:
+    """A fresh model + AdamW under ``method``, seeded identically on every rank and every call.
+
+    ``activations``: ZeroConfig's activation options for our methods (activation_checkpointing, offload_activations).
+    """
     if method in DS_METHODS:
         return build_deepspeed(method, args, make_model, compute_dtype)
     torch.manual_seed(args.seed)
@@ -140,7 +143,7 @@ def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: t
         stage = int(method[4])
         offload = method.endswith("_offload")
         cfg = ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
-                         bucket_mb=bucket_mb, unit_classes=[block_class] if stage == 3 else None)
+                         bucket_mb=bucket_mb, unit_classes=[block_class] if stage == 3 else None, **(activations or {}))
         opt = make_adamw(model.parameters(), args)
         return Runner(method, model, model, opt, ZeroEngine(model, opt, cfg, compute_dtype=compute_dtype))
     raise ValueError(f"unknown method {method!r}; allowed: {', '.join(ALL_METHODS)}")

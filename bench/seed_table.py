@@ -8,6 +8,9 @@ sharded DDP, DeepSpeed with and without CPU offload. This script fills the same 
 * ``zero2_bf16``, ``zero3_bf16``: ``compute_dtype=torch.bfloat16`` (bf16 params/grads, fp32 master shards);
 * ``zero2_offload``, ``zero3_offload`` (optimizer offload; stage 3 also offloads the param shards), and
   their ``_bf16`` variants (used for t5-3b on a GPU);
+* ``_ckpt``: + ``activation_checkpointing="auto"`` (every T5Block recomputed in backward); ``_ckpt_offact``: +
+  ``offload_activations=True`` too (the blocks' saved inputs in host memory), for zero2, zero3 and
+  zero3_offload (and ``zero2_offload``; ``_bf16`` after them, e.g. ``zero3_offload_ckpt_offact_bf16``);
 * ``ds_zero2``, ``ds_zero3``, ``ds_zero2_offload``, ``ds_zero3_offload`` (+ ``_bf16``): DeepSpeed's engines,
   the reference table's own method (optional: in the defaults when DeepSpeed is installed; see
   ``deepspeed_peer.py``). Their CPU bytes are every storage reachable from the engine (buckets included)
@@ -30,7 +33,8 @@ Memory cap and "OOM":
   units (``partitioner.peak_gathered_bytes``) in place of the currently gathered ones; activations = the
   bytes of the tensors autograd saves for backward during the forward (a
   ``torch.autograd.graph.saved_tensors_hooks`` pack hook, each storage counted once, parameters
-  excluded; autocast's bf16 weight copies count). Transient buffers (communication buckets, the
+  excluded; autocast's bf16 weight copies count; offloaded activations are host bytes) plus, with
+  checkpointing, the largest recompute's saves in backward. Transient buffers (communication buckets, the
   backward's intermediate gradients) are not counted: the CPU figure is a lower bound of a GPU's.
 
 Search: one real training step per probe at batch 1, 2, 4, ... (``--start-batch``) until one does not fit
@@ -65,10 +69,13 @@ from harness import build, launch, machine_line  # noqa: E402
 # the probe / search / timing code is the package's, shared with `lightning-zero tune`
 from lightning_zero.tools.tuning.harness import Trial, search, t5_batch, timed  # noqa: E402
 
-CPU_METHODS = ("ddp", "ddp_bf16", "zero1", "zero2", "zero2_bf16", "zero3", "zero2_offload", "zero3_offload")
+ACT_METHODS = tuple(f"{m}{a}" for m in ("zero2", "zero3", "zero3_offload") for a in ("_ckpt", "_ckpt_offact"))
+CPU_METHODS = ("ddp", "ddp_bf16", "zero1", "zero2", "zero2_bf16", "zero3", "zero2_offload", "zero3_offload") \
+    + ACT_METHODS
 DS_TABLE_METHODS = ("ds_zero2", "ds_zero3", "ds_zero2_offload", "ds_zero3_offload")
 ALL_METHODS = CPU_METHODS + ("zero3_bf16", "zero2_offload_bf16", "zero3_offload_bf16") + DS_TABLE_METHODS \
-    + tuple(f"{m}_bf16" for m in DS_TABLE_METHODS)
+    + tuple(f"{m}_bf16" for m in DS_TABLE_METHODS) + ("zero2_offload_ckpt", "zero2_offload_ckpt_offact") \
+    + tuple(f"{m}_bf16" for m in ACT_METHODS + ("zero2_offload_ckpt", "zero2_offload_ckpt_offact"))
 if deepspeed_peer.available():
     CPU_METHODS += DS_TABLE_METHODS
 
@@ -96,12 +103,19 @@ def t5_block_class() -> type:
 
 
 def parse_method(method: str) -> tuple[str, dict]:
-    """(harness method, options): ``_bf16`` -> autocast for DDP, compute_dtype for ours."""
+    """(harness method, options): ``_bf16`` -> autocast for DDP, compute_dtype for ours; ``_ckpt`` /
+    ``_ckpt_offact`` -> the engine's activation options."""
     bf16 = method.endswith("_bf16")
     base = method[: -len("_bf16")] if bf16 else method
+    activations = {}
+    for suffix, opts in (("_ckpt_offact", dict(activation_checkpointing="auto", offload_activations=True)),
+                         ("_ckpt", dict(activation_checkpointing="auto"))):
+        if base.endswith(suffix):
+            base, activations = base[: -len(suffix)], opts
+            break
     if base == "ddp":
-        return "ddp", {"autocast": torch.bfloat16 if bf16 else None, "compute_dtype": None}
-    return base, {"autocast": None, "compute_dtype": torch.bfloat16 if bf16 else None}
+        return "ddp", {"autocast": torch.bfloat16 if bf16 else None, "compute_dtype": None, "activations": None}
+    return base, {"autocast": None, "compute_dtype": torch.bfloat16 if bf16 else None, "activations": activations}
 
 
 def make_trial(method: str, args, rank: int, device) -> Trial:
@@ -109,7 +123,8 @@ def make_trial(method: str, args, rank: int, device) -> Trial:
     base, opts = parse_method(method)
 
     def build_fn():
-        return build(base, args, make_model=make_t5, block_class=t5_block_class(), compute_dtype=opts["compute_dtype"])
+        return build(base, args, make_model=make_t5, block_class=t5_block_class(), compute_dtype=opts["compute_dtype"],
+                     activations=opts["activations"])
 
     return Trial(method, args, rank, device, build_fn, lambda r, step, b, dev: t5_batch(args, r, step, b, dev),
                  autocast=opts["autocast"])
@@ -156,9 +171,9 @@ def print_table(raw: dict, args) -> list[str]:
         f"Psi={args.numel:,}; {args.world_size} rank(s) {'nccl' if gpu else 'gloo'}; {cap}; "
         f"train {args.train_samples} samples, eval {args.eval_samples} samples (global)",
         "",
-        "| Method             | Max batch | Train time s | Eval time s | Peak MB/rank | batch vs DDP | train vs DDP "
+        "| Method                         | Max batch | Train time s | Eval time s | Peak MB/rank | batch vs DDP | train vs DDP "
         "| eval vs DDP |",
-        "|--------------------|-----------|--------------|-------------|--------------|--------------|--------------"
+        "|--------------------------------|-----------|--------------|-------------|--------------|--------------|--------------"
         "|-------------|",
     ]
 
@@ -170,7 +185,7 @@ def print_table(raw: dict, args) -> list[str]:
 
     for m, r in ms.items():
         if "error" in r:
-            lines.append(f"| {m:<18} | FAILED: {r['error']} |")
+            lines.append(f"| {m:<30} | FAILED: {r['error']} |")
             continue
         b = r["max_batch"]
         mb = f"{r['peak_bytes'] / 2**20:.2f}" if r.get("peak_bytes") else "-"
@@ -180,7 +195,7 @@ def print_table(raw: dict, args) -> list[str]:
         elif b and r["first_fail"] and r["first_fail"] - b > 1:
             bs = f"{b}-{r['first_fail'] - 1}"  # bisection stopped early (--bisect-tol)
         lines.append(
-            f"| {m:<18} | {bs:>9} | {sec(r['train_s']):>12} | {sec(r['eval_s']):>11} | {mb:>12} "
+            f"| {m:<30} | {bs:>9} | {sec(r['train_s']):>12} | {sec(r['eval_s']):>11} | {mb:>12} "
             f"| {ratio(b, base.get('max_batch')):>12} | {ratio(r['train_s'], base.get('train_s')):>12} "
             f"| {ratio(r['eval_s'], base.get('eval_s')):>11} |"
         )

@@ -40,6 +40,9 @@ class StrategyConf:
     prefetch: bool = True
     order_check: str = "strict"  # strict | always | off
     checkpoint_format: str = "sharded"  # sharded (DCP directory) | full (one file)
+    # recompute these modules' forward in backward: null | auto (the unit policy's blocks: T5Block) | [T5Block, ...]
+    activation_checkpointing: Any = None
+    offload_activations: bool = False  # saved activations in (pinned) host memory between forward and backward
     # popen | spawn | fork | forkserver.  Defaults to the trainer preset's choice (cpu: fork, gpu: popen).
     start_method: str = "${trainer.start_method}"
     # hybrid sharding: shard within groups of this many consecutive ranks (a node), replicate across them;

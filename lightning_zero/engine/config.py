@@ -77,6 +77,14 @@ class ZeroConfig:
     # ranks (a node), replicate across the groups; None = the whole world (plain ZeRO)
     shard_group_size: Optional[int] = None
 
+    # -- activation memory (engine/activations.py) ------------------------------------------------------
+    # activation_checkpointing: None; "auto" (the modules the stage-3 unit policy picks: the units at stage 3,
+    #     the same blocks below); or module classes / class names, e.g. ["T5Block"]: their forward runs under
+    #     non-reentrant torch.utils.checkpoint and is recomputed in backward.
+    # offload_activations: saved activations go to (pinned) host memory during forward, back for backward.
+    activation_checkpointing: Optional[Union[str, Sequence[Union[type, str]]]] = None
+    offload_activations: bool = False
+
     def __post_init__(self) -> None:
         if not _is_int(self.stage) or self.stage not in STAGES:
             raise ValueError(f"Unknown ZeRO stage {self.stage!r}. Allowed stages: 0, 1, 2, 3 (an int).")
@@ -114,6 +122,22 @@ class ZeroConfig:
             raise ValueError(f"shard_group_size must be an int >= 1 that divides the world size (ranks per shard "
                              f"group, e.g. the GPUs of a node) or None (the whole world); "
                              f"got {self.shard_group_size!r}.")
+        self._check_activation_options()
+
+    def _check_activation_options(self) -> None:
+        ac = self.activation_checkpointing
+        if isinstance(ac, (str, type)) and ac != "auto":
+            ac = [ac]  # one class, as unit_classes accepts
+        if ac is not None and ac != "auto":
+            ac = list(ac) if isinstance(ac, (list, tuple)) else ac
+            if not isinstance(ac, list) or not ac or not all(
+                    isinstance(e, str) or (isinstance(e, type) and issubclass(e, torch.nn.Module)) for e in ac):
+                raise ValueError(
+                    f"activation_checkpointing must be None, 'auto' or a non-empty list of module classes / class "
+                    f"names (e.g. ['T5Block']); got {self.activation_checkpointing!r}.")
+        self.activation_checkpointing = ac
+        if not isinstance(self.offload_activations, bool):
+            raise ValueError(f"offload_activations must be True or False; got {self.offload_activations!r}.")
 
     @property
     def unit_bytes(self) -> Optional[int]:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from . import collectives as C
+from .activations import ActivationMemory, activation_memory
 from .stage3.deferred_init import compute_device, has_meta_params
 from .stage3.units import build_units
 from .config import ZeroConfig
@@ -139,6 +140,10 @@ class ZeroEngine:
             PG.install_optimizer_methods(self)
         self.last_step_skipped = False
 
+        # activation checkpointing / offload (None when both are off)
+        self.activations: Optional[ActivationMemory] = activation_memory(
+            module, cfg, self.partitioner.units if self.partitioner is not None else None)
+
     @property
     def partitions_params(self) -> bool:
         """Parameters live as stage-3 unit shards (until the module is handed back whole)."""
@@ -147,6 +152,11 @@ class ZeroEngine:
     @property
     def skipped_steps(self) -> int:  # a view of self.counters, which checkpoints read and write
         return self.counters.skipped_steps
+
+    def activation_context(self):
+        """Where a training step's saved activations go (host memory with ``offload_activations``); the root
+        module's forward enters it by itself, Lightning's ``training_step`` through the strategy."""
+        return self.activations.context() if self.activations is not None else contextlib.nullcontext()
 
     def _end_of_backward(self) -> None:
         self.partitioner.end_of_backward()
@@ -395,6 +405,9 @@ class ZeroEngine:
     def remove(self, hand_back: bool = True) -> None:
         """Detach hooks; a stage-3 module is first handed back whole (see restore_fp32_module), unless
         ``hand_back=False``: after a failure other ranks may be gone, and that collective would hang."""
+        if self.activations is not None:
+            self.activations.remove()
+            self.activations = None
         if self.partitions_params:
             self.releaser.remove()
             if hand_back:

@@ -60,6 +60,9 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             crosses nodes; must divide the world size. None = the world size (plain ZeRO).
         memory_summary: after the first optimizer step, global rank 0 prints the per-rank model-state
             table (ZeRO beside DDP) and logs the numbers as ``zero/*`` metrics (``lightning/memory_summary.py``).
+        activation_checkpointing: None, "auto" (the stage-3 unit policy's blocks) or module classes / class
+            names, e.g. ``["T5Block"]``: their forward is recomputed in backward instead of saved.
+        offload_activations: saved activations go to (pinned) host memory during forward, back for backward.
     """
 
     strategy_name = "zero"
@@ -88,12 +91,15 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         checkpoint_format: str = "sharded",
         shard_group_size: Optional[int] = None,
         memory_summary: bool = True,
+        activation_checkpointing: Optional[Any] = None,
+        offload_activations: bool = False,
     ) -> None:
         self.zero_config = ZeroConfig(
             stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
             bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
             unit_classes=unit_classes, unit_mb=unit_mb, persist_numel=persist_numel, prefetch=prefetch,
             order_check=order_check, shard_group_size=shard_group_size,
+            activation_checkpointing=activation_checkpointing, offload_activations=offload_activations,
         )
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")
@@ -194,7 +200,10 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         return step(*args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._prepared(super().training_step, *args, **kwargs)
+        if self.engine is None:
+            return self._prepared(super().training_step, *args, **kwargs)
+        with self.engine.activation_context():  # offload_activations: the loss's saved tensors too
+            return self._prepared(super().training_step, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._joined(self._prepared(super().validation_step, *args, **kwargs))

@@ -139,7 +139,8 @@ def _estimate(args: argparse.Namespace) -> int:
         bucket_mb=args.bucket_mb, grad_accumulation=args.grad_accum, batch_size=args.batch_size, src_len=args.src_len, tgt_len=args.tgt_len,
         device_memory_gb=args.device_memory, cpu_memory_gb=args.cpu_memory,
         settings=args.settings.split(",") if args.settings else None, vocab_size=vocab,
-        shard_group_size=args.shard_group_size)
+        shard_group_size=args.shard_group_size, activation_checkpointing=args.activation_checkpointing,
+        offload_activations=args.offload_activations)
     print(est)
     return 0
 
@@ -174,6 +175,10 @@ def _add_estimate(sub) -> None:
     p.add_argument("--settings", default=None, help="comma list of settings to show (default: all seven)")
     p.add_argument("--shard-group-size", type=int, default=None, metavar="K",
                    help="hybrid sharding: shard over groups of K ranks (e.g. GPUs per node); also shows K = ranks")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="activations with strategy.activation_checkpointing=auto (every T5Block recomputed)")
+    p.add_argument("--offload-activations", action="store_true",
+                   help="activations with strategy.offload_activations=true (saved tensors in host memory)")
     p.set_defaults(func=_estimate)
 
 
@@ -184,7 +189,7 @@ def _tune(args: argparse.Namespace) -> int:
                config_dir=args.config_dir, config_name=args.config_name, stages=args.stages,
                offload=args.offload, max_batch=args.max_batch, steps=args.steps, warmup=args.warmup,
                bisect_tol=args.bisect_tol, start_method=args.start_method, json_out=args.json,
-               recipe=args.recipe)
+               recipe=args.recipe, activations=args.activations)
     print(res.report())
     return 0 if res.best is not None else 1
 
@@ -208,6 +213,9 @@ def _add_tune(sub) -> None:
                    "strategy_kwargs, tune_model_config); default: examples/t5_config.py beside --config-dir")
     p.add_argument("--stages", default="0,1,2,3", help="stages to try")
     p.add_argument("--offload", default="both", choices=["both", "no", "only"], help="offload settings to try")
+    p.add_argument("--activations", default="recipe", choices=["recipe", "search"],
+                   help="search: every setting also with activation checkpointing (+ckpt) and with checkpointing "
+                   "+ activation offload (+ckpt+offload); recipe: the experiment's own strategy.activation_* keys")
     p.add_argument("--max-batch", type=int, default=256, help="search ceiling for the micro-batch")
     p.add_argument("--bisect-tol", type=float, default=0.0, help="stop bisecting within this fraction")
     p.add_argument("--steps", type=int, default=5, help="timed training steps per candidate")

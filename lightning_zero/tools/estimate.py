@@ -41,7 +41,8 @@ MiB = 2**20
 SETTINGS: dict[tuple[int, bool], str] = {(kw["stage"], kw.get("offload_optimizer", False)): name
                                          for name, kw in PRESETS.items()}
 PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
-from .t5_dims import BYTE_VOCAB, T5Dims, t5_activation_bytes, t5_dims, t5_dims_from_config  # noqa: F401
+from .t5_dims import (BYTE_VOCAB, T5Dims, t5_activation_bytes, t5_activation_memory, t5_dims,  # noqa: F401
+                      t5_dims_from_config)
 
 @dataclass
 class ModelInfo:
@@ -156,6 +157,9 @@ class Estimate:
     device_memory: Optional[float] = None  # bytes per device
     cpu_memory: Optional[float] = None  # bytes per node
     shard_group_size: Optional[int] = None  # hybrid sharding: ranks that shard the states (None: all)
+    activation_checkpointing: bool = False
+    offload_activations: bool = False
+    activation_parts: Optional[dict] = None  # t5_activation_memory: device, host, saved, recompute
 
     @property
     def ranks_per_node(self) -> int:
@@ -191,6 +195,8 @@ def estimate_model_states(
     unit_classes: Optional[Sequence] = None,
     vocab_size: Optional[int] = BYTE_VOCAB,
     shard_group_size: Optional[int] = None,
+    activation_checkpointing: bool = False,
+    offload_activations: bool = False,
 ) -> Estimate:
     """Per-rank device bytes and per-node CPU RAM for every ZeRO stage x offload setting.
 
@@ -201,6 +207,8 @@ def estimate_model_states(
     between micro-batches. ``device_memory_gb``/``cpu_memory_gb`` are GiB (2**30).
     ``shard_group_size`` (hybrid sharding, ZeroConfig.shard_group_size): stages 1-3 shard over K ranks, not
     the world (stage 2 mixed: 2 Psi + 14 Psi / K per rank); each row also keeps its K = world figure.
+    ``activation_checkpointing`` (every T5Block, the ``"auto"`` policy) / ``offload_activations``: the
+    activations as those strategy options leave them (offloaded bytes count as host memory).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}. Allowed: 32-true, bf16-mixed, 16-mixed.")
@@ -224,11 +232,13 @@ def estimate_model_states(
         info = ModelInfo(model, model, largest_param=0, name="(parameter count)")
     else:
         raise ValueError(f"model must be an nn.Module, a parameter count, a preset name or T5Dims; got {model!r}.")
-    act = None
+    act, parts = None, None
     if batch_size is not None:
         if info.t5 is None:
             raise ValueError("The activation estimate needs a T5 model (a preset name or a T5 module).")
-        act = float(t5_activation_bytes(info.t5, batch_size, src_len, tgt_len, mixed))
+        parts = t5_activation_memory(info.t5, batch_size, src_len, tgt_len, mixed, activation_checkpointing,
+                                     offload_activations)
+        act = float(parts["device"])
     from ..engine.groups import check_shard_group_size
 
     shards = check_shard_group_size(shard_group_size, world_size)  # the ranks one parameter is cut over
@@ -241,7 +251,7 @@ def estimate_model_states(
         buf = buffer_bytes(info, stage, offload, shards, mixed, bucket_mb, grad_accumulation > 1)
         peak = st["device"] + max(buf["backward"] + (act or 0.0), buf["step"])
         staging = 4 * info.trainable / shards if offload else 0.0  # fp32 gradient copies for the CPU step
-        host = st["host"] + staging
+        host = st["host"] + staging + (parts["host"] if parts else 0)
         row = Row(name, stage, offload, st, buf, act, peak, host, host * ranks_per_node)
         if shards != world_size and stage >= 1:
             row.states_world = model_state_bytes(info, stage, offload, world_size, mixed, k, grad_accumulation > 1)
@@ -252,7 +262,8 @@ def estimate_model_states(
                     (batch_size, src_len, tgt_len) if batch_size is not None else None, act,
                     device_memory_gb * GiB if device_memory_gb is not None else None,
                     cpu_memory_gb * GiB if cpu_memory_gb is not None else None,
-                    shard_group_size if shards != world_size else None)
+                    shard_group_size if shards != world_size else None,
+                    activation_checkpointing, offload_activations, parts)
 
 
 def _gib(x: Optional[float]) -> str:
@@ -273,7 +284,7 @@ def format_estimate(est: Estimate) -> str:
     if est.batch is not None:
         b, s, t = est.batch
         lines.append(f"activations: micro-batch {b} x (src {s}, tgt {t}) tokens per rank = {_gib(est.activations)} "
-                     "GiB (T5 formula, docs/tuning.md)")
+                     f"GiB on the device (T5 formula, docs/tuning.md); {activation_line(est)}")
     elif info.t5 is None:
         lines.append("activations: not included (give a T5 preset and --batch-size)")
     lines.append("GiB per rank unless noted (M = MiB); states = params + grads + master + optimizer state")
@@ -317,13 +328,30 @@ def format_estimate(est: Estimate) -> str:
     return "\n".join(lines)
 
 
+def activation_line(est: Estimate) -> str:
+    """The activation options and what they leave where."""
+    p = est.activation_parts or {}
+    ck, off = est.activation_checkpointing, est.offload_activations
+    if not (ck or off):
+        return "activation_checkpointing off, offload_activations off"
+    parts = [f"activation_checkpointing {'auto (every T5Block)' if ck else 'off'}",
+             f"offload_activations {'on' if off else 'off'}"]
+    if ck:
+        parts.append(f"forward saves {_gib(p.get('saved'))}, one block's recompute {_gib(p.get('recompute'))}")
+    if off:
+        parts.append(f"{_gib(p.get('host'))} GiB per rank in host memory")
+    return ", ".join(parts)
+
+
 def min_ranks_to_fit(est: Estimate, setting: str, max_ranks: int = 4096) -> Optional[int]:
     """Smallest power-of-two world size at which ``setting``'s peak fits ``est.device_memory`` (None: never)."""
     n = 1
     b = est.batch or (None, 512, 128)
     while n <= max_ranks:
         row = estimate_model_states(est.info, n, 1, est.precision, est.optimizer, est.bucket_mb,
-                                    est.grad_accumulation, b[0], b[1], b[2], settings=[setting]).rows[0]
+                                    est.grad_accumulation, b[0], b[1], b[2], settings=[setting],
+                                    activation_checkpointing=est.activation_checkpointing,
+                                    offload_activations=est.offload_activations).rows[0]
         if row.peak_device <= est.device_memory:
             return n
         n *= 2
@@ -338,5 +366,9 @@ def suggestion(est: Estimate) -> str:
         if n is not None:
             parts.append(f"{name} on >= {n} ranks")
     if est.activations:
+        if not est.activation_checkpointing:
+            parts.append("activation_checkpointing='auto' (recompute each block in backward)")
+        if not est.offload_activations:
+            parts.append("offload_activations=True (saved activations in host memory)")
         parts.append("a smaller micro-batch or shorter sequences")
     return "What would fit: " + ("; ".join(parts) if parts else "nothing at this memory size") + "."

@@ -92,9 +92,12 @@ def t5_dims_from_config(config) -> T5Dims:
                   float(config.dropout_rate), getattr(config, "name_or_path", "") or "t5")
 
 
-def t5_activation_bytes(dims: T5Dims, batch: int, src_len: int, tgt_len: int, mixed: bool,
-                        dropout_rate: Optional[float] = None) -> int:
-    """Bytes autograd saves in one training forward of ``T5ForConditionalGeneration`` (one rank).
+def t5_activation_parts(dims: T5Dims, batch: int, src_len: int, tgt_len: int, mixed: bool,
+                        dropout_rate: Optional[float] = None) -> dict[str, int]:
+    """What autograd saves in one training forward of ``T5ForConditionalGeneration`` (one rank), in bytes:
+    ``enc_layer`` / ``dec_layer`` per T5Block, ``outside`` the blocks; with every T5Block checkpointed,
+    ``checkpointed`` in the forward and ``recompute``, what one block's recompute saves in backward (block 0,
+    which also computes the position biases, or a decoder block).
 
     Counted per op from HF T5 (transformers 5, sdpa attention) in the compute dtype (``e`` bytes):
     an RMS norm saves its input's normalized copy and its output (8 bytes per element either way: fp32
@@ -124,18 +127,50 @@ def t5_activation_bytes(dims: T5Dims, batch: int, src_len: int, tgt_len: int, mi
         return e * n * ff_saved + drop * 2 * e * n * ff
 
     ne, nd = B * S, B * T
+    enc_layer = 2 * norm(ne) + 2 * e * ne * d + self_attn(ne, S) + ffn(ne) + drop * 2 * e * ne * d
     enc = e * ne * d * (1 + drop) + 8 * S * S
-    enc += dims.num_layers * (2 * norm(ne) + 2 * e * ne * d + self_attn(ne, S) + ffn(ne) + drop * 2 * e * ne * d)
     enc += norm(ne) + e * ne * d * (1 + drop)  # final norm, its output (cross-attention k/v input)
     if drop:  # attention dropout sends cross-attention down the math path too (fp32, probs + mask saved)
         cross = 8 * ne * inner + 4 * nd * inner + 12 * B * h * T * S + e * nd * inner
     else:  # fused kernel: q, k, v, output (o's input), log-sum-exp
         cross = 2 * e * ne * inner + 2 * e * nd * inner + 4 * B * h * T
+    dec_layer = 3 * norm(nd) + 3 * e * nd * d + self_attn(nd, T) + cross + ffn(nd) + drop * 3 * e * nd * d
     dec = e * nd * d * (1 + drop) + 8 * T * T + T * T + (0 if drop else e * h * T * S)
-    dec += dims.dec_layers * (3 * norm(nd) + 3 * e * nd * d + self_attn(nd, T) + cross + ffn(nd)
-                              + drop * 3 * e * nd * d)
     dec += norm(nd) + e * nd * d * (1 + drop) + e * nd * V + 8 * nd  # final norm, head input, log-softmax
-    return int(enc + dec)
+    # block 0 computes the relative position biases (the terms above that only the first block saves)
+    bias0 = 8 * S * S + 8 * T * T + T * T + (0 if drop else e * h * T * S)
+    # checkpointed T5Blocks save their inputs only: each block's hidden states (block 0's is the embedding
+    # output, counted above), plus, once, the three position biases (1 x heads x L x L') the first blocks pass on
+    ckpt = (enc + dec - e * (ne + nd) * d - bias0 + e * h * (S * S + T * T + T * S)
+            + dims.num_layers * e * ne * d + dims.dec_layers * e * nd * d)
+    return {"outside": int(enc + dec), "enc_layer": int(enc_layer), "dec_layer": int(dec_layer),
+            "checkpointed": int(ckpt), "recompute": int(max(enc_layer + 8 * S * S,  # the first decoder block with dropout: an fp32 B x h x T x S bias
+                                          dec_layer + bias0 - 8 * S * S + drop * 4 * B * h * T * S))}
+
+
+def t5_activation_bytes(dims: T5Dims, batch: int, src_len: int, tgt_len: int, mixed: bool,
+                        dropout_rate: Optional[float] = None) -> int:
+    """Bytes autograd saves in one training forward of ``T5ForConditionalGeneration`` (one rank); see
+    :func:`t5_activation_parts` for what is counted."""
+    p = t5_activation_parts(dims, batch, src_len, tgt_len, mixed, dropout_rate)
+    return p["outside"] + dims.num_layers * p["enc_layer"] + dims.dec_layers * p["dec_layer"]
+
+
+def t5_activation_memory(dims: T5Dims, batch: int, src_len: int, tgt_len: int, mixed: bool,
+                         checkpointing: bool = False, offload: bool = False,
+                         dropout_rate: Optional[float] = None) -> dict[str, int]:
+    """Activation bytes of one micro-batch: ``device`` at the peak, ``host`` (offloaded) and the parts.
+
+    Checkpointing (every T5Block, ``activation_checkpointing="auto"``): what the forward saves plus one
+    block's recompute, alive together in backward. Offload: the saved tensors live on the host; the device
+    holds a block's worth while its backward unpacks them (or the recompute, with checkpointing).
+    """
+    p = t5_activation_parts(dims, batch, src_len, tgt_len, mixed, dropout_rate)
+    full = p["outside"] + dims.num_layers * p["enc_layer"] + dims.dec_layers * p["dec_layer"]
+    saved = p["checkpointed"] if checkpointing else full
+    working = p["recompute"] if (checkpointing or offload) else 0
+    return {"device": int(working + (0 if offload else saved)), "host": int(saved if offload else 0),
+            "saved": int(saved), "recompute": int(working if checkpointing else 0)}
 
 
 # -- what the engine allocates --------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .. import collectives as C
+from ..activations import recomputing
 from .deferred_init import has_meta_params, materialize
 from .guard import ReleasedParamGuard
 from .lifecycle import OrderCheck, OrderState, UnitState
@@ -80,6 +81,7 @@ class ParamPartitioner:
         self._held = 0
         self.prefetches = 0
         self._handles: list[Any] = []
+        self._recompute_gathered: set[int] = set()  # units a recompute gathered (activations.py)
         self._shard_all()
         self._install_hooks()
 
@@ -241,11 +243,15 @@ class ParamPartitioner:
             )
 
     def _tracking(self, u: Unit) -> bool:
+        # a checkpointed region recomputed in backward re-runs the forwards of the units inside it: not part
+        # of the recorded order (activations.py)
         return (self.order_check is OrderCheck.STRICT and u.module.training and torch.is_grad_enabled()
-                and not self._gathered_depth)
+                and not self._gathered_depth and not recomputing())
 
     def _make_pre_forward(self, u: Unit):
         def hook(_module, _args):
+            if recomputing() and not u.gathered:  # its own pre-backward hook has not run yet: see post-forward
+                self._recompute_gathered.add(u.index)
             if self._tracking(u):
                 self._track_forward(u)
             self.gather(u)
@@ -271,6 +277,14 @@ class ParamPartitioner:
 
     def _make_post_forward(self, u: Unit):
         def hook(_module, _args, output):
+            if recomputing():
+                # a region holding several units is recomputed at its first backward node: a unit whose own
+                # pre-backward hook is still to come is released (that hook gathers it again); one that hook has
+                # gathered already stays for its backward. No hooks: the recomputed graph is discarded.
+                if u.index in self._recompute_gathered:
+                    self._recompute_gathered.discard(u.index)
+                    self.release(u)
+                return output
             self.release(u)
             if torch.is_grad_enabled() and not self._gathered_depth:
                 tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
@@ -297,6 +311,7 @@ class ParamPartitioner:
     # -- step boundaries ------------------------------------------------------------------------------
     def end_of_backward(self) -> None:
         self.guard.end_probe()
+        self._recompute_gathered.clear()
         for u in self.units:
             self._finish_gather(u)
         self.release_all()

@@ -28,6 +28,8 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..activations import recomputing
+
 
 class BackwardReleaser:
     """Calls ``release(unit)`` as soon as a unit's backward is over.
@@ -98,7 +100,7 @@ class BackwardReleaser:
         self._blind = [False] * n  # a forward had no input needing a gradient: wait for end of backward
 
     def _on_forward(self, i: int, module, args, kwargs) -> None:
-        if not (torch.is_grad_enabled() and module.training):
+        if not (torch.is_grad_enabled() and module.training) or recomputing():  # a recompute's graph is discarded
             return
         inputs = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.requires_grad]
         if not inputs:

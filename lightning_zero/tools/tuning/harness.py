@@ -13,7 +13,8 @@ installed ``lightning-zero tune`` command measures with the very code the benchm
   rank. GPU: a real ``torch.OutOfMemoryError`` under ``torch.cuda.set_per_process_memory_fraction``,
   peak = ``max_memory_allocated``. CPU: a byte budget checked against the measured peak = device-side
   model states (minus offloaded bytes, plus stage 3's peak of gathered units) + the bytes autograd
-  saves during the forward (:class:`SavedBytes`).
+  saves during the forward (:class:`SavedBytes`; with ``offload_activations`` the offloaded ones are host
+  bytes) + with activation checkpointing the largest recompute's saves in backward (``measure_recompute``).
 * :func:`search`: doubling from ``start_batch`` until a probe fails, then bisection; :func:`timed`: the
   wall time (max over ranks) of training / evaluating a number of samples at a micro-batch.
 """
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...engine import ZeroEngine
+from ...engine.activations import SavedBytes, measure_recompute  # noqa: F401 (SavedBytes: re-exported)
 from ..launch import run_ranks
 
 
@@ -134,33 +136,6 @@ def launch(body: Callable, args, world_size: int = 2, start_method: str = "spawn
 
 
 # -- measuring a training step ---------------------------------------------------------------------------
-class SavedBytes:
-    """Bytes of the tensors autograd saves in a forward: each storage once, parameters excluded.
-
-    A parameter can be saved as itself or as a view (``F.linear`` saves ``weight.t()``); both share the
-    parameter's storage, already counted as a model state, so storages of parameters are skipped.
-    Copies of parameters (autocast's bf16 weights) have storages of their own and count.
-    """
-
-    def __init__(self, params) -> None:
-        params = list(params)
-        self.param_ids = {id(p) for p in params}
-        self.seen: set[int] = {p.untyped_storage().data_ptr() for p in params if p.untyped_storage().nbytes()}
-        self.bytes = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if id(t) not in self.param_ids and id(base) not in self.param_ids and not isinstance(base, nn.Parameter):
-            st = t.untyped_storage()
-            if st.data_ptr() not in self.seen:
-                self.seen.add(st.data_ptr())
-                self.bytes += st.nbytes()
-        return t
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-
-
 def t5_batch(args, rank: int, step: int, b: int, device) -> dict:
     """Synthetic seq2seq batch: ``b`` rows of ``args.src_len`` / ``args.tgt_len`` random tokens (per rank, step)."""
     g = torch.Generator().manual_seed(1_000_003 * rank + step)
@@ -230,12 +205,14 @@ class Trial:
             with sync:
                 with self.amp(), (saved.hooks() if saved else contextlib.nullcontext()):
                     loss = self.loss_fn(r.module, batch)
-                r.backward(loss if accumulate == 1 else loss / accumulate)
+                # checkpointed regions: what one recompute holds in backward, on top of the forward's saves
+                with measure_recompute() if saved else contextlib.nullcontext() as recompute:
+                    r.backward(loss if accumulate == 1 else loss / accumulate)
             if saved is not None:
                 mem = r.state_bytes(finalize=last)
                 device_states = mem["model_states"] - mem.get("host", 0)
                 device_states += mem.get("peak_gathered", 0) - mem.get("gathered_now", 0)
-                peak = max(peak, device_states + saved.bytes)
+                peak = max(peak, device_states + saved.bytes + recompute.peak)
         r.step()
         if self.gpu and measure:
             torch.cuda.synchronize()

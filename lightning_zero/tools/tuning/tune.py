@@ -41,7 +41,8 @@ from .recipe import TuneRecipe, load_recipe
 _DECIDED = ("strategy", "strategy.name", "strategy.stage", "strategy.offload_optimizer", "strategy.offload_params",
             "data.batch_size")
 _ENGINE_KEYS = ("stage", "offload_optimizer", "offload_params", "bucket_mb", "reduce_dtype", "broadcast_buffers",
-                "unit_classes", "unit_mb", "persist_numel", "prefetch", "order_check")
+                "unit_classes", "unit_mb", "persist_numel", "prefetch", "order_check", "activation_checkpointing",
+                "offload_activations")
 
 
 @dataclass
@@ -82,15 +83,17 @@ class TuneResult:
         lines = [self.header,
                  f"memory cap {self.budget_bytes / MiB:.2f} MiB per rank, {cap}; {self.world_size} rank(s); "
                  f"precision {self.precision}", "",
-                 "| rank | setting       | micro-batch | samples/s | peak MiB/rank | est. states MiB/rank | status |",
-                 "|------|---------------|-------------|-----------|---------------|----------------------|--------|"]
+                 "| rank | setting                    | micro-batch | samples/s | peak MiB/rank | est. states MiB/rank "
+                 "| status |",
+                 "|------|----------------------------|-------------|-----------|---------------|----------------------"
+                 "|--------|"]
         ranked = self.ranked
         for i, c in enumerate(ranked, 1):
-            lines.append(f"| {i:>4} | {c.setting:<13} | {c.max_batch:>11} | {c.samples_per_s:>9.1f} "
+            lines.append(f"| {i:>4} | {c.setting:<26} | {c.max_batch:>11} | {c.samples_per_s:>9.1f} "
                          f"| {(c.peak_bytes or 0) / MiB:>13.2f} | {c.est_states / MiB:>20.2f} | fits   |")
         for c in self.candidates:
             if c.status != "ranked":
-                lines.append(f"|    - | {c.setting:<13} | {'-':>11} | {'-':>9} | {'-':>13} "
+                lines.append(f"|    - | {c.setting:<26} | {'-':>11} | {'-':>9} | {'-':>13} "
                              f"| {c.est_states / MiB:>20.2f} | {c.status}: {c.reason} |")
         lines.append("")
         lines.append(self.message)
@@ -118,8 +121,21 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
-def winning_overrides(base: Sequence[str], setting: str, batch: int) -> list[str]:
-    return [o for o in base if _key(o) not in _DECIDED] + [f"strategy={setting}", f"data.batch_size={batch}"]
+# activation variants of a setting the search tries (activations="search"): name suffix -> overrides
+ACTIVATION_VARIANTS = {
+    "": ["strategy.activation_checkpointing=null", "strategy.offload_activations=false"],
+    "+ckpt": ["strategy.activation_checkpointing=auto", "strategy.offload_activations=false"],
+    "+ckpt+offload": ["strategy.activation_checkpointing=auto", "strategy.offload_activations=true"],
+}
+_ACTIVATION_KEYS = ("strategy.activation_checkpointing", "strategy.offload_activations")
+
+
+def winning_overrides(base: Sequence[str], setting: str, batch: int, searched: bool = False) -> list[str]:
+    """``setting``: a preset, with an activation suffix of :data:`ACTIVATION_VARIANTS` when ``searched``."""
+    preset, plus, rest = setting.partition("+")
+    decided = _DECIDED + (_ACTIVATION_KEYS if searched else ())
+    extra = ACTIVATION_VARIANTS[plus + rest] if searched else []
+    return [o for o in base if _key(o) not in decided] + [f"strategy={preset}", *extra, f"data.batch_size={batch}"]
 
 
 def _num_devices(devices, gpu: bool) -> int:
@@ -152,6 +168,7 @@ def tune(
     prefilter: bool = True,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
     recipe: TuneRecipe | str | None = None,
+    activations: str = "recipe",
 ) -> TuneResult:
     """Search stage x offload x micro-batch for the recipe experiment ``overrides`` under a memory cap per rank.
 
@@ -160,7 +177,9 @@ def tune(
     ``offload``: "both", "no" or "only". ``prefilter``: skip candidates whose estimated model states
     alone exceed the cap (False: measure them too). Returns a :class:`TuneResult`; writes the winner's
     overrides to ``out`` (one per line) when something fits. ``recipe``: what composes the experiment
-    (:func:`.recipe.load_recipe`; default: the T5 recipe next to the config directory).
+    (:func:`.recipe.load_recipe`; default: the T5 recipe next to the config directory). ``activations``:
+    "recipe" (the experiment's own activation options) or "search" (every setting also with
+    ``activation_checkpointing=auto``, and with that plus ``offload_activations``: ``zero2+ckpt``, ...).
     """
     import torch
     from omegaconf import OmegaConf
@@ -172,6 +191,9 @@ def tune(
         stages = [int(s) for s in stages.split(",") if s.strip()]
     if offload not in ("both", "no", "only"):
         raise ValueError(f"offload must be 'both', 'no' or 'only'; got {offload!r}.")
+    if activations not in ("recipe", "search"):
+        raise ValueError(f"activations must be 'recipe' or 'search'; got {activations!r}.")
+    searched = activations == "search"
     overrides = list(overrides)
     cdir = _find_config_dir(config_dir)
     recipe = load_recipe(recipe, cdir)
@@ -201,14 +223,16 @@ def tune(
     for (stage, off), name in SETTINGS.items():
         if stage not in stages or (offload == "no" and off) or (offload == "only" and not off):
             continue
-        c = Candidate(name, stage, off, model_state_bytes(info, stage, off, world, mixed, k, accum > 1)["device"])
-        cands.append(c)
-        if prefilter and c.est_states > budget:
-            c.status, c.reason = "rejected", f"model states alone need {c.est_states / MiB:.2f} MiB (estimate)"
-            continue
-        ccfg = compose(cdir, config_name, winning_overrides(overrides, name, 1))
-        skw = recipe.strategy_kwargs(ccfg)
-        specs[name] = {k2: skw[k2] for k2 in _ENGINE_KEYS if k2 in skw}
+        for suffix in (ACTIVATION_VARIANTS if searched else [""]):
+            c = Candidate(name + suffix, stage, off,
+                          model_state_bytes(info, stage, off, world, mixed, k, accum > 1)["device"])
+            cands.append(c)
+            if prefilter and c.est_states > budget:
+                c.status, c.reason = "rejected", f"model states alone need {c.est_states / MiB:.2f} MiB (estimate)"
+                continue
+            ccfg = compose(cdir, config_name, winning_overrides(overrides, c.setting, 1, searched))
+            skw = recipe.strategy_kwargs(ccfg)
+            specs[c.setting] = {k2: skw[k2] for k2 in _ENGINE_KEYS if k2 in skw}
     if specs:
         args = argparse.Namespace(
             specs=specs, t5_config=t5cfg.to_dict(), precision=precision, vocab=dims.vocab_size, src_len=src,
@@ -244,7 +268,7 @@ def tune(
     ranked = res.ranked
     if ranked:
         best = res.best = ranked[0]
-        res.overrides = winning_overrides(overrides, best.setting, best.max_batch)
+        res.overrides = winning_overrides(overrides, best.setting, best.max_batch, searched)
         recipe.validate_schema(compose(cdir, config_name, res.overrides))  # the recipe accepts it
         if out:
             Path(out).write_text("\n".join(res.overrides) + "\n")
