@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_zero.engine import ZeroConfig
+from lightning_zero.engine import ZeroConfig, collectives
 from lightning_zero.engine.pipeline import (PipelineZero, check_pipeline_size, consolidate_pipeline_checkpoint,
                                             pipeline_layout)
 from lightning_zero.engine.pipeline_split import split_gpt2
@@ -132,10 +132,13 @@ def _p2dp2(rank, world_size, path):
     out = {}
     for stage in (1, 2):
         pipe = _pipeline(2, stage, "1f1b")
+        groups = len(torch.distributed.distributed_c10d._world.pg_names)
+        collectives.stats.reset()
         losses = _train(pipe, 4)  # two optimizer steps
+        calls = dict(collectives.stats.group_calls)
         if stage == 2:
             pipe.save(path)
-        out[stage] = (losses, _named(pipe))
+        out[stage] = (losses, _named(pipe), calls, len(pipe.engine.buckets), groups)
     return out
 
 
@@ -159,9 +162,15 @@ def test_p2_dp2_zero1_zero2_and_resume_at_dp1(tmp_path):
     for stage in (1, 2):
         merged = {}
         for r, res in enumerate(results):
-            losses, sd = res[stage]
+            losses, sd, calls, buckets, groups = res[stage]
             assert losses == pytest.approx(mid_losses, rel=RTOL), (stage, r)
             merged.update(sd)
+            # stage 1 reduces once per optimizer step (the boundary micro-batch), stage 2 every micro-batch
+            per_step = 1 if stage == 1 else ACCUM * M
+            assert calls[("data_parallel", "reduce_scatter")] == buckets * per_step * 2, (stage, calls)
+            # the global norm: one all-reduce of the stages' squared norms per optimizer step
+            assert calls[("pipeline_parallel", "all_reduce")] == 2, calls
+            assert groups == results[r][1][4]  # the second pipeline made no new group
         bad = [k for k in mid_sd if not _close(merged[k], mid_sd[k])]
         assert not bad, (stage, bad)
     saved = consolidate_pipeline_checkpoint(str(tmp_path))
@@ -210,3 +219,29 @@ def test_bad_splits_get_one_clear_error():
         m = _model()
         m.config.tie_word_embeddings = True
         split_gpt2(m, 2, 0)
+
+
+def _overflow(rank, world_size):
+    pipe = _pipeline(2, 2, "1f1b", check_finite=True)
+    poison = {"on": False}
+    if pipe.layout.is_first:  # an inf in one stage's gradient only
+        next(pipe.module.parameters()).register_hook(lambda g: g * float("inf") if poison["on"] else g)
+    ids = _batch(0)
+    pipe.step(ids, ids)
+    poison["on"] = True
+    before = {k: v.clone() for k, v in pipe.module.state_dict().items()}
+    pipe.step(ids, ids)  # the boundary: stage 0 overflows
+    skipped = pipe.last_step_skipped
+    same = all(torch.equal(before[k], v) for k, v in pipe.module.state_dict().items())
+    poison["on"] = False
+    pipe.step(ids, ids)
+    pipe.step(ids, ids)
+    moved = not all(torch.equal(before[k], v) for k, v in pipe.module.state_dict().items())
+    return skipped, same, pipe.last_step_skipped, moved
+
+
+@pytest.mark.timeout(60)
+def test_overflow_in_one_stage_skips_the_step_on_every_stage():
+    for r, (skipped, same, later_skipped, moved) in enumerate(run_distributed(_overflow, 2)):
+        assert skipped and same, r  # stage 1's gradients are finite, yet it skips with stage 0
+        assert not later_skipped and moved, r
