@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from lightning_zero.engine import ZeroConfig, collectives
 from lightning_zero.engine.pipeline import (PipelineZero, check_pipeline_size, consolidate_pipeline_checkpoint,
-                                            pipeline_layout)
+                                            estimate_stage_states, pipeline_layout)
 from lightning_zero.engine.pipeline_split import split_gpt2
 from tests.dist_utils import run_distributed
 
@@ -138,7 +138,8 @@ def _p2dp2(rank, world_size, path):
         calls = dict(collectives.stats.group_calls)
         if stage == 2:
             pipe.save(path)
-        out[stage] = (losses, _named(pipe), calls, len(pipe.engine.buckets), groups)
+        out[stage] = (losses, _named(pipe), calls, len(pipe.engine.buckets), groups,
+                      pipe.engine.memory_report().as_dict(), pipe.layout.stage_index)
     return out
 
 
@@ -159,10 +160,12 @@ def test_p2_dp2_zero1_zero2_and_resume_at_dp1(tmp_path):
     ref_losses, ref_sd = _reference([2] * 4 + [1] * (CALLS - 4))  # P2 x DP2, then resumed at P2 x DP1
     mid_losses, mid_sd = _reference([2] * 4)
     results = run_distributed(_p2dp2, 4, str(tmp_path))
+    whole = _model()
+    numels = [sum(p.numel() for p in split_gpt2(whole, 2, i).parameters()) for i in range(2)]
     for stage in (1, 2):
         merged = {}
         for r, res in enumerate(results):
-            losses, sd, calls, buckets, groups = res[stage]
+            losses, sd, calls, buckets, groups, mem, index = res[stage]
             assert losses == pytest.approx(mid_losses, rel=RTOL), (stage, r)
             merged.update(sd)
             # stage 1 reduces once per optimizer step (the boundary micro-batch), stage 2 every micro-batch
@@ -171,6 +174,11 @@ def test_p2_dp2_zero1_zero2_and_resume_at_dp1(tmp_path):
             # the global norm: one all-reduce of the stages' squared norms per optimizer step
             assert calls[("pipeline_parallel", "all_reduce")] == 2, calls
             assert groups == results[r][1][4]  # the second pipeline made no new group
+            # a rank holds its stage's parameters only, and a 1/D shard of their optimizer state
+            floor = estimate_stage_states(numels, 4, stage)[index]
+            assert mem["params"] == floor["params"]
+            got = mem["optimizer_state"] + mem["master"]
+            assert abs(got - floor["optimizer"]) <= 0.05 * floor["optimizer"], (mem, floor)
         bad = [k for k in mid_sd if not _close(merged[k], mid_sd[k])]
         assert not bad, (stage, bad)
     saved = consolidate_pipeline_checkpoint(str(tmp_path))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from . import collectives as C
 from .config import ZeroConfig
 from .engine import ZeroEngine
 from .groups import _registered
+from .memory import model_state_floor
 
 SCHEDULES = ("1f1b", "gpipe")
 _LAYOUTS: dict[tuple, tuple[Any, "PipelineLayout"]] = {}  # (id(default pg), P) -> (default pg, layout)
@@ -316,6 +317,14 @@ class _ZeroStage(PipelineStage):
         sync = last_backward and self.pipeline.boundary
         with contextlib.nullcontext() if sync else self.pipeline.engine.no_sync():
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+
+
+def estimate_stage_states(stage_numels: Sequence[int], world_size: int, stage: int, mixed: bool = False,
+                          state_bytes: int = 8) -> list[dict]:
+    """Per pipeline stage: the model-state floor (bytes) of one of its ranks, ``stage_numels[i]`` parameters
+    sharded by ZeRO ``stage`` over the world / P replicas of that stage (engine/memory.py's formula)."""
+    dp = world_size // check_pipeline_size(len(stage_numels), world_size)
+    return [model_state_floor(stage, n, dp, mixed, state_bytes) for n in stage_numels]
 
 
 def bubble_fraction(num_stages: int, microbatches: int) -> float:
