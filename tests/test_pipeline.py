@@ -6,7 +6,7 @@ summing loss / (D * M * accumulation)): what DDP over D ranks with M accumulatio
 micro-batch cut matters only through summation order, and only for GPT-2's key bias (its gradient is
 analytically zero -- softmax ignores a per-query shift -- so AdamW turns float noise into updates of order
 lr * noise / eps, ~1e-5 at lr 1e-2 against 3e-7 for every other weight): hence the reference shares the cut,
-and lr is 1e-3. Per-step losses and final weights at rtol 1e-5; GPipe and 1F1B; P2 x DP2 checkpoints resumed at P2 x DP1 and
+and lr is 1e-3. Per-step losses and final weights at rtol 1e-5; GPipe, 1F1B and interleaved 1F1B; P2 x DP2 checkpoints resumed at P2 x DP1 and
 consolidated into the model's own state dict.
 """
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from lightning_zero.engine import ZeroConfig, collectives
 from lightning_zero.engine.pipeline import (PipelineZero, check_pipeline_size, consolidate_pipeline_checkpoint,
-                                            estimate_stage_states, pipeline_layout)
+                                            estimate_stage_states, pipeline_layout, virtual_stages)
 from lightning_zero.engine.pipeline_split import split_gpt2
 from tests.dist_utils import run_distributed
 
@@ -75,8 +75,14 @@ def _reference(dp_sizes):
 
 def _pipeline(num_stages, stage, schedule, **kw):
     lay = pipeline_layout(num_stages)
-    module = split_gpt2(_model(), num_stages, lay.stage_index)
-    return PipelineZero(module, num_stages, _loss, _optimizer(module.parameters()), M, schedule=schedule,
+    if schedule == "interleaved":  # two chunks per rank: stages p and p + P of 2P, one block each
+        model = _model()
+        module = [split_gpt2(model, 2 * num_stages, i) for i in virtual_stages(lay.stage_index, num_stages, 2)]
+        opt = [_optimizer(m.parameters()) for m in module]
+    else:
+        module = split_gpt2(_model(), num_stages, lay.stage_index)
+        opt = _optimizer(module.parameters())
+    return PipelineZero(module, num_stages, _loss, opt, M, schedule=schedule,
                         config=ZeroConfig(stage=stage, bucket_mb=0.01), accumulate_grad_batches=ACCUM,
                         gradient_clip_val=CLIP, **kw)
 
@@ -91,8 +97,7 @@ def _train(pipe, calls):
 
 
 def _named(pipe):
-    sd = pipe.state_dict()
-    return {sd["source_names"][k]: v for k, v in sd["model"].items()}
+    return {sd["source_names"][k]: v for sd in pipe.state_dicts() for k, v in sd["model"].items()}
 
 
 def _close(a, b):
@@ -101,31 +106,30 @@ def _close(a, b):
 
 def _parity_2(rank, world_size):
     out = {}
-    for stage in (1, 2):
-        for schedule in ("1f1b", "gpipe"):
-            pipe = _pipeline(2, stage, schedule)
-            out[stage, schedule] = (_train(pipe, CALLS), _named(pipe), float(pipe.last_grad_norm))
+    for stage, schedule in ((1, "1f1b"), (1, "interleaved"), (2, "1f1b"), (2, "gpipe")):
+        pipe = _pipeline(2, stage, schedule)
+        out[stage, schedule] = (_train(pipe, CALLS), _named(pipe), float(pipe.last_grad_norm))
     return out
 
 
 @pytest.mark.timeout(120)
-def test_p2_matches_single_process_both_schedules():
+def test_p2_matches_single_process_all_schedules():
     ref_losses, ref_sd = _reference([1] * CALLS)
     results = run_distributed(_parity_2, 2)
+    merged = {}
     for key in results[0]:
-        stage_sds = {}
+        merged[key] = stage_sds = {}
         for r, res in enumerate(results):
             losses, sd, _ = res[key]
             assert losses == pytest.approx(ref_losses, rel=RTOL), (key, r)
             stage_sds.update(sd)
-        assert set(stage_sds) == set(ref_sd), key  # the two stages together name the whole model
+        assert set(stage_sds) == set(ref_sd), key  # the ranks' stages together name the whole model
         bad = [k for k in ref_sd if not _close(stage_sds[k], ref_sd[k])]
         assert not bad, (key, bad)
-    for r in range(2):  # GPipe and 1F1B: the same weights, the same global norm on both stages
-        for stage in (1, 2):
-            a, b = results[r][stage, "1f1b"], results[r][stage, "gpipe"]
-            assert all(_close(a[1][k], b[1][k]) for k in a[1])
-            assert a[2] == pytest.approx(results[1 - r][stage, "1f1b"][2], rel=1e-6)
+        # the clip used one global norm: the same on every rank
+        assert results[0][key][2] == pytest.approx(results[1][key][2], rel=1e-6), key
+    for key in merged:  # GPipe, 1F1B and interleaved 1F1B: the same weights
+        assert all(_close(merged[key][k], merged[2, "1f1b"][k]) for k in ref_sd), key
 
 
 def _p2dp2(rank, world_size, path):
@@ -253,3 +257,6 @@ def test_overflow_in_one_stage_skips_the_step_on_every_stage():
     for r, (skipped, same, later_skipped, moved) in enumerate(run_distributed(_overflow, 2)):
         assert skipped and same, r  # stage 1's gradients are finite, yet it skips with stage 0
         assert not later_skipped and moved, r
+    with pytest.raises(ValueError, match="need schedule='interleaved' and one optimizer per chunk"):
+        chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+        PipelineZero(chunks, 1, _loss, [_optimizer(c.parameters()) for c in chunks], 2, schedule="1f1b")

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from . import collectives as C
 from .config import ZeroConfig
@@ -39,7 +39,7 @@ from .engine import ZeroEngine
 from .groups import _registered
 from .memory import model_state_floor
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 _LAYOUTS: dict[tuple, tuple[Any, "PipelineLayout"]] = {}  # (id(default pg), P) -> (default pg, layout)
 
 
@@ -124,6 +124,11 @@ class PipelineZero:
     takes the previous stage's output (the inputs on the first stage) and the last stage returns what
     ``loss_fn(output, targets)`` takes. ``step(inputs, targets)`` is called on every rank with this replica's
     batch (every rank checks it; only the first stage reads ``inputs``, only the last ``targets``).
+
+    ``schedule="interleaved"`` (torch's ``ScheduleInterleaved1F1B``): ``stage_module`` is a list of V chunks
+    and ``optimizer`` a list of V optimizers; chunk k of pipeline rank p is stage ``p + k * P`` of ``P * V``
+    (:func:`virtual_stages`). Each chunk gets its own engine (its own ``no_sync``: torch reports the last
+    backward per chunk); norms and overflow are summed over all of them.
     """
 
     def __init__(self, stage_module: nn.Module, num_stages: int, loss_fn: Callable, optimizer: Any,
@@ -143,31 +148,53 @@ class PipelineZero:
         for name, value in (("microbatches", microbatches), ("accumulate_grad_batches", accumulate_grad_batches)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
+        chunks = list(stage_module) if isinstance(stage_module, (list, tuple)) else [stage_module]
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) and len(chunks) > 1 else [optimizer]
+        if len(chunks) > 1 and (schedule != "interleaved" or len(optimizers) != len(chunks)):
+            raise ValueError(f"{len(chunks)} stage chunks on one rank need schedule='interleaved' and one optimizer "
+                             f"per chunk; got schedule={schedule!r} and {len(optimizers)} optimizer(s). Allowed: one "
+                             f"module with '1f1b'/'gpipe', or a list of chunks and a list of optimizers with "
+                             f"'interleaved'.")
+        if len(chunks) > 1 and loss_scaler is not None:
+            raise ValueError("a loss scaler with several chunks per rank would be updated once per chunk. Allowed: "
+                             "loss_scaler=None with stage chunks (use bf16 or fp32), or one chunk per rank.")
         self.layout = lay = pipeline_layout(num_stages)
-        self._check_balance(stage_module, max_imbalance)
+        self.stage_indices = virtual_stages(lay.stage_index, num_stages, len(chunks))
+        self._check_balance(chunks, max_imbalance)
         self.microbatches, self.accumulate = microbatches, accumulate_grad_batches
         self.gradient_clip_val = gradient_clip_val
-        self.module, self.loss_fn = stage_module, loss_fn
-        self.engine = ZeroEngine(stage_module, optimizer, config, compute_dtype=compute_dtype,
-                                 loss_scaler=loss_scaler, check_finite=check_finite, group=lay.dp_group)
-        device = torch.device(device) if device is not None else next(stage_module.parameters()).device
-        self.stage = _ZeroStage(stage_module, lay.stage_index, num_stages, device, group=lay.pp_group)
-        self.stage.pipeline = self
-        cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        self.modules, self.loss_fn = chunks, loss_fn
+        self.engines = [ZeroEngine(m, o, config, compute_dtype=compute_dtype, loss_scaler=loss_scaler,
+                                   check_finite=check_finite, group=lay.dp_group) for m, o in zip(chunks, optimizers)]
+        device = torch.device(device) if device is not None else next(chunks[0].parameters()).device
+        total = num_stages * len(chunks)
+        self.stages = [_ZeroStage(m, i, total, device, group=lay.pp_group) for m, i in zip(chunks, self.stage_indices)]
+        for st, engine in zip(self.stages, self.engines):
+            st.pipeline, st.engine = self, engine
+        # the first chunk's, for callers with one chunk per rank
+        self.module, self.engine, self.stage = chunks[0], self.engines[0], self.stages[0]
         # scale_grads=False: the schedule would divide p.grad after backward, but the engine has already
         # reduced (stage 2: freed) it by then; the loss carries 1/(M * accumulation) instead
-        self.schedule = cls(self.stage, microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+        if schedule == "interleaved":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, microbatches, loss_fn=self._scaled_loss,
+                                                    scale_grads=False)
+        else:
+            cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+            self.schedule = cls(self.stage, microbatches, loss_fn=self._scaled_loss, scale_grads=False)
         self._calls = 0  # step() calls since the last optimizer step
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.last_step_skipped = False
 
-    def _check_balance(self, module: nn.Module, max_imbalance: Optional[float]) -> None:
+    def _check_balance(self, chunks: list, max_imbalance: Optional[float]) -> None:
         # every rank raises the same error (before any engine collective), so a bad split never hangs a peer
-        mine = torch.tensor([sum(p.numel() for p in module.parameters() if p.requires_grad)], dtype=torch.int64)
-        counts = [mine.clone() for _ in range(self.layout.num_stages)]
+        mine = torch.tensor([sum(p.numel() for p in m.parameters() if p.requires_grad) for m in chunks],
+                            dtype=torch.int64)
+        P = self.layout.num_stages
+        rows = [mine.clone() for _ in range(P)]
         if self.layout.pp_group is not None:
-            dist.all_gather(counts, mine, group=self.layout.pp_group)
-        check_stage_balance([int(c) for c in counts], max_imbalance)
+            dist.all_gather(rows, mine, group=self.layout.pp_group)
+        by_stage = [int(rows[i % P][i // P]) for i in range(P * len(chunks))]  # stage p + k * P: rank p, chunk k
+        check_stage_balance(by_stage, max_imbalance)
 
     @property
     def boundary(self) -> bool:
@@ -192,8 +219,9 @@ class PipelineZero:
         Returns the mean loss over the global batch (all replicas), on every rank."""
         self._check_batch(inputs, targets)
         lay = self.layout
-        self.module.train()
-        self.engine.prepare_forward()
+        for m, engine in zip(self.modules, self.engines):
+            m.train()
+            engine.prepare_forward()
         losses: list[torch.Tensor] = []  # what _scaled_loss returned, per micro-batch (torch's own record:
         # its first step also calls the loss function once on placeholder outputs, to infer shapes)
         args = (inputs,) if lay.is_first else ()
@@ -216,64 +244,79 @@ class PipelineZero:
         return loss
 
     def _optimizer_step(self) -> None:
-        engine = self.engine
-        if self.gradient_clip_val is not None or engine.check_finite:
+        if self.gradient_clip_val is not None or self.engine.check_finite:
             self._pipeline_sq_norm()
-        if self.gradient_clip_val is not None:
-            self.last_grad_norm = engine.clip_grad_norm_(self.gradient_clip_val)
-        self.last_step_skipped = not engine.step()
+        stepped = True
+        for engine in self.engines:
+            if self.gradient_clip_val is not None:
+                self.last_grad_norm = engine.clip_grad_norm_(self.gradient_clip_val)
+            stepped = engine.step() and stepped
+        self.last_step_skipped = not stepped
 
     def _pipeline_sq_norm(self) -> None:
-        """Sum each optimizer's squared gradient norm over the stages, into the engine's per-step cache.
+        """Write the squared gradient norm of the whole model (every stage, every chunk) into each engine's
+        per-step cache.
 
-        The engine caches it per sharded optimizer (``sq_norm``, summed over the data-parallel shards); the
-        clip coefficient and the overflow check of ``engine.step()`` read that cache, so both become global."""
-        engine = self.engine
-        engine._global_sq_norm()  # fills every optimizer's cache (one all-reduce over the dp group each)
-        if self.layout.num_stages == 1:
-            return
-        sq = torch.stack([s.sq_norm.float().reshape(()).cpu() for s in engine.shardeds])
-        dev = engine.params[0].device
-        sq = sq.to(dev)
-        C.all_reduce(sq, group=self.layout.pp_group)
-        for s, v in zip(engine.shardeds, sq.cpu()):
-            s.sq_norm = v.to(s.sq_norm.device, s.sq_norm.dtype)
+        The engine caches it per sharded optimizer (``sq_norm``, summed over the data-parallel shards); its
+        clip coefficient and the overflow check of ``engine.step()`` read that cache, so both become global:
+        each engine's first optimizer holds the total, its others zero (the engine sums them)."""
+        for engine in self.engines:
+            engine._global_sq_norm()  # fills every optimizer's cache (one all-reduce over the dp group each)
+        rows = [s for engine in self.engines for s in engine.shardeds]
+        total = torch.stack([s.sq_norm.float().reshape(()).cpu() for s in rows]).sum()
+        if self.layout.num_stages > 1:
+            total = total.to(self.engine.params[0].device)
+            C.all_reduce(total, group=self.layout.pp_group)
+            total = total.cpu()
+        for engine in self.engines:
+            for k, s in enumerate(engine.shardeds):
+                s.sq_norm = (total if k == 0 else torch.zeros(())).to(s.sq_norm.device, s.sq_norm.dtype)
 
     # -- checkpoints: one file per stage, full (unsharded) values, so any data-parallel size resumes ----------
-    def state_dict(self) -> dict:
-        """This stage's full fp32 module state and full optimizer state (on data-parallel rank 0; the
-        optimizer state is ``{}`` elsewhere). Collective over the stage's data-parallel group."""
-        engine = self.engine
-        model = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        for name, full in zip(engine.param_names(), engine.full_master_params()):
-            model[name] = full.detach().clone().reshape(model[name].shape)
-        optim = engine.optimizer_state_dict() if engine.sharded is not None else {}
-        return {"stage_index": self.layout.stage_index, "num_stages": self.layout.num_stages, "model": model,
-                "optimizer": optim, "source_names": source_names(self.module, self.layout.stage_index, model),
-                "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None}
+    def state_dicts(self) -> list[dict]:
+        """Per chunk on this rank: its stage's full fp32 module state and full optimizer state (on
+        data-parallel rank 0; the optimizer state is ``{}`` elsewhere). Collective over the dp group."""
+        out = []
+        for module, engine, index in zip(self.modules, self.engines, self.stage_indices):
+            model = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            for name, full in zip(engine.param_names(), engine.full_master_params()):
+                model[name] = full.detach().clone().reshape(model[name].shape)
+            optim = engine.optimizer_state_dict() if engine.sharded is not None else {}
+            out.append({"stage_index": index, "num_stages": self.stages[0].num_stages,
+                        "model": model, "optimizer": optim, "source_names": source_names(module, index, model),
+                        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None})
+        return out
 
     def save(self, path: str) -> None:
         """Write ``path/stage{i}.pt`` per stage (by its data-parallel rank 0). Collective over the world."""
-        sd = self.state_dict()
+        sds = self.state_dicts()
         if self.layout.dp_rank == 0:
             os.makedirs(path, exist_ok=True)
-            torch.save(sd, os.path.join(path, f"stage{self.layout.stage_index}.pt"))
+            for sd in sds:
+                torch.save(sd, os.path.join(path, f"stage{sd['stage_index']}.pt"))
         if dist.is_initialized():
             dist.barrier()
 
     def load(self, path: str) -> None:
-        """Resume this stage from :meth:`save`'s files, written at any data-parallel size."""
-        sd = torch.load(stage_file(path, self.layout.stage_index), weights_only=False)
-        if sd["num_stages"] != self.layout.num_stages:
-            raise ValueError(f"checkpoint {path} has {sd['num_stages']} pipeline stages; this run has "
-                             f"{self.layout.num_stages}. Allowed: resume with the same pipeline_parallel_size "
-                             f"(the data-parallel size may change), or consolidate it first.")
-        self.engine.load_full_state_dict(sd["model"])
-        if sd["optimizer"]:
-            self.engine.load_optimizer_state_dict(sd["optimizer"])
-        if sd["loss_scaler"] is not None and self.engine.loss_scaler is not None:
-            self.engine.loss_scaler.load_state_dict(sd["loss_scaler"])
+        """Resume this rank's stages from :meth:`save`'s files, written at any data-parallel size."""
+        total = self.stages[0].num_stages
+        for engine, index in zip(self.engines, self.stage_indices):
+            sd = torch.load(stage_file(path, index), weights_only=False)
+            if sd["num_stages"] != total:
+                raise ValueError(f"checkpoint {path} has {sd['num_stages']} pipeline stages; this run has {total}. "
+                                 f"Allowed: resume with the same pipeline_parallel_size and chunks per rank (the "
+                                 f"data-parallel size may change), or consolidate it first.")
+            engine.load_full_state_dict(sd["model"])
+            if sd["optimizer"]:
+                engine.load_optimizer_state_dict(sd["optimizer"])
+            if sd["loss_scaler"] is not None and engine.loss_scaler is not None:
+                engine.loss_scaler.load_state_dict(sd["loss_scaler"])
         self._calls = 0
+
+
+def virtual_stages(rank_in_pipeline: int, num_ranks: int, chunks: int) -> list[int]:
+    """The stage indices of a pipeline rank's chunks: ``p, p + P, p + 2P, ...`` (torch's interleaved layout)."""
+    return [rank_in_pipeline + k * num_ranks for k in range(chunks)]
 
 
 def stage_file(path: str, index: int) -> str:
@@ -312,10 +355,11 @@ class _ZeroStage(PipelineStage):
     """A PipelineStage whose non-boundary backwards run under the engine's ``no_sync``."""
 
     pipeline: PipelineZero
+    engine: ZeroEngine  # this chunk's
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         sync = last_backward and self.pipeline.boundary
-        with contextlib.nullcontext() if sync else self.pipeline.engine.no_sync():
+        with contextlib.nullcontext() if sync else self.engine.no_sync():
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
