@@ -5,7 +5,8 @@ Four gloo ranks, an HF GPT-2 (untied head, SDPA). Methods, all on the same globa
 * ``ddp``      -- torch DDP over 4 ranks (each rank a quarter of the batch);
 * ``zero3``    -- ``ZeroEngine(ZeroConfig(stage=3))`` over 4 ranks, one unit per GPT-2 block;
 * ``pp2_mM``   -- ``PipelineZero`` with P = 2 stages x D = 2 replicas, ZeRO-1 inside each stage, 1F1B over
-  M micro-batches (M = 2, 4, 8).
+  M micro-batches (M = 2, 4, 8);
+* ``pp2i_mM``  -- the same with interleaved 1F1B, V = 2 chunks per rank (4 stages on 2 pipeline ranks).
 
 Per method: the median step time (the slower rank's, after a warm-up step), the model-state bytes per rank
 (the ZeRO floor of what the rank holds: its stage's parameters only, under pipelining), the peak bytes of
@@ -13,12 +14,12 @@ tensors saved for backward (activations; counted by ``saved_tensors_hooks``, a t
 twice -- the same rule for every method). No RSS: one process runs every method, and its peak is
 monotonic. Bubble: each pipeline rank times its stage's
 forward and backward chunks (torch's ``forward_one_chunk`` / ``backward_one_chunk``, which exclude waiting
-for a peer); ``1 - busy / step`` averaged over the ranks, next to (P - 1) / (M + P - 1), which assumes free
-communication and equal stages.
+for a peer); ``1 - busy / step`` averaged over the ranks, next to (P - 1) / (V M + P - 1) (V = 1 unless
+interleaved), which assumes free communication and equal stages.
 
 Run::
 
-    python bench/pipeline.py                    # ~2-4 minutes on 2 loaded cores
+    python bench/pipeline.py                    # ~30 s on 2 loaded cores
     python bench/pipeline.py --d-model 256 --layers 8 --steps 4
 """
 
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
 from lightning_zero.engine.memory import model_state_floor  # noqa: E402
-from lightning_zero.engine.pipeline import PipelineZero, bubble_fraction, pipeline_layout  # noqa: E402
+from lightning_zero.engine.pipeline import PipelineZero, bubble_fraction, pipeline_layout, virtual_stages  # noqa: E402
 from lightning_zero.engine.pipeline_split import split_gpt2  # noqa: E402
 from lightning_zero.tools.launch import run_ranks  # noqa: E402
 
@@ -129,24 +130,28 @@ def _flat(rank, method, args, batches):
     return times, floor["device"], meter.peak, None
 
 
-def _pipelined(rank, m, args, batches):
+def _pipelined(rank, m, chunks, args, batches):
     lay = pipeline_layout(P)
-    module = split_gpt2(_model(args), P, lay.stage_index)
-    pipe = PipelineZero(module, P, _loss, _adamw(module.parameters()), m, config=ZeroConfig(stage=1))
-    numel = sum(p.numel() for p in module.parameters())
+    model = _model(args)
+    modules = [split_gpt2(model, P * chunks, i) for i in virtual_stages(lay.stage_index, P, chunks)]
+    opts = [_adamw(mod.parameters()) for mod in modules]
+    pipe = PipelineZero(modules if chunks > 1 else modules[0], P, _loss, opts if chunks > 1 else opts[0], m,
+                        schedule="interleaved" if chunks > 1 else "1f1b", config=ZeroConfig(stage=1))
+    numel = sum(p.numel() for mod in modules for p in mod.parameters())
     meter, busy = SavedBytes(), [0.0]
-    for name in ("forward_one_chunk", "backward_one_chunk"):
-        real = getattr(pipe.stage, name)
+    for stage in pipe.stages:
+        for name in ("forward_one_chunk", "backward_one_chunk"):
+            real = getattr(stage, name)
 
-        def timed(*a, _real=real, **k):
-            t0 = time.perf_counter()
-            try:
-                with meter.hooks():
-                    return _real(*a, **k)
-            finally:
-                busy[0] += time.perf_counter() - t0
+            def timed(*a, _real=real, **k):
+                t0 = time.perf_counter()
+                try:
+                    with meter.hooks():
+                        return _real(*a, **k)
+                finally:
+                    busy[0] += time.perf_counter() - t0
 
-        setattr(pipe.stage, name, timed)
+            setattr(stage, name, timed)
     rows = args.batch // lay.dp_size
     times, bubbles = [], []
     for i, ids in enumerate(batches):
@@ -166,8 +171,9 @@ def _body(rank, world_size, args):
     batches = _batches(args)
     out = {}
     for method in args.methods:
-        if method.startswith("pp2_m"):
-            res = _pipelined(rank, int(method[5:]), args, batches)
+        if method.startswith("pp2"):
+            chunks = 2 if method.startswith("pp2i") else 1
+            res = _pipelined(rank, int(method.split("_m")[1]), chunks, args, batches)
         else:
             res = _flat(rank, method, args, batches)
         t = torch.tensor(res[0], dtype=torch.float64)
@@ -185,7 +191,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per method (after one warm-up step)")
-    p.add_argument("--methods", default="ddp,zero3,pp2_m2,pp2_m4,pp2_m8")
+    p.add_argument("--methods", default="ddp,zero3,pp2_m2,pp2_m4,pp2_m8,pp2i_m4")
     args = p.parse_args()
     args.methods = args.methods.split(",")
     t0 = time.perf_counter()
@@ -193,13 +199,14 @@ def main() -> None:
     print(f"GPT-2 d_model={args.d_model} layers={args.layers} seq={args.seq} vocab={args.vocab}, global batch "
           f"{args.batch}, {WORLD} gloo ranks (1 thread each), fp32 AdamW; {args.steps} timed steps")
     print("| method | step ms (median) | model states / rank MiB (max) | saved activations / rank MiB (max) "
-          "| bubble measured | (P-1)/(M+P-1) |")
+          "| bubble measured | (P-1)/(VM+P-1) |")
     print("|---|---|---|---|---|---|")
     for m in args.methods:
         rows = [r[m] for r in ranks]
         bub = [r["bubble"] for r in rows if r["bubble"] is not None]
         measured = f"{statistics.mean(bub):.2f}" if bub else "-"
-        formula = f"{bubble_fraction(P, int(m[5:])):.2f}" if m.startswith("pp2_m") else "-"
+        v = 2 if m.startswith("pp2i") else 1
+        formula = f"{bubble_fraction(P, v * int(m.split('_m')[1])):.2f}" if m.startswith("pp2") else "-"
         print(f"| {m} | {rows[0]['step_ms']:.0f} | {max(r['states'] for r in rows) / 2**20:.2f} | "
               f"{max(r['saved'] for r in rows) / 2**20:.2f} | {measured} | {formula} |")
     print(f"wall {time.perf_counter() - t0:.0f} s")
