@@ -8,8 +8,9 @@ The world is a 2-D layout ``("pipeline_parallel", "data_parallel")`` of shape ``
 holding it; a :class:`~.engine.ZeroEngine` on it shards that stage's optimizer state and gradients) and a
 *pipeline* group per replica (the P ranks forming one pipeline; activations travel there, point to point).
 
-One :meth:`PipelineZero.step` runs torch's own schedule (``torch.distributed.pipelining``: GPipe or 1F1B)
-over M micro-batches. Gradients reach the engine through its usual post-accumulate-grad hooks, since the
+One :meth:`PipelineZero.step` runs torch's own schedule (``torch.distributed.pipelining``: GPipe, 1F1B, or
+interleaved 1F1B with several chunks -- non-adjacent stages -- per rank, one engine per chunk) over M
+micro-batches. Gradients reach the engine through its usual post-accumulate-grad hooks, since the
 schedule's backward is a plain ``torch.autograd.backward``. All micro-batches but the boundary one (the
 last backward of the last accumulated batch) run under the engine's ``no_sync``, so stages 0-1 reduce once
 per optimizer step, as DDP under accumulation; stage 2 reduces each micro-batch into its gradient shard
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -125,13 +126,15 @@ class PipelineZero:
     ``loss_fn(output, targets)`` takes. ``step(inputs, targets)`` is called on every rank with this replica's
     batch (every rank checks it; only the first stage reads ``inputs``, only the last ``targets``).
 
+    ``num_stages``: P, the ranks along one pipeline (the world holds world / P replicas of it).
+
     ``schedule="interleaved"`` (torch's ``ScheduleInterleaved1F1B``): ``stage_module`` is a list of V chunks
     and ``optimizer`` a list of V optimizers; chunk k of pipeline rank p is stage ``p + k * P`` of ``P * V``
     (:func:`virtual_stages`). Each chunk gets its own engine (its own ``no_sync``: torch reports the last
     backward per chunk); norms and overflow are summed over all of them.
     """
 
-    def __init__(self, stage_module: nn.Module, num_stages: int, loss_fn: Callable, optimizer: Any,
+    def __init__(self, stage_module: Union[nn.Module, Sequence[nn.Module]], num_stages: int, loss_fn: Callable, optimizer: Any,
                  microbatches: int, schedule: str = "1f1b", config: Optional[ZeroConfig] = None,
                  accumulate_grad_batches: int = 1, gradient_clip_val: Optional[float] = None,
                  max_imbalance: Optional[float] = 4.0, loss_scaler: Any = None, check_finite: bool = False,
