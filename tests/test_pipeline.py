@@ -6,8 +6,8 @@ summing loss / (D * M * accumulation)): what DDP over D ranks with M accumulatio
 micro-batch cut matters only through summation order, and only for GPT-2's key bias (its gradient is
 analytically zero -- softmax ignores a per-query shift -- so AdamW turns float noise into updates of order
 lr * noise / eps, ~1e-5 at lr 1e-2 against 3e-7 for every other weight): hence the reference shares the cut,
-and lr is 1e-3. Per-step losses and final weights at rtol 1e-5; GPipe, 1F1B and interleaved 1F1B; P2 x DP2 checkpoints resumed at P2 x DP1 and
-consolidated into the model's own state dict.
+and lr is 1e-3. Per-step losses and final weights at rtol 1e-5; GPipe, 1F1B and interleaved 1F1B; P2 x DP2
+checkpoints resumed at P2 x DP1 and consolidated into the model's own state dict.
 """
 
 from __future__ import annotations

@@ -134,7 +134,8 @@ class PipelineZero:
     backward per chunk); norms and overflow are summed over all of them.
     """
 
-    def __init__(self, stage_module: Union[nn.Module, Sequence[nn.Module]], num_stages: int, loss_fn: Callable, optimizer: Any,
+    def __init__(self, stage_module: Union[nn.Module, Sequence[nn.Module]], num_stages: int, loss_fn: Callable,
+                 optimizer: Any,
                  microbatches: int, schedule: str = "1f1b", config: Optional[ZeroConfig] = None,
                  accumulate_grad_batches: int = 1, gradient_clip_val: Optional[float] = None,
                  max_imbalance: Optional[float] = 4.0, loss_scaler: Any = None, check_finite: bool = False,
