@@ -135,8 +135,7 @@ class PipelineZero:
     """
 
     def __init__(self, stage_module: Union[nn.Module, Sequence[nn.Module]], num_stages: int, loss_fn: Callable,
-                 optimizer: Any,
-                 microbatches: int, schedule: str = "1f1b", config: Optional[ZeroConfig] = None,
+                 optimizer: Any, microbatches: int, schedule: str = "1f1b", config: Optional[ZeroConfig] = None,
                  accumulate_grad_batches: int = 1, gradient_clip_val: Optional[float] = None,
                  max_imbalance: Optional[float] = 4.0, loss_scaler: Any = None, check_finite: bool = False,
                  compute_dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
