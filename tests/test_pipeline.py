@@ -260,3 +260,21 @@ def test_overflow_in_one_stage_skips_the_step_on_every_stage():
     with pytest.raises(ValueError, match="need schedule='interleaved' and one optimizer per chunk"):
         chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
         PipelineZero(chunks, 1, _loss, [_optimizer(c.parameters()) for c in chunks], 2, schedule="1f1b")
+
+
+def _fp16(rank, world_size):
+    from lightning_zero.engine import DynamicLossScaler
+
+    scaler = DynamicLossScaler(init_scale=2.0**18, hysteresis=1)
+    pipe = _pipeline(2, 2, "1f1b", compute_dtype=torch.float16, loss_scaler=scaler)
+    return _train(pipe, CALLS), pipe.engine.loss_scale, pipe.engine.skipped_steps
+
+
+@pytest.mark.timeout(60)
+def test_fp16_loss_scaler_decides_for_all_stages():
+    ref_losses, _ = _reference([1] * CALLS)
+    (losses, scale, skipped), other = run_distributed(_fp16, 2)
+    assert other == (losses, scale, skipped)  # both stages: the same skips, the same scale, the same losses
+    assert 1 <= skipped < CALLS // ACCUM and scale < 2.0**18  # fp16 gradients overflowed at first, then trained
+    # the loss is scaled in fp32: fp16 (max 65504) would overflow at 4.2 x 2**18 and report inf
+    assert losses == pytest.approx(ref_losses, rel=2e-3)

@@ -205,7 +205,8 @@ class PipelineZero:
         return self._calls == self.accumulate - 1
 
     def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
-        loss = self.loss_fn(output, target)
+        # in fp32: a half-precision loss times the loss scale overflows before any gradient exists
+        loss = self.loss_fn(output, target).float()
         return self.engine.scale_loss(loss / (self.microbatches * self.accumulate))
 
     def _check_batch(self, inputs: Any, targets: Any) -> None:
