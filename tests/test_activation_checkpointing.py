@@ -205,9 +205,11 @@ def test_tune_searches_the_activation_options(tmp_path):
     batch = {c.setting: c.max_batch for c in res.candidates}
     assert set(batch) == {"zero2", "zero2+ckpt", "zero2+ckpt+offload"}
     assert 0 < batch["zero2"] < 4 and batch["zero2+ckpt"] == 4, res.report()  # checkpointing fits more
-    assert res.best.setting.startswith("zero2+ckpt")
+    # the winner is the fastest measured candidate (timing: either may win); its overrides name its options
     lines = out.read_text().split()
-    assert "strategy.activation_checkpointing=auto" in lines and "strategy=zero2" in lines
+    assert "strategy=zero2" in lines
+    assert ("strategy.activation_checkpointing=auto" in lines) == ("+ckpt" in res.best.setting)
+    assert ("strategy.offload_activations=true" in lines) == ("+offload" in res.best.setting), lines
 
 
 @pytest.mark.parametrize("preset,batch,src,tgt,dropout", [("t5_tiny", 3, 24, 16, 0.1)])
