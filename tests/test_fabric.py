@@ -104,6 +104,9 @@ def _run(strategy, rank, precision="32-true", plugins=None, build="setup", net=m
     out = {"losses": losses, "params": _params(fabric, model), "dtypes": dtypes, "reductions": reductions}
     if isinstance(fabric.strategy, ZeroFabricStrategy):
         out["loss_scale"] = fabric.strategy.precision.loss_scale
+        act = fabric.strategy.engine.activations
+        out["checkpointed"] = len(act.checkpointed) if act is not None else 0
+        out["offloaded_bytes"] = act.offloaded_bytes if act is not None else 0
         fabric.strategy.teardown()
     return out
 
@@ -121,6 +124,10 @@ def _parity_job(rank, world_size):
             out[what, name] = _run(strategy, rank, **loop)
     out["accum_clip", "zero3 separate"] = _run(ZeroFabricStrategy(stage=3), rank, build="separate",
                                                **loops["accum_clip"])
+    # activation checkpointing + offload through the Fabric strategy's kwargs: the same numbers
+    out["accum_clip", "zero3 ckpt+offload"] = _run(
+        ZeroFabricStrategy(stage=3, activation_checkpointing=["Linear"], offload_activations=True), rank,
+        **loops["accum_clip"])
     out["meta", "ddp"] = _run(ddp(), rank, net=_meta_net, **loops["accum_clip"])
     for build in ("meta", "meta_separate"):
         out["meta", f"zero3 {build}"] = _run(ZeroFabricStrategy(stage=3), rank, build=build, net=_meta_net,
@@ -147,7 +154,7 @@ def test_every_stage_equals_fabric_ddp(parity):
     built on meta: the same per-micro-batch losses and final weights as Fabric DDP, with gradient
     accumulation (no_backward_sync) and clipping by norm (and by value)."""
     keys = [k for k in parity[0] if isinstance(k, tuple) and k[1] != "ddp"]
-    assert len(keys) == len(PRESETS) + 4
+    assert len(keys) == len(PRESETS) + 5
     for rank, res in enumerate(parity):
         for what, name in keys:
             ref = res[what, "ddp"]
@@ -159,6 +166,8 @@ def test_every_stage_equals_fabric_ddp(parity):
         # into its gradient shard (as DeepSpeed does)
         for name in ("zero0", "zero1", "zero1_offload"):
             assert res["accum_clip", name]["reductions"] == [0] * STEPS, name
+        ckpt = res["accum_clip", "zero3 ckpt+offload"]
+        assert ckpt["checkpointed"] >= 2 and ckpt["offloaded_bytes"] > 0  # the options were in force
         assert all(n > 0 for n in res["accum_clip", "zero2"]["reductions"])
         for what, net in (("accum_clip", make_model), ("meta", _meta_net)):  # it trained
             assert not torch.equal(res[what, "ddp"]["params"]["fc1.weight"], net().fc1.weight.detach())

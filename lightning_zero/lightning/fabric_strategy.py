@@ -66,6 +66,9 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: str = "popen",
+        shard_group_size: Optional[int] = None,
+        activation_checkpointing: Optional[Any] = None,
+        offload_activations: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:  # Fabric's DDPStrategy forwards extra kwargs to DistributedDataParallel; there is none here
@@ -77,7 +80,8 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
             stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
             bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
             unit_classes=unit_classes, unit_mb=unit_mb, persist_numel=persist_numel, prefetch=prefetch,
-            order_check=order_check,
+            order_check=order_check, shard_group_size=shard_group_size,
+            activation_checkpointing=activation_checkpointing, offload_activations=offload_activations,
         )
         check_start_method(start_method)
         super().__init__(
