@@ -29,11 +29,12 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from ..engine import ZeroConfig, ZeroEngine, collectives
+from ..engine import ZeroEngine, collectives
 from ..engine.stage3.deferred_init import has_meta_params
 from .fabric_checkpoint import ZeroFabricCheckpointMixin
 from .fabric_precision import ZeroFabricPrecision
-from .zero_setup import as_zero_precision, build_engine, check_start_method, external_launcher, register_presets
+from .zero_setup import (as_zero_precision, build_engine, check_start_method, external_launcher,
+                         register_presets, zero_config)
 
 
 class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
@@ -76,13 +77,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
                        if n not in ("self", "unknown")]
             raise TypeError(f"ZeroFabricStrategy got unknown argument(s) {', '.join(sorted(unknown))}. "
                             f"Allowed: {', '.join(allowed)}.")
-        self.zero_config = ZeroConfig(
-            stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
-            bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
-            unit_classes=unit_classes, unit_mb=unit_mb, persist_numel=persist_numel, prefetch=prefetch,
-            order_check=order_check, shard_group_size=shard_group_size,
-            activation_checkpointing=activation_checkpointing, offload_activations=offload_activations,
-        )
+        self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
         check_start_method(start_method)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

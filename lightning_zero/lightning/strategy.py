@@ -17,7 +17,7 @@ from typing import Any, Generator, Optional, Sequence
 import torch
 from torch.distributed.constants import default_pg_timeout
 
-from ..engine import ZeroConfig, ZeroEngine
+from ..engine import ZeroEngine
 from ..engine.stage3.deferred_init import has_meta_params
 from ..engine.engine_state import EngineMode
 from .callback_checks import check_callbacks
@@ -25,7 +25,8 @@ from .checkpoint_strategy import ZeroCheckpointMixin
 from .memory_summary import report as memory_report
 from .optimizers import bind as bind_optimizers
 from ._distribution import lightning_import, sibling
-from .zero_setup import as_zero_precision, build_engine, check_start_method, external_launcher, register_presets
+from .zero_setup import (as_zero_precision, build_engine, check_start_method, external_launcher,
+                         register_presets, zero_config)
 
 MixedPrecision, Precision = lightning_import("plugins.precision", "MixedPrecision", "Precision")
 DDPStrategy = lightning_import("strategies", "DDPStrategy")
@@ -94,13 +95,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         activation_checkpointing: Optional[Any] = None,
         offload_activations: bool = False,
     ) -> None:
-        self.zero_config = ZeroConfig(
-            stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
-            bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
-            unit_classes=unit_classes, unit_mb=unit_mb, persist_numel=persist_numel, prefetch=prefetch,
-            order_check=order_check, shard_group_size=shard_group_size,
-            activation_checkpointing=activation_checkpointing, offload_activations=offload_activations,
-        )
+        self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")
         self.checkpoint_format = checkpoint_format

@@ -9,6 +9,7 @@ Lightning: the callers pass their own distribution's classes and registry.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -19,6 +20,13 @@ from ..engine.config import PRESETS
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _LAUNCH_VARIANTS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
 PRECISIONS = "precision='32-true', '16-mixed' or 'bf16-mixed'"
+
+
+def zero_config(arguments: dict) -> ZeroConfig:
+    """The ``ZeroConfig`` of a strategy's constructor arguments (its ``locals()``): every argument named like
+    a config field goes to the config, which validates them; the rest are the strategy's own."""
+    fields = {f.name for f in dataclasses.fields(ZeroConfig)}
+    return ZeroConfig(**{k: v for k, v in arguments.items() if k in fields})
 
 
 def check_start_method(start_method: str) -> None:
