@@ -43,6 +43,8 @@ from .memory import MemoryReport
 from .full_state import FullStateMixin
 from .groups import reduce_scatter_group
 from .optimizer import ShardedOptimizer
+from .publish import PublishQueue
+from .comm_report import CommReport, StepTraffic
 from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
 from .stage3.release import BackwardReleaser
@@ -119,7 +121,9 @@ class ZeroEngine(FullStateMixin):
             mine = [i for i, o in enumerate(self._bucket_opt) if o == k]
             self.shardeds.append(ShardedOptimizer(
                 opt, [self.buckets[i] for i in mine], cfg.stage, cfg.offload_optimizer, compute_dtype,
-                [sources[i] for i in mine] if sources is not None else None))
+                [sources[i] for i in mine] if sources is not None else None,
+                # qwZ rounds the gathered parameters: an fp32 master may not alias them (stages 1-2)
+                separate_masters=cfg.quantize_weights and cfg.stage in (1, 2)))
         self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
         if mixed:
             module.to(compute_dtype)  # params (released ones too) and floating buffers, like module.half()
@@ -129,20 +133,31 @@ class ZeroEngine(FullStateMixin):
                 self._sources = [[dict(zip(map(id, u.params), u.local_views()))[id(p)] for p in b.params]
                                  for b, u in zip(self.buckets, self._bucket_unit)]
         self.reducer: Optional[GradReducer] = None
+        # stages 1-2: the publish all-gather overlaps the next forward (publish.py)
+        self.publisher = (PublishQueue(module) if cfg.stage in (1, 2) and cfg.overlap_publish and optimizer
+                          is not None else None)
         if optimizer is not None:
             self.reducer = GradReducer(
                 self.buckets, cfg.stage, cfg.reduce_dtype, reduce_group,
                 on_bucket_complete=self.releaser.bucket_complete if self.partitioner else None,
-                on_end_of_backward=self._end_of_backward if self.partitioner else None,
+                on_end_of_backward=self._end_of_backward if self.partitioner else self.ensure_published,
                 host_grads=cfg.offload_optimizer,
+                mode="int8" if cfg.quantize_grads else C.grad_reduce_mode(cfg.grad_reduce, reduce_group),
             )
             PG.install_optimizer_methods(self)
         self.last_step_skipped = False
         self.skipped_steps = 0
+        self._traffic = StepTraffic(group)  # comm_report(): the collectives of the last step
 
     def _end_of_backward(self) -> None:
         self.partitioner.end_of_backward()
         self.releaser.reset()
+
+    def ensure_published(self) -> None:
+        """Stages 1-2 with ``overlap_publish``: complete the parameter all-gathers of the last step now
+        (see publish.py for where the engine does this itself). A no-op otherwise."""
+        if self.publisher is not None:
+            self.publisher.ensure()
 
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
@@ -166,6 +181,7 @@ class ZeroEngine(FullStateMixin):
 
     def master_rows(self, shardeds=None) -> list[tuple[list[torch.Tensor], Any]]:
         """(masters, bucket) of every bucket of ``shardeds`` (default: all optimizers)."""
+        self.ensure_published()  # whole-model views read (or write) what a pending publish writes
         return [(row, b) for s in (self.shardeds if shardeds is None else shardeds)
                 for row, b in zip(s.masters, s.buckets)]
 
@@ -191,6 +207,8 @@ class ZeroEngine(FullStateMixin):
         """
         if self.module.training:
             self.sync_buffers()
+        if self.publisher is not None:  # the root's own parameters: a training_step may use them directly
+            self.publisher.wait_for_module(self.module)
         if self.partitioner is not None:
             self.partitioner.gather(self.partitioner.root)
 
@@ -221,6 +239,7 @@ class ZeroEngine(FullStateMixin):
     # ``optimizer``: the one to act on (several optimizers step independently); None = all of them.
     def finalize_grads(self, optimizer=None) -> None:
         """Complete reductions and point the masters' ``.grad`` at this rank's reduced gradients."""
+        self.ensure_published()  # before the step writes masters that may alias the parameters
         for s in PG.select(self, optimizer):
             if s.grads_final:
                 continue
@@ -296,6 +315,7 @@ class ZeroEngine(FullStateMixin):
                 s.step()
             self.publish_params(optimizer)
         self.zero_grad(optimizer)
+        self._traffic.step_done()
         return not skip
 
     @torch.no_grad()
@@ -323,12 +343,15 @@ class ZeroEngine(FullStateMixin):
                     if m is not p:
                         p.data.copy_(m.view_as(p))
             return
+        if self.publisher is not None:
+            self.publisher.launch(rows, self.group, self.config.offload_optimizer, self.config.quantize_weights)
+            return
         pending = []
         for row, b in rows:
             # offload: the host masters are cast into a pinned host chunk, then one asynchronous
             # host->device copy per bucket (not one small, synchronous, fp32 copy per parameter)
-            pending.append((b, *b.all_gather(row, b.params[0].dtype, self.group,
-                                              host=self.config.offload_optimizer, async_op=True)))
+            pending.append((b, *b.all_gather(row, b.params[0].dtype, self.group, host=self.config.offload_optimizer,
+                                              async_op=True, quantized=self.config.quantize_weights)))
             if len(pending) > 2:  # two buckets in flight overlap communication without a second model copy
                 self._unpack(*pending.pop(0))
         for item in pending:
@@ -349,6 +372,11 @@ class ZeroEngine(FullStateMixin):
             s.reset_step_state()
 
     # -- accounting -----------------------------------------------------------------------------------
+    def comm_report(self) -> CommReport:
+        """Bytes this rank put on the wire in the last ``step()`` (forward, backward, step), by collective
+        and group (see comm_report.py)."""
+        return self._traffic.report()
+
     def memory_report(self) -> MemoryReport:
         def nbytes(ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
@@ -383,6 +411,9 @@ class ZeroEngine(FullStateMixin):
         if self.reducer is not None:
             self.reducer.remove_hooks()
             PG.remove_optimizer_methods(self)
+        if self.publisher is not None:
+            self.publisher.remove(wait=hand_back)
+            self.publisher = None
 
 
 def _compute_device(module: nn.Module) -> torch.device:

@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from . import collectives as C
+
 _GROUPS: dict[tuple, tuple[Any, Any]] = {}  # (id(default pg), ranks) -> (default pg, group)
 
 
@@ -46,6 +48,7 @@ def reduce_scatter_group(group: Optional[Any] = None) -> Any:
     # every rank calls for the whole world: a counter-named group (names never repeat); a subgroup needs
     # local synchronization (only members call), named by the hash above -- safe because it is made once
     made = dist.new_group(list(ranks), use_local_synchronization=not whole)
+    C.label_group(made, "stage3_reduce")  # how comm_report() names it
     _GROUPS[key] = (default, made)
     return made
 

@@ -44,7 +44,11 @@ import torch
 from torch.autograd import Variable
 
 from . import collectives as C
+from . import quantize as Q
 from .buckets import Bucket
+
+_SHARD_REDUCTIONS = {"reduce_scatter": C.reduce_scatter, "all_reduce": C.reduce_scatter_by_all_reduce,
+                     "int8": None}
 
 
 class BackwardPhase(enum.Enum):
@@ -71,6 +75,7 @@ class GradReducer:
         on_bucket_complete: Optional[Callable[[int], None]] = None,
         on_end_of_backward: Optional[Callable[[], None]] = None,
         host_grads: bool = False,
+        mode: str = "reduce_scatter",
     ) -> None:
         self.buckets = buckets
         self.stage = stage
@@ -81,6 +86,11 @@ class GradReducer:
         pre = math.sqrt(self.world_size) if reduce_dtype == torch.float16 else float(self.world_size)
         self._pre, self._post = pre, self.world_size / pre
         self.sync_enabled = True
+        # stages 1-3: "reduce_scatter", "all_reduce" (the whole bucket, this rank's row kept) or "int8"
+        # (qgZ: one all-to-all of int8 blocks, summed in fp32); see collectives.grad_reduce_mode
+        if mode not in _SHARD_REDUCTIONS:
+            raise ValueError(f"Unknown gradient reduction {mode!r}. Allowed: {', '.join(_SHARD_REDUCTIONS)}.")
+        self.mode = mode
         self._on_bucket_complete = on_bucket_complete  # stage 3: release the unit's parameters
         self._on_end_of_backward = on_end_of_backward
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
@@ -206,7 +216,11 @@ class GradReducer:
                 _write_flags(flat.view(b.world_size, -1)[:, b.shard_numel :], grads)
                 flat.div_(self._pre)
                 out = torch.empty(b.shard_numel + n, dtype=dtype, device=flat.device)
-                work = C.reduce_scatter(out, flat, group=self.group, async_op=True)
+                if self.mode == "int8":  # the used-parameter counts get scales of their own
+                    work = Q.reduce_scatter_int8(out, flat, group=self.group, async_op=True,
+                                                 segments=[b.shard_numel, n])
+                else:
+                    work = _SHARD_REDUCTIONS[self.mode](out, flat, group=self.group, async_op=True)
                 for p in b.params:  # the full gradient is now inside ``flat``: free it
                     if p.grad is not None and self._stream is not None:
                         p.grad.record_stream(self._stream)
