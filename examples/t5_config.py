@@ -40,6 +40,12 @@ class StrategyConf:
     prefetch: bool = True
     order_check: str = "strict"  # strict | always | off
     checkpoint_format: str = "sharded"  # sharded (DCP directory) | full (one file)
+    # communication: auto (per backend) | reduce_scatter | all_reduce; the stage 1-2 publish overlapped with
+    # the next forward; int8 all-gathers of parameters (qwZ) and reduce-scatters of gradients (qgZ)
+    grad_reduce: str = "auto"
+    overlap_publish: bool = True
+    quantize_weights: bool = False
+    quantize_grads: bool = False
     # popen | spawn | fork | forkserver.  Defaults to the trainer preset's choice (cpu: fork, gpu: popen).
     start_method: str = "${trainer.start_method}"
 

@@ -99,7 +99,7 @@ class ZeroEngine(FullStateMixin):
             if self.rank == 0:
                 _log.info(units.describe())
             self.partitioner = ParamPartitioner(module, units, compute_dtype, device, cfg.offload_params, group,
-                                                cfg.prefetch, cfg.order_check)
+                                                cfg.prefetch, cfg.order_check, quantize=cfg.quantize_weights)
             self.partitioner.guard.eval_only = not self.optimizers
             self.buckets, self._bucket_opt, sources, self._bucket_unit = PG.build_optimizer_buckets(
                 self, per_opt, units)

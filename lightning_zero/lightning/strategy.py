@@ -52,6 +52,9 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         checkpoint_format: "sharded" (default: a torch.distributed.checkpoint directory per checkpoint,
             each rank writing its shards; reshards on load) or "full" (Lightning's single file with
             consolidated fp32 weights and optimizer state). Both load at any world size and stage.
+        grad_reduce, overlap_publish, quantize_weights, quantize_grads: communication (see ZeroConfig):
+            the gradient reduction ("auto" per backend), the stage 1-2 parameter all-gather overlapped
+            with the next forward, and int8 all-gathers (qwZ) / reduce-scatters (qgZ), off by default.
     """
 
     strategy_name = "zero"
@@ -78,12 +81,17 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: str = "popen",
         checkpoint_format: str = "sharded",
+        grad_reduce: str = "auto",
+        overlap_publish: bool = True,
+        quantize_weights: bool = False,
+        quantize_grads: bool = False,
     ) -> None:
         self.zero_config = ZeroConfig(
             stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
             bucket_mb=bucket_mb, reduce_dtype=reduce_dtype, broadcast_buffers=broadcast_buffers,
             unit_classes=unit_classes, unit_mb=unit_mb, persist_numel=persist_numel, prefetch=prefetch,
-            order_check=order_check,
+            order_check=order_check, grad_reduce=grad_reduce, overlap_publish=overlap_publish,
+            quantize_weights=quantize_weights, quantize_grads=quantize_grads,
         )
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")

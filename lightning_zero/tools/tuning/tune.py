@@ -41,7 +41,8 @@ from .recipe import TuneRecipe, load_recipe
 _DECIDED = ("strategy", "strategy.name", "strategy.stage", "strategy.offload_optimizer", "strategy.offload_params",
             "data.batch_size")
 _ENGINE_KEYS = ("stage", "offload_optimizer", "offload_params", "bucket_mb", "reduce_dtype", "broadcast_buffers",
-                "unit_classes", "unit_mb", "persist_numel", "prefetch", "order_check")
+                "unit_classes", "unit_mb", "persist_numel", "prefetch", "order_check", "grad_reduce",
+                "overlap_publish", "quantize_weights", "quantize_grads")
 
 
 @dataclass
