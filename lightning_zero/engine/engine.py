@@ -161,8 +161,9 @@ class ZeroEngine(FullStateMixin):
 
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
-        """Hold full parameters for a block of code (stage 3; a no-op below): generate(), export."""
+        """Hold full parameters for a block of code (stage 3; below: the last step's publish completed)."""
         if self.partitioner is None:
+            self.ensure_published()
             yield
             return
         with torch.no_grad(), self.partitioner.gathered():

@@ -17,6 +17,12 @@ When reductions happen is the only thing that separates stage 1 from stage 2:
 In stages 1-2 the reduced slices accumulate in one flat shard per bucket; in stage 0 the all-reduced
 values are written back into ``param.grad`` (identical on every rank, so repeated syncs stay correct).
 
+How a bucket of stages 1-3 reaches its shard is ``mode``: a reduce-scatter; an all-reduce of the whole
+rank-major buffer keeping this rank's row (the same sums in the same memory -- the full bucket exists
+either way -- and faster where the backend's reduce-scatter is slow: gloo, see
+``collectives.GRAD_REDUCE_BY_BACKEND``); or int8 blocks through one all-to-all, summed in fp32 (qgZ,
+:mod:`.quantize`).
+
 Which parameters got a gradient on *any* rank travels inside the reductions themselves: every bucket
 buffer carries one extra element per parameter (1 if this rank had a gradient), which the same sum turns
 into a count of users. A parameter that no rank used keeps ``grad=None`` exactly as under DDP, so
