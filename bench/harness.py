@@ -36,9 +36,12 @@ from deepspeed_peer import DS_METHODS, build_deepspeed  # noqa: E402 -- bench/ i
 WORLD_SIZE = 2
 ADAM_STATE_BYTES = 8  # two fp32 moments per element
 
-# communication variants of the presets: ``*_blocking`` = reduce-scatter + a publish that blocks in step()
-# (the engine before grad_reduce / overlap_publish); ``*_q`` = int8 all-gathers and reduce-scatters (qwZ + qgZ)
+# communication variants of the presets: ``*_blocking`` = reduce-scatter (the engine before grad_reduce; the
+# publish blocks in step() as by default); ``*_overlap`` = the publish overlapped with the next forward;
+# ``*_q`` = int8 all-gathers and reduce-scatters (qwZ + qgZ)
 COMM_VARIANTS = {
+    "zero1_overlap": dict(overlap_publish=True),
+    "zero2_overlap": dict(overlap_publish=True),
     "zero1_blocking": dict(grad_reduce="reduce_scatter", overlap_publish=False),
     "zero2_blocking": dict(grad_reduce="reduce_scatter", overlap_publish=False),
     "zero2_q": dict(quantize_weights=True, quantize_grads=True),

@@ -22,7 +22,7 @@ between runs): each process uses ``torch.set_num_threads(1)``; every round build
 same seed (fresh model, optimizer, DDP wrapper / engine), runs ``--warmup`` untimed steps of each, then
 ``--steps`` timed cycles in which the methods take one step each, in turn (A B C A B C ..., the order
 rotated every round), with a barrier before every timed step and an untimed lead-in step of the same method
-right before it (so what a step leaves in flight -- the overlapped parameter all-gather of zero1/zero2 --
+right before it (so what a step leaves in flight -- the overlapped parameter all-gather of *_overlap --
 is paid inside the next timed step, as in training, not during the other methods' steps). A step's time is the max over the two
 ranks. Reported per method: median and p90 step time over all timed steps; the ratio to DDP as the
 median over cycles of (this method's step time / DDP's step time in the same cycle), so load changes
@@ -69,7 +69,8 @@ from harness import (  # noqa: E402  -- the shared bench harness (model, data, b
 )
 
 ALL_METHODS = ("ddp", "zero0", "zero1", "zero2", "zero1_offload", "zero2_offload")
-# also selectable: zero1_blocking, zero2_blocking (reduce-scatter + blocking publish), zero2_q (int8), see harness
+# also selectable: zero1_overlap, zero2_overlap (publish overlapped with the next forward), zero1_blocking,
+# zero2_blocking (reduce-scatter instead of gloo's all-reduce), zero2_q (int8), see harness.COMM_VARIANTS
 __all__ = ["TinyLM", "make_batches", "loss_of", "percentile"]  # re-exported for older importers
 
 

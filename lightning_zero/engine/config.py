@@ -74,14 +74,17 @@ class ZeroConfig:
     #     whole bucket summed, this rank's slice kept: same memory, since the full bucket exists either way,
     #     and the same sums); "auto" = per backend from a fixed table (collectives.GRAD_REDUCE_BY_BACKEND:
     #     all_reduce on gloo, whose reduce-scatter is slower than its all-reduce; reduce_scatter elsewhere).
-    # overlap_publish (stages 1-2): the parameter all-gather after a step runs while the next forward
-    #     computes; each bucket is waited for in the forward pre-hook of the modules that hold its
-    #     parameters (and before anything else reads or writes them: see engine/publish.py).
+    # overlap_publish (stages 1-2, opt-in): the parameter all-gather after a step runs while the next
+    #     forward computes; each bucket is waited for in the forward pre-hook of the modules that hold its
+    #     parameters and wherever the engine reads or writes them (engine/publish.py). Off by default: code
+    #     that reads parameters between the step and the next forward (EMA / weight-averaging callbacks, a
+    #     weight norm logged in on_train_batch_end) would see this rank's slice new and the rest one step
+    #     old unless it calls engine.ensure_published() first.
     # quantize_weights: stage-3 unit gathers and the stage 1-2 publish travel as int8 blocks of 256 with
     #     one fp32 scale each (ZeRO++ qwZ); masters stay fp32. quantize_grads: gradients are reduced as int8
     #     blocks through one all-to-all per bucket, summed in fp32 (ZeRO++ qgZ). Both off by default.
     grad_reduce: str = "auto"
-    overlap_publish: bool = True
+    overlap_publish: bool = False
     quantize_weights: bool = False
     quantize_grads: bool = False
 

@@ -19,10 +19,13 @@ when their results are copied into the parameters:
   checkpoints, consolidation, handing the module back), ``module.state_dict()`` / ``load_state_dict()``
   (hooks on the root), a second optimizer's step, and ``remove()``. ``zero_grad`` touches only gradients.
 
-What stays the caller's part: a parameter read directly (``module.weight``) after a step and before the
-forward of a module that holds it sees this rank's slice updated and the rest one step old. Call
-``engine.ensure_published()`` first, or use ``overlap_publish=False``; under Lightning the root module's
-own parameters are waited for before ``training_step`` (``prepare_forward``).
+What stays the caller's part -- hence ``overlap_publish`` is opt-in: a parameter read directly
+(``module.weight``) after a step and before the forward of a module that holds it sees this rank's slice
+updated and the rest one step old. Lightning's ``EMAWeightAveraging`` does exactly that in
+``on_train_batch_end`` (tests/test_lifecycle_callbacks.py fails with the overlap on), as would a callback
+logging weight norms there. Such code calls ``engine.ensure_published()`` first (or keeps the default,
+``overlap_publish=False``); the root module's own parameters are waited for before ``training_step``
+(``prepare_forward``).
 
 Memory: until its forward runs, each bucket's gathered buffer (compute dtype) is alive, so between the
 step and the forward up to one more copy of the managed parameters exists transiently (blocking: at most

@@ -82,7 +82,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         start_method: str = "popen",
         checkpoint_format: str = "sharded",
         grad_reduce: str = "auto",
-        overlap_publish: bool = True,
+        overlap_publish: bool = False,
         quantize_weights: bool = False,
         quantize_grads: bool = False,
     ) -> None:

@@ -14,7 +14,7 @@ Three parts, each checked against a measurement (tests/test_estimate.py, docs/tu
   the bucket being filled); stage 3, the root unit plus the current and the prefetched unit, the current
   unit's full gradients and its flat reduce-scatter buffer. At the optimizer step, stages 1-2 keep at most
   two bucket all-gathers in flight (activations are gone by then) -- every bucket's, with the publish
-  overlapped with the next forward (``overlap_publish``, the default), each freed as its forward runs.
+  overlapped with the next forward (``overlap_publish=True``), each freed as its forward runs.
 * **Activations** of HF T5 (encoder-decoder) from the architecture, batch and sequence lengths: the
   tensors autograd saves, counted per op (see :func:`t5_activation_bytes`), calibrated against the
   saved-tensors-hook measurement of the benchmark harness.
@@ -112,7 +112,7 @@ def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: in
 
 
 def buffer_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mixed: bool,
-                 bucket_mb: float = 25.0, accumulating: bool = False, overlap_publish: bool = True
+                 bucket_mb: float = 25.0, accumulating: bool = False, overlap_publish: bool = False
                  ) -> dict[str, float]:
     """Transient device buffers on top of the model states: during backward and at the optimizer step."""
     p = 2 if mixed else 4
