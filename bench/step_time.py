@@ -21,9 +21,10 @@ Built for a small, noisy machine (2 shared cores; the same method's step time mo
 between runs): each process uses ``torch.set_num_threads(1)``; every round builds all methods from the
 same seed (fresh model, optimizer, DDP wrapper / engine), runs ``--warmup`` untimed steps of each, then
 ``--steps`` timed cycles in which the methods take one step each, in turn (A B C A B C ..., the order
-rotated every round), with a barrier before every timed step and an untimed lead-in step of the same method
-right before it (so what a step leaves in flight -- the overlapped parameter all-gather of *_overlap --
-is paid inside the next timed step, as in training, not during the other methods' steps). A step's time is the max over the two
+rotated every round), with a barrier before every timed step and an untimed lead-in step of the same
+method right before it (so what a step leaves in flight -- the overlapped parameter all-gather of
+``*_overlap`` -- is paid inside the next timed step, as in training, not during the other methods' steps).
+A step's time is the max over the two
 ranks. Reported per method: median and p90 step time over all timed steps; the ratio to DDP as the
 median over cycles of (this method's step time / DDP's step time in the same cycle), so load changes
 of the shared machine cancel; model-state bytes per rank (``engine.memory_report().model_states`` taken
