@@ -36,7 +36,19 @@ from deepspeed_peer import DS_METHODS, build_deepspeed  # noqa: E402 -- bench/ i
 WORLD_SIZE = 2
 ADAM_STATE_BYTES = 8  # two fp32 moments per element
 
-ZERO_METHODS = ("zero0", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload")
+# communication variants of the presets: ``*_blocking`` = reduce-scatter (the engine before grad_reduce; the
+# publish blocks in step() as by default); ``*_overlap`` = the publish overlapped with the next forward;
+# ``*_q`` = int8 all-gathers and reduce-scatters (qwZ + qgZ)
+COMM_VARIANTS = {
+    "zero1_overlap": dict(overlap_publish=True),
+    "zero2_overlap": dict(overlap_publish=True),
+    "zero1_blocking": dict(grad_reduce="reduce_scatter", overlap_publish=False),
+    "zero2_blocking": dict(grad_reduce="reduce_scatter", overlap_publish=False),
+    "zero2_q": dict(quantize_weights=True, quantize_grads=True),
+    "zero3_q": dict(quantize_weights=True, quantize_grads=True),
+}
+ZERO_METHODS = ("zero0", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload",
+                *COMM_VARIANTS)
 PEER_METHODS = ("ddp", "zero_opt", "fsdp2", "fsdp2_noreshard", "fsdp2_offload")
 ALL_METHODS = PEER_METHODS + ZERO_METHODS + DS_METHODS  # ds_*: optional, see deepspeed_peer.py
 
@@ -143,7 +155,8 @@ def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: t
         stage = int(method[4])
         offload = method.endswith("_offload")
         cfg = ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
-                         bucket_mb=bucket_mb, unit_classes=[block_class] if stage == 3 else None, **(activations or {}))
+                         bucket_mb=bucket_mb, unit_classes=[block_class] if stage == 3 else None,
+                         **(activations or {}), **COMM_VARIANTS.get(method, {}))
         opt = make_adamw(model.parameters(), args)
         return Runner(method, model, model, opt, ZeroEngine(model, opt, cfg, compute_dtype=compute_dtype))
     raise ValueError(f"unknown method {method!r}; allowed: {', '.join(ALL_METHODS)}")
@@ -190,6 +203,11 @@ def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: C
     for i in range(args.warmup, args.warmup + args.steps):
         for m in live:
             dist.barrier()  # both ranks start the timed step together
+            # a lead-in step right before the timed one, with nothing in between: work a step leaves in
+            # flight (an overlapped parameter all-gather) then lands in the timed step, as in training,
+            # instead of completing for free during the other methods' steps (or in the barrier, which
+            # waits for all earlier work of its group)
+            train_step(built[m], batches[i], args.vocab)
             t0 = time.perf_counter()
             marks: list[float] = []
             last[m] = train_step(built[m], batches[i], args.vocab, marks)

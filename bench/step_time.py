@@ -21,7 +21,10 @@ Built for a small, noisy machine (2 shared cores; the same method's step time mo
 between runs): each process uses ``torch.set_num_threads(1)``; every round builds all methods from the
 same seed (fresh model, optimizer, DDP wrapper / engine), runs ``--warmup`` untimed steps of each, then
 ``--steps`` timed cycles in which the methods take one step each, in turn (A B C A B C ..., the order
-rotated every round), with a barrier before every timed step. A step's time is the max over the two
+rotated every round), with a barrier before every timed step and an untimed lead-in step of the same
+method right before it (so what a step leaves in flight -- the overlapped parameter all-gather of
+``*_overlap`` -- is paid inside the next timed step, as in training, not during the other methods' steps).
+A step's time is the max over the two
 ranks. Reported per method: median and p90 step time over all timed steps; the ratio to DDP as the
 median over cycles of (this method's step time / DDP's step time in the same cycle), so load changes
 of the shared machine cancel; model-state bytes per rank (``engine.memory_report().model_states`` taken
@@ -67,6 +70,8 @@ from harness import (  # noqa: E402  -- the shared bench harness (model, data, b
 )
 
 ALL_METHODS = ("ddp", "zero0", "zero1", "zero2", "zero1_offload", "zero2_offload")
+# also selectable: zero1_overlap, zero2_overlap (publish overlapped with the next forward), zero1_blocking,
+# zero2_blocking (reduce-scatter instead of gloo's all-reduce), zero2_q (int8), see harness.COMM_VARIANTS
 __all__ = ["TinyLM", "make_batches", "loss_of", "percentile"]  # re-exported for older importers
 
 

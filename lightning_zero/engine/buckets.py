@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import collectives as C
+from . import quantize as Q
 from .sharding import ShardSpec, gather_from_rank_major, scatter_into_rank_major
 
 
@@ -79,14 +80,14 @@ class Bucket:
         return [chunk[off : off + spec.shard_len] for off, spec in zip(self.offsets, self.specs)]
 
     def all_gather(self, local: list[torch.Tensor | None], dtype: torch.dtype, group=None, host: bool = False,
-                   async_op: bool = False):
+                   async_op: bool = False, quantized: bool = False):
         """The one all-gather of a bucket (publish, full-parameter views, optimizer-state consolidation).
 
         This rank's slices ``local`` (one per parameter, ``None`` counts as zeros) go into a padded chunk --
         ``host``: a (pinned) host chunk copied to the device in one asynchronous transfer -- and every
         rank's chunk lands in one rank-major buffer. Returns ``(work, flat)``; read ``flat`` with
         :meth:`unpack_rank_major` or :meth:`full_tensors` after ``work.wait()`` (``work`` is None when
-        ``async_op`` is False).
+        ``async_op`` is False). ``quantized``: the chunks travel as int8 blocks (qwZ, :mod:`.quantize`).
         """
         dev = self.params[0].device
         send = torch.zeros(self.shard_numel, dtype=dtype, device="cpu" if host else dev,
@@ -96,7 +97,8 @@ class Bucket:
                 view.copy_(v.reshape(-1), non_blocking=True)
         send = send.to(dev, non_blocking=True)  # a no-op unless the chunk was built on the host
         flat = torch.empty(self.world_size * self.shard_numel, dtype=dtype, device=dev)
-        return C.all_gather(flat, send, group=group, async_op=async_op), flat
+        gather = Q.all_gather_int8 if quantized else C.all_gather
+        return gather(flat, send, group=group, async_op=async_op), flat
 
     def full_tensors(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """New full-shape tensors of every parameter from a gathered rank-major buffer."""

@@ -19,6 +19,7 @@ import torch
 from .stage3.lifecycle import OrderCheck
 
 STAGES = (0, 1, 2, 3)
+GRAD_REDUCE = ("auto", "reduce_scatter", "all_reduce")
 
 
 def _is_int(value) -> bool:
@@ -85,10 +86,30 @@ class ZeroConfig:
     activation_checkpointing: Optional[Union[str, Sequence[Union[type, str]]]] = None
     offload_activations: bool = False
 
+    # -- communication (engine/reducer.py, publish.py, quantize.py) ---------------------------------
+    # grad_reduce (stages 1-3): how a gradient bucket reaches its shard. "reduce_scatter"; "all_reduce" (the
+    #     whole bucket summed, this rank's slice kept: same memory, since the full bucket exists either way,
+    #     and the same sums); "auto" = per backend from a fixed table (collectives.GRAD_REDUCE_BY_BACKEND:
+    #     all_reduce on gloo, whose reduce-scatter is slower than its all-reduce; reduce_scatter elsewhere).
+    # overlap_publish (stages 1-2, opt-in): the parameter all-gather after a step runs while the next
+    #     forward computes; each bucket is waited for in the forward pre-hook of the modules that hold its
+    #     parameters and wherever the engine reads or writes them (engine/publish.py). Off by default: code
+    #     that reads parameters between the step and the next forward (EMA / weight-averaging callbacks, a
+    #     weight norm logged in on_train_batch_end) would see this rank's slice new and the rest one step
+    #     old unless it calls engine.ensure_published() first.
+    # quantize_weights: stage-3 unit gathers and the stage 1-2 publish travel as int8 blocks of 256 with
+    #     one fp32 scale each (ZeRO++ qwZ); masters stay fp32. quantize_grads: gradients are reduced as int8
+    #     blocks through one all-to-all per bucket, summed in fp32 (ZeRO++ qgZ). Both off by default.
+    grad_reduce: str = "auto"
+    overlap_publish: bool = False
+    quantize_weights: bool = False
+    quantize_grads: bool = False
+
     def __post_init__(self) -> None:
         if not _is_int(self.stage) or self.stage not in STAGES:
             raise ValueError(f"Unknown ZeRO stage {self.stage!r}. Allowed stages: 0, 1, 2, 3 (an int).")
-        for flag in ("offload_optimizer", "offload_params", "broadcast_buffers", "prefetch"):
+        for flag in ("offload_optimizer", "offload_params", "broadcast_buffers", "prefetch", "overlap_publish",
+                     "quantize_weights", "quantize_grads"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False; got {getattr(self, flag)!r}.")
         for size in ("bucket_mb", "unit_mb"):
@@ -114,6 +135,14 @@ class ZeroConfig:
             )
         self.reduce_dtype = parse_dtype(self.reduce_dtype)
         self.order_check = OrderCheck.parse(self.order_check).value  # stays the user's string; engines use the enum
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"grad_reduce must be one of {', '.join(map(repr, GRAD_REDUCE))}; got {self.grad_reduce!r}.")
+        if self.quantize_grads and self.stage == 0:
+            raise ValueError("quantize_grads=True quantizes the reduce-scatter of sharded gradients. Allowed: "
+                             "quantize_grads with stage 1, 2 or 3 (stage 0 all-reduces whole gradients).")
+        if self.quantize_weights and self.stage == 0:
+            raise ValueError("quantize_weights=True quantizes the all-gather of parameter shards. Allowed: "
+                             "quantize_weights with stage 1, 2 or 3 (stage 0 gathers nothing).")
         if self.unit_classes is not None:
             if isinstance(self.unit_classes, (str, type)):
                 self.unit_classes = [self.unit_classes]

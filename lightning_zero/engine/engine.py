@@ -41,6 +41,8 @@ from . import full_state as FS
 from .groups import HybridGroups, check_shard_group_size, hybrid_groups, reduce_scatter_group
 from .optimizer import ShardedOptimizer
 from .stage3.lifecycle import OrderCheck
+from .publish import PublishQueue, publish_blocking
+from .comm_report import CommReport, StepTraffic
 from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
 from .stage3.release import BackwardReleaser
@@ -102,7 +104,8 @@ class ZeroEngine:
             if self.rank == 0:
                 _log.info(units.describe())
             self.partitioner = ParamPartitioner(module, units, compute_dtype, device, cfg.offload_params,
-                                                self.shard_group, cfg.prefetch, cfg.order_check, init_group=group)
+                                                self.shard_group, cfg.prefetch, cfg.order_check, init_group=group,
+                                                quantize=cfg.quantize_weights)
             self.partitioner.guard.eval_only = self.mode is EngineMode.EVAL_ONLY
             self.buckets, self._bucket_opt, sources, self._bucket_unit = PG.build_optimizer_buckets(
                 self, per_opt, units)
@@ -130,15 +133,20 @@ class ZeroEngine:
                 self._sources = [[dict(zip(map(id, u.params), u.local_views()))[id(p)] for p in b.params]
                                  for b, u in zip(self.buckets, self._bucket_unit)]
         self.reducer: Optional[GradReducer] = None
+        # stages 1-2: the publish all-gather overlaps the next forward (publish.py)
+        self.publisher = (PublishQueue(module) if cfg.stage in (1, 2) and cfg.overlap_publish
+                          and self.mode is EngineMode.TRAIN else None)
         if self.mode is EngineMode.TRAIN:
             self.reducer = GradReducer(
                 self.buckets, cfg.stage, cfg.reduce_dtype, reduce_group,
                 on_bucket_complete=self.releaser.bucket_complete if self.partitions_params else None,
-                on_end_of_backward=self._end_of_backward if self.partitions_params else None,
+                on_end_of_backward=self._end_of_backward if self.partitions_params else self.ensure_published,
                 host_grads=cfg.offload_optimizer, replicate_group=self.replicate_group,
+                mode="int8" if cfg.quantize_grads else C.grad_reduce_mode(cfg.grad_reduce, reduce_group),
             )
             PG.install_optimizer_methods(self)
         self.last_step_skipped = False
+        self._traffic = StepTraffic(group)  # comm_report(): the collectives of the last step
 
         # activation checkpointing / offload (None when both are off)
         self.activations: Optional[ActivationMemory] = activation_memory(
@@ -162,10 +170,17 @@ class ZeroEngine:
         self.partitioner.end_of_backward()
         self.releaser.reset()
 
+    def ensure_published(self) -> None:
+        """Stages 1-2 with ``overlap_publish``: complete the parameter all-gathers of the last step now
+        (see publish.py for where the engine does this itself). A no-op otherwise."""
+        if self.publisher is not None:
+            self.publisher.ensure()
+
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
-        """Hold full parameters for a block of code (stage 3; a no-op below): generate(), export."""
+        """Hold full parameters for a block of code (stage 3; below: the last step's publish completed)."""
         if not self.partitions_params:
+            self.ensure_published()
             yield
             return
         with torch.no_grad(), self.partitioner.gathered():
@@ -183,6 +198,7 @@ class ZeroEngine:
 
     def master_rows(self, shardeds=None) -> list[tuple[list[torch.Tensor], Any]]:
         """(masters, bucket) of every bucket of ``shardeds`` (default: all optimizers)."""
+        self.ensure_published()  # whole-model views read (or write) what a pending publish writes
         return [(row, b) for s in (self.shardeds if shardeds is None else shardeds)
                 for row, b in zip(s.masters, s.buckets)]
 
@@ -205,6 +221,8 @@ class ZeroEngine:
         calls ``training_step``, not ``forward``: root parameters it uses are gathered here, not in a hook)."""
         if self.module.training:
             self.sync_buffers()
+        if self.publisher is not None:  # the root's own parameters: a training_step may use them directly
+            self.publisher.wait_for_module(self.module)
         if self.partitions_params:
             self.partitioner.gather(self.partitioner.root)
 
@@ -229,6 +247,7 @@ class ZeroEngine:
     # ``optimizer``: the one to act on (several optimizers step independently); None = all of them.
     def finalize_grads(self, optimizer=None) -> None:
         """Complete reductions and point the masters' ``.grad`` at this rank's reduced gradients."""
+        self.ensure_published()  # before the step writes masters that may alias the parameters
         for s in PG.select(self, optimizer):
             if s.grads_final:
                 continue
@@ -283,6 +302,7 @@ class ZeroEngine:
                 s.step()
             self.publish_params(optimizer)
         self.zero_grad(optimizer)
+        self._traffic.step_done()
         return not skip
 
     @torch.no_grad()
@@ -310,21 +330,10 @@ class ZeroEngine:
                     if m is not p:
                         p.data.copy_(m.view_as(p))
             return
-        pending = []
-        for row, b in rows:
-            # offload: the host masters are cast into a pinned host chunk, then one asynchronous
-            # host->device copy per bucket (not one small, synchronous, fp32 copy per parameter)
-            pending.append((b, *b.all_gather(row, b.params[0].dtype, self.shard_group,
-                                              host=self.config.offload_optimizer, async_op=True)))
-            if len(pending) > 2:  # two buckets in flight overlap communication without a second model copy
-                self._unpack(*pending.pop(0))
-        for item in pending:
-            self._unpack(*item)
-
-    @staticmethod
-    def _unpack(b, work, out) -> None:
-        work.wait()
-        b.unpack_rank_major(out, [p.data for p in b.params])
+        if self.publisher is not None:
+            self.publisher.launch(rows, self.shard_group, self.config.offload_optimizer, self.config.quantize_weights)
+        else:
+            publish_blocking(rows, self.shard_group, self.config.offload_optimizer, self.config.quantize_weights)
 
     def zero_grad(self, optimizer=None) -> None:
         if self.mode is EngineMode.EVAL_ONLY:
@@ -336,6 +345,11 @@ class ZeroEngine:
             s.reset_step_state()
 
     # -- accounting -----------------------------------------------------------------------------------
+    def comm_report(self) -> CommReport:
+        """Bytes this rank put on the wire in the last ``step()`` (forward, backward, step), by collective
+        and group (see comm_report.py)."""
+        return self._traffic.report()
+
     def memory_report(self) -> MemoryReport:
         """The tensor bytes this rank holds now, by kind (exact: tests compare them with the floors)."""
         return measure_model_states(self.params, self.shardeds, self.reducer, self.partitioner,
@@ -418,3 +432,6 @@ class ZeroEngine:
         if self.mode is EngineMode.TRAIN:
             self.reducer.remove_hooks()
             PG.remove_optimizer_methods(self)
+        if self.publisher is not None:
+            self.publisher.remove(wait=hand_back)
+            self.publisher = None

@@ -49,6 +49,7 @@ def reduce_scatter_group(group: Optional[Any] = None) -> Any:
     # every rank calls for the whole world: a counter-named group (names never repeat); a subgroup needs
     # local synchronization (only members call), named by the hash above -- safe because it is made once
     made = dist.new_group(list(ranks), use_local_synchronization=not whole)
+    name_group(made, "stage3_reduce")  # how stats and comm_report() name it
     _GROUPS[key] = (default, made)
     return made
 

@@ -93,16 +93,18 @@ class ShardedOptimizer:
         offload: bool = False,
         compute_dtype: Optional[torch.dtype] = None,
         sources: Optional[list[list[torch.Tensor]]] = None,
+        separate_masters: bool = False,
     ) -> None:
         """``sources`` (stage 3): per bucket and parameter, this rank's fp32 slice to take the master from
-        (the parameter itself no longer holds its values then)."""
+        (the parameter itself no longer holds its values then). ``separate_masters``: never alias a
+        parameter (its gathered copy is rounded: quantized publish)."""
         check_shardable(optimizer, stage)
         self.optimizer = optimizer
         self.stage = stage
         self.offload = offload
         # a master may alias its parameter only if the parameter stays fp32 on the compute device
         self._compute_fp32 = compute_dtype in (None, torch.float32)  # else the shards are cast later
-        self._may_alias = self._compute_fp32 and not offload
+        self._may_alias = self._compute_fp32 and not offload and not separate_masters
         params = [p for b in buckets for p in b.params]
         device = params[0].device if params else torch.device("cpu")
         self.device = device  # where the gradients are reduced (the compute device)

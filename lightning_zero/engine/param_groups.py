@@ -109,7 +109,9 @@ def shard_optimizers(optimizers, buckets, bucket_opt: list[int], sources, cfg, c
     for k, opt in enumerate(optimizers):
         mine = [i for i, o in enumerate(bucket_opt) if o == k]
         out.append(ShardedOptimizer(opt, [buckets[i] for i in mine], cfg.stage, cfg.offload_optimizer, compute_dtype,
-                                    [sources[i] for i in mine] if sources is not None else None))
+                                    [sources[i] for i in mine] if sources is not None else None,
+                                    # qwZ rounds the gathered parameters: an fp32 master may not alias them
+                                    separate_masters=cfg.quantize_weights and cfg.stage in (1, 2)))
     return out
 
 

@@ -17,6 +17,12 @@ When reductions happen is the only thing that separates stage 1 from stage 2:
 In stages 1-2 the reduced slices accumulate in one flat shard per bucket; in stage 0 the all-reduced
 values are written back into ``param.grad`` (identical on every rank, so repeated syncs stay correct).
 
+How a bucket of stages 1-3 reaches its shard is ``mode``: a reduce-scatter; an all-reduce of the whole
+rank-major buffer keeping this rank's row (the same sums in the same memory -- the full bucket exists
+either way -- and faster where the backend's reduce-scatter is slow: gloo, see
+``collectives.GRAD_REDUCE_BY_BACKEND``); or int8 blocks through one all-to-all, summed in fp32 (qgZ,
+:mod:`.quantize`).
+
 Which parameters got a gradient on *any* rank travels inside the reductions themselves: every bucket
 buffer carries one extra element per parameter (1 if this rank had a gradient), which the same sum turns
 into a count of users. A parameter that no rank used keeps ``grad=None`` exactly as under DDP, so
@@ -53,7 +59,11 @@ import torch
 from torch.autograd import Variable
 
 from . import collectives as C
+from . import quantize as Q
 from .buckets import Bucket
+
+_SHARD_REDUCTIONS = {"reduce_scatter": C.reduce_scatter, "all_reduce": C.reduce_scatter_by_all_reduce,
+                     "int8": None}
 
 
 class BackwardPhase(enum.Enum):
@@ -92,6 +102,7 @@ class GradReducer:
         on_end_of_backward: Optional[Callable[[], None]] = None,
         host_grads: bool = False,
         replicate_group: Optional[Any] = None,
+        mode: str = "reduce_scatter",
     ) -> None:
         self.buckets = buckets
         self.stage = stage
@@ -108,6 +119,11 @@ class GradReducer:
         self._pre, self._post = pre, ranks / pre
         self._unreplicated: list[Optional[torch.Tensor]] = [None] * len(buckets)  # hybrid: shard + counts
         self.sync = GradSync.BOUNDARY
+        # stages 1-3: "reduce_scatter", "all_reduce" (the whole bucket, this rank's row kept) or "int8"
+        # (qgZ: one all-to-all of int8 blocks, summed in fp32); see collectives.grad_reduce_mode
+        if mode not in _SHARD_REDUCTIONS:
+            raise ValueError(f"Unknown gradient reduction {mode!r}. Allowed: {', '.join(_SHARD_REDUCTIONS)}.")
+        self.mode = mode
         self._on_bucket_complete = on_bucket_complete  # stage 3: release the unit's parameters
         self._on_end_of_backward = on_end_of_backward
         self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
@@ -247,7 +263,11 @@ class GradReducer:
                 _write_flags(flat.view(b.world_size, -1)[:, b.shard_numel :], grads)
                 flat.div_(self._pre)
                 out = torch.empty(b.shard_numel + n, dtype=dtype, device=flat.device)
-                work = C.reduce_scatter(out, flat, group=self.group, async_op=True)
+                if self.mode == "int8":  # the used-parameter counts get scales of their own
+                    work = Q.reduce_scatter_int8(out, flat, group=self.group, async_op=True,
+                                                 segments=[b.shard_numel, n])
+                else:
+                    work = _SHARD_REDUCTIONS[self.mode](out, flat, group=self.group, async_op=True)
                 for p in b.params:  # the full gradient is now inside ``flat``: free it
                     if p.grad is not None and self._stream is not None:
                         p.grad.record_stream(self._stream)

@@ -64,6 +64,9 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         activation_checkpointing: None, "auto" (the stage-3 unit policy's blocks) or module classes / class
             names, e.g. ``["T5Block"]``: their forward is recomputed in backward instead of saved.
         offload_activations: saved activations go to (pinned) host memory during forward, back for backward.
+        grad_reduce, overlap_publish, quantize_weights, quantize_grads: communication (see ZeroConfig):
+            the gradient reduction ("auto" per backend), the stage 1-2 parameter all-gather overlapped
+            with the next forward, and int8 all-gathers (qwZ) / reduce-scatters (qgZ), off by default.
     """
 
     strategy_name = "zero"
@@ -94,6 +97,10 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         memory_summary: bool = True,
         activation_checkpointing: Optional[Any] = None,
         offload_activations: bool = False,
+        grad_reduce: str = "auto",
+        overlap_publish: bool = False,
+        quantize_weights: bool = False,
+        quantize_grads: bool = False,
     ) -> None:
         self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
         if checkpoint_format not in ("sharded", "full"):

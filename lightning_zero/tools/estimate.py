@@ -14,7 +14,8 @@ Three parts, each checked against a measurement (tests/test_estimate.py, docs/tu
   the end of backward): stages 0-2, two reduction buckets in flight (stage 2 also the full gradients of
   the bucket being filled); stage 3, the root unit plus the current and the prefetched unit, the current
   unit's full gradients and its flat reduce-scatter buffer. At the optimizer step, stages 1-2 keep at most
-  two bucket all-gathers in flight (activations are gone by then).
+  two bucket all-gathers in flight (activations are gone by then) -- every bucket's, with the publish
+  overlapped with the next forward (``overlap_publish=True``), each freed as its forward runs.
 * **Activations** of HF T5 (encoder-decoder) from the architecture, batch and sequence lengths: the
   tensors autograd saves, counted per op (see :func:`t5_activation_bytes`), calibrated against the
   saved-tensors-hook measurement of the benchmark harness.
@@ -107,7 +108,8 @@ def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: in
 
 
 def buffer_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mixed: bool,
-                 bucket_mb: float = 25.0, accumulating: bool = False) -> dict[str, float]:
+                 bucket_mb: float = 25.0, accumulating: bool = False, overlap_publish: bool = False
+                 ) -> dict[str, float]:
     """Transient device buffers on top of the model states: during backward and at the optimizer step."""
     p = 2 if mixed else 4
     if stage < 3:
@@ -115,9 +117,11 @@ def buffer_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mi
         cap = max(bucket_mb * MiB / 4, info.largest_param)
         bucket = p * min(info.trainable, cap)
         backward = 2 * bucket + (bucket if stage == 2 or (stage == 1 and not accumulating) else 0)
-        # the step all-gathers at most two buckets at a time: send + gathered buffers of each
+        # the step all-gathers at most two buckets at a time: send + gathered buffers of each; overlapped
+        # with the next forward (engine/publish.py) every bucket is in flight until its forward: the bound
+        whole = p * (info.padded(world_size, True) * world_size + info.padded(world_size, True))
         step = 2 * (bucket + bucket / world_size) if stage >= 1 else 0
-        step = min(step, p * (info.padded(world_size, True) * world_size + info.padded(world_size, True)))
+        step = whole if stage >= 1 and overlap_publish else min(step, whole)
         return {"backward": backward, "step": float(step)}
     unit = info.largest_unit or min(info.trainable, 8 * MiB / 4)  # unknown units: the default unit_mb
     root = info.root_unit

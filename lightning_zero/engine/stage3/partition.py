@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 
 from .. import collectives as C
 from ..activations import recomputing
+from .. import quantize as Q
 from .deferred_init import has_meta_params, materialize
 from .guard import ReleasedParamGuard
 from .lifecycle import OrderCheck, OrderState, UnitState
@@ -59,9 +60,13 @@ class ParamPartitioner:
         prefetch: bool = True,
         order_check: "str | OrderCheck" = "strict",
         init_group: Optional[Any] = None,
+        quantize: bool = False,
     ) -> None:
         self.module = module
         self.init_group = init_group if init_group is not None else group  # deferred init broadcasts from rank 0 of it
+        # qwZ: training and evaluation gathers travel as int8 blocks (engine/quantize.py); gathered()
+        # (export, generate, handing the module back) stays exact
+        self.quantize = quantize
         self.units = units
         self.root = units[-1]
         self.device = device
@@ -132,17 +137,18 @@ class ParamPartitioner:
         return self._held
 
     # -- gather / release -----------------------------------------------------------------------------
-    def _launch_gather(self, u: Unit) -> None:
+    def _launch_gather(self, u: Unit, exact: bool = False) -> None:
         if u.state is not UnitState.SHARDED or not u.params:
             return
         if self._announcing():
             self._check_same_unit(u)
-        self._launch_gather_unannounced(u)
+        self._launch_gather_unannounced(u, exact)
 
-    def _launch_gather_unannounced(self, u: Unit) -> None:
+    def _launch_gather_unannounced(self, u: Unit, exact: bool = False) -> None:
         send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
         out = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=self.device)
-        u.inflight = (C.all_gather(out, send, group=self.group, async_op=True), out)
+        gather = Q.all_gather_int8 if self.quantize and not exact else C.all_gather
+        u.inflight = (gather(out, send, group=self.group, async_op=True), out)
         u.move(UnitState.GATHERING)
         self._held += out.numel() * out.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held)
@@ -350,8 +356,10 @@ class ParamPartitioner:
     def gathered(self) -> Iterator[None]:
         """Hold every parameter whole for a block (generate(), export): no collective inside."""
         if self._gathered_depth == 0:
+            if self.quantize:  # units gathered for compute hold rounded values: gather them exactly
+                self.release_all(include_persistent=True)
             for u in self.units:
-                self._launch_gather(u)
+                self._launch_gather(u, exact=True)
             for u in self.units:
                 self._finish_gather(u)
         self._gathered_depth += 1

@@ -42,7 +42,8 @@ _DECIDED = ("strategy", "strategy.name", "strategy.stage", "strategy.offload_opt
             "data.batch_size")
 _ENGINE_KEYS = ("stage", "offload_optimizer", "offload_params", "bucket_mb", "reduce_dtype", "broadcast_buffers",
                 "unit_classes", "unit_mb", "persist_numel", "prefetch", "order_check", "activation_checkpointing",
-                "offload_activations")
+                "offload_activations", "grad_reduce", "overlap_publish", "quantize_weights", "quantize_grads",
+                "shard_group_size")
 
 
 @dataclass

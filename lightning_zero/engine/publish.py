@@ -1,0 +1,144 @@
+"""Stages 1-2: the parameter all-gather after a step overlaps the next forward (FSDP2's prefetch idea).
+
+Design note
+-----------
+After the optimizer steps, each bucket's updated shards must reach every rank before the parameters are
+read again. Blocking in ``step()`` puts the whole all-gather on the critical path; instead
+:meth:`PublishQueue.launch` issues every bucket's all-gather asynchronously, in forward order (the
+reverse of the bucket order, which follows backward), and returns. The collectives are all issued inside
+``step()``, in the same order on every rank, so nothing about the sequence of collectives changes -- only
+when their results are copied into the parameters:
+
+* in the forward pre-hook of every module that registers a parameter of a pending bucket (a tied
+  parameter is registered by each of its modules), that bucket is waited for and unpacked; buckets that
+  have already arrived are unpacked too, so their buffers are freed early;
+* everything else that reads or writes the parameters or the masters first drains the queue
+  (:meth:`PublishQueue.ensure`, "ensure published"): the engine's next gradient finalize / clip / step
+  (with fp32 masters aliasing the parameters, a late unpack would overwrite the new step), the end of
+  backward (buckets of modules this forward did not run), the whole-model views (``master_rows``:
+  checkpoints, consolidation, handing the module back), ``module.state_dict()`` / ``load_state_dict()``
+  (hooks on the root), a second optimizer's step, and ``remove()``. ``zero_grad`` touches only gradients.
+
+What stays the caller's part -- hence ``overlap_publish`` is opt-in: a parameter read directly
+(``module.weight``) after a step and before the forward of a module that holds it sees this rank's slice
+updated and the rest one step old. Lightning's ``EMAWeightAveraging`` does exactly that in
+``on_train_batch_end`` (tests/test_lifecycle_callbacks.py fails with the overlap on), as would a callback
+logging weight norms there. Such code calls ``engine.ensure_published()`` first (or keeps the default,
+``overlap_publish=False``); the root module's own parameters are waited for before ``training_step``
+(``prepare_forward``).
+
+Memory: until its forward runs, each bucket's gathered buffer (compute dtype) is alive, so between the
+step and the forward up to one more copy of the managed parameters exists transiently (blocking: at most
+three buckets); it shrinks bucket by bucket as the forward reaches them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .buckets import Bucket
+
+
+@torch.no_grad()
+def publish_blocking(rows: list[tuple[list[torch.Tensor], Bucket]], group: Optional[Any], host: bool,
+                     quantized: bool) -> None:
+    """The default publish: every bucket's all-gather before ``step()`` returns, at most three in flight
+    (two overlap communication without a second model copy). ``host`` (offload): the host masters are cast
+    into a pinned host chunk, then one asynchronous host->device copy per bucket."""
+    pending: list[tuple[Bucket, Any, torch.Tensor]] = []
+    for row, b in rows:
+        pending.append((b, *b.all_gather(row, b.params[0].dtype, group, host=host, async_op=True, quantized=quantized)))
+        if len(pending) > 2:
+            _unpack(*pending.pop(0))
+    for item in pending:
+        _unpack(*item)
+
+
+def _unpack(b: Bucket, work: Any, flat: torch.Tensor) -> None:
+    work.wait()
+    b.unpack_rank_major(flat, [p.data for p in b.params])
+
+
+class PublishQueue:
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._pending: dict[int, tuple[Bucket, Any, torch.Tensor]] = {}  # bucket index -> (b, work, flat), launch order
+        self._bucket_of: dict[int, int] = {}  # id(param) -> bucket index, for pending buckets
+        self.launches = self.waits_in_forward = 0
+        self._handles = []
+        self._root_ids = [id(p) for p in module.parameters(recurse=False)]
+        for m in module.modules():
+            ids = [id(p) for p in m.parameters(recurse=False)]
+            if ids:
+                self._handles.append(m.register_forward_pre_hook(self._make_hook(ids)))
+        self._handles.append(module.register_state_dict_pre_hook(lambda *_: self.ensure()))
+        self._handles.append(module.register_load_state_dict_pre_hook(lambda *_a, **_k: self.ensure()))
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    @torch.no_grad()
+    def launch(self, rows: list[tuple[list[torch.Tensor], Bucket]], group: Optional[Any], host: bool,
+               quantized: bool) -> None:
+        """Issue the all-gather of every bucket of ``rows`` (masters, bucket), first-used first; no wait."""
+        self.ensure()
+        for row, b in sorted(rows, key=lambda rb: -rb[1].index):
+            work, flat = b.all_gather(row, b.params[0].dtype, group, host=host, async_op=True, quantized=quantized)
+            self._pending[b.index] = (b, work, flat)
+            for p in b.params:
+                self._bucket_of[id(p)] = b.index
+            self.launches += 1
+
+    def _make_hook(self, ids: list[int]):
+        def hook(_module, _args) -> None:
+            if self._pending:
+                self._wait_for(ids)
+
+        return hook
+
+    def wait_for_module(self, module: nn.Module) -> None:
+        """The buckets of the root's own parameters (a ``training_step`` may use them outside a forward)."""
+        if self._pending and module is self.module:
+            self._wait_for(self._root_ids)
+
+    def _wait_for(self, ids: list[int]) -> None:
+        needed = [self._bucket_of[i] for i in ids if i in self._bucket_of]
+        if needed:
+            self.waits_in_forward += 1
+            for bi in needed:
+                self._unpack(bi)
+        self._unpack_arrived()
+
+    @torch.no_grad()
+    def _unpack(self, bi: int) -> None:
+        item = self._pending.pop(bi, None)
+        if item is None:
+            return
+        _unpack(*item)
+        b = item[0]
+        for p in b.params:
+            self._bucket_of.pop(id(p), None)
+
+    def _unpack_arrived(self) -> None:
+        for bi, (_b, work, _f) in list(self._pending.items()):
+            done = getattr(work, "is_completed", None)
+            if done is None or not done():
+                return  # collectives complete in launch order: nothing later has arrived either
+            self._unpack(bi)
+
+    def ensure(self) -> None:
+        """Wait for every pending bucket and write it into the parameters ("ensure published")."""
+        for bi in list(self._pending):
+            self._unpack(bi)
+
+    def remove(self, wait: bool = True) -> None:
+        """``wait=False`` after a failure: peers may be gone, and waiting would turn the error into a hang."""
+        if wait:
+            self.ensure()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,131 @@
+"""Quantized collectives (ZeRO++ qwZ / qgZ): int8 blocks of 256 with one fp32 scale each, pure torch.
+
+Design note
+-----------
+A tensor is cut into blocks of :data:`BLOCK` elements (the last one zero-padded); each block travels as
+int8 values ``round(x / s)`` with ``s = max|x| / 127`` over the block, and ``s`` itself as fp32. The
+error of one element is at most ``s / 2``: half a quantization step of its own block, so large and small
+blocks keep their own precision. Values and scales travel in one flat uint8 buffer per rank (values, then
+the scales' bytes), so a quantized collective is still one collective.
+
+* :func:`all_gather_int8` (qwZ): every rank's chunk is quantized, gathered, and dequantized on arrival
+  into the caller's buffer, *own chunk included*: every rank then holds the same values, as after an exact
+  gather. Masters stay fp32 and exact; only the gathered copies are rounded.
+* :func:`reduce_scatter_int8` (qgZ): the rank-major gradient buffer is quantized row by row (row ``r`` is
+  what rank ``r`` receives), exchanged with one all-to-all, and the ``N`` received rows are dequantized and
+  summed in fp32. A row may be split into segments quantized on their own (the reducer's used-parameter
+  counts travel in the row's tail and must not share a scale with the gradients).
+
+Non-finite values stay non-finite (a block holding inf or nan dequantizes to nan), so overflow checks of
+fp16 loss scaling still see them. With one rank nothing travels and nothing is rounded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import collectives as C
+
+BLOCK = 256
+_QMAX = 127
+
+
+def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` (1-D or 2-D) as int8 blocks: ``(q [rows, nblocks * block], scales [rows, nblocks])``."""
+    rows = x.reshape(1, -1) if x.dim() == 1 else x
+    r, n = rows.shape
+    nb = max(1, -(-n // block))
+    xp = F.pad(rows.float(), (0, nb * block - n)).view(r, nb, block)
+    scale = xp.abs().amax(dim=2) / _QMAX
+    # an all-zero block keeps scale 0 (it dequantizes to zeros); divide by 1 there instead of 0
+    q = (xp / torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(2)).round_()
+    q = q.clamp_(-_QMAX, _QMAX).nan_to_num_(0.0).to(torch.int8)
+    return q.view(r, nb * block), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, numel: int, block: int = BLOCK) -> torch.Tensor:
+    """fp32 rows ``[rows, numel]`` from :func:`quantize`'s output."""
+    r = scale.shape[0]
+    x = q.view(r, -1, block).float() * scale.unsqueeze(2)
+    return x.view(r, -1)[:, :numel]
+
+
+def packed_numel(numel: int, block: int = BLOCK) -> int:
+    """Bytes one row of ``numel`` elements takes on the wire: the int8 blocks plus one fp32 scale each."""
+    nb = max(1, -(-numel // block))
+    return nb * block + 4 * nb
+
+
+def pack(x: torch.Tensor, segments: Sequence[int]) -> torch.Tensor:
+    """Rows of ``x`` as uint8 ``[rows, sum(packed_numel(s))]``, each segment quantized on its own."""
+    parts, lo = [], 0
+    for seg in segments:
+        q, scale = quantize(x[:, lo : lo + seg])
+        parts += [q.view(torch.uint8), scale.contiguous().view(torch.uint8)]
+        lo += seg
+    return torch.cat(parts, dim=1)
+
+
+def unpack(buf: torch.Tensor, segments: Sequence[int]) -> torch.Tensor:
+    """fp32 rows ``[rows, sum(segments)]`` from :func:`pack`'s output."""
+    outs, lo = [], 0
+    for seg in segments:
+        nb = max(1, -(-seg // BLOCK))
+        q = buf[:, lo : lo + nb * BLOCK].contiguous().view(torch.int8)
+        scale = buf[:, lo + nb * BLOCK : lo + nb * BLOCK + 4 * nb].contiguous().view(torch.float32)
+        outs.append(dequantize(q, scale, seg))
+        lo += packed_numel(seg)
+    return torch.cat(outs, dim=1)
+
+
+class _Then:
+    """A collective's handle that runs ``finish`` (dequantize into the caller's buffer) once it is done."""
+
+    def __init__(self, work: Any, finish: Callable[[], None]) -> None:
+        self._work, self._finish = work, finish
+
+    def wait(self) -> bool:
+        if self._finish is not None:
+            self._work.wait()
+            self._finish()
+            self._finish = None
+        return True
+
+
+def all_gather_int8(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False):
+    """:func:`collectives.all_gather` with the chunks travelling as int8 blocks (output in its own dtype)."""
+    n = C.world_size(group)
+    if n == 1:
+        return C.all_gather(output, input, group=group, async_op=async_op)
+    numel = input.numel()
+    send = pack(input.reshape(1, -1), [numel]).view(-1)
+    recv = torch.empty(n * send.numel(), dtype=torch.uint8, device=input.device)
+    work = C.all_gather(recv, send, group=group, async_op=True)
+    handle = _Then(work, lambda: output.view(n, -1).copy_(unpack(recv.view(n, -1), [numel])))
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def reduce_scatter_int8(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None,
+                        async_op: bool = False, segments: Optional[Sequence[int]] = None):
+    """:func:`collectives.reduce_scatter` as one all-to-all of int8 rows, summed in fp32 on arrival.
+
+    ``segments``: how one row (``output.numel()`` elements) splits into separately scaled parts.
+    """
+    n = C.world_size(group)
+    if n == 1:
+        return C.reduce_scatter(output, input, group=group, async_op=async_op)
+    segments = list(segments) if segments is not None else [output.numel()]
+    send = pack(input.view(n, -1), segments)
+    recv = torch.empty_like(send)
+    work = C.all_to_all(recv.view(-1), send.view(-1), group=group, async_op=True)
+    handle = _Then(work, lambda: output.copy_(unpack(recv, segments).sum(dim=0)))
+    if async_op:
+        return handle
+    handle.wait()
+    return None
