@@ -23,14 +23,17 @@ from tests.test_stage3 import STEPS, UNITS, _train, _use
 
 K = 2
 ACCUM, CLIP = 2, 0.5
+RS = dict(grad_reduce="reduce_scatter")  # what NCCL runs ("auto" on gloo all-reduces: the _allreduce cases)
 CASES = {  # name -> ZeroConfig keywords; tiny buckets: several per step
     "zero0": dict(stage=0),  # shards nothing: K changes nothing, one all-reduce over the world
-    "zero1": dict(stage=1),
-    "zero2": dict(stage=2),
-    "zero3": dict(stage=3, unit_classes=UNITS, persist_numel=0),
-    "zero2_offload": dict(stage=2, offload_optimizer=True),
+    "zero1": dict(stage=1, **RS),
+    "zero2": dict(stage=2, **RS),
+    "zero3": dict(stage=3, unit_classes=UNITS, persist_numel=0, **RS),
+    "zero2_offload": dict(stage=2, offload_optimizer=True, **RS),
     "zero3_offload": dict(stage=3, unit_classes=UNITS, persist_numel=0, offload_optimizer=True,
-                          offload_params=True),
+                          offload_params=True, **RS),
+    "zero2_allreduce": dict(stage=2, grad_reduce="all_reduce"),
+    "zero3_allreduce": dict(stage=3, unit_classes=UNITS, persist_numel=0, grad_reduce="all_reduce"),
 }
 
 
@@ -87,7 +90,8 @@ def test_hybrid_matches_ddp(name):
         # gathers, reduce-scatters and norms stay inside the shard group; only broadcasts span the world
         assert {op for (g, op) in calls if g == "world"} <= {"broadcast"}, calls
         assert {op for (g, op) in calls if g == "replicate"} == {"all_reduce"}, calls
-        assert calls[("shard", "all_gather")] > 0 and calls[("shard", "reduce_scatter")] > 0
+        reduction = "all_reduce" if name.endswith("_allreduce") else "reduce_scatter"
+        assert calls[("shard", "all_gather")] > 0 and calls[("shard", reduction)] > 0, calls
         # one cross-group all-reduce per bucket per optimizer step, also at stage 2 under accumulation
         assert calls[("replicate", "all_reduce")] == n_buckets * STEPS, (calls, n_buckets)
 

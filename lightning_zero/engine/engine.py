@@ -22,8 +22,6 @@ into units (:mod:`.stage3`); whole-model views (checkpoints, handing the module 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import math
 from typing import Any, Iterator, Optional
 
@@ -32,23 +30,20 @@ from torch import nn
 
 from . import collectives as C
 from .activations import ActivationMemory, activation_memory
-from .stage3.deferred_init import compute_device, has_meta_params
-from .stage3.units import build_units
+from .stage3.deferred_init import has_meta_params
 from .config import ZeroConfig
 from .engine_state import EngineMode, StepCounters
 from .memory import MemoryReport, measure_model_states
 from . import full_state as FS
 from .groups import HybridGroups, check_shard_group_size, hybrid_groups, reduce_scatter_group
 from .optimizer import ShardedOptimizer
-from .stage3.lifecycle import OrderCheck
 from .publish import PublishQueue, publish_blocking
 from .comm_report import CommReport, StepTraffic
 from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
-from .stage3.release import BackwardReleaser
+from .stage3.setup import setup_stage3
 from . import param_groups as PG
 
-_log = logging.getLogger("lightning_zero.engine")
 
 
 class ZeroEngine:
@@ -94,28 +89,9 @@ class ZeroEngine:
         sources = None
         reduce_group = self.shard_group
         if cfg.stage == 3:
-            if len(self.optimizers) > 1 and OrderCheck(cfg.order_check) is OrderCheck.STRICT:
-                # each optimizer runs its own forward/backward: a step holds several different forward
-                # sequences, which one recorded order cannot describe. Check before every gather instead.
-                cfg = self.config = dataclasses.replace(cfg, order_check=OrderCheck.ALWAYS.value)
-            units = build_units(module, self.world_size, self.rank, cfg.unit_classes, cfg.unit_bytes,
-                                cfg.persist_numel)
-            device = torch.device(device) if device is not None else compute_device(module)
-            if self.rank == 0:
-                _log.info(units.describe())
-            self.partitioner = ParamPartitioner(module, units, compute_dtype, device, cfg.offload_params,
-                                                self.shard_group, cfg.prefetch, cfg.order_check, init_group=group,
-                                                quantize=cfg.quantize_weights)
-            self.partitioner.guard.eval_only = self.mode is EngineMode.EVAL_ONLY
-            self.buckets, self._bucket_opt, sources, self._bucket_unit = PG.build_optimizer_buckets(
-                self, per_opt, units)
-            # releases each unit as soon as its backward is over (see release.py for units with frozen params)
-            self.releaser = BackwardReleaser.for_units(units, self.buckets, self._bucket_unit,
-                                                       self.partitioner.release)
-            # reduce-scatters get their own group: they interleave with gathers differently per rank.
-            # Made once per process and shared by later engines (see [Note: why a group is never
-            # re-created] in groups.py); an evaluation-only engine reduces nothing and needs none.
-            if self.world_size > 1 and self.mode is EngineMode.TRAIN:
+            cfg = self.config = setup_stage3(self, per_opt, device)
+            sources = self._sources
+            if self.world_size > 1 and self.mode is EngineMode.TRAIN:  # see setup_stage3: its own group
                 reduce_group = (hybrid.reduce_scatter if hybrid.reduce_scatter is not None
                                 else reduce_scatter_group(group))
         else:
