@@ -233,8 +233,8 @@ def test_overflow_on_one_rank_skips_the_step_everywhere():
 
 
 def test_hydra_key_reaches_the_strategy():
-    from examples.t5_config import build_strategy
-    from tests.test_hydra_recipe import _compose
+    from tests.test_hydra_recipe import _compose  # puts examples/ on sys.path (not a package)
+    from t5_config import build_strategy  # one module object: the recipe's schema is registered once
 
     assert build_strategy(_compose("strategy=zero3", "strategy.shard_group_size=2")).zero_config.shard_group_size == 2
     assert build_strategy(_compose("strategy=zero2")).zero_config.shard_group_size is None

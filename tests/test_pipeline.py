@@ -73,7 +73,7 @@ def _reference(dp_sizes):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _pipeline(num_stages, stage, schedule, **kw):
+def _pipeline(num_stages, stage, schedule, grad_reduce="auto", **kw):
     lay = pipeline_layout(num_stages)
     if schedule == "interleaved":  # two chunks per rank: stages p and p + P of 2P, one block each
         model = _model()
@@ -83,7 +83,8 @@ def _pipeline(num_stages, stage, schedule, **kw):
         module = split_gpt2(_model(), num_stages, lay.stage_index)
         opt = _optimizer(module.parameters())
     return PipelineZero(module, num_stages, _loss, opt, M, schedule=schedule,
-                        config=ZeroConfig(stage=stage, bucket_mb=0.01), accumulate_grad_batches=ACCUM,
+                        config=ZeroConfig(stage=stage, bucket_mb=0.01, grad_reduce=grad_reduce),
+                        accumulate_grad_batches=ACCUM,
                         gradient_clip_val=CLIP, **kw)
 
 
@@ -135,7 +136,7 @@ def test_p2_matches_single_process_all_schedules():
 def _p2dp2(rank, world_size, path):
     out = {}
     for stage in (1, 2):
-        pipe = _pipeline(2, stage, "1f1b")
+        pipe = _pipeline(2, stage, "1f1b", grad_reduce="reduce_scatter")  # NCCL's path: counted below
         groups = len(torch.distributed.distributed_c10d._world.pg_names)
         collectives.stats.reset()
         losses = _train(pipe, 4)  # two optimizer steps
