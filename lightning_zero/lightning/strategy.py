@@ -63,9 +63,23 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         activation_checkpointing: None, "auto" (the stage-3 unit policy's blocks) or module classes / class
             names, e.g. ``["T5Block"]``: their forward is recomputed in backward instead of saved.
         offload_activations: saved activations go to (pinned) host memory during forward, back for backward.
+        pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_max_imbalance: given
+            ``pipeline_parallel_size=P``, the constructor returns a ``ZeroPipelineStrategy``
+            (``lightning/pipeline_strategy.py``): P pipeline stages, ZeRO 0-2 over each stage's replicas.
     """
 
     strategy_name = "zero"
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # pipeline parallelism is its own class (lightning/pipeline_strategy.py); ZeroStrategy(...) names it
+        if kwargs.get("pipeline_parallel_size") is not None and cls.__name__ == "ZeroStrategy":
+            from .pipeline_strategy import ZeroPipelineStrategy
+
+            if not issubclass(ZeroPipelineStrategy, cls):
+                raise NotImplementedError("pipeline_parallel_size is available for lightning.pytorch's Trainer only "
+                                          "(not the pytorch_lightning distribution).")
+            cls = ZeroPipelineStrategy
+        return super().__new__(cls)
 
     def __init__(
         self,
