@@ -26,6 +26,7 @@ from lightning_zero.lightning.pipeline_strategy import ZeroPipelineStrategy
 from tests.test_pipeline import ACCUM, ATOL, BATCH, CLIP, M, RTOL, _batch, _loss, _model, _optimizer
 
 BATCHES = 4  # per epoch: 2 optimizer steps
+VAL = 90  # the validation batch: _batch(VAL)
 
 
 def _lr_lambda(step):
@@ -49,6 +50,7 @@ class PipeGPT2(pl.LightningModule):
         self.stage = None
         self.losses: list[float] = []
         self.batches: list[torch.Tensor] = []
+        self.val_losses: list[float] = []
 
     def setup(self, stage):
         torch.set_num_threads(1)  # forked ranks: see tests/lightning_models.py
@@ -72,8 +74,17 @@ class PipeGPT2(pl.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def validation_step(self, batch, batch_idx):
+        raise AssertionError("the pipeline strategy runs the forward pipeline instead")
+
     def train_dataloader(self):
         return DataLoader(Rows(), batch_size=BATCH, shuffle=False)
+
+    def val_dataloader(self):
+        return DataLoader([row for row in _batch(VAL)], batch_size=BATCH, shuffle=False)
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+        self.val_losses.append(float(outputs))
 
     def on_train_batch_start(self, batch, batch_idx):
         self.batches.append(batch.clone())
@@ -84,7 +95,7 @@ class PipeGPT2(pl.LightningModule):
     def on_train_end(self):
         pipe = self.trainer.strategy.pipe
         named = {sd["source_names"][k]: v for sd in pipe.state_dicts() for k, v in sd["model"].items()}
-        torch.save({"losses": self.losses, "batches": self.batches, "named": named, "step": self.trainer.global_step,
+        torch.save({"losses": self.losses, "batches": self.batches, "val": self.val_losses, "named": named, "step": self.trainer.global_step,
                     "lr": self.trainer.optimizers[0].param_groups[0]["lr"]},
                    os.path.join(self.out, f"{self.tag}rank{self.global_rank}.pt"))
 
@@ -102,7 +113,15 @@ def _reference(batches):
     model = _model()
     opt = _optimizer(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
-    losses = []
+    losses, val = [], []
+
+    def validate():
+        model.eval()
+        with torch.no_grad():
+            val.append(_loss(model(_batch(VAL)).logits, _batch(VAL)).item())
+        model.train()
+
+    validate()  # the sanity check
     for call, ids in enumerate(batches):
         total = 0.0
         for chunk in ids.chunk(M):
@@ -115,7 +134,9 @@ def _reference(batches):
             opt.step()
             opt.zero_grad()
             sched.step()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if call % BATCHES == BATCHES - 1:
+            validate()  # each epoch's end
+    return losses, val, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _fit(out, tag, schedule, epochs, ckpt_path=None, callbacks=()):
@@ -124,16 +145,18 @@ def _fit(out, tag, schedule, epochs, ckpt_path=None, callbacks=()):
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs,
                       accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=1, limit_val_batches=1,
                       callbacks=list(callbacks))
     trainer.fit(PipeGPT2(str(out), tag), ckpt_path=ckpt_path)
     return [torch.load(os.path.join(out, f"{tag}rank{r}.pt")) for r in range(2)]
 
 
-def _check(results, ref_losses, ref_sd, what):
+def _check(results, ref_losses, ref_val, ref_sd, what):
     merged = {}
     assert all(torch.equal(a, b) for a, b in zip(results[0]["batches"], results[1]["batches"])), what
     for r, res in enumerate(results):
         assert res["losses"] == pytest.approx(ref_losses, rel=RTOL), (what, r)
+        assert res["val"] == pytest.approx(ref_val, rel=RTOL), (what, r)
         merged.update(res["named"])
     assert set(merged) == set(ref_sd), what  # the two stages together name the whole model
     bad = [k for k in ref_sd if not torch.allclose(merged[k], ref_sd[k], rtol=RTOL, atol=ATOL)]
@@ -146,8 +169,8 @@ def test_p2_trainer_matches_single_process_and_resumes(tmp_path):
     first = _fit(tmp_path, "a_", "1f1b", 1, callbacks=[SaveAtEpochEnd(str(ckpt))])
     seen = first[0]["batches"]
     assert len(seen) == BATCHES and all(b.shape[0] == BATCH for b in seen)  # the whole batch on both stages
-    mid_losses, mid_sd = _reference(seen)
-    _check(first, mid_losses, mid_sd, "1f1b, zero2")
+    mid_losses, mid_val, mid_sd = _reference(seen)
+    _check(first, mid_losses, mid_val, mid_sd, "1f1b, zero2")
     assert all(r["step"] == BATCHES // ACCUM and r["lr"] == pytest.approx(1e-3 * _lr_lambda(2)) for r in first)
     # the directory consolidates into the model's own state dict
     saved = consolidate_pipeline_checkpoint(str(ckpt))
@@ -155,13 +178,14 @@ def test_p2_trainer_matches_single_process_and_resumes(tmp_path):
                                              for k in mid_sd)
     # a second epoch from the checkpoint continues as the uninterrupted run
     resumed = _fit(tmp_path, "b_", "1f1b", 2, ckpt_path=str(ckpt))
-    ref_losses, ref_sd = _reference(seen + resumed[0]["batches"])
-    _check(resumed, ref_losses[BATCHES:], ref_sd, "resumed")
+    ref_losses, ref_val, ref_sd = _reference(seen + resumed[0]["batches"])
+    # (its sanity check validates the loaded weights)
+    _check(resumed, ref_losses[BATCHES:], ref_val[1:], ref_sd, "resumed")
     assert all(r["step"] == 2 * BATCHES // ACCUM for r in resumed)
     # GPipe at ZeRO-1: the same run
     gpipe = _fit(tmp_path, "c_", "gpipe", 1)
     assert all(torch.equal(a, b) for a, b in zip(gpipe[0]["batches"], seen))
-    _check(gpipe, mid_losses, mid_sd, "gpipe, zero1")
+    _check(gpipe, mid_losses, mid_val, mid_sd, "gpipe, zero1")
 
 
 def test_bad_pipeline_settings_get_one_clear_error():

@@ -16,6 +16,8 @@ The LightningModule's contract:
   tensor that is both, as for a language model). ``on_before_backward`` / ``on_after_backward`` /
   ``on_before_optimizer_step`` are not called either: backward happens inside the schedule.
 * ``configure_optimizers``: one optimizer over ``self.parameters()`` (this stage's), with any LR scheduler.
+* ``validation_step`` is not called either: during fit, validation runs the forward pipeline and logs
+  ``val_loss`` (mean over the global batch). ``trainer.validate`` / ``test`` / ``predict`` are refused.
 
 Lightning's loop stays in charge of *when*: its accumulation boundary (every ``accumulate_grad_batches``-th
 batch, or an epoch's last) is the boundary the pipeline reduces and steps at, its LR schedulers step as
@@ -154,9 +156,9 @@ class ZeroPipelineStrategy(ZeroStrategy):
         self.setup_precision_plugin()
 
     def _fit_only(self, what: str) -> str:
-        return (f"{what} under pipeline_parallel_size is not implemented: the pipeline strategy runs fit's training "
-                f"batches (validation, test and predict would need a forward-only schedule). Allowed: fit with "
-                f"limit_val_batches=0 / num_sanity_val_steps=0, then evaluate the consolidated checkpoint "
+        return (f"{what} under pipeline_parallel_size is not implemented: the pipeline strategy runs trainer.fit "
+                f"(training batches and validation during fit: val_loss from the forward pipeline). Allowed: fit "
+                f"with validation; for test / predict / a lone validate, evaluate the consolidated checkpoint "
                 f"(lightning_zero.engine.pipeline.consolidate_pipeline_checkpoint) in one process.")
 
     # -- the training step: the whole schedule, inside Lightning's closure --------------------------------
@@ -200,7 +202,15 @@ class ZeroPipelineStrategy(ZeroStrategy):
         yield None  # the pipeline's own no_sync covers the non-boundary micro-batches
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(self._fit_only("validation_step"))
+        """The forward pipeline over the batch's micro-batches: ``val_loss``, the mean over the global batch
+        (every rank holds the same value)."""
+        if self.pipe is None:
+            raise NotImplementedError(self._fit_only("validation outside fit"))
+        batch = args[0] if args else kwargs["batch"]
+        inputs, targets = self._split_batch(batch)
+        loss = self.pipe.evaluate(inputs, targets)
+        self.lightning_module.log("val_loss", loss, prog_bar=True, batch_size=self._rows(inputs))
+        return loss
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(self._fit_only("test_step"))
