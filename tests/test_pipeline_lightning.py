@@ -44,9 +44,9 @@ class Rows(Dataset):
 
 
 class PipeGPT2(pl.LightningModule):
-    def __init__(self, out: str, tag: str) -> None:
+    def __init__(self, out: str, tag: str, batch_size: int = BATCH) -> None:
         super().__init__()
-        self.out, self.tag = out, tag
+        self.out, self.tag, self.batch_size = out, tag, batch_size
         self.stage = None
         self.losses: list[float] = []
         self.batches: list[torch.Tensor] = []
@@ -78,10 +78,10 @@ class PipeGPT2(pl.LightningModule):
         raise AssertionError("the pipeline strategy runs the forward pipeline instead")
 
     def train_dataloader(self):
-        return DataLoader(Rows(), batch_size=BATCH, shuffle=False)
+        return DataLoader(Rows(), batch_size=self.batch_size, shuffle=False)
 
     def val_dataloader(self):
-        return DataLoader([row for row in _batch(VAL)], batch_size=BATCH, shuffle=False)
+        return DataLoader([row for row in _batch(VAL)], batch_size=self.batch_size, shuffle=False)
 
     def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
         self.val_losses.append(float(outputs))
@@ -109,7 +109,8 @@ class SaveAtEpochEnd(pl.Callback):
 
 
 def _reference(batches):
-    """Single process, the uncut model: what the pipeline computes over ``batches``."""
+    """Single process, the uncut model: what the pipeline computes over ``batches``, per batch a tensor or a
+    list of the D replicas' parts (each cut into M micro-batches: as DDP over D ranks, accumulating M)."""
     model = _model()
     opt = _optimizer(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
@@ -122,12 +123,13 @@ def _reference(batches):
         model.train()
 
     validate()  # the sanity check
-    for call, ids in enumerate(batches):
-        total = 0.0
-        for chunk in ids.chunk(M):
+    for call, parts in enumerate(batches):
+        parts, total = parts if isinstance(parts, list) else [parts], 0.0
+        chunks = [c for part in parts for c in part.chunk(M)]
+        for chunk in chunks:
             loss = _loss(model(chunk).logits, chunk)
-            (loss / (M * ACCUM)).backward()
-            total += loss.item() / M
+            (loss / (len(chunks) * ACCUM)).backward()
+            total += loss.item() / len(chunks)
         losses.append(total)
         if call % ACCUM == ACCUM - 1:
             assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > CLIP  # the clip acts
@@ -139,21 +141,23 @@ def _reference(batches):
     return losses, val, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _fit(out, tag, schedule, epochs, ckpt_path=None, callbacks=()):
-    strategy = ZeroStrategy(stage=2 if schedule == "1f1b" else 1, start_method="fork", bucket_mb=0.01,
+def _fit(out, tag, schedule, epochs, ckpt_path=None, callbacks=(), stage=None, devices=2):
+    stage = stage if stage is not None else (2 if schedule == "1f1b" else 1)
+    strategy = ZeroStrategy(stage=stage, start_method="fork", bucket_mb=0.01,
                             pipeline_parallel_size=2, pipeline_microbatches=M, pipeline_schedule=schedule)
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs,
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs,
                       accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=1, limit_val_batches=1,
                       callbacks=list(callbacks))
-    trainer.fit(PipeGPT2(str(out), tag), ckpt_path=ckpt_path)
-    return [torch.load(os.path.join(out, f"{tag}rank{r}.pt")) for r in range(2)]
+    trainer.fit(PipeGPT2(str(out), tag, BATCH * 2 // devices), ckpt_path=ckpt_path)
+    return [torch.load(os.path.join(out, f"{tag}rank{r}.pt")) for r in range(devices)]
 
 
 def _check(results, ref_losses, ref_val, ref_sd, what):
-    merged = {}
-    assert all(torch.equal(a, b) for a, b in zip(results[0]["batches"], results[1]["batches"])), what
+    merged, dp = {}, len(results) // 2
+    for d in range(dp):  # the two stages of a replica read the same batch
+        assert all(torch.equal(a, b) for a, b in zip(results[d]["batches"], results[d + dp]["batches"])), what
     for r, res in enumerate(results):
         assert res["losses"] == pytest.approx(ref_losses, rel=RTOL), (what, r)
         assert res["val"] == pytest.approx(ref_val, rel=RTOL), (what, r)
@@ -202,3 +206,17 @@ def test_bad_pipeline_settings_get_one_clear_error():
     with pytest.raises(ValueError, match="does not divide the world of 2 rank.*Allowed: 1, 2"):
         Trainer(strategy=ZeroStrategy(pipeline_parallel_size=3, start_method="fork"), accelerator="cpu", devices=2,
                 logger=False)
+
+
+@pytest.mark.timeout(240)
+def test_p2_dp2_zero1_matches_and_resumes_at_dp1(tmp_path):
+    ckpt = tmp_path / "epoch0.ckpt"
+    first = _fit(tmp_path, "d_", "1f1b", 1, callbacks=[SaveAtEpochEnd(str(ckpt))], stage=1, devices=4)
+    seen = [[first[0]["batches"][b], first[1]["batches"][b]] for b in range(BATCHES)]  # replicas 0 and 1
+    assert all(p.shape[0] == BATCH // 2 for parts in seen for p in parts)
+    mid_losses, mid_val, mid_sd = _reference(seen)
+    _check(first, mid_losses, mid_val, mid_sd, "P2 x DP2, zero1")
+    # resumed at P2 x DP1 (each stage's optimizer state re-sliced from the full per-stage files)
+    resumed = _fit(tmp_path, "e_", "1f1b", 2, ckpt_path=str(ckpt), stage=1, devices=2)
+    ref_losses, ref_val, ref_sd = _reference(seen + resumed[0]["batches"])
+    _check(resumed, ref_losses[BATCHES:], ref_val[1:], ref_sd, "resumed at DP1")
