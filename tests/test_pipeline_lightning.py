@@ -220,3 +220,12 @@ def test_p2_dp2_zero1_matches_and_resumes_at_dp1(tmp_path):
     resumed = _fit(tmp_path, "e_", "1f1b", 2, ckpt_path=str(ckpt), stage=1, devices=2)
     ref_losses, ref_val, ref_sd = _reference(seen + resumed[0]["batches"])
     _check(resumed, ref_losses[BATCHES:], ref_val[1:], ref_sd, "resumed at DP1")
+
+
+@pytest.mark.timeout(60)
+def test_lone_validate_is_refused_naming_what_works(tmp_path):
+    trainer = Trainer(strategy=ZeroStrategy(stage=1, start_method="fork", pipeline_parallel_size=2,
+                                            pipeline_microbatches=M), accelerator="cpu", devices=2, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+    with pytest.raises(Exception, match=r"trainer.validate under pipeline_parallel_size is not implemented"):
+        trainer.validate(PipeGPT2(str(tmp_path), "v_"))
