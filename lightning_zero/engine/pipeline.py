@@ -231,6 +231,18 @@ class PipelineZero:
         args = (inputs,) if lay.is_first else ()
         kwargs = dict(target=targets, losses=losses) if lay.is_last else {}
         self.schedule.step(*args, **kwargs)
+        loss = self._global_mean(losses)
+        if self.boundary:
+            self._optimizer_step()
+            self._calls = 0
+        else:
+            self._calls += 1
+        return loss
+
+    def _global_mean(self, losses: list) -> torch.Tensor:
+        """The last stage's micro-batch losses (as ``_scaled_loss`` returned them) -> the mean over the global
+        batch (every replica), on every rank."""
+        lay = self.layout
         if lay.is_last:  # undo 1/(M * accumulation) and the loss scale: the mean over the micro-batches
             loss = torch.stack([x.detach().float() for x in losses]).sum() * self.accumulate / self.engine.loss_scale
         else:
@@ -240,12 +252,21 @@ class PipelineZero:
             loss /= lay.dp_size
         if lay.num_stages > 1:
             C.broadcast(loss, src=lay.num_stages - 1, group=lay.pp_group)
-        if self.boundary:
-            self._optimizer_step()
-            self._calls = 0
-        else:
-            self._calls += 1
         return loss
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """The forward pipeline only (eval mode, no gradient, no step) on this replica's batch: the mean loss
+        over the global batch, on every rank (validation / test)."""
+        self._check_batch(inputs, targets)
+        lay = self.layout
+        for m in self.modules:
+            m.eval()
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if lay.is_first else ()
+        kwargs = dict(target=targets, losses=losses) if lay.is_last else {}
+        self.schedule.eval(*args, **kwargs)
+        return self._global_mean(losses)
 
     def _optimizer_step(self) -> None:
         if self.gradient_clip_val is not None or self.engine.check_finite:

@@ -67,9 +67,23 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         grad_reduce, overlap_publish, quantize_weights, quantize_grads: communication (see ZeroConfig):
             the gradient reduction ("auto" per backend), the stage 1-2 parameter all-gather overlapped
             with the next forward, and int8 all-gathers (qwZ) / reduce-scatters (qgZ), off by default.
+        pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_max_imbalance: given
+            ``pipeline_parallel_size=P``, the constructor returns a ``ZeroPipelineStrategy``
+            (``lightning/pipeline_strategy.py``): P pipeline stages, ZeRO 0-2 over each stage's replicas.
     """
 
     strategy_name = "zero"
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # pipeline parallelism is its own class (lightning/pipeline_strategy.py); ZeroStrategy(...) names it
+        if kwargs.get("pipeline_parallel_size") is not None and cls.__name__ == "ZeroStrategy":
+            from .pipeline_strategy import ZeroPipelineStrategy
+
+            if not issubclass(ZeroPipelineStrategy, cls):
+                raise NotImplementedError("pipeline_parallel_size is available for lightning.pytorch's Trainer only "
+                                          "(not the pytorch_lightning distribution).")
+            cls = ZeroPipelineStrategy
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -1,0 +1,293 @@
+"""ZeroPipelineStrategy: pipeline parallelism x ZeRO 0-2 under the Lightning Trainer (engine/pipeline.py).
+
+Design note
+-----------
+``ZeroStrategy(..., pipeline_parallel_size=P)`` builds this class. The world is the engine's ``(P, D)``
+layout: rank ``r`` holds stage ``r // D``, as replica ``r % D`` (:func:`~..engine.pipeline.pipeline_layout`).
+
+The LightningModule's contract:
+
+* ``configure_model`` builds only the modules of ``self.trainer.strategy.pipeline_stage_index`` (of
+  ``pipeline_parallel_size``), e.g. ``self.stage = split_gpt2(model, P, index)``; the module's ``forward``
+  is the stage's forward (token ids in on the first stage, the previous stage's output elsewhere).
+* ``pipeline_loss(output, target)``: the last stage's loss on one micro-batch (a mean over it).
+* ``training_step`` is not called: Lightning requires one, but the strategy runs torch's schedule over
+  ``pipeline_microbatches`` micro-batches of the batch instead (a batch is ``(inputs, targets)``, or one
+  tensor that is both, as for a language model). ``on_before_backward`` / ``on_after_backward`` /
+  ``on_before_optimizer_step`` are not called either: backward happens inside the schedule.
+* ``configure_optimizers``: one optimizer over ``self.parameters()`` (this stage's), with any LR scheduler.
+* ``validation_step`` is not called either: during fit, validation runs the forward pipeline and logs
+  ``val_loss`` (mean over the global batch). ``trainer.validate`` / ``test`` / ``predict`` are refused.
+
+Lightning's loop stays in charge of *when*: its accumulation boundary (every ``accumulate_grad_batches``-th
+batch, or an epoch's last) is the boundary the pipeline reduces and steps at, its LR schedulers step as
+usual. The pipeline decides *how*: the loss is scaled by 1/(M * accumulation), ``gradient_clip_val`` clips
+by the norm over all stages, the logged ``train_loss`` is the last stage's mean over the global batch,
+broadcast to every rank. The sampler splits the data by data-parallel rank only: the P stages of a replica
+read the same batch (the first stage its inputs, the last its targets).
+
+Checkpoints are :meth:`PipelineZero.save`'s per-stage files (full fp32 values, any data-parallel size
+resumes) plus Lightning's ``meta.pt`` in one directory, written as ``X.zero-tmp`` and renamed into place as
+the DCP directories are (checkpoint/files.py). ``consolidate_pipeline_checkpoint(X)`` gives the model's
+own state dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Generator, Mapping, Optional
+
+import torch
+
+from ..checkpoint.files import _OLD, _TMP, INFO_FILE, META_FILE, _remove, resolve_checkpoint_dir, tidy_checkpoint_dir
+from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size
+from .strategy import TrainerFn, ZeroStrategy
+
+PIPELINE_FORMAT = "lightning_zero.pipeline"
+_LOADED_KEY = "lightning_zero_pipeline_dir"
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
+    return value
+
+
+class ZeroPipelineStrategy(ZeroStrategy):
+    """ZeRO stage 0, 1 or 2 over the data-parallel replicas of each of P pipeline stages.
+
+    Args (besides ZeroStrategy's):
+        pipeline_parallel_size: P, the stages of one pipeline; must divide the world size.
+        pipeline_microbatches: M, the micro-batches torch's schedule cuts each batch into (the bubble is
+            (P - 1) / (M + P - 1) of a step).
+        pipeline_schedule: "1f1b" (default) or "gpipe" ("interleaved" needs several chunks and optimizers
+            per rank, which the engine's ``PipelineZero`` takes but this strategy does not yet).
+        pipeline_max_imbalance: refuse splits whose largest stage holds more than this many times the
+            parameters of the smallest (None: no check).
+    """
+
+    strategy_name = "zero_pipeline"
+
+    def __init__(self, *args: Any, pipeline_parallel_size: int = 2, pipeline_microbatches: int = 4,
+                 pipeline_schedule: str = "1f1b", pipeline_max_imbalance: Optional[float] = 4.0,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.stage not in (0, 1, 2):
+            raise ValueError(f"pipeline parallelism composes with ZeRO stages 0, 1 and 2 (each stage holds its own "
+                             f"parameters whole); got stage={self.stage}. Allowed: stage=0, 1 or 2.")
+        if pipeline_schedule not in SCHEDULES:
+            raise ValueError(f"Unknown pipeline_schedule {pipeline_schedule!r}. Allowed: {', '.join(SCHEDULES)}.")
+        if pipeline_schedule == "interleaved":
+            raise NotImplementedError("pipeline_schedule='interleaved' (several stage chunks per rank, one optimizer "
+                                      "each) is available in the engine (lightning_zero.engine.pipeline.PipelineZero) "
+                                      "but not under the Trainer. Allowed here: '1f1b', 'gpipe'.")
+        if self.checkpoint_format != "sharded":
+            raise ValueError("checkpoint_format='full' is not available with pipeline_parallel_size: a checkpoint "
+                             "is one file per stage. Allowed: checkpoint_format='sharded' (then "
+                             "consolidate_pipeline_checkpoint for one state dict).")
+        self.pipeline_parallel_size = _check_int("pipeline_parallel_size", pipeline_parallel_size)
+        self.pipeline_microbatches = _check_int("pipeline_microbatches", pipeline_microbatches)
+        self.pipeline_schedule = pipeline_schedule
+        self.pipeline_max_imbalance = pipeline_max_imbalance
+        self.pipe: Optional[PipelineZero] = None
+        self.last_loss: Optional[torch.Tensor] = None  # the last batch's loss (global batch mean), every rank
+        self._boundary = False  # Lightning's loop is inside optimizer_step: this batch ends with a step
+
+    # -- the (P, D) layout ----------------------------------------------------------------------------------
+    @property
+    def pipeline_dp_size(self) -> int:
+        return self.world_size // self.pipeline_parallel_size
+
+    @property
+    def pipeline_stage_index(self) -> int:
+        """Which stage this rank builds in ``configure_model``."""
+        return self.global_rank // self.pipeline_dp_size
+
+    @property
+    def pipeline_dp_rank(self) -> int:
+        return self.global_rank % self.pipeline_dp_size
+
+    def _configure_launcher(self) -> None:
+        # the world is known here (devices x nodes), before any process starts: one error, in the caller
+        check_pipeline_size(self.pipeline_parallel_size, self.num_nodes * len(self.parallel_devices or [None]))
+        super()._configure_launcher()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return dict(num_replicas=self.pipeline_dp_size, rank=self.pipeline_dp_rank)
+
+    # -- setup ----------------------------------------------------------------------------------------------
+    def setup(self, trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        if trainer.state.fn != TrainerFn.FITTING:
+            raise NotImplementedError(self._fit_only("trainer." + str(trainer.state.fn.value)))
+        if self.precision_plugin.compute_dtype != torch.float32:
+            raise NotImplementedError(f"precision={self.precision_plugin.precision!r} with pipeline_parallel_size: "
+                                      f"the pipeline strategy runs fp32 only so far. Allowed: precision='32-true' "
+                                      f"(fp16/bf16 pipelines: lightning_zero.engine.pipeline.PipelineZero).")
+        if trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise ValueError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} with pipeline stages. "
+                             f"Allowed: 'norm' (clipped by the norm over all stages).")
+        module = self.lightning_module
+        if not callable(getattr(module, "pipeline_loss", None)):
+            raise TypeError(f"{type(module).__name__} has no pipeline_loss(output, target): the last pipeline stage "
+                            f"needs it to turn its output into the micro-batch's loss.")
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) != 1:
+            raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers. Allowed with "
+                             f"pipeline_parallel_size: one optimizer over the stage's parameters.")
+        if getattr(module, "source_prefixes", None) is None:
+            module.source_prefixes = _child_prefixes(module)  # checkpoints consolidate to the model's names
+        clip = trainer.gradient_clip_val
+        self.pipe = PipelineZero(module, self.pipeline_parallel_size, module.pipeline_loss, self.optimizers[0],
+                                 self.pipeline_microbatches, schedule=self.pipeline_schedule, config=self.zero_config,
+                                 accumulate_grad_batches=trainer.accumulate_grad_batches,
+                                 gradient_clip_val=float(clip) if clip is not None else None,
+                                 max_imbalance=self.pipeline_max_imbalance, device=self.root_device)
+        # Lightning zeroes gradients after the first training_step of an accumulation window, assuming its
+        # backward comes next; here that step's backward has already run inside the schedule. The engines
+        # clear their gradients after each optimizer step themselves.
+        module.optimizer_zero_grad = lambda *a, **k: None  # instance attribute; removed at teardown
+        self.setup_precision_plugin()
+
+    def _fit_only(self, what: str) -> str:
+        return (f"{what} under pipeline_parallel_size is not implemented: the pipeline strategy runs trainer.fit "
+                f"(training batches and validation during fit: val_loss from the forward pipeline). Allowed: fit "
+                f"with validation; for test / predict / a lone validate, evaluate the consolidated checkpoint "
+                f"(lightning_zero.engine.pipeline.consolidate_pipeline_checkpoint) in one process.")
+
+    # -- the training step: the whole schedule, inside Lightning's closure --------------------------------
+    def _split_batch(self, batch: Any) -> tuple[Any, Any]:
+        if isinstance(batch, (tuple, list)) and len(batch) == 2:
+            return batch[0], batch[1]
+        if isinstance(batch, torch.Tensor):
+            return batch, batch
+        raise TypeError(f"a pipeline batch is (inputs, targets) or one tensor used as both; got "
+                        f"{type(batch).__name__}.")
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs["batch"]
+        inputs, targets = self._split_batch(batch)
+        pipe = self.pipe
+        # Lightning decides the boundary (its accumulation count, or an epoch's last batch); PipelineZero's
+        # reduction (no_sync on the other micro-batches) and its optimizer step follow that decision
+        pipe._calls = pipe.accumulate - 1 if self._boundary else 0
+        self.last_loss = loss = pipe.step(inputs, targets)
+        self.lightning_module.log("train_loss", loss, prog_bar=True, batch_size=self._rows(inputs))
+        return loss
+
+    @staticmethod
+    def _rows(inputs: Any) -> int:
+        return inputs.shape[0] if isinstance(inputs, torch.Tensor) else 1
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return closure_loss  # the schedule ran backward per micro-batch already
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        # the closure runs training_step, whose last backward reduces and whose PipelineZero steps (and
+        # clips) every stage's engine; nothing is left to step here
+        self._boundary = True
+        try:
+            return closure()
+        finally:
+            self._boundary = False
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator:
+        yield None  # the pipeline's own no_sync covers the non-boundary micro-batches
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward pipeline over the batch's micro-batches: ``val_loss``, the mean over the global batch
+        (every rank holds the same value)."""
+        if self.pipe is None:
+            raise NotImplementedError(self._fit_only("validation outside fit"))
+        batch = args[0] if args else kwargs["batch"]
+        inputs, targets = self._split_batch(batch)
+        loss = self.pipe.evaluate(inputs, targets)
+        self.lightning_module.log("val_loss", loss, prog_bar=True, batch_size=self._rows(inputs))
+        return loss
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(self._fit_only("test_step"))
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(self._fit_only("predict_step"))
+
+    def teardown(self) -> None:
+        if self.pipe is not None:  # the pipe stays: save_checkpoint after fit still writes its state
+            for engine in self.pipe.engines:
+                engine.remove(hand_back=not self._failed)
+            self.lightning_module.__dict__.pop("optimizer_zero_grad", None)
+        super().teardown()
+
+    # -- checkpoints: per-stage files + Lightning's metadata, one directory ----------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the stage files hold the weights
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # ... and the optimizer state
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if self.pipe is None:
+            raise RuntimeError("save_checkpoint with pipeline_parallel_size needs a fit's pipeline (call it during "
+                               "or after trainer.fit).")
+        if storage_options is not None:
+            raise TypeError("storage_options are not supported for pipeline checkpoints (no CheckpointIO).")
+        path = Path(self.broadcast(str(filepath)))
+        tmp, old = path.with_name(path.name + _TMP), path.with_name(path.name + _OLD)
+        if self.is_global_zero:
+            tidy_checkpoint_dir(path.parent)
+            tmp.mkdir(parents=True)
+        self.barrier()
+        self.pipe.save(str(tmp))  # collective; each stage's data-parallel rank 0 writes stage<i>.pt
+        if self.is_global_zero:
+            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            torch.save(meta, tmp / META_FILE)
+            info = {"format": PIPELINE_FORMAT, "version": 1, "num_stages": self.pipeline_parallel_size,
+                    "zero_stage": self.stage}
+            (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
+        self.barrier()
+        if self.is_global_zero:  # a name that exists is complete (see checkpoint/format.py)
+            if os.path.lexists(path):
+                _remove(old)
+                os.rename(path, old)
+            os.rename(tmp, path)
+            _remove(old)
+        self.barrier()
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # into the stage engines' masters, which exist after setup
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = resolve_checkpoint_dir(self.broadcast(str(checkpoint_path)))
+        info_file = path / INFO_FILE
+        info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+        if info.get("format") != PIPELINE_FORMAT:
+            raise ValueError(f"{str(path)!r} is not a pipeline checkpoint directory (no {INFO_FILE} with format "
+                             f"{PIPELINE_FORMAT!r}). Allowed: a directory that trainer.save_checkpoint wrote with "
+                             f"pipeline_parallel_size.")
+        meta = torch.load(path / META_FILE, weights_only=False)
+        meta["optimizer_states"] = [{}]  # in the stage files; Lightning checks the key exists
+        meta[_LOADED_KEY] = str(path)
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.pipe.load(checkpoint[_LOADED_KEY])  # model and optimizer state, at any data-parallel size
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded with the model above
+
+
+def _child_prefixes(module: torch.nn.Module) -> dict[str, str]:
+    """A stage held as a submodule (``self.stage = split_gpt2(...)``): its ``source_prefixes`` under its name."""
+    out: dict[str, str] = {}
+    for name, child in module.named_modules():
+        for local, source in (getattr(child, "source_prefixes", None) or {}).items() if child is not module else ():
+            out[f"{name}.{local}"] = source
+    return out
