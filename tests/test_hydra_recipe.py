@@ -306,7 +306,8 @@ def test_recipe_fit_two_cpu_ranks(tmp_path, pairs_file, restore_threads, strateg
     n_test = 8  # data.limit_val caps val and test
     assert [r["index"] for r in lines] == list(range(n_test))
     assert set(lines[0]) == {"index", "source", "reference", "prediction"}
-    assert all(r["reference"] and r["source"].startswith("def add_") for r in lines)
+    # the source the model read: its name words (data.name_hint), then the function
+    assert all(r["reference"] and r["source"].startswith("add ") and "\ndef add_" in r["source"] for r in lines)
     for k in ("test_loss", "test_chrf", "test_sacrebleu", "test_rougeL"):
         assert math.isfinite(res["test_metrics"][k]), k
     assert f"predictions:  {pred}" in capsys.readouterr().out
