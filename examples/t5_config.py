@@ -91,7 +91,11 @@ class DataConf:
     limit_train: Optional[int] = None  # first N training pairs (null = all)
     limit_val: Optional[int] = None  # first N validation pairs (null = all)
     num_workers: int = 0
+    # prefix each source with its function's name split into words (`_check_thread` -> "check thread"): the
+    # identifier split of code-summarisation models, so the summary's words can be copied as prose tokens
+    name_hint: bool = True
     # kind=stdlib only
+    summary: str = "sentence"  # target: the docstring's first "sentence" or first "paragraph"
     max_pairs: Optional[int] = 6000
     stdlib_packages: Optional[List[str]] = None  # restrict to top-level stdlib packages (fast tests)
     cache_dir: Optional[str] = None  # null = ~/.cache/lightning_zero/t5_data
@@ -306,9 +310,10 @@ def build_datamodule(cfg: Any, tokenizer: Any = None):
     d = cfg.data
     common = dict(tokenizer=tokenizer, batch_size=d.batch_size, max_source_len=d.max_source_len,
                   max_target_len=d.max_target_len, num_workers=d.num_workers,
-                  limit_train=d.limit_train, limit_val=d.limit_val)
+                  limit_train=d.limit_train, limit_val=d.limit_val, name_hint=d.name_hint)
     if d.kind == "stdlib":
-        stdlib_kwargs = dict(seed=cfg.seed, max_pairs=d.max_pairs, cache_dir=d.cache_dir or default_cache_dir())
+        stdlib_kwargs = dict(seed=cfg.seed, max_pairs=d.max_pairs, cache_dir=d.cache_dir or default_cache_dir(),
+                             summary=d.summary)
         if d.stdlib_packages:
             stdlib_kwargs["packages"] = tuple(d.stdlib_packages)
         return Seq2SeqDataModule("stdlib", stdlib_kwargs=stdlib_kwargs, **common)
@@ -337,7 +342,30 @@ def _absolute(path: str) -> str:
 
 
 def tune_model_config(cfg: Any):
-    """The model ``lightning-zero tune`` measures (its recipe interface, ``TuneRecipe``): this recipe's T5."""
-    from t5_data import ByteTokenizer
+    """The model ``lightning-zero tune`` measures (its recipe interface, ``TuneRecipe``): the checkpoint's own
+    config with ``model.pretrained=DIR``, else this recipe's T5 preset with the vocabulary of the run's
+    tokenizer -- 384 for ``tokenizer=bytes`` (ByT5), else the BPE's ``tokenizer.vocab_size`` -- without
+    training it (pad 0 / eos 1, as every recipe tokenizer)."""
+    m = cfg.model
+    if m.pretrained:
+        from transformers import T5Config
 
-    return build_t5_config(cfg, ByteTokenizer())
+        from t5_module import check_local_model_dir
+
+        try:
+            return T5Config.from_pretrained(str(check_local_model_dir(_absolute(m.pretrained))), local_files_only=True)
+        except FileNotFoundError as e:
+            raise ConfigError(f"model.pretrained: {e}") from e
+    if cfg.tokenizer.kind == "bytes":
+        from t5_tokenizer import bytes_tokenizer, tokenizer_vocab
+
+        vocab = tokenizer_vocab(bytes_tokenizer())
+    else:
+        vocab = int(cfg.tokenizer.vocab_size)
+    overrides = OmegaConf.to_container(m.config_overrides, resolve=True) if m.config_overrides else {}
+    from t5_module import make_t5_config
+
+    try:
+        return make_t5_config(m.preset, None, dropout_rate=m.dropout_rate, **{"vocab_size": vocab, **overrides})
+    except ValueError as e:
+        raise ConfigError(f"Invalid model config (model.preset={m.preset!r}): {e}") from e

@@ -5,7 +5,8 @@ Design note
 * The data must exist on an air-gapped machine, so the default dataset is built
   from the Python standard library that ships with the interpreter itself:
   task = "summarise this function": source = function/method code with every
-  docstring removed, target = first paragraph of its docstring.
+  docstring removed, target = first sentence of its docstring (``summary="paragraph"``: the first
+  paragraph).  A first-sentence target is the common code-summarisation formulation.
 * Docstrings are removed by cutting their exact line range (located with
   ``ast``) out of the original text, which keeps comments and formatting.  When
   a docstring shares a line with other code, or cutting would leave invalid
@@ -96,10 +97,21 @@ def _strip_docstrings(fn: ast.AST, lines: list[str]) -> str | None:
     return _strip_by_unparse(fn)
 
 
-def _summary(doc: str) -> str:
-    """First paragraph of a docstring, whitespace collapsed."""
-    para = re.split(r"\n\s*\n", inspect.cleandoc(doc).strip(), maxsplit=1)[0]
-    return " ".join(para.split())
+SUMMARIES = ("sentence", "paragraph")
+# a sentence ends at . ! ? followed by whitespace and then a capital, a quote/bracket or the end; "e.g. foo",
+# "x.y" and "1.5" stay inside
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`'\"(\[])")
+
+
+def _summary(doc: str, unit: str = "sentence") -> str:
+    """First sentence (the usual code-summarisation target) or first paragraph of a docstring, whitespace
+    collapsed."""
+    para = " ".join(re.split(r"\n\s*\n", inspect.cleandoc(doc).strip(), maxsplit=1)[0].split())
+    if unit == "paragraph":
+        return para
+    if unit != "sentence":
+        raise ValueError(f"summary={unit!r}: allowed {', '.join(SUMMARIES)}.")
+    return _SENTENCE_END.split(para, maxsplit=1)[0]
 
 
 def _norm(text: str) -> str:
@@ -133,7 +145,7 @@ def split_of(key: str, val_pct: int = 5, test_pct: int = 5) -> str:
 
 
 def _pairs_from_file(path: Path, module: str, max_source_chars: int,
-                     min_words: int, max_words: int, min_source_lines: int) -> list[dict]:
+                     min_words: int, max_words: int, min_source_lines: int, summary: str) -> list[dict]:
     try:
         text = path.read_text(encoding="utf-8")
         tree = ast.parse(text)
@@ -150,7 +162,7 @@ def _pairs_from_file(path: Path, module: str, max_source_chars: int,
                 doc = ast.get_docstring(node, clean=False)
                 if not doc or len(node.body) < 2:
                     continue  # no docstring, or nothing left to summarise once it is removed
-                target = _summary(doc)
+                target = _summary(doc, summary)
                 n_words = len(target.split())
                 if not (min_words <= n_words <= max_words) or ">>>" in target:
                     continue
@@ -174,8 +186,10 @@ def build_stdlib_pairs(seed: int = 0, max_source_chars: int = 2000, max_pairs: i
                        min_target_words: int = 3, max_target_words: int = 60,
                        min_source_lines: int = 2, packages: Sequence[str] | None = None,
                        val_pct: int = 5, test_pct: int = 5, stdlib_dir: str | None = None,
-                       cache_dir: str | None = None) -> dict[str, list[dict]]:
+                       cache_dir: str | None = None, summary: str = "sentence") -> dict[str, list[dict]]:
     """Code-summarisation pairs from the interpreter's stdlib, split by module.
+
+    `summary`: the target is the docstring's first "sentence" (default) or its first "paragraph".
 
     `packages` restricts to top-level module names (e.g. ("email", "json")) for fast tests.
     `max_pairs` caps the total deterministically (sorted, then a seeded sample).
@@ -186,6 +200,10 @@ def build_stdlib_pairs(seed: int = 0, max_source_chars: int = 2000, max_pairs: i
                   min_source_lines=min_source_lines, val_pct=val_pct, test_pct=test_pct,
                   packages=sorted(packages) if packages is not None else None,
                   root=str(root), v=1)
+    if summary not in SUMMARIES:
+        raise ValueError(f"summary={summary!r}: allowed {', '.join(SUMMARIES)}.")
+    if summary != "paragraph":  # keeps the cache key of first-paragraph sets built before the option
+        params["summary"] = summary
     cache = None
     if cache_dir:
         key = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:16]
@@ -199,7 +217,7 @@ def build_stdlib_pairs(seed: int = 0, max_source_chars: int = 2000, max_pairs: i
     pairs: list[dict] = []
     for rel in _iter_stdlib_files(root, packages):
         pairs += _pairs_from_file(root / rel, _module_name(rel), max_source_chars,
-                                  min_target_words, max_target_words, min_source_lines)
+                                  min_target_words, max_target_words, min_source_lines, summary)
     pairs.sort(key=lambda p: (p["module"], p["name"], p["source"]))
     if max_pairs is not None and len(pairs) > max_pairs:
         pairs = random.Random(seed).sample(pairs, max_pairs)
@@ -257,18 +275,43 @@ def ByteTokenizer():
     return bytes_tokenizer()
 
 
+# --------------------------------------------------------------------------- name words
+_DEF = re.compile(r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)", re.M)
+
+
+def name_words(source: str) -> str:
+    """The name of the function ``source`` defines, split into lower-case words (snake_case and CamelCase:
+    ``_check_thread`` -> ``check thread``, ``getHTTPHeader`` -> ``get httpheader``); '' if it defines none."""
+    m = _DEF.search(source)
+    if m is None:
+        return ""
+    name = re.sub(r"([a-z0-9])([A-Z])", r"\1 \2", m.group(1))
+    return " ".join(w.lower() for w in re.split(r"[_\s]+", name) if w)
+
+
+def with_name_words(source: str) -> str:
+    """``source`` after a first line holding its function's :func:`name_words` (the identifier split of
+    code-summarisation models): the words a summary reuses become ordinary prose tokens the decoder can copy
+    (a byte-level BPE gives ``thread`` in code and `` thread`` in prose different ids)."""
+    words = name_words(source)
+    return f"{words}\n{source}" if words else source
+
+
 # --------------------------------------------------------------------------- datamodule
 class Seq2SeqDataset(Dataset):
-    def __init__(self, pairs: list[dict], tokenizer: Any, max_source_len: int, max_target_len: int):
+    def __init__(self, pairs: list[dict], tokenizer: Any, max_source_len: int, max_target_len: int,
+                 name_hint: bool = False):
         self.pairs, self.tok = pairs, tokenizer
         self.max_source_len, self.max_target_len = max_source_len, max_target_len
+        self.name_hint = name_hint
 
     def __len__(self) -> int:
         return len(self.pairs)
 
     def __getitem__(self, i: int) -> dict[str, list[int]]:
         p = self.pairs[i]  # tokenised lazily: cheap for bytes, and keeps setup fast
-        return {"input_ids": encode(self.tok, p["source"], self.max_source_len),
+        source = with_name_words(p["source"]) if self.name_hint else p["source"]
+        return {"input_ids": encode(self.tok, source, self.max_source_len),
                 "labels": encode(self.tok, p["target"], self.max_target_len), "index": i}
 
 
@@ -295,7 +338,7 @@ class Seq2SeqDataModule(L.LightningDataModule):
                  max_source_len: int = 256, max_target_len: int = 64, num_workers: int = 0,
                  limit_train: int | None = None, limit_val: int | None = None,
                  source_field: str = "source", target_field: str = "target",
-                 stdlib_kwargs: dict | None = None):
+                 stdlib_kwargs: dict | None = None, name_hint: bool = False):
         super().__init__()
         self.pairs_spec = pairs
         self.tokenizer = tokenizer if tokenizer is not None else bytes_tokenizer()
@@ -304,6 +347,7 @@ class Seq2SeqDataModule(L.LightningDataModule):
         self.limit_train, self.limit_val = limit_train, limit_val
         self.source_field, self.target_field = source_field, target_field
         self.stdlib_kwargs = stdlib_kwargs or {}
+        self.name_hint = name_hint  # prefix each source with its function's name words (with_name_words)
         self.splits: dict[str, list[dict]] | None = None
 
     def _load_splits(self) -> dict[str, list[dict]]:
@@ -329,7 +373,8 @@ class Seq2SeqDataModule(L.LightningDataModule):
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         assert self.splits is not None, "call setup() first"
-        ds = Seq2SeqDataset(self.splits[split], self.tokenizer, self.max_source_len, self.max_target_len)
+        ds = Seq2SeqDataset(self.splits[split], self.tokenizer, self.max_source_len, self.max_target_len,
+                            self.name_hint)
         pad_id = self.tokenizer.pad_token_id
         # Plain DataLoader: Lightning injects a DistributedSampler for distributed strategies.
         return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle,

@@ -1,6 +1,6 @@
 """Hydra app: fine-tune T5 with ZeRO (lightning_zero) on the embedded stdlib code-summarisation set.
 
-    python examples/t5_finetune.py                       # CPU, 2 ranks, ZeRO-2, t5_mini, 4096-token BPE
+    python examples/t5_finetune.py                       # CPU, 2 ranks, ZeRO-2, t5_mini, 2048-token BPE
     python examples/t5_finetune.py model.pretrained=outputs/t5_pretrain/.../hf_model   # from t5_pretrain.py
     python examples/t5_finetune.py mode=test ckpt_path=outputs/.../checkpoints/last.ckpt   # test + predictions
     python examples/t5_finetune.py strategy=zero1_offload trainer.max_steps=200

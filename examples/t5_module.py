@@ -173,7 +173,8 @@ class T5FineTuner(L.LightningModule):
         # is identical on all ranks for the reason given in validation_step.
         if self._generated:
             self.log(f"{prefix}_chrf", self.chrf.compute(), sync_dist=True)
-            self.log(f"{prefix}_sacrebleu", self.bleu.compute(), sync_dist=True)
+            # sacreBLEU's own scale, points 0-100 (torchmetrics returns the fraction)
+            self.log(f"{prefix}_sacrebleu", 100 * self.bleu.compute(), sync_dist=True)
             self.log(f"{prefix}_rougeL", self.rouge.compute()["rougeL_fmeasure"], sync_dist=True)
         for m in (self.chrf, self.bleu, self.rouge):
             m.reset()

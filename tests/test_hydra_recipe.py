@@ -306,7 +306,8 @@ def test_recipe_fit_two_cpu_ranks(tmp_path, pairs_file, restore_threads, strateg
     n_test = 8  # data.limit_val caps val and test
     assert [r["index"] for r in lines] == list(range(n_test))
     assert set(lines[0]) == {"index", "source", "reference", "prediction"}
-    assert all(r["reference"] and r["source"].startswith("def add_") for r in lines)
+    # the source the model read: its name words (data.name_hint), then the function
+    assert all(r["reference"] and r["source"].startswith("add ") and "\ndef add_" in r["source"] for r in lines)
     for k in ("test_loss", "test_chrf", "test_sacrebleu", "test_rougeL"):
         assert math.isfinite(res["test_metrics"][k]), k
     assert f"predictions:  {pred}" in capsys.readouterr().out
@@ -344,3 +345,21 @@ def test_lightning_messages_print_once(capsys):
         assert "hello from" not in capsys.readouterr().err  # no second copy through Lightning's own handler
     finally:
         root.removeHandler(handler)
+
+
+def test_tuner_sizes_the_model_with_the_runs_vocabulary(tmp_path):
+    # The tuner measures what the run trains: the subword BPE's vocabulary by default, ByT5's 384 ids for
+    # tokenizer=bytes, the checkpoint's own with model.pretrained.
+    import yaml
+    from t5_config import tune_model_config
+    from t5_data import ByteTokenizer
+    from transformers import T5Config
+
+    from lightning_zero.tools.t5_dims import RECIPE_VOCAB
+
+    default = yaml.safe_load((ROOT / "conf" / "tokenizer" / "subword.yaml").read_text())["vocab_size"]
+    assert tune_model_config(_compose()).vocab_size == default == RECIPE_VOCAB
+    assert tune_model_config(_compose("tokenizer=bytes")).vocab_size == len(ByteTokenizer()) == 384
+    assert tune_model_config(_compose("tokenizer.vocab_size=512")).vocab_size == 512
+    T5Config(vocab_size=777, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16).save_pretrained(tmp_path)
+    assert tune_model_config(_compose(f"model.pretrained={tmp_path}")).vocab_size == 777

@@ -207,3 +207,36 @@ def test_presets_and_pretrained_error(tmp_path):
     assert cfg.vocab_size == 384 and cfg.d_model == 512 and cfg.decoder_start_token_id == 0
     with pytest.raises(FileNotFoundError, match="never downloaded"):
         T5FineTuner(pretrained=str(tmp_path / "missing"))
+
+
+def test_summary_is_the_first_sentence_or_paragraph():
+    from t5_data import _summary
+
+    doc = """Return the value of x.y, e.g. 1.5 or 2.
+
+    Raises ValueError when empty. More text.
+    """
+    assert _summary("Check the thread. Then return it.\n\nDetails.") == "Check the thread."
+    assert _summary(doc) == "Return the value of x.y, e.g. 1.5 or 2."  # "x.y", "e.g." and "1.5" stay inside
+    assert _summary("Check the thread. Then return it.\n\nDetails.", "paragraph") == "Check the thread. Then return it."
+    with pytest.raises(ValueError, match="allowed sentence, paragraph"):
+        _summary(doc, "line")
+    sent, para = build_stdlib_pairs(packages=("json",), max_pairs=None), \
+        build_stdlib_pairs(packages=("json",), max_pairs=None, summary="paragraph")
+    by_name = {p["name"]: p["target"] for p in _all(para)}
+    assert all(by_name[p["name"]].startswith(p["target"]) for p in _all(sent) if p["name"] in by_name)
+    assert any(len(by_name[p["name"]]) > len(p["target"]) for p in _all(sent) if p["name"] in by_name)
+
+
+def test_name_words_prefix_the_source():
+    from t5_data import Seq2SeqDataset, name_words, with_name_words
+
+    src = "@cached\nasync def _checkThread_state(self):\n    def inner(): pass\n    return 1"
+    assert name_words(src) == "check thread state"
+    assert with_name_words(src) == "check thread state\n" + src
+    assert with_name_words("x = 1") == "x = 1"  # no function: the source as it is
+    tok = ByteTokenizer()
+    pairs = [{"source": src, "target": "Check it."}]
+    hinted, plain = Seq2SeqDataset(pairs, tok, 256, 16, name_hint=True)[0], Seq2SeqDataset(pairs, tok, 256, 16)[0]
+    assert tok.decode(hinted["input_ids"], skip_special_tokens=True) == "check thread state\n" + src
+    assert tok.decode(plain["input_ids"], skip_special_tokens=True) == src and hinted["labels"] == plain["labels"]

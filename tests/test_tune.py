@@ -11,6 +11,7 @@ import pytest
 
 from lightning_zero.tools.cli import main as cli_main
 from lightning_zero.tools.estimate import MiB, info_from_t5, model_state_bytes, t5_dims
+from lightning_zero.tools.t5_dims import RECIPE_VOCAB
 from lightning_zero.tools.tuning import tune
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +21,7 @@ EXPERIMENT = ["model=t5_tiny", "data.max_source_len=16", "data.max_target_len=8"
 
 
 def _floors(accumulating=True):
-    info = info_from_t5(t5_dims("t5_tiny"))
+    info = info_from_t5(t5_dims("t5_tiny", vocab_size=RECIPE_VOCAB))  # the vocabulary tune measures
     return {s: model_state_bytes(info, s, False, 2, False, 8, accumulating)["device"] for s in (0, 1, 2, 3)}
 
 
@@ -88,7 +89,7 @@ def test_ample_budget_picks_the_fastest_measured(tmp_path, capsys):
     ("t5_tiny", "both", 0.5, r"more ranks alone do not help: .* need [\d.]+ MiB per rank"),
 ])
 def test_budget_below_every_floor_says_what_would_fit(tmp_path, model, offload, fraction, expect):
-    info = info_from_t5(t5_dims(model))
+    info = info_from_t5(t5_dims(model, vocab_size=RECIPE_VOCAB))
     lowest = min(model_state_bytes(info, 3, o, 2, False, 8)["device"] for o in ((False,) if offload == "no"
                                                                                else (False, True)))
     out = tmp_path / "tuned.overrides"

@@ -12,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-BYTE_VOCAB = 259  # examples/t5_data.ByteTokenizer: the vocabulary the recipe trains every preset with
+BYTE_VOCAB = 259  # the estimator's default vocabulary (--vocab); the recipe's own runs use RECIPE_VOCAB
+# The recipe's default tokenizer: its subword BPE (conf/tokenizer/subword.yaml vocab_size; a test keeps the two
+# equal). The tuner asks the recipe for the vocabulary of the run it measures (tune_model_config).
+RECIPE_VOCAB = 2048
 # The real architectures of the original T5 checkpoints (relu FFN, tied embeddings), plus two small sizes for
 # CPU runs. The single source: the recipe (examples/t5_module.py) and conf/model/*.yaml use these.
 T5_PRESETS: dict[str, dict] = {
