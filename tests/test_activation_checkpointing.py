@@ -197,7 +197,11 @@ def test_tune_searches_the_activation_options(tmp_path):
     from lightning_zero.tools.estimate import MiB, info_from_t5, model_state_bytes, t5_dims
     from lightning_zero.tools.tuning import tune
 
-    states = model_state_bytes(info_from_t5(t5_dims("t5_tiny")), 2, False, 2, False, 8, False)["device"]
+    from lightning_zero.tools.t5_dims import RECIPE_VOCAB
+
+    # the vocabulary tune measures with (the recipe's BPE)
+    info = info_from_t5(t5_dims("t5_tiny", vocab_size=RECIPE_VOCAB))
+    states = model_state_bytes(info, 2, False, 2, False, 8, False)["device"]
     out = tmp_path / "tuned.overrides"
     res = tune(["model=t5_tiny", "data.max_source_len=16", "data.max_target_len=8", "trainer.devices=2"],
                memory_mb=(states + 0.7 * MiB) / MiB, out=str(out), stages="2", offload="no", activations="search",
