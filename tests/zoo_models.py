@@ -102,18 +102,22 @@ class MoEBlock(nn.Module):
         return x + out
 
 
-class MoE(nn.Module):
-    def __init__(self, d: int = 32, n_layers: int = 2) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, d)
-        self.blocks = nn.ModuleList(MoEBlock(d) for _ in range(n_layers))
-        self.head = nn.Linear(d, VOCAB)
+class BlockStack(nn.Module):
+    """Embedding -> blocks (in order) -> head; subclasses build ``emb``, ``blocks`` and ``head``."""
 
     def forward(self, ids):
         x = self.emb(ids)
         for b in self.blocks:
             x = b(x)
         return self.head(x)
+
+
+class MoE(BlockStack):
+    def __init__(self, d: int = 32, n_layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, d)
+        self.blocks = nn.ModuleList(MoEBlock(d) for _ in range(n_layers))
+        self.head = nn.Linear(d, VOCAB)
 
 
 class SharedBlock(nn.Module):
@@ -128,7 +132,7 @@ class SharedBlock(nn.Module):
         return x + self.shared(torch.tanh(self.fc(x)))
 
 
-class SharedModel(nn.Module):
+class SharedModel(BlockStack):
     """Blocks that call a Linear owned by another block, and share a Parameter between two blocks."""
 
     def __init__(self, d: int = 32) -> None:
@@ -138,12 +142,6 @@ class SharedModel(nn.Module):
         first = SharedBlock(d, shared)
         self.blocks = nn.ModuleList([first, SharedBlock(d, shared, tied=first.fc.weight), SharedBlock(d, shared)])
         self.head = nn.Linear(d, VOCAB)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
 
 
 class TorchTransformer(nn.Module):
