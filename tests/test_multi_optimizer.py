@@ -201,3 +201,23 @@ def test_sharded_optimizer_state_lists_each_optimizers_own_layout():
     layouts = [sharded_optimizer_state(engine, o)["layout"] for o in opts]
     assert layouts == [[["gen.weight", None]], [["disc.weight", "disc.bias"]]]
     engine.remove()
+
+
+@pytest.mark.timeout(300)
+def test_consolidated_lightning_file_holds_both_optimizers_and_resumes_under_ddp(tmp_path, ddp_gan):
+    """``lightning-zero consolidate DIR OUT --lightning --optimizer`` on a two-optimizer run: each optimizer's
+    own state, numbered from 0 as torch numbers it, so plain DDP resumes and ends where the whole run ends."""
+    from lightning_zero.tools.cli import main as cli_main
+
+    out, ckpts = str(tmp_path), str(tmp_path / "ckpt")
+    whole = _fit(out, "a_", ZeroStrategy(stage=2, start_method="fork"), ckpt_dir=ckpts)
+    first = sorted(glob.glob(os.path.join(ckpts, "epoch=0*")))
+    single = str(tmp_path / "consolidated.ckpt")
+    assert cli_main(["consolidate", first[0], single, "--lightning", "--optimizer", "--quiet"]) == 0
+    ckpt = torch.load(single, weights_only=False)
+    adam, sgd = ckpt["optimizer_states"]
+    assert sorted(adam["state"]) == [0, 1, 2, 3] and set(adam["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert sorted(sgd["state"]) == [0, 1, 2, 3] and set(sgd["state"][0]) == {"momentum_buffer"}
+    assert sgd["state"][0]["momentum_buffer"].shape == (8, DATA)  # disc.0.weight, not the generator's
+    resumed = _fit(out, "b_", _ddp(), ckpt_path=single)
+    _compare(resumed, whole, losses=False)

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint.files import META_FILE
-from ..checkpoint.format import _OLD, INFO_FILE, _dcp_load, is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir
+from ..checkpoint.format import _OLD, INFO_FILE, _dcp_load, _optim_key, is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir
 from ..checkpoint.consolidate import full_model_state
 
 
@@ -46,7 +46,8 @@ def load_as_lightning_checkpoint(path, weights_only: Optional[bool] = None, opti
         for key in ("optimizer_states", "lr_schedulers"):  # as Lightning's own weights-only dump
             checkpoint.pop(key, None)
     elif info["optimizer_state"] is not None and saved:
-        checkpoint["optimizer_states"] = [_positional_optimizer_state(path, info, saved[0])]
+        checkpoint["optimizer_states"] = [_positional_optimizer_state(path, info, opt_meta, k)
+                                          for k, opt_meta in enumerate(saved)]
     return checkpoint
 
 
@@ -71,22 +72,25 @@ def write_lightning_checkpoint(ckpt_dir, out, optimizer: bool = False, dtype: Op
             "optimizer": "optimizer_states" in checkpoint}
 
 
-def _positional_optimizer_state(path: Path, info: dict, opt_meta: dict) -> dict:
-    """Name-keyed flat shards -> torch's ``Optimizer.state_dict()`` layout (state by position, tensors shaped
-    like the parameter). Positions follow the saved groups, i.e. the user's order of trainable parameters."""
+def _positional_optimizer_state(path: Path, info: dict, opt_meta: dict, index: int = 0) -> dict:
+    """Optimizer ``index``'s name-keyed flat shards -> torch's ``Optimizer.state_dict()`` layout (state by
+    position, tensors shaped like the parameter). Positions follow the saved groups, i.e. the user's order of
+    trainable parameters; each optimizer numbers its own parameters from 0, as torch does."""
     from torch.distributed.checkpoint import FileSystemReader
 
     stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    kinds = info["optimizer_state"]
-    missing = sorted(f"{n}.{k}" for n, keys in kinds.items() for k in keys if f"optim.state.{n}.{k}" not in stored)
+    more = info.get("more_optimizer_states") or []
+    kinds = (info["optimizer_state"] if index == 0 else more[index - 1] if index - 1 < len(more) else None) or {}
+    key = _optim_key(index)
+    missing = sorted(f"{n}.{k}" for n, keys in kinds.items() for k in keys if f"{key}.state.{n}.{k}" not in stored)
     if missing:
         raise ValueError(f"Corrupt checkpoint {str(path)!r}: its {INFO_FILE} lists optimizer state that is not "
                          f"stored: {missing[:10]}.")
-    targets = {n: {k: torch.empty(tuple(stored[f"optim.state.{n}.{k}"].size),
-                                  dtype=stored[f"optim.state.{n}.{k}"].properties.dtype) for k in keys}
+    targets = {n: {k: torch.empty(tuple(stored[f"{key}.state.{n}.{k}"].size),
+                                  dtype=stored[f"{key}.state.{n}.{k}"].properties.dtype) for k in keys}
                for n, keys in kinds.items()}
     if targets:
-        _dcp_load({"optim": {"state": targets}}, path, no_dist=True)
+        _dcp_load({key: {"state": targets}}, path, no_dist=True)
     state, groups, pos = {}, [], 0
     layout = opt_meta.get("layout") or [g["params"] for g in opt_meta["param_groups"]]
     for g, names in zip(opt_meta["param_groups"], layout):
