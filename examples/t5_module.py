@@ -81,17 +81,24 @@ class T5FineTuner(L.LightningModule):
                  total_steps: int | None = None, num_gen_batches: int = 2, max_new_tokens: int = 64,
                  dropout_rate: float = 0.1, no_repeat_ngram_size: int = 0, num_samples: int = 4,
                  samples_path: str | None = None,
-                 predictions_path: str | None = None, **config_overrides: Any):
+                 predictions_path: str | None = None, model_config: dict | None = None,
+                 **config_overrides: Any):
         super().__init__()
         # The tokenizer object is not a hyperparameter (not serialisable in general).
         self.save_hyperparameters(ignore=["tokenizer"])
         self.tokenizer = tokenizer if tokenizer is not None else bytes_tokenizer()
-        if pretrained:
+        if model_config is not None:  # load_from_checkpoint: the architecture as saved; the weights follow
+            self.model = T5ForConditionalGeneration(T5Config(**model_config))
+            check_vocab_matches(self.tokenizer, self.model.config.vocab_size, "the checkpoint's model_config")
+        elif pretrained:
             self.model = load_local_t5(pretrained)
             check_vocab_matches(self.tokenizer, self.model.config.vocab_size, f"model.pretrained={pretrained}")
         else:
             config = make_t5_config(preset, self.tokenizer, dropout_rate=dropout_rate, **config_overrides)
             self.model = T5ForConditionalGeneration(config)
+        # The checkpoint carries the architecture: `lightning-zero export --hf` writes config.json from it and
+        # load_from_checkpoint rebuilds the same model (no preset table, no pretrained directory needed).
+        self.hparams["model_config"] = self.model.config.to_dict()
         tok = self.tokenizer
         # generate() reads generation_config, not config: keep the special ids consistent.
         gc = self.model.generation_config

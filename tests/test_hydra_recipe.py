@@ -312,6 +312,13 @@ def test_recipe_fit_two_cpu_ranks(tmp_path, pairs_file, restore_threads, strateg
         assert math.isfinite(res["test_metrics"][k]), k
     assert f"predictions:  {pred}" in capsys.readouterr().out
 
+    # `export --hf` finds the architecture among the checkpoint's hyper-parameters: no --config needed
+    from lightning_zero.tools.cli import main as cli_main
+
+    exported = tmp_path / "exported"
+    assert cli_main(["export", str(out / "checkpoints" / "last.ckpt"), str(exported), "--hf"]) == 0
+    assert T5ForConditionalGeneration.from_pretrained(exported).config.vocab_size == 400
+
 
 def test_help_lists_the_choice_groups_not_the_schema():
     import subprocess
