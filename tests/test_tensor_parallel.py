@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import tensor_parallel as TPM
 from tests.dist_utils import run_distributed
-from tests.tp_models import dp_batch, full_state, lm_loss, make_gpt, parallelize
+from tests.tp_models import dp_batch, full_state, global_batch, lm_loss, make_gpt, parallelize
 
 T, STEPS = 2, 3
 CLIP = 0.05  # well below the gradient norm (~1): clipping bites every step
@@ -125,3 +125,76 @@ def test_tp_memory_report_counts_local_pieces():
         assert mem["params"] == 4 * n  # fp32 local pieces, not the global shapes
         # AdamW: two fp32 moments of this rank's slice of every local piece (about n / DP each)
         assert n * 8 // 2 <= mem["optimizer_state"] <= (n + 64) * 8 // 2
+
+
+# -- Lightning --------------------------------------------------------------------------------------------
+class _Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return global_batch(1000 + i, size=1)[0]
+
+
+def _lightning_module(out: str, tag: str, tensor_parallel: bool):
+    import lightning.pytorch as pl
+
+    class TPModule(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = make_gpt()
+
+        def setup(self, stage):
+            torch.set_num_threads(1)  # see tests/lightning_models.py: forked ranks and OpenMP
+
+        def configure_model(self):
+            if tensor_parallel and not TPM.is_dtensor(self.net.block.q.weight):
+                parallelize(self.net, self.device_mesh["tensor_parallel"])
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(_Rows(), batch_size=4, shuffle=False)
+
+        def training_step(self, tokens, batch_idx):
+            loss = lm_loss(self.net, tokens)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            # SGD: AdamW turns the last-bit differences of TP's split matmuls into ~1e-5 where its moments
+            # nearly cancel (the engine tests above hold AdamW at rtol 1e-5 on their data)
+            return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+        def on_train_start(self):
+            self.losses = []
+
+        def on_train_end(self):
+            torch.save({"losses": self.losses, "params": full_state(self.net),
+                        "sampler": self.trainer.strategy.distributed_sampler_kwargs},
+                       f"{out}/{tag}_rank{self.global_rank}.pt")
+
+    return TPModule()
+
+
+def _fit_tp(out, tag, strategy, devices, tensor_parallel):
+    from lightning.pytorch import Trainer
+
+    from tests.lightning_models import trainer_kwargs
+
+    trainer = Trainer(strategy=strategy, **trainer_kwargs(devices=devices, max_steps=3, accum=2, clip=CLIP))
+    trainer.fit(_lightning_module(str(out), tag, tensor_parallel))
+    return [torch.load(f"{out}/{tag}_rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+@pytest.mark.timeout(180)
+def test_lightning_tensor_parallel_matches_ddp(tmp_path):
+    """ZeroStrategy(stage=2, tensor_parallel_size=2) on 4 ranks equals ddp_fork on 2 (the DP ranks' data)."""
+    from lightning_zero import ZeroStrategy
+
+    ref = _fit_tp(tmp_path, "ddp", "ddp_fork", 2, False)
+    zero = _fit_tp(tmp_path, "zero", ZeroStrategy(stage=2, tensor_parallel_size=2, start_method="fork"), 4, True)
+    for rank, z in enumerate(zero):
+        r = ref[rank // T]  # ranks (d, 0) and (d, 1) of the (DP, TP) mesh are DDP's rank d
+        assert z["sampler"] == {"num_replicas": 2, "rank": rank // T}
+        _close(z["losses"], r["losses"])
+        for k in r["params"]:
+            _close(z["params"][k], r["params"][k])

@@ -197,11 +197,7 @@ class ZeroEngine:
 
     def sync_module_states(self) -> None:
         """Make every rank start from rank 0's parameters and buffers (as DDP does at wrap time)."""
-        if C.world_size(self.group) == 1:
-            return
-        with torch.no_grad():
-            tensors = [TP.local_data(p) for p in self.module.parameters()] + [b for b in self.module.buffers()]
-            C.broadcast_flat(tensors, self.group)
+        TP.broadcast_module_states(self.module, self.group)  # tensor parallel: local pieces, over DP
 
     def prepare_forward(self) -> None:
         """Before a training/eval step: rank 0's buffers (training, like DDP); stage 3: the root unit (Lightning

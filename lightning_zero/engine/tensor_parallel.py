@@ -24,6 +24,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from . import collectives as C
+
 DP, TP = "data_parallel", "tensor_parallel"  # Lightning's ModelParallelStrategy names the dims so
 STAGES = (0, 1, 2)
 
@@ -82,6 +84,11 @@ def as_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def set_data(p: nn.Parameter, value: torch.Tensor) -> None:
     """``p.data = value`` for a local-shaped ``value`` (the fp32 module handed back)."""
     p.data = as_like(p, value)
+
+
+def full_value(t: Any) -> Any:
+    """A DTensor's global value (a collective over its mesh); anything else unchanged."""
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def norm_weight(p: torch.Tensor, tp_size: int) -> float:
@@ -156,3 +163,10 @@ def tensor_parallel_mesh(mesh: Any, cfg, group: Any, module: nn.Module) -> Optio
     tp = TensorParallelMesh(mesh)
     tp.check_params(module)
     return tp
+
+
+@torch.no_grad()
+def broadcast_module_states(module: nn.Module, group: Any) -> None:
+    """The parameters (their local pieces) and buffers of the first rank of ``group`` on all its ranks."""
+    if C.world_size(group) > 1:
+        C.broadcast_flat([local_data(p) for p in module.parameters()] + list(module.buffers()), group)
