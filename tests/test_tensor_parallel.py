@@ -73,9 +73,36 @@ def _train(rank, world_size, cfg, accum, clip, mesh):
     return losses, norms, full_state(model), extra
 
 
+def _engine_errors(mesh):
+    """The message of each refused engine construction (4 ranks: the mesh exists)."""
+    def error(make):
+        try:
+            make()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def engine(cfg, parallel=True, **kw):
+        model = make_gpt()
+        if parallel:
+            parallelize(model, mesh["tensor_parallel"])
+        return ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), cfg, **kw)
+
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("data_parallel",))
+    return {
+        "stage3": error(lambda: engine(ZeroConfig(stage=3), device_mesh=mesh)),
+        "no_mesh": error(lambda: engine(ZeroConfig(stage=2))),
+        "group": error(lambda: engine(ZeroConfig(stage=2), device_mesh=mesh, group=mesh.get_group(0))),
+        "hybrid": error(lambda: engine(ZeroConfig(stage=2, shard_group_size=2), device_mesh=mesh)),
+        "flat_mesh": error(lambda: engine(ZeroConfig(stage=2), parallel=False, device_mesh=flat)),
+        "wrong_dim": error(lambda: ZeroEngine(parallelize(make_gpt(), mesh["data_parallel"]), None,
+                                              ZeroConfig(stage=2), device_mesh=mesh)),
+    }
+
+
 def _matrix(rank, world_size):
     mesh = _mesh(world_size)
-    out = {}
+    out = {"errors": _engine_errors(mesh)}
     refs = {}
     for name, (cfg, accum, clip) in CASES.items():
         key = (accum, clip)
@@ -198,3 +225,48 @@ def test_lightning_tensor_parallel_matches_ddp(tmp_path):
         _close(z["losses"], r["losses"])
         for k in r["params"]:
             _close(z["params"][k], r["params"][k])
+
+
+@pytest.mark.timeout(120)
+def test_engine_refuses_what_it_cannot_do():
+    errors = results()[0]["errors"]
+    assert "Allowed stages with tensor parallelism: 0, 1, 2" in errors["stage3"]
+    assert "pass device_mesh=" in errors["no_mesh"]
+    assert "device_mesh and group are exclusive" in errors["group"]
+    assert "shard_group_size (hybrid sharding) cannot be combined with device_mesh" in errors["hybrid"]
+    assert "2-D DeviceMesh with mesh_dim_names ('data_parallel', 'tensor_parallel')" in errors["flat_mesh"]
+    assert "Parameter 'block.q.weight' is a DTensor on mesh ('data_parallel',)" in errors["wrong_dim"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(stage=3, tensor_parallel_size=2), "Allowed stages with tensor parallelism: 0, 1, 2"),
+    (dict(stage=2, tensor_parallel_size=2, shard_group_size=2), "cannot be combined with shard_group_size"),
+    (dict(stage=1, tensor_parallel_size=2, pipeline_parallel_size=2), "cannot be combined with pipeline_parallel_size"),
+    (dict(stage=2, tensor_parallel_size=0), "tensor_parallel_size must be an int >= 1"),
+    (dict(stage=2, tensor_parallel_size="2"), "tensor_parallel_size must be an int >= 1"),
+])
+def test_strategy_refuses_bad_tensor_parallel_settings(kwargs, message):
+    from lightning_zero import ZeroStrategy
+
+    with pytest.raises(ValueError, match=message):
+        ZeroStrategy(**kwargs)
+
+
+def test_tensor_parallel_size_must_divide_the_world():
+    from lightning_zero import ZeroStrategy
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the world of 4 rank\(s\). "
+                                         r"Allowed: 1, 2, 4."):
+        ZeroStrategy(stage=2, tensor_parallel_size=3).tensor_parallel.build(4, torch.device("cpu"))
+    with pytest.raises(AttributeError, match="tensor_parallel_size=T only"):
+        ZeroStrategy(stage=2).device_mesh
+
+
+def test_hydra_key_reaches_the_strategy():
+    from tests.test_hydra_recipe import _compose  # puts examples/ on sys.path (not a package)
+    from t5_config import build_strategy
+
+    assert build_strategy(_compose("strategy=zero2", "strategy.tensor_parallel_size=2")).tensor_parallel.size == 2
+    assert build_strategy(_compose("strategy=zero2")).tensor_parallel is None
+    with pytest.raises(ValueError, match="Allowed stages with tensor parallelism"):
+        build_strategy(_compose("strategy=zero3", "strategy.tensor_parallel_size=2"))
