@@ -270,3 +270,82 @@ def test_hydra_key_reaches_the_strategy():
     assert build_strategy(_compose("strategy=zero2")).tensor_parallel is None
     with pytest.raises(ValueError, match="Allowed stages with tensor parallelism"):
         build_strategy(_compose("strategy=zero3", "strategy.tensor_parallel_size=2"))
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------
+def _ckpt_engine(mesh, stage, tensor_parallel, seed=1):
+    model = make_gpt(seed)  # loaders (seed 1) start from other values than the saved run (seed 0)
+    if tensor_parallel:
+        parallelize(model, mesh["tensor_parallel"])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    kw = dict(device_mesh=mesh) if tensor_parallel else {}
+    return model, ZeroEngine(model, opt, ZeroConfig(stage=stage), **kw)
+
+
+def _step(model, engine, step, dp_rank, dp_size):
+    loss = lm_loss(model, dp_batch(step, 0, dp_rank, dp_size))
+    loss.backward()
+    engine.clip_grad_norm_(CLIP)
+    engine.step()
+    return loss.item()
+
+
+def _save_tp(rank, world_size, path):
+    """Train 2 steps at TP2 x DP2, save, then step 3; reload the checkpoint at TP2 x DP2 (stage 1) and step 3."""
+    from lightning_zero.checkpoint.format import load_checkpoint_dir, save_engine_checkpoint
+
+    mesh = _mesh(world_size)
+    dp = mesh.get_local_rank("data_parallel"), mesh.size(0)
+    model, engine = _ckpt_engine(mesh, 2, True, seed=0)
+    for step in range(2):
+        _step(model, engine, step, *dp)
+    save_engine_checkpoint(path, model, engine)
+    saved = full_state(model)
+    loss3 = _step(model, engine, 2, *dp)
+    after = full_state(model)
+    model2, engine2 = _ckpt_engine(mesh, 1, True)
+    load_checkpoint_dir(path, model2, engine2)
+    loaded = full_state(model2)
+    reloss3 = _step(model2, engine2, 2, *dp)
+    return saved, after, loss3, loaded, full_state(model2), reloss3
+
+
+def _resume_plain(rank, world_size, path, stage):
+    """The TP checkpoint at DP=world_size without tensor parallelism: loaded values, then step 3."""
+    from lightning_zero.checkpoint.format import load_checkpoint_dir
+
+    model, engine = _ckpt_engine(None, stage, False)
+    load_checkpoint_dir(path, model, engine)
+    loaded = {k: v.clone() for k, v in model.state_dict().items()}
+    loss3 = _step(model, engine, 2, rank, world_size)
+    return loaded, {k: v.clone() for k, v in model.state_dict().items()}, loss3
+
+
+@pytest.mark.timeout(150)
+def test_tp_checkpoint_loads_without_tp_and_on_one_rank(tmp_path):
+    from lightning_zero.checkpoint.consolidate import consolidate
+
+    path = tmp_path / "tp.ckpt"
+    tp = run_distributed(_save_tp, 4, path)
+    saved, after, loss3 = tp[0][:3]
+    for r in tp:  # every rank gathers the same global values
+        for k in saved:
+            _close(r[0][k], saved[k])
+            _close(r[1][k], after[k])
+        for k in saved:  # TP2 x DP2 -> TP2 x DP2 (stage 2 -> 1): same values, same next step
+            _close(r[3][k], saved[k])
+            _close(r[4][k], after[k])
+    info = __import__("json").loads((path / "zero_checkpoint.json").read_text())
+    assert info["layout"] == "natural" and info["tensors"]["block.q.weight"]["shape"] == [16, 16]
+    for world, stage in ((2, 1), (1, 2)):  # TP1 x DP2, and one rank
+        for rank, (loaded, stepped, l3) in enumerate(run_distributed(_resume_plain, world, path, stage)):
+            for k in saved:
+                _close(loaded[k], saved[k])
+                _close(stepped[k], after[k])  # the optimizer state came along: the next step is the same
+            if world == 2:
+                _close(l3, tp[2 * rank][2])  # DP rank r of the TP run saw the same rows
+    consolidate(path, tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt")
+    assert full.keys() == saved.keys()
+    for k in saved:
+        _close(full[k], saved[k])
