@@ -204,10 +204,13 @@ def _lightning_module(out: str, tag: str, tensor_parallel: bool):
 
 def _fit_tp(out, tag, strategy, devices, tensor_parallel):
     from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from tests.lightning_models import trainer_kwargs
 
-    trainer = Trainer(strategy=strategy, **trainer_kwargs(devices=devices, max_steps=3, accum=2, clip=CLIP))
+    saves = ModelCheckpoint(dirpath=f"{out}/{tag}_ckpts", save_last=True, every_n_train_steps=3)
+    trainer = Trainer(strategy=strategy, **trainer_kwargs(devices=devices, max_steps=3, accum=2, clip=CLIP,
+                                                          enable_checkpointing=True, callbacks=[saves]))
     trainer.fit(_lightning_module(str(out), tag, tensor_parallel))
     return [torch.load(f"{out}/{tag}_rank{r}.pt", weights_only=False) for r in range(devices)]
 
@@ -225,6 +228,12 @@ def test_lightning_tensor_parallel_matches_ddp(tmp_path):
         _close(z["losses"], r["losses"])
         for k in r["params"]:
             _close(z["params"][k], r["params"][k])
+    from lightning_zero.checkpoint.consolidate import consolidate  # the checkpoint the TP fit wrote
+
+    consolidate(tmp_path / "zero_ckpts" / "last.ckpt", tmp_path / "full.pt")
+    full = torch.load(tmp_path / "full.pt")
+    for k in ref[0]["params"]:
+        _close(full["net." + k], ref[0]["params"][k])  # the LightningModule holds the model as .net
 
 
 @pytest.mark.timeout(120)
@@ -244,6 +253,7 @@ def test_engine_refuses_what_it_cannot_do():
     (dict(stage=1, tensor_parallel_size=2, pipeline_parallel_size=2), "cannot be combined with pipeline_parallel_size"),
     (dict(stage=2, tensor_parallel_size=0), "tensor_parallel_size must be an int >= 1"),
     (dict(stage=2, tensor_parallel_size="2"), "tensor_parallel_size must be an int >= 1"),
+    (dict(stage=2, tensor_parallel_size=2, checkpoint_format="full"), "Allowed: checkpoint_format='sharded'"),
 ])
 def test_strategy_refuses_bad_tensor_parallel_settings(kwargs, message):
     from lightning_zero import ZeroStrategy

@@ -125,10 +125,11 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         tensor_parallel_size: Optional[int] = None,
     ) -> None:
         self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
-        self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config)  # None without TP
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")
         self.checkpoint_format = checkpoint_format
+        self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config,  # None without TP
+                                                       checkpoint_format)
         check_start_method(start_method)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

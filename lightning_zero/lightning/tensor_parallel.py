@@ -41,7 +41,7 @@ class TensorParallelLayout:
         self.mesh: Optional[Any] = None
 
     @classmethod
-    def of(cls, size: Optional[int], config) -> Optional["TensorParallelLayout"]:
+    def of(cls, size: Optional[int], config, checkpoint_format: str = "sharded") -> Optional["TensorParallelLayout"]:
         if size is None:
             return None
         if not _is_int(size) or size < 1:
@@ -50,6 +50,10 @@ class TensorParallelLayout:
         TP.check_stage(config.stage)
         if config.shard_group_size is not None:
             check_tensor_parallel_args({"tensor_parallel_size": size, "shard_group_size": config.shard_group_size})
+        if checkpoint_format != "sharded":  # a full file would need every TP piece gathered into one rank
+            raise ValueError(f"checkpoint_format={checkpoint_format!r} is not available with tensor_parallel_size: "
+                             "Allowed: checkpoint_format='sharded' (then `lightning-zero consolidate` for one "
+                             "full state dict).")
         return cls(size)
 
     def build(self, world_size: int, device: torch.device) -> Any:
