@@ -33,7 +33,7 @@ def _mesh(world_size):
     return init_device_mesh("cpu", (world_size // T, T), mesh_dim_names=("data_parallel", "tensor_parallel"))
 
 
-def _train(rank, world_size, cfg, accum, clip, mesh):
+def _train(rank, world_size, cfg, accum, clip, mesh, compute_dtype=None):
     """ZeRO on the TP model (``cfg``) or DDP on the whole model (``cfg=None``): losses, norms, full weights."""
     dp_rank, dp_size = mesh.get_local_rank("data_parallel"), mesh.size(0)
     model = make_gpt()
@@ -41,7 +41,7 @@ def _train(rank, world_size, cfg, accum, clip, mesh):
         parallelize(model, mesh["tensor_parallel"])
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
     if cfg is not None:
-        engine = ZeroEngine(model, opt, ZeroConfig(**cfg), device_mesh=mesh)
+        engine = ZeroEngine(model, opt, ZeroConfig(**cfg), compute_dtype=compute_dtype, device_mesh=mesh)
         runner = model
     else:
         runner = DDP(model, process_group=mesh.get_group("data_parallel"))
@@ -69,7 +69,8 @@ def _train(rank, world_size, cfg, accum, clip, mesh):
         extra["memory"] = engine.memory_report().as_dict()
         extra["local_numel"] = sum(TPM.local(p).numel() for p in model.parameters())
         extra["sharded"] = sorted(n for n, p in model.named_parameters() if TPM.is_dtensor(p))
-        engine.restore_fp32_module()
+        engine.restore_fp32_module()  # mixed precision: the DTensors take their fp32 masters back
+        extra["dtype"] = (type(model.block.q.weight).__name__, model.block.q.weight.dtype)
     return losses, norms, full_state(model), extra
 
 
@@ -109,6 +110,8 @@ def _matrix(rank, world_size):
         if key not in refs:
             refs[key] = _train(rank, world_size, None, accum, clip, mesh)
         out[name] = (refs[key], _train(rank, world_size, cfg, accum, clip, mesh))
+    bf16 = _train(rank, world_size, dict(stage=2, reduce_dtype="fp32"), 2, CLIP, mesh, torch.bfloat16)
+    out["bf16"] = (refs[(2, CLIP)], bf16, None)
     return out
 
 
@@ -131,6 +134,18 @@ def test_tp_engine_matches_ddp(name):
         for k in rp:
             _close(zp[k], rp[k])
         assert "block.q.weight" in extra["sharded"] and "ln_f.weight" not in extra["sharded"]
+
+
+@pytest.mark.timeout(120)
+def test_tp_bf16_trains_close_to_fp32_ddp():
+    """bf16 compute, fp32 masters: the same run within bf16 rounding, handed back as fp32 DTensors."""
+    for res in results():
+        (rl, rn, rp, _), (zl, zn, zp, extra), _ = res["bf16"]
+        assert extra["dtype"] == ("DTensor", torch.float32)
+        torch.testing.assert_close(torch.tensor(zl), torch.tensor(rl), rtol=0, atol=0.03)
+        torch.testing.assert_close(torch.tensor(zn), torch.tensor(rn), rtol=0.03, atol=0)
+        for k in rp:  # per tensor, relative to its norm (Adam moves single near-cancelling elements more)
+            assert (zp[k] - rp[k]).norm() <= 0.02 * rp[k].norm(), k
 
 
 @pytest.mark.timeout(120)
@@ -317,7 +332,11 @@ def _save_tp(rank, world_size, path):
     load_checkpoint_dir(path, model2, engine2)
     loaded = full_state(model2)
     reloss3 = _step(model2, engine2, 2, *dp)
-    return saved, after, loss3, loaded, full_state(model2), reloss3
+    model3, engine3 = _ckpt_engine(mesh, 2, True)  # a full state dict (global tensors) into a TP engine
+    engine3.load_full_state_dict(saved)
+    with pytest.raises(NotImplementedError, match="Allowed: sharded checkpoints"):
+        engine3.optimizer_state_dict()
+    return saved, after, loss3, loaded, full_state(model2), reloss3, full_state(model3)
 
 
 def _resume_plain(rank, world_size, path, stage):
@@ -345,6 +364,7 @@ def test_tp_checkpoint_loads_without_tp_and_on_one_rank(tmp_path):
         for k in saved:  # TP2 x DP2 -> TP2 x DP2 (stage 2 -> 1): same values, same next step
             _close(r[3][k], saved[k])
             _close(r[4][k], after[k])
+            _close(r[6][k], saved[k])
     info = __import__("json").loads((path / "zero_checkpoint.json").read_text())
     assert info["layout"] == "natural" and info["tensors"]["block.q.weight"]["shape"] == [16, 16]
     for world, stage in ((2, 1), (1, 2)):  # TP1 x DP2, and one rank

@@ -393,10 +393,12 @@ class ZeroEngine:
     # optimizer state: consolidated and re-sliced by the ShardedOptimizer that owns masters and layout
     def optimizer_state_dict(self, optimizer=None) -> dict:
         """The full state of ``optimizer`` (default: the first) as a plain optimizer saves it. Collective."""
+        TP.check_no_full_optimizer_state(self.tensor_parallel)
         return (self.sharded_for(optimizer) if optimizer is not None else self.sharded).full_state_dict(self.shard_group)
 
     def load_optimizer_state_dict(self, state: dict, optimizer=None) -> None:
         """Load a full optimizer state (from any world size or stage) into this rank's shards."""
+        TP.check_no_full_optimizer_state(self.tensor_parallel)
         (self.sharded_for(optimizer) if optimizer is not None else self.sharded).load_full_state_dict(state)
 
     def remove(self, hand_back: bool = True) -> None:

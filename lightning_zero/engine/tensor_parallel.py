@@ -82,8 +82,13 @@ def as_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 def set_data(p: nn.Parameter, value: torch.Tensor) -> None:
-    """``p.data = value`` for a local-shaped ``value`` (the fp32 module handed back)."""
-    p.data = as_like(p, value)
+    """``p.data = value`` for a local-shaped ``value`` (the fp32 module handed back). A DTensor keeps its
+    local piece and dtype in Python attributes ``.data =`` does not reach: the parameter object is swapped
+    in place instead, as ``nn.Module._apply`` does for DTensors (references to ``p`` stay valid)."""
+    if not is_dtensor(p):
+        p.data = value
+        return
+    torch.utils.swap_tensors(p, nn.Parameter(as_like(p, value), requires_grad=p.requires_grad))
 
 
 def full_value(t: Any) -> Any:
@@ -143,6 +148,14 @@ def check_stage(stage: int) -> None:
         raise ValueError(f"ZeRO stage {stage} cannot be combined with tensor parallelism (device_mesh / "
                          f"tensor_parallel_size): stage 3 would gather DTensor pieces inside its units. "
                          f"Allowed stages with tensor parallelism: {', '.join(map(str, STAGES))}.")
+
+
+def check_no_full_optimizer_state(tp: Optional[TensorParallelMesh]) -> None:
+    """A consolidated optimizer state would hold each TP rank's pieces under the same positions."""
+    if tp is not None:
+        raise NotImplementedError("A full (consolidated) optimizer state_dict is not available with tensor "
+                                  "parallelism. Allowed: sharded checkpoints (checkpoint/format.py "
+                                  "save_engine_checkpoint / load_checkpoint_dir), which reshard across T and N.")
 
 
 def tensor_parallel_mesh(mesh: Any, cfg, group: Any, module: nn.Module) -> Optional[TensorParallelMesh]:
