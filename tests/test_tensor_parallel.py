@@ -8,6 +8,7 @@ over the data-parallel group on the whole model, each DP rank on its rows of the
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -24,8 +25,9 @@ CLIP = 0.05  # well below the gradient norm (~1): clipping bites every step
 CASES = {  # name -> (ZeroConfig keywords, accumulation, clip)
     "zero1": (dict(stage=1, grad_reduce="reduce_scatter"), 2, CLIP),
     "zero2": (dict(stage=2), 2, CLIP),
-    "zero2_overlap": (dict(stage=2, overlap_publish=True, bucket_mb=0.001), 1, None),
-    "zero0": (dict(stage=0), 1, CLIP),
+    "zero2_overlap": (dict(stage=2, overlap_publish=True, bucket_mb=0.001), 2, CLIP),
+    "zero0": (dict(stage=0), 2, CLIP),
+    "zero2_offload": (dict(stage=2, offload_optimizer=True, grad_reduce="reduce_scatter"), 2, CLIP),
 }
 
 
@@ -316,7 +318,8 @@ def _step(model, engine, step, dp_rank, dp_size):
 
 
 def _save_tp(rank, world_size, path):
-    """Train 2 steps at TP2 x DP2, save, then step 3; reload the checkpoint at TP2 x DP2 (stage 1) and step 3."""
+    """Train 2 steps at TP2 x DP2, save, then step 3; reload the checkpoint at TP2 x DP2 (stage 1) and step 3;
+    load it at DP4 without TP, save that as a flat checkpoint and load the flat one at TP2 x DP2 again."""
     from lightning_zero.checkpoint.format import load_checkpoint_dir, save_engine_checkpoint
 
     mesh = _mesh(world_size)
@@ -336,7 +339,15 @@ def _save_tp(rank, world_size, path):
     engine3.load_full_state_dict(saved)
     with pytest.raises(NotImplementedError, match="Allowed: sharded checkpoints"):
         engine3.optimizer_state_dict()
-    return saved, after, loss3, loaded, full_state(model2), reloss3, full_state(model3)
+    plain, plain_engine = _ckpt_engine(None, 2, False)  # DP4, no TP, and back through a flat checkpoint
+    load_checkpoint_dir(path, plain, plain_engine)
+    save_engine_checkpoint(f"{path}.flat", plain, plain_engine)
+    model4, engine4 = _ckpt_engine(mesh, 2, True)
+    load_checkpoint_dir(f"{path}.flat", model4, engine4)
+    loaded4 = full_state(model4)
+    _step(model4, engine4, 2, *dp)
+    return (saved, after, loss3, loaded, full_state(model2), reloss3, full_state(model3),
+            {k: v.clone() for k, v in plain.state_dict().items()}, loaded4, full_state(model4))
 
 
 def _resume_plain(rank, world_size, path, stage):
@@ -365,8 +376,12 @@ def test_tp_checkpoint_loads_without_tp_and_on_one_rank(tmp_path):
             _close(r[3][k], saved[k])
             _close(r[4][k], after[k])
             _close(r[6][k], saved[k])
-    info = __import__("json").loads((path / "zero_checkpoint.json").read_text())
+            _close(r[7][k], saved[k])  # TP2 x DP2 -> DP4
+            _close(r[8][k], saved[k])  # DP4 (flat) -> TP2 x DP2: values, and the moments for the next step
+            _close(r[9][k], after[k])
+    info = json.loads((path / "zero_checkpoint.json").read_text())
     assert info["layout"] == "natural" and info["tensors"]["block.q.weight"]["shape"] == [16, 16]
+    assert "layout" not in json.loads((tmp_path / "tp.ckpt.flat" / "zero_checkpoint.json").read_text())
     for world, stage in ((2, 1), (1, 2)):  # TP1 x DP2, and one rank
         for rank, (loaded, stepped, l3) in enumerate(run_distributed(_resume_plain, world, path, stage)):
             for k in saved:
