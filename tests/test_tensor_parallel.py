@@ -198,6 +198,12 @@ def _lightning_module(out: str, tag: str, tensor_parallel: bool):
         def train_dataloader(self):
             return torch.utils.data.DataLoader(_Rows(), batch_size=4, shuffle=False)
 
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(_Rows(), batch_size=4, shuffle=False)
+
+        def validation_step(self, tokens, batch_idx):
+            self.log("val_loss", lm_loss(self.net, tokens), sync_dist=True)
+
         def training_step(self, tokens, batch_idx):
             loss = lm_loss(self.net, tokens)
             self.losses.append(loss.item())
@@ -227,9 +233,13 @@ def _fit_tp(out, tag, strategy, devices, tensor_parallel):
 
     saves = ModelCheckpoint(dirpath=f"{out}/{tag}_ckpts", save_last=True, every_n_train_steps=3)
     trainer = Trainer(strategy=strategy, **trainer_kwargs(devices=devices, max_steps=3, accum=2, clip=CLIP,
-                                                          enable_checkpointing=True, callbacks=[saves]))
-    trainer.fit(_lightning_module(str(out), tag, tensor_parallel))
-    return [torch.load(f"{out}/{tag}_rank{r}.pt", weights_only=False) for r in range(devices)]
+                                                          enable_checkpointing=True, callbacks=[saves],
+                                                          limit_val_batches=2))
+    module = _lightning_module(str(out), tag, tensor_parallel)
+    trainer.fit(module)
+    # the trained weights came back whole; an evaluation-only run cuts the module again (configure_model)
+    val = trainer.validate(module, verbose=False)[0]["val_loss"]
+    return [torch.load(f"{out}/{tag}_rank{r}.pt", weights_only=False) for r in range(devices)], val
 
 
 @pytest.mark.timeout(180)
@@ -237,8 +247,10 @@ def test_lightning_tensor_parallel_matches_ddp(tmp_path):
     """ZeroStrategy(stage=2, tensor_parallel_size=2) on 4 ranks equals ddp_fork on 2 (the DP ranks' data)."""
     from lightning_zero import ZeroStrategy
 
-    ref = _fit_tp(tmp_path, "ddp", "ddp_fork", 2, False)
-    zero = _fit_tp(tmp_path, "zero", ZeroStrategy(stage=2, tensor_parallel_size=2, start_method="fork"), 4, True)
+    ref, ref_val = _fit_tp(tmp_path, "ddp", "ddp_fork", 2, False)
+    zero, zero_val = _fit_tp(tmp_path, "zero", ZeroStrategy(stage=2, tensor_parallel_size=2, start_method="fork"), 4,
+                             True)
+    _close(zero_val, ref_val)
     for rank, z in enumerate(zero):
         r = ref[rank // T]  # ranks (d, 0) and (d, 1) of the (DP, TP) mesh are DDP's rank d
         assert z["sampler"] == {"num_replicas": 2, "rank": rank // T}

@@ -47,9 +47,7 @@ class TensorParallelLayout:
         if not _is_int(size) or size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1 that divides the world size (ranks per "
                              f"tensor-parallel group) or None (no tensor parallelism); got {size!r}.")
-        TP.check_stage(config.stage)
-        if config.shard_group_size is not None:
-            check_tensor_parallel_args({"tensor_parallel_size": size, "shard_group_size": config.shard_group_size})
+        TP.check_stage(config.stage)  # the other combinations: check_tensor_parallel_args, in __new__
         if checkpoint_format != "sharded":  # a full file would need every TP piece gathered into one rank
             raise ValueError(f"checkpoint_format={checkpoint_format!r} is not available with tensor_parallel_size: "
                              "Allowed: checkpoint_format='sharded' (then `lightning-zero consolidate` for one "
