@@ -11,16 +11,12 @@ Imports nothing from Lightning.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Optional
 
 import torch
 
 from ..engine import tensor_parallel as TP
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+from ..engine.config import _is_int
 
 
 def check_tensor_parallel_args(kwargs: dict) -> None:
