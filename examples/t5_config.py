@@ -54,6 +54,9 @@ class StrategyConf:
     # hybrid sharding: shard within groups of this many consecutive ranks (a node), replicate across them;
     # null = the whole world. E.g. `strategy.shard_group_size=8` on 2 nodes x 8 GPUs
     shard_group_size: Optional[int] = None
+    # tensor parallelism (stages 0-2): a (N // T, T) ("data_parallel", "tensor_parallel") mesh for a model cut with
+    # parallelize_module in configure_model; null = none. The T5 recipe's model is not cut: the T ranks repeat it
+    tensor_parallel_size: Optional[int] = None
 
 
 @dataclass

@@ -43,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..engine.collectives import barrier as _barrier, rank as _rank
+from . import tp_state as TS
 from .sharded_state import _canonical, _flat, _managed, sharded_model_state, sharded_optimizer_state  # noqa: F401
 from .files import (  # noqa: F401  (the on-disk names are part of this module's API)
     _OLD, _TMP, DCP_METADATA, FORMAT, INFO_FILE, META_FILE, VERSION, _remove, check_state_entries,
@@ -132,9 +133,10 @@ def _info(model_state, module, engine, state_kinds) -> dict:
         # a managed parameter's full shape comes from the engine (under stage 3 the module holds no full tensor)
         natural = managed[name][2] if name in managed else canonical[name].shape if name in canonical else t.shape
         tensors[name] = {"shape": list(natural), "dtype": str(t.dtype).replace("torch.", ""),
-                         "flat": name in managed}
+                         "flat": name in managed and not TS.is_tp(engine)}
     cfg = getattr(engine, "config", None)
-    return {
+    layout = {"layout": TS.NATURAL, "tensor_parallel_size": engine.tensor_parallel.tp_size} if TS.is_tp(engine) else {}
+    return {**layout,
         "format": FORMAT, "version": VERSION,
         "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
         "stage": None if cfg is None else cfg.stage,
@@ -195,8 +197,15 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
     canonical, _ = _canonical(module)
     targets: dict[str, torch.Tensor] = {}
     after: list[Callable[[], None]] = []
+    natural = TS.needs_natural_load(engine, info)
+    params = TS.params_of(module)
     for n in names:
         flat = info["tensors"][n]["flat"]
+        if n in managed and (natural or not flat):  # per parameter: tensor parallel, or saved without an engine
+            m, spec, shape = managed[n]
+            targets[n], copy = TS.load_target(engine, params[n], m, spec, shape, flat)
+            after.append(copy)
+            continue
         if n in managed and flat:
             m, spec, _ = managed[n]
             targets[n] = _flat(m, spec)
@@ -204,10 +213,6 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
                 after.append(lambda m=m, t=targets[n]: m.copy_(t.view_as(m)))
             continue
         dest = canonical[n]
-        if n in managed:  # saved in natural layout (no engine at save time): load full, slice into the master
-            m, spec, _ = managed[n]
-            dest = torch.empty(info["tensors"][n]["shape"], dtype=torch.float32, device=m.device)
-            after.append(lambda m=m, spec=spec, d=dest: m.copy_(_slice(d, spec).view_as(m)))
         if flat and not dest.is_contiguous():
             t = torch.empty(dest.numel(), dtype=dest.dtype, device=dest.device)
             after.append(lambda dest=dest, t=t: dest.copy_(t.view_as(dest)))
@@ -217,11 +222,6 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
         fn()
     if engine is not None:
         engine.publish_params()
-
-
-def _slice(full: torch.Tensor, spec) -> torch.Tensor:
-    flat = full.reshape(-1)
-    return flat if spec.world_size == 1 else flat[spec.lo : spec.hi]
 
 
 @torch.no_grad()
@@ -255,16 +255,29 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
     check_state_entries(path, kinds, managed, _optim_key(index))
     _init_state(opt, [managed[n][0] for n in kinds if n in managed])
     targets: dict[str, dict[str, torch.Tensor]] = {}
+    natural = TS.needs_natural_load(engine, info)
+    params = TS.params_of(engine.module)
+    after: list[Callable[[], None]] = []
     for n, keys in kinds.items():
-        m, spec, _ = managed[n]
+        m, spec, shape = managed[n]
         st = opt.state[m]
         have = sorted(k for k, v in st.items() if torch.is_tensor(v))
         if have != sorted(keys):
             raise ValueError(f"Optimizer state of {n!r}: the checkpoint has {sorted(keys)}, this optimizer "
                              f"{have} (another optimizer class or options?).")
-        targets[n] = {k: (_flat(st[k], spec) if st[k].dim() > 0 and st[k].shape == m.shape else st[k])
-                      for k in keys}
+        targets[n] = {}
+        for k in keys:
+            if not (st[k].dim() > 0 and st[k].shape == m.shape):
+                targets[n][k] = st[k]
+            elif natural:  # per parameter (tp_state.py): flat unless the checkpoint is a TP one
+                targets[n][k], copy = TS.load_target(engine, params[n], st[k], spec, shape,
+                                                     info.get("layout") != TS.NATURAL)
+                after.append(copy)
+            else:
+                targets[n][k] = _flat(st[k], spec)
     _dcp_load({_optim_key(index): {"state": targets}}, path)
+    for copy in after:
+        copy()
     for m in list(opt.state):  # a parameter that had no state when saved has none now
         if name_of.get(id(m)) not in kinds:
             del opt.state[m]

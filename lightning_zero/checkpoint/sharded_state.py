@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import tp_state as TS
+
 _MESHES: dict = {}
 
 
@@ -82,7 +84,16 @@ def sharded_model_state(module: nn.Module, engine=None) -> dict[str, torch.Tenso
     """Model tensors for DCP: fp32 masters (flattened, DTensor-sharded on stages >= 1) + buffers/frozen."""
     managed = _managed(engine)
     canonical, _ = _canonical(module)
-    return {n: (_flat(managed[n][0], managed[n][1]) if n in managed else t) for n, t in canonical.items()}
+    entry = _entry_fn(engine, module)
+    return {n: (entry(managed[n][0], n, managed[n][1]) if n in managed else t) for n, t in canonical.items()}
+
+
+def _entry_fn(engine, module: nn.Module):
+    """How a master-shaped tensor is written: flat (:func:`_flat`), or per parameter in full parameter
+    coordinates with tensor parallelism (tp_state.py)."""
+    if TS.is_tp(engine):
+        return TS.natural_entry_fn(engine, module)
+    return lambda t, _name, spec: _flat(t, spec)
 
 
 def sharded_optimizer_state(engine, optimizer=None) -> dict[str, Any]:
@@ -90,6 +101,7 @@ def sharded_optimizer_state(engine, optimizer=None) -> dict[str, Any]:
     ``optimizer``: which of the engine's optimizers (default: the first)."""
     name_of = {id(m): (n, spec) for n, (m, spec, _) in _managed(engine).items()}
     opt = engine.optimizer if optimizer is None else optimizer
+    entry = _entry_fn(engine, engine.module)
     state: dict[str, dict] = {}
     other: dict[str, dict] = {}
     for group in opt.param_groups:
@@ -97,7 +109,7 @@ def sharded_optimizer_state(engine, optimizer=None) -> dict[str, Any]:
             name, spec = name_of[id(m)]
             for k, v in opt.state.get(m, {}).items():
                 if torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape:
-                    state.setdefault(name, {})[k] = _flat(v, spec)
+                    state.setdefault(name, {})[k] = entry(v, name, spec)
                 elif torch.is_tensor(v):
                     state.setdefault(name, {})[k] = v.detach()
                 else:

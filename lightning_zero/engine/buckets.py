@@ -19,6 +19,7 @@ import torch
 
 from . import collectives as C
 from . import quantize as Q
+from . import tensor_parallel as TP
 from .sharding import ShardSpec, gather_from_rank_major, scatter_into_rank_major
 
 
@@ -102,7 +103,7 @@ class Bucket:
 
     def full_tensors(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """New full-shape tensors of every parameter from a gathered rank-major buffer."""
-        outs = [torch.empty(p.shape, dtype=flat.dtype, device=flat.device) for p in self.params]
+        outs = [torch.empty(TP.local_shape(p), dtype=flat.dtype, device=flat.device) for p in self.params]
         self.unpack_rank_major(flat, outs)
         return outs
 
@@ -116,7 +117,8 @@ class Bucket:
 
     def full_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [
-            flat[off : off + spec.numel].view_as(p) for p, off, spec in zip(self.params, self.full_offsets, self.specs)
+            flat[off : off + spec.numel].view(TP.local_shape(p))
+            for p, off, spec in zip(self.params, self.full_offsets, self.specs)
         ]
 
 
@@ -133,7 +135,7 @@ def build_buckets(
     cur: list[torch.Tensor] = []
     cur_bytes = 0
     for p in reversed(params):
-        nbytes = p.numel() * p.element_size()
+        nbytes = TP.local_numel(p) * p.element_size()  # a DTensor: its local piece
         if cur and cur_bytes + nbytes > bucket_bytes:
             buckets.append(_make(len(buckets), cur, world_size, rank, sharded))
             cur, cur_bytes = [], 0
@@ -145,5 +147,5 @@ def build_buckets(
 
 
 def _make(index: int, params: list[torch.Tensor], world_size: int, rank: int, sharded: bool) -> Bucket:
-    specs = [ShardSpec(p.numel(), world_size if sharded else 1, rank if sharded else 0) for p in params]
+    specs = [ShardSpec(TP.local_numel(p), world_size if sharded else 1, rank if sharded else 0) for p in params]
     return Bucket(index, list(params), specs)

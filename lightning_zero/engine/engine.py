@@ -43,6 +43,7 @@ from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
 from .stage3.setup import setup_stage3
 from . import param_groups as PG
+from . import tensor_parallel as TP
 
 
 
@@ -57,17 +58,24 @@ class ZeroEngine:
         check_finite: bool = False,
         group: Optional[Any] = None,
         device: Optional[torch.device] = None,
+        device_mesh: Optional[Any] = None,
     ) -> None:
         """``optimizer=None`` builds an evaluation-only engine (stage 3 still partitions parameters); a list
         of optimizers over disjoint parameter sets gives each its own shards (``step(opt)``, see param_groups).
 
         ``device``: where compute happens (default: where the parameters are; needed for a meta model).
+        ``device_mesh``: tensor parallelism, a 2-D ("data_parallel", "tensor_parallel") DeviceMesh whose TP dim
+        the module was parallelized over: ZeRO shards each parameter's local piece over the DP dim
+        (engine/tensor_parallel.py; stages 0-2; instead of ``group``).
         """
         self.config = cfg = config or ZeroConfig()
         self.module = module
         self.optimizers = PG.as_optimizer_list(optimizer)
         self.optimizer = self.optimizers[0] if self.optimizers else None
         self.mode = EngineMode.TRAIN if self.optimizers else EngineMode.EVAL_ONLY
+        self.tensor_parallel = TP.tensor_parallel_mesh(device_mesh, cfg, group, module)
+        if self.tensor_parallel is not None:  # ZeRO (shards, broadcasts) runs over the data-parallel dim only
+            group = self.tensor_parallel.dp_group
         self.group = group
         self.compute_dtype = compute_dtype
         self.loss_scaler = loss_scaler
@@ -101,6 +109,9 @@ class ZeroEngine:
         self.shardeds: list[ShardedOptimizer] = PG.shard_optimizers(
             self.optimizers, self.buckets, self._bucket_opt, sources, cfg, compute_dtype)
         self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
+        if self.tensor_parallel is not None:  # the gradient norm also sums over the TP group
+            for s in self.shardeds:
+                s.tp_group, s.tp_size = self.tensor_parallel.tp_group, self.tensor_parallel.tp_size
         if mixed:
             module.to(compute_dtype)  # params (released ones too) and floating buffers, like module.half()
             if self.partitions_params and self.mode is EngineMode.TRAIN:
@@ -186,11 +197,7 @@ class ZeroEngine:
 
     def sync_module_states(self) -> None:
         """Make every rank start from rank 0's parameters and buffers (as DDP does at wrap time)."""
-        if C.world_size(self.group) == 1:
-            return
-        with torch.no_grad():
-            tensors = [p.data for p in self.module.parameters()] + [b for b in self.module.buffers()]
-            C.broadcast_flat(tensors, self.group)
+        TP.broadcast_module_states(self.module, self.group)  # tensor parallel: local pieces, over DP
 
     def prepare_forward(self) -> None:
         """Before a training/eval step: rank 0's buffers (training, like DDP); stage 3: the root unit (Lightning
@@ -303,8 +310,8 @@ class ZeroEngine:
         if self.config.stage == 0:
             for row, b in rows:
                 for m, p in zip(row, b.params):
-                    if m is not p:
-                        p.data.copy_(m.view_as(p))
+                    if m is not TP.local(p):
+                        TP.local_data(p).copy_(m.view_as(TP.local(p)))
             return
         if self.publisher is not None:
             self.publisher.launch(rows, self.shard_group, self.config.offload_optimizer, self.config.quantize_weights)
@@ -386,10 +393,12 @@ class ZeroEngine:
     # optimizer state: consolidated and re-sliced by the ShardedOptimizer that owns masters and layout
     def optimizer_state_dict(self, optimizer=None) -> dict:
         """The full state of ``optimizer`` (default: the first) as a plain optimizer saves it. Collective."""
+        TP.check_no_full_optimizer_state(self.tensor_parallel)
         return (self.sharded_for(optimizer) if optimizer is not None else self.sharded).full_state_dict(self.shard_group)
 
     def load_optimizer_state_dict(self, state: dict, optimizer=None) -> None:
         """Load a full optimizer state (from any world size or stage) into this rank's shards."""
+        TP.check_no_full_optimizer_state(self.tensor_parallel)
         (self.sharded_for(optimizer) if optimizer is not None else self.sharded).load_full_state_dict(state)
 
     def remove(self, hand_back: bool = True) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from . import tensor_parallel as TP
 from .param_groups import param_names as _names_by_id
 from .sharding import ShardSpec
 
@@ -44,7 +45,7 @@ def full_master_params(rows: Rows, stage: int, group: Optional[Any] = None) -> l
 def to_fp32_module(module: nn.Module, params: list[nn.Parameter], fulls: list[torch.Tensor]) -> None:
     """``params`` take the fp32 values ``fulls`` (the masters); every other floating tensor goes to fp32."""
     for p, f in zip(params, fulls):
-        p.data = f
+        TP.set_data(p, f)  # a DTensor keeps its placements: ``f`` is its local piece
     for t in list(module.parameters()) + list(module.buffers()):
         if t.is_floating_point() and t.dtype != torch.float32:
             t.data = t.data.float()
@@ -70,7 +71,7 @@ def load_masters_from_module(params: list[nn.Parameter], items: list[Item]) -> N
     """Cut each master of ``items`` from its (whole) parameter in ``params``. No collective."""
     for p, (_, m, spec, _) in zip(params, items):
         if m is not p:
-            flat = p.detach().reshape(-1).to(device=m.device, dtype=m.dtype)
+            flat = TP.local(p).detach().reshape(-1).to(device=m.device, dtype=m.dtype)
             m.copy_((flat if spec.world_size == 1 else flat[spec.lo : spec.hi]).view_as(m))
 
 
@@ -105,6 +106,10 @@ def load_full_state_dict(module: nn.Module, state_dict, strict: bool, partitione
     """A full (unsharded) state dict into the module and into the slices of ``items`` (masters, stage-3
     unit shards). ``partitioned`` (stage 3): the parameters have no storage of their own, so only buffers
     go through ``load_state_dict``, with its key checks done here. The caller publishes the result."""
+    params = dict(module.named_parameters())
+    if any(TP.is_dtensor(p) for p in params.values()):  # tensor parallel: each rank loads its pieces
+        state_dict = {k: TP.as_like(params[k], TP.local_piece(params[k], v)) if k in params else v
+                      for k, v in state_dict.items()}
     if not partitioned:
         module.load_state_dict(state_dict, strict=strict)
     else:
@@ -117,5 +122,5 @@ def load_full_state_dict(module: nn.Module, state_dict, strict: bool, partitione
         module.load_state_dict({k: v for k, v in state_dict.items() if k in buffers}, strict=False)
     for name, m, spec, _ in items:
         if name in state_dict:
-            flat = state_dict[name].to(device=m.device, dtype=torch.float32).reshape(-1)
+            flat = TP.local(state_dict[name]).to(device=m.device, dtype=torch.float32).reshape(-1)
             m.copy_((flat if spec.world_size == 1 else flat[spec.lo : spec.hi]).view_as(m))

@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from .tensor_parallel import local
+
 
 def optimizer_state_bytes_per_param(name: str) -> int:
     """Bytes of fp32 optimizer state per parameter element (K without the master copy)."""
@@ -96,8 +98,8 @@ def measure_model_states(params, shardeds, reducer=None, partitioner=None, offlo
                          offload_params: bool = False) -> "MemoryReport":
     """The tensor bytes one rank holds now: ``params`` (managed parameters), the ShardedOptimizers'
     masters and state, the reducer's gradient shards, stage 3's unit shards and gathered units."""
-    def nbytes(ts):
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+    def nbytes(ts):  # a DTensor (tensor parallel) counts its local piece: what this rank holds
+        return sum(local(t).numel() * t.element_size() for t in ts if t is not None)
 
     part = partitioner
     r = MemoryReport(

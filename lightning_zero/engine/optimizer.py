@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from . import collectives as C
+from . import tensor_parallel as TP
 from .buckets import Bucket
 from .optimizer_state import consolidate_optimizer_state, load_sharded_optimizer_state
 
@@ -114,6 +115,10 @@ class ShardedOptimizer:
         self.masters: list[list[torch.Tensor]] = []  # per bucket of self.buckets
         self._aliased: list[bool] = []  # a master aliasing its source costs no extra bytes
         self.buckets: list[Bucket] = []  # this optimizer's buckets (a bucket never spans two optimizers)
+        # tensor parallelism (engine/tensor_parallel.py): the TP group the squares are also summed over, and
+        # what each parameter's squares count for there (1/T for one every TP rank holds whole)
+        self.tp_group: Optional[object] = None
+        self.tp_size = 1
         self._rebind(self._add_masters(buckets, sources))
         if offload:
             self._use_fused_cpu_kernels()
@@ -155,7 +160,7 @@ class ShardedOptimizer:
     def _make_master(self, p: torch.Tensor, spec, pin: bool, src: Optional[torch.Tensor]) -> torch.Tensor:
         sources_given = src is not None
         if src is None:
-            src = p if self.stage == 0 else p.data.view(-1)[spec.lo : spec.hi]
+            src = TP.local(p) if self.stage == 0 else TP.local_data(p).view(-1)[spec.lo : spec.hi]
         # stage 3 sources are this rank's unit shards: an fp32 shard already where the master must live
         # (host memory with offload_params) is the master; no second copy
         may_alias = self._may_alias or (sources_given and self.offload and self._compute_fp32)
@@ -218,7 +223,7 @@ class ShardedOptimizer:
         grads: list[list[Optional[torch.Tensor]]] = []
         for b, mask in zip(self.buckets, masks):
             if self.stage == 0:
-                row = [p.grad if used else None for p, used in zip(b.params, mask.tolist())]
+                row = [TP.local_grad(p) if used else None for p, used in zip(b.params, mask.tolist())]
             else:
                 host = reducer.host_shards[b.index]  # offload: already copied as the bucket completed
                 shard = host if host is not None else reducer.grad_shards[b.index]
@@ -253,8 +258,12 @@ class ShardedOptimizer:
         grads = self.grads()
         if not grads:
             return torch.zeros((), device=self.master_device)
-        norms = torch._foreach_norm(grads, 2.0)
-        return torch.stack(norms).float().pow(2).sum()
+        squares = torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2)
+        if self.tp_group is not None:
+            weights = [TP.norm_weight(p, self.tp_size) for row, b in zip(self.masters, self.buckets)
+                       for m, p in zip(row, b.params) if m.grad is not None]
+            squares = squares * torch.tensor(weights, dtype=squares.dtype, device=squares.device)
+        return squares.sum()
 
     def global_sq_norm(self, group=None, device: Optional[torch.device] = None) -> torch.Tensor:
         """Sum of squares of the whole gradient over all ranks, once per step (``sq_norm``): the shards of
@@ -264,6 +273,10 @@ class ShardedOptimizer:
             if self.stage >= 1:
                 sq_dev = sq.to(device if device is not None else sq.device)
                 C.all_reduce(sq_dev, group=group)
+                sq = sq_dev.to(sq.device)
+            if self.tp_group is not None:  # the TP pieces add up; a replicated one counts once (weighted 1/T)
+                sq_dev = sq.to(device if device is not None else sq.device)
+                C.all_reduce(sq_dev, group=self.tp_group)
                 sq = sq_dev.to(sq.device)
             self.sq_norm = sq
         return self.sq_norm

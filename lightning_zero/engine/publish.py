@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .buckets import Bucket
+from .tensor_parallel import local_data
 
 
 @torch.no_grad()
@@ -59,7 +60,7 @@ def publish_blocking(rows: list[tuple[list[torch.Tensor], Bucket]], group: Optio
 
 def _unpack(b: Bucket, work: Any, flat: torch.Tensor) -> None:
     work.wait()
-    b.unpack_rank_major(flat, [p.data for p in b.params])
+    b.unpack_rank_major(flat, [local_data(p) for p in b.params])
 
 
 class PublishQueue:

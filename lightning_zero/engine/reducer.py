@@ -60,6 +60,7 @@ from torch.autograd import Variable
 
 from . import collectives as C
 from . import quantize as Q
+from . import tensor_parallel as TP
 from .buckets import Bucket
 
 _SHARD_REDUCTIONS = {"reduce_scatter": C.reduce_scatter, "all_reduce": C.reduce_scatter_by_all_reduce,
@@ -244,7 +245,7 @@ class GradReducer:
 
     # -- one bucket ---------------------------------------------------------------------------
     def _launch(self, b: Bucket) -> None:
-        grads = [p.grad for p in b.params]
+        grads = [TP.local_grad(p) for p in b.params]  # a DTensor's local piece
         n = len(grads)
         dtype = self.reduce_dtype or b.params[0].dtype
         ctx = contextlib.nullcontext()
@@ -302,9 +303,9 @@ class GradReducer:
         if self.stage == 0:
             for p, red in zip(b.params, b.full_views(out)):
                 if p.grad is None:
-                    p.grad = red.to(p.dtype, copy=True)
+                    TP.set_grad(p, red.to(p.dtype, copy=True))
                 else:
-                    p.grad.copy_(red)
+                    TP.local_grad(p).copy_(red)
             return
         shard = self.grad_shards[b.index]
         if shard is None:

@@ -23,6 +23,7 @@ from ..engine.engine_state import EngineMode
 from .callback_checks import check_callbacks
 from .checkpoint_strategy import ZeroCheckpointMixin
 from .memory_summary import report as memory_report
+from .tensor_parallel import TensorParallelLayout, check_tensor_parallel_args
 from .optimizers import bind as bind_optimizers
 from ._distribution import lightning_import, sibling
 from .zero_setup import (as_zero_precision, build_engine, check_start_method, external_launcher,
@@ -70,12 +71,18 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_max_imbalance: given
             ``pipeline_parallel_size=P``, the constructor returns a ``ZeroPipelineStrategy``
             (``lightning/pipeline_strategy.py``): P pipeline stages, ZeRO 0-2 over each stage's replicas.
+        tensor_parallel_size: tensor parallelism (stages 0-2): a 2-D ``DeviceMesh`` (N // T, T) with dims
+            ("data_parallel", "tensor_parallel"), ``strategy.device_mesh`` and ``self.device_mesh`` in
+            ``LightningModule.configure_model``, where the model is cut with torch's ``parallelize_module``
+            over ``self.device_mesh["tensor_parallel"]``; ZeRO shards each parameter's local piece over
+            "data_parallel", the sampler splits the data by the data-parallel rank (lightning/tensor_parallel.py).
     """
 
     strategy_name = "zero"
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # pipeline parallelism is its own class (lightning/pipeline_strategy.py); ZeroStrategy(...) names it
+        check_tensor_parallel_args(kwargs)
         if kwargs.get("pipeline_parallel_size") is not None and cls.__name__ == "ZeroStrategy":
             from .pipeline_strategy import ZeroPipelineStrategy
 
@@ -115,11 +122,14 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         overlap_publish: bool = False,
         quantize_weights: bool = False,
         quantize_grads: bool = False,
+        tensor_parallel_size: Optional[int] = None,
     ) -> None:
         self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")
         self.checkpoint_format = checkpoint_format
+        self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config,  # None without TP
+                                                       checkpoint_format)
         check_start_method(start_method)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -165,7 +175,7 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             self.setup_optimizers(trainer)
             # several optimizers: each sharded on its own (disjoint parameters; see optimizers.py)
             self.engine = build_engine(self.lightning_module, self.optimizers, self.zero_config, precision,
-                                       self.root_device)
+                                       self.root_device, device_mesh=self._device_mesh)
             self._memory_reported = not self.memory_summary
             self._guard_scheduler_on_skipped_steps()
             self._unbind_optimizers = bind_optimizers(self, trainer)
@@ -174,6 +184,8 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             # ZeroPrecision.forward_context), so validate/test/predict never round the user's model.
             if self.stage == 3:  # parameters still partitioned
                 self.engine = build_engine(self.lightning_module, None, self.zero_config, precision, self.root_device)
+            elif self.tensor_parallel is not None:  # TP ranks hold different pieces: over the DP dim only
+                self.tensor_parallel.sync_module_states(self.model)
             else:  # every rank starts from rank 0's weights
                 _sync_module_states(self.model)
                 precision.attach(self.engine, self.root_device.type)
@@ -192,9 +204,34 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         module.lr_scheduler_step = lr_scheduler_step  # instance attribute; removed at teardown
         self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
 
+    # -- tensor parallelism: the 2-D mesh, made once the processes exist ---------------------------------
+    @property
+    def _device_mesh(self) -> Optional[Any]:
+        return self.tensor_parallel.mesh if self.tensor_parallel is not None else None
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ("data_parallel", "tensor_parallel") DeviceMesh (``tensor_parallel_size`` only)."""
+        if self.tensor_parallel is None:
+            raise AttributeError("ZeroStrategy.device_mesh exists with tensor_parallel_size=T only.")
+        return self.tensor_parallel.device_mesh
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.tensor_parallel is not None:  # LightningModule.device_mesh in configure_model, as Lightning's
+            self.lightning_module._device_mesh = self.tensor_parallel.build(self.world_size, self.root_device)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.tensor_parallel is not None:  # the TP ranks of one data-parallel rank see the same batches
+            return self.tensor_parallel.sampler_kwargs()
+        return super().distributed_sampler_kwargs
+
     def _configure_launcher(self) -> None:
         if not external_launcher(self, _SubprocessScriptLauncher, rank_zero_info):
             super()._configure_launcher()
+        if self.tensor_parallel is not None:  # fork/spawn: the weights sent back to the parent are whole
+            self.tensor_parallel.wrap_launcher(self._launcher)
 
     def _setup_model(self, model):  # no DDP wrapper: the engine's hooks do the reductions
         return model

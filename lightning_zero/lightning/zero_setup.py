@@ -49,16 +49,17 @@ def external_launcher(strategy, script_launcher_cls: type, info) -> bool:
 
 
 def build_engine(module: torch.nn.Module, optimizers: Optional[Sequence[Any]], config: ZeroConfig, precision,
-                 device: torch.device) -> ZeroEngine:
+                 device: torch.device, device_mesh: Optional[Any] = None) -> ZeroEngine:
     """The engine for ``module`` (its optimizers sharded in place) with the precision plugin attached.
 
     ``optimizers=None``: an evaluation engine (stage 3 still partitions, a meta model is materialized
     sharded); the weights stay fp32 and mixed precision runs under autocast."""
     if optimizers is not None:
         engine = ZeroEngine(module, list(optimizers), config, compute_dtype=precision.compute_dtype,
-                            loss_scaler=precision.loss_scaler, check_finite=precision.check_finite, device=device)
+                            loss_scaler=precision.loss_scaler, check_finite=precision.check_finite, device=device,
+                            device_mesh=device_mesh)
     else:
-        engine = ZeroEngine(module, None, config, device=device)
+        engine = ZeroEngine(module, None, config, device=device, device_mesh=device_mesh)
     precision.attach(engine, device.type)
     return engine
 

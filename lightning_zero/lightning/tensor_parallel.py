@@ -1,0 +1,98 @@
+"""``ZeroStrategy(tensor_parallel_size=T)``: the 2-D mesh, the data split and the refused combinations.
+
+The strategy builds ``init_device_mesh(device, (N // T, T), mesh_dim_names=("data_parallel",
+"tensor_parallel"))`` once the processes exist (``setup_environment``, as Lightning's ModelParallelStrategy
+does) and sets it as ``LightningModule.device_mesh`` before ``configure_model``, where the user cuts the
+model with ``parallelize_module(..., self.device_mesh["tensor_parallel"], plan)``. The engine gets the
+mesh (``engine/tensor_parallel.py``: ZeRO over the data-parallel dim, norms over both). The sampler splits
+by the data-parallel rank only: the T ranks of one tensor-parallel group must see the same batch.
+Imports nothing from Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..engine import tensor_parallel as TP
+from ..engine.config import _is_int
+
+
+def check_tensor_parallel_args(kwargs: dict) -> None:
+    """The combinations with ``tensor_parallel_size`` that are refused, before any class is chosen."""
+    if kwargs.get("tensor_parallel_size") is None:
+        return
+    for other in ("pipeline_parallel_size", "shard_group_size"):
+        if kwargs.get(other) is not None:
+            raise ValueError(f"tensor_parallel_size cannot be combined with {other}. Allowed: one of "
+                             f"tensor_parallel_size, pipeline_parallel_size, shard_group_size, or none.")
+
+
+class TensorParallelLayout:
+    """The (N // T, T) layout of a strategy with ``tensor_parallel_size=T``; the mesh once built."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.mesh: Optional[Any] = None
+
+    @classmethod
+    def of(cls, size: Optional[int], config, checkpoint_format: str = "sharded") -> Optional["TensorParallelLayout"]:
+        if size is None:
+            return None
+        if not _is_int(size) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1 that divides the world size (ranks per "
+                             f"tensor-parallel group) or None (no tensor parallelism); got {size!r}.")
+        TP.check_stage(config.stage)  # the other combinations: check_tensor_parallel_args, in __new__
+        if checkpoint_format != "sharded":  # a full file would need every TP piece gathered into one rank
+            raise ValueError(f"checkpoint_format={checkpoint_format!r} is not available with tensor_parallel_size: "
+                             "Allowed: checkpoint_format='sharded' (then `lightning-zero consolidate` for one "
+                             "full state dict).")
+        return cls(size)
+
+    def build(self, world_size: int, device: torch.device) -> Any:
+        """The 2-D mesh (collective: every rank calls it, after the process group exists)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if world_size % self.size:
+            allowed = ", ".join(str(t) for t in range(1, world_size + 1) if world_size % t == 0)
+            raise ValueError(f"tensor_parallel_size={self.size} does not divide the world of {world_size} rank(s). "
+                             f"Allowed: {allowed}.")
+        self.mesh = init_device_mesh(device.type, (world_size // self.size, self.size),
+                                     mesh_dim_names=(TP.DP, TP.TP))
+        return self.mesh
+
+    @property
+    def device_mesh(self) -> Any:
+        if self.mesh is None:
+            raise RuntimeError("The device mesh is built once the processes exist (setup_environment); it is "
+                               "available from LightningModule.configure_model on.")
+        return self.mesh
+
+    def sampler_kwargs(self) -> dict:
+        dp = self.device_mesh[TP.DP]
+        return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @staticmethod
+    def wrap_launcher(launcher: Any) -> None:
+        """A fork/spawn launcher sends the trained weights back to the parent process, whose model was never
+        parallelized: there they must be whole tensors, not DTensor pieces (which it cannot even unpickle).
+        Gathered on every rank (a collective over each TP group), saved by rank 0 as before."""
+        collect = getattr(launcher, "_collect_rank_zero_results", None)
+        if collect is None:
+            return
+
+        def collect_whole(trainer, results):
+            module = trainer.lightning_module
+            own = module.state_dict
+            module.state_dict = lambda *a, **k: {key: TP.full_value(v) for key, v in own(*a, **k).items()}
+            try:
+                return collect(trainer, results)
+            finally:
+                del module.state_dict
+
+        launcher._collect_rank_zero_results = collect_whole
+
+    def sync_module_states(self, module: torch.nn.Module) -> None:
+        """Rank 0's values on every data-parallel replica (an evaluation without an engine)."""
+        TP.broadcast_module_states(module, self.device_mesh.get_group(TP.DP))

@@ -1,0 +1,84 @@
+"""A GPT-2-style block for tensor parallelism (attention + MLP, LayerNorms) and its column/row plan.
+
+q, k and v are separate projections so that a column-parallel cut gives each TP rank whole heads (a fused
+qkv cut by rows would hand one rank all of q and half of k); the attention infers its local head count.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+VOCAB, DIM, HEADS, HIDDEN, SEQ = 13, 16, 4, 24, 7
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        # no key bias: softmax ignores it, so its gradient is rounding noise that Adam would blow up to lr
+        self.q, self.k, self.v = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM, bias=False), nn.Linear(DIM, DIM)
+        self.out = nn.Linear(DIM, DIM)
+        self.fc, self.proj = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h).view(b, s, -1, DIM // HEADS).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.out(a)
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.block = Block()
+        self.ln_f = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(self.block(self.emb(tokens))))
+
+
+def make_gpt(seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT()
+
+
+def tp_plan(prefix: str = "block") -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    col = {f"{prefix}.{n}": ColwiseParallel() for n in ("q", "k", "v", "fc")}
+    return {**col, f"{prefix}.out": RowwiseParallel(), f"{prefix}.proj": RowwiseParallel()}
+
+
+def parallelize(model: nn.Module, tp_mesh, prefix: str = "block") -> nn.Module:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, tp_mesh, tp_plan(prefix))
+
+
+def global_batch(step: int, micro: int = 0, size: int = 8) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randint(0, VOCAB, (size, SEQ + 1), generator=g)
+
+
+def dp_batch(step: int, micro: int, dp_rank: int, dp_size: int, size: int = 8) -> torch.Tensor:
+    """This data-parallel rank's rows of the global batch (every TP rank of a DP group sees the same)."""
+    return global_batch(step, micro, size).chunk(dp_size)[dp_rank]
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def full_state(model: nn.Module) -> dict:
+    """Every parameter's global value (DTensors gathered over their TP group: a collective)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        out[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+    return out
