@@ -28,6 +28,7 @@ def free_port() -> int:
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence, outdir: str, backend: str,
            threads: int, timeout_s: float) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads))
     # the exported count also stops Lightning's launchers (``_set_num_threads_if_needed``) from raising it:
@@ -37,7 +38,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence, 
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if dist.is_initialized():  # inherited from the parent by fork
         dist.destroy_process_group()
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    # the parent's store (run_ranks): a client here, never a second server on a port someone else may hold
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(outdir, f"rank{rank}.pt"))
@@ -55,19 +58,27 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence = (), start_method: 
     A failing rank raises ``RuntimeError("rank r failed: <its traceback>")`` here (or "died without a
     result" when it was killed); ``fn`` must be picklable for ``start_method="spawn"``.
     """
+    # [Note: the rendezvous store lives in the parent] Picking a free port and letting rank 0 bind it later
+    # races with every other process on the machine: another job may take the port in between, or (with
+    # SO_REUSEPORT) bind it too, and ranks of two runs then meet in one store and fail in gloo's
+    # connectFullMesh. The parent binds port 0 (the OS picks) and holds the store until every rank is done.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
     with tempfile.TemporaryDirectory() as outdir:
+        launch_error = None
         try:
-            mp.start_processes(_entry, args=(world_size, free_port(), fn, tuple(args), outdir, backend, threads,
+            mp.start_processes(_entry, args=(world_size, store.port, fn, tuple(args), outdir, backend, threads,
                                              timeout_s), nprocs=world_size, join=True, start_method=start_method)
-        except Exception:
-            pass  # the rank files below say what went wrong
+        except Exception as err:  # the rank files below say what went wrong; this says why a rank wrote none
+            launch_error = err
         results = []
         for r in range(world_size):
             path = os.path.join(outdir, f"rank{r}.pt")
             if not os.path.exists(path):
-                raise RuntimeError(f"rank {r} died without a result")
+                raise RuntimeError(f"rank {r} died without a result ({launch_error})")
             out = torch.load(path, weights_only=False)
             if not out["ok"]:
                 raise RuntimeError(f"rank {r} failed:\n{out['error']}")
             results.append(out["result"])
+        del store
         return results
