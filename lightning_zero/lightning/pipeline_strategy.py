@@ -16,8 +16,20 @@ The LightningModule's contract:
   tensor that is both, as for a language model). ``on_before_backward`` / ``on_after_backward`` /
   ``on_before_optimizer_step`` are not called either: backward happens inside the schedule.
 * ``configure_optimizers``: one optimizer over ``self.parameters()`` (this stage's), with any LR scheduler.
-* ``validation_step`` is not called either: during fit, validation runs the forward pipeline and logs
-  ``val_loss`` (mean over the global batch). ``trainer.validate`` / ``test`` / ``predict`` are refused.
+* ``validation_step`` / ``test_step`` / ``predict_step`` are not called either: validation (during fit or
+  ``trainer.validate``) and ``trainer.test`` run the forward pipeline and log ``val_loss`` / ``test_loss``,
+  the last stage's mean over the global batch, broadcast so every rank's ``callback_metrics`` agree.
+  ``trainer.predict`` returns the last stage's outputs per batch on *every* rank of the replica that read
+  it (broadcast along the pipeline; each replica its own share of the data, as with DDP).
+  Outside fit the pipeline is an evaluation-only one: fp32 weights as given (or from ``ckpt_path``),
+  mixed precision under autocast, as ZeroStrategy evaluates.
+* Several chunks per rank (``pipeline_schedule="interleaved"``, ``pipeline_chunks=V``): ``configure_model``
+  sets ``self.pipeline_stages`` to the V chunk modules of ``strategy.pipeline_stage_indices`` (of
+  ``strategy.pipeline_virtual_stages`` = P * V), each with its own stage forward; the one optimizer is
+  split per chunk (lightning/pipeline_chunks.py).
+* Precision: "32-true", "bf16-mixed", "16-mixed" as ZeroStrategy (the stage module in fp16/bf16, fp32
+  masters); the fp16 loss scaler skips a step on every stage when any stage overflows, and the LR scheduler
+  does not advance on a skipped step.
 
 Lightning's loop stays in charge of *when*: its accumulation boundary (every ``accumulate_grad_batches``-th
 batch, or an epoch's last) is the boundary the pipeline reduces and steps at, its LR schedulers step as
@@ -43,7 +55,8 @@ from typing import Any, Generator, Mapping, Optional
 import torch
 
 from ..checkpoint.files import _OLD, _TMP, INFO_FILE, META_FILE, _remove, resolve_checkpoint_dir, tidy_checkpoint_dir
-from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size
+from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size, virtual_stages
+from .pipeline_chunks import chunk_optimizers, sync_hyperparameters
 from .strategy import TrainerFn, ZeroStrategy
 
 PIPELINE_FORMAT = "lightning_zero.pipeline"
@@ -63,27 +76,30 @@ class ZeroPipelineStrategy(ZeroStrategy):
         pipeline_parallel_size: P, the stages of one pipeline; must divide the world size.
         pipeline_microbatches: M, the micro-batches torch's schedule cuts each batch into (the bubble is
             (P - 1) / (M + P - 1) of a step).
-        pipeline_schedule: "1f1b" (default) or "gpipe" ("interleaved" needs several chunks and optimizers
-            per rank, which the engine's ``PipelineZero`` takes but this strategy does not yet).
+        pipeline_schedule: "1f1b" (default), "gpipe" or "interleaved" (``pipeline_chunks`` chunks per rank).
         pipeline_max_imbalance: refuse splits whose largest stage holds more than this many times the
             parameters of the smallest (None: no check).
+        pipeline_chunks: stage chunks per rank, V (default: 2 with "interleaved", else 1; more than one
+            needs "interleaved").
     """
 
     strategy_name = "zero_pipeline"
 
     def __init__(self, *args: Any, pipeline_parallel_size: int = 2, pipeline_microbatches: int = 4,
                  pipeline_schedule: str = "1f1b", pipeline_max_imbalance: Optional[float] = 4.0,
-                 **kwargs: Any) -> None:
+                 pipeline_chunks: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.stage not in (0, 1, 2):
             raise ValueError(f"pipeline parallelism composes with ZeRO stages 0, 1 and 2 (each stage holds its own "
                              f"parameters whole); got stage={self.stage}. Allowed: stage=0, 1 or 2.")
         if pipeline_schedule not in SCHEDULES:
             raise ValueError(f"Unknown pipeline_schedule {pipeline_schedule!r}. Allowed: {', '.join(SCHEDULES)}.")
-        if pipeline_schedule == "interleaved":
-            raise NotImplementedError("pipeline_schedule='interleaved' (several stage chunks per rank, one optimizer "
-                                      "each) is available in the engine (lightning_zero.engine.pipeline.PipelineZero) "
-                                      "but not under the Trainer. Allowed here: '1f1b', 'gpipe'.")
+        chunks = _check_int("pipeline_chunks", pipeline_chunks if pipeline_chunks is not None
+                            else 2 if pipeline_schedule == "interleaved" else 1)
+        if chunks > 1 and pipeline_schedule != "interleaved":
+            raise ValueError(f"pipeline_chunks={chunks} (several stage chunks per rank) runs the interleaved "
+                             f"schedule only; got pipeline_schedule={pipeline_schedule!r}. Allowed: "
+                             f"pipeline_schedule='interleaved', or pipeline_chunks=1.")
         if self.checkpoint_format != "sharded":
             raise ValueError("checkpoint_format='full' is not available with pipeline_parallel_size: a checkpoint "
                              "is one file per stage. Allowed: checkpoint_format='sharded' (then "
@@ -92,7 +108,11 @@ class ZeroPipelineStrategy(ZeroStrategy):
         self.pipeline_microbatches = _check_int("pipeline_microbatches", pipeline_microbatches)
         self.pipeline_schedule = pipeline_schedule
         self.pipeline_max_imbalance = pipeline_max_imbalance
-        self.pipe: Optional[PipelineZero] = None
+        self.pipeline_chunks = chunks
+        self.pipe: Optional[PipelineZero] = None  # the fit's (kept after it: save_checkpoint writes its state)
+        self._eval_pipe: Optional[PipelineZero] = None  # validate / test / predict outside fit
+        self._live: list[PipelineZero] = []  # pipes whose engines still hold hooks (removed at teardown)
+        self._chunk_opts: list = []  # several chunks: one optimizer per chunk (pipeline_chunks.py)
         self.last_loss: Optional[torch.Tensor] = None  # the last batch's loss (global batch mean), every rank
         self._boundary = False  # Lightning's loop is inside optimizer_step: this batch ends with a step
 
@@ -110,6 +130,16 @@ class ZeroPipelineStrategy(ZeroStrategy):
     def pipeline_dp_rank(self) -> int:
         return self.global_rank % self.pipeline_dp_size
 
+    @property
+    def pipeline_virtual_stages(self) -> int:
+        """P * V: the stages the model is cut into (V = ``pipeline_chunks`` per rank)."""
+        return self.pipeline_parallel_size * self.pipeline_chunks
+
+    @property
+    def pipeline_stage_indices(self) -> list[int]:
+        """The (virtual) stages this rank builds: ``p, p + P, ...`` (torch's interleaved layout)."""
+        return virtual_stages(self.pipeline_stage_index, self.pipeline_parallel_size, self.pipeline_chunks)
+
     def _configure_launcher(self) -> None:
         # the world is known here (devices x nodes), before any process starts: one error, in the caller
         check_pipeline_size(self.pipeline_parallel_size, self.num_nodes * len(self.parallel_devices or [None]))
@@ -122,44 +152,91 @@ class ZeroPipelineStrategy(ZeroStrategy):
     # -- setup ----------------------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        if trainer.state.fn != TrainerFn.FITTING:
-            raise NotImplementedError(self._fit_only("trainer." + str(trainer.state.fn.value)))
-        if self.precision_plugin.compute_dtype != torch.float32:
-            raise NotImplementedError(f"precision={self.precision_plugin.precision!r} with pipeline_parallel_size: "
-                                      f"the pipeline strategy runs fp32 only so far. Allowed: precision='32-true' "
-                                      f"(fp16/bf16 pipelines: lightning_zero.engine.pipeline.PipelineZero).")
-        if trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm not in (None, "norm"):
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} with pipeline stages. "
                              f"Allowed: 'norm' (clipped by the norm over all stages).")
         module = self.lightning_module
-        if not callable(getattr(module, "pipeline_loss", None)):
+        loss_fn = getattr(module, "pipeline_loss", None)
+        if trainer.state.fn != TrainerFn.PREDICTING and not callable(loss_fn):
             raise TypeError(f"{type(module).__name__} has no pipeline_loss(output, target): the last pipeline stage "
                             f"needs it to turn its output into the micro-batch's loss.")
         self.accelerator.setup(trainer)
         self.model_to_device()
+        stages = self._stage_modules(module)
+        if getattr(module, "source_prefixes", None) is None and len(stages) == 1:
+            module.source_prefixes = _child_prefixes(module)  # checkpoints consolidate to the model's names
+        prec, common = self.precision_plugin, dict(
+            schedule=self.pipeline_schedule, config=self.zero_config, max_imbalance=self.pipeline_max_imbalance,
+            device=self.root_device)
+        stage_arg = stages if len(stages) > 1 else module
+        if not fitting:  # evaluation only: fp32 weights, mixed precision under autocast (as ZeroStrategy)
+            self._eval_pipe = PipelineZero(stage_arg, self.pipeline_parallel_size, loss_fn, None,
+                                           self.pipeline_microbatches, **common)
+            self._live.append(self._eval_pipe)
+            prec.attach(None, self.root_device.type)
+            self.setup_precision_plugin()
+            return
         self.setup_optimizers(trainer)
         if len(self.optimizers) != 1:
             raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers. Allowed with "
                              f"pipeline_parallel_size: one optimizer over the stage's parameters.")
-        if getattr(module, "source_prefixes", None) is None:
-            module.source_prefixes = _child_prefixes(module)  # checkpoints consolidate to the model's names
+        self._chunk_opts = chunk_optimizers(self.optimizers[0], stages) if len(stages) > 1 else []
         clip = trainer.gradient_clip_val
-        self.pipe = PipelineZero(module, self.pipeline_parallel_size, module.pipeline_loss, self.optimizers[0],
-                                 self.pipeline_microbatches, schedule=self.pipeline_schedule, config=self.zero_config,
+        self.pipe = PipelineZero(stage_arg, self.pipeline_parallel_size, loss_fn,
+                                 self._chunk_opts or self.optimizers[0], self.pipeline_microbatches,
                                  accumulate_grad_batches=trainer.accumulate_grad_batches,
                                  gradient_clip_val=float(clip) if clip is not None else None,
-                                 max_imbalance=self.pipeline_max_imbalance, device=self.root_device)
+                                 compute_dtype=prec.compute_dtype, loss_scaler=prec.loss_scaler,
+                                 check_finite=prec.check_finite, **common)
+        self._live.append(self.pipe)
+        self._attach_precision()
+        self._guard_scheduler()
         # Lightning zeroes gradients after the first training_step of an accumulation window, assuming its
         # backward comes next; here that step's backward has already run inside the schedule. The engines
         # clear their gradients after each optimizer step themselves.
         module.optimizer_zero_grad = lambda *a, **k: None  # instance attribute; removed at teardown
         self.setup_precision_plugin()
 
-    def _fit_only(self, what: str) -> str:
-        return (f"{what} under pipeline_parallel_size is not implemented: the pipeline strategy runs trainer.fit "
-                f"(training batches and validation during fit: val_loss from the forward pipeline). Allowed: fit "
-                f"with validation; for test / predict / a lone validate, evaluate the consolidated checkpoint "
-                f"(lightning_zero.engine.pipeline.consolidate_pipeline_checkpoint) in one process.")
+    def _stage_modules(self, module) -> list:
+        """This rank's stage modules: the LightningModule itself, or its ``pipeline_stages`` (several chunks)."""
+        if self.pipeline_chunks == 1:
+            return [module]
+        stages = list(getattr(module, "pipeline_stages", None) or ())
+        if len(stages) != self.pipeline_chunks:
+            raise ValueError(f"pipeline_chunks={self.pipeline_chunks}: configure_model must set "
+                             f"self.pipeline_stages to the {self.pipeline_chunks} chunk modules of "
+                             f"trainer.strategy.pipeline_stage_indices (of pipeline_virtual_stages); got "
+                             f"{len(stages)}.")
+        return stages
+
+    def _attach_precision(self) -> None:
+        """The plugin's input casts and skip counter on every chunk's engine (it attaches to one engine)."""
+        from .precision import _cast_inputs_to_param_dtype
+
+        prec = self.precision_plugin
+        prec.attach(self.pipe.engine, self.root_device.type)
+        for engine in self.pipe.engines[1:]:
+            engine.counters = prec.counters
+            if prec.mixed:
+                prec._cast_hooks += _cast_inputs_to_param_dtype(engine.module)
+
+    def _guard_scheduler(self) -> None:
+        """A step skipped for overflow (on any stage: on all of them) does not advance the LR schedule."""
+        module, original = self.lightning_module, self.lightning_module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler, metric=None):
+            return None if self.pipe.last_step_skipped else original(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # instance attribute; removed at teardown (ZeroStrategy's)
+        self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
+
+    @property
+    def _forward_pipe(self) -> PipelineZero:
+        pipe = self._eval_pipe if self._eval_pipe is not None else self.pipe
+        if pipe is None:
+            raise RuntimeError("no pipeline is set up: evaluation runs inside trainer.fit / validate / test / predict.")
+        return pipe
 
     # -- the training step: the whole schedule, inside Lightning's closure --------------------------------
     def _split_batch(self, batch: Any) -> tuple[Any, Any]:
@@ -177,8 +254,16 @@ class ZeroPipelineStrategy(ZeroStrategy):
         # Lightning decides the boundary (its accumulation count, or an epoch's last batch); PipelineZero's
         # reduction (no_sync on the other micro-batches) and its optimizer step follow that decision
         pipe._calls = pipe.accumulate - 1 if self._boundary else 0
-        self.last_loss = loss = pipe.step(inputs, targets)
-        self.lightning_module.log("train_loss", loss, prog_bar=True, batch_size=self._rows(inputs))
+        if self._boundary and self._chunk_opts:
+            sync_hyperparameters(self.optimizers[0], self._chunk_opts)  # the LR the scheduler set
+        prec, module = self.precision_plugin, self.lightning_module
+        with prec.forward_context():
+            self.last_loss = loss = pipe.step(inputs, targets)
+        module.log("train_loss", loss, prog_bar=True, batch_size=self._rows(inputs))
+        if self._boundary and prec.mixed:
+            if prec.loss_scaler is not None:
+                module.log("loss_scale", prec.loss_scale, prog_bar=True)
+            module.log("skipped_steps", float(prec.skipped_steps), prog_bar=prec.loss_scaler is not None)
         return loss
 
     @staticmethod
@@ -201,28 +286,40 @@ class ZeroPipelineStrategy(ZeroStrategy):
     def block_backward_sync(self) -> Generator:
         yield None  # the pipeline's own no_sync covers the non-boundary micro-batches
 
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The forward pipeline over the batch's micro-batches: ``val_loss``, the mean over the global batch
-        (every rank holds the same value)."""
-        if self.pipe is None:
-            raise NotImplementedError(self._fit_only("validation outside fit"))
-        batch = args[0] if args else kwargs["batch"]
-        inputs, targets = self._split_batch(batch)
-        loss = self.pipe.evaluate(inputs, targets)
-        self.lightning_module.log("val_loss", loss, prog_bar=True, batch_size=self._rows(inputs))
+    def _evaluate(self, name: str, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The forward pipeline over the batch's micro-batches: ``name`` logged, the mean over the global
+        batch (every rank holds the same value)."""
+        inputs, targets = self._split_batch(args[0] if args else kwargs["batch"])
+        with self.precision_plugin.forward_context():
+            loss = self._forward_pipe.evaluate(inputs, targets)
+        self.lightning_module.log(name, loss, prog_bar=True, batch_size=self._rows(inputs))
         return loss
 
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("val_loss", args, kwargs)
+
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(self._fit_only("test_step"))
+        return self._evaluate("test_loss", args, kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(self._fit_only("predict_step"))
+        """The last stage's outputs for the batch's inputs, on every rank of this replica."""
+        batch = args[0] if args else kwargs["batch"]
+        inputs = self._split_batch(batch)[0]
+        with self.precision_plugin.forward_context():
+            out = self._forward_pipe.predict(inputs)
+        return self.precision_plugin.convert_output(out)
+
+    def on_train_end(self) -> None:
+        if self.pipe is not None:  # bf16/fp16: the module back in fp32 with the master values
+            for engine in self.pipe.engines:
+                engine.restore_fp32_module()
 
     def teardown(self) -> None:
-        if self.pipe is not None:  # the pipe stays: save_checkpoint after fit still writes its state
-            for engine in self.pipe.engines:
+        for pipe in self._live:  # self.pipe stays: save_checkpoint after fit still writes its state
+            for engine in pipe.engines:
                 engine.remove(hand_back=not self._failed)
-            self.lightning_module.__dict__.pop("optimizer_zero_grad", None)
+        self._live, self._eval_pipe = [], None
+        self.lightning_module.__dict__.pop("optimizer_zero_grad", None)
         super().teardown()
 
     # -- checkpoints: per-stage files + Lightning's metadata, one directory ----------------------------------
@@ -278,7 +375,7 @@ class ZeroPipelineStrategy(ZeroStrategy):
         return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.pipe.load(checkpoint[_LOADED_KEY])  # model and optimizer state, at any data-parallel size
+        self._forward_pipe.load(checkpoint[_LOADED_KEY])  # model and optimizer state, any data-parallel size
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded with the model above

@@ -37,6 +37,20 @@ rank_zero_info = lightning_import("utilities.rank_zero", "rank_zero_info")
 ZeroPrecision = sibling("precision").ZeroPrecision
 
 
+_PIPELINE_OPTIONS = ("pipeline_microbatches", "pipeline_schedule", "pipeline_max_imbalance", "pipeline_chunks")
+
+
+def _check_pipeline_options(options: dict) -> None:
+    """Without a pipeline (``pipeline_parallel_size=None``) its options mean nothing: one clear error."""
+    unknown = [k for k in options if k not in _PIPELINE_OPTIONS]
+    if unknown:
+        raise TypeError(f"ZeroStrategy got unexpected keyword argument(s) {', '.join(map(repr, unknown))}.")
+    if options:
+        raise ValueError(f"{', '.join(sorted(options))} configure pipeline parallelism, which is off "
+                         f"(pipeline_parallel_size=None). Allowed: pipeline_parallel_size=P (an int dividing the "
+                         f"world size) with them, or none of them.")
+
+
 class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
     """ZeRO data parallelism for Lightning.
 
@@ -115,7 +129,11 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         overlap_publish: bool = False,
         quantize_weights: bool = False,
         quantize_grads: bool = False,
+        # pipeline parallelism: a number builds ZeroPipelineStrategy instead (see __new__); None = no pipeline
+        pipeline_parallel_size: Optional[int] = None,
+        **pipeline_options: Any,
     ) -> None:
+        _check_pipeline_options(pipeline_options)
         self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")
