@@ -143,7 +143,8 @@ def test_validate_test_predict_without_fit_equal_the_uncut_model(tmp_path):
 @pytest.mark.timeout(150)
 def test_validate_from_a_fit_checkpoint_and_consolidate_cli(tmp_path):
     ckpt = tmp_path / "epoch0.ckpt"
-    _fit_trainer(callbacks=[SaveAtEpochEnd(str(ckpt))]).fit(EvalGPT2(str(tmp_path), "f_"))
+    model, trainer = EvalGPT2(str(tmp_path), "f_"), _fit_trainer(callbacks=[SaveAtEpochEnd(str(ckpt))])
+    trainer.fit(model)
     seen = torch.load(tmp_path / "f_rank0.pt")["batches"]
     ref_losses, ref_val, ref_sd = _reference(seen)
     # `lightning-zero consolidate` on the pipeline directory: the uncut model's own state dict
@@ -154,11 +155,14 @@ def test_validate_from_a_fit_checkpoint_and_consolidate_cli(tmp_path):
     assert not bad, bad
     _model().load_state_dict(full, strict=True)
     assert cli(["consolidate", str(ckpt), str(tmp_path / "full.pt"), "--lightning"]) == 2  # one clear refusal
-    # a lone validate from the checkpoint: the trained weights' loss on every rank
-    _trainer().validate(EvalGPT2(str(tmp_path), "g_"), ckpt_path=str(ckpt))
+    # the fork launcher's workers held the trained stages, this process's module none: one clear error ...
+    with pytest.raises(Exception, match="trained by trainer.fit in worker processes.*Allowed: pass ckpt_path="):
+        trainer.validate(model)
+    # ... and validate after fit from its checkpoint: the trained weights' loss on every rank
+    trainer.validate(model, ckpt_path=str(ckpt))
     _, trained_loss = _uncut(ref_sd)
     assert trained_loss == pytest.approx(ref_val[-1], rel=RTOL)
-    for r, val in enumerate(_load(tmp_path, "g_", "validate")):
+    for r, val in enumerate(_load(tmp_path, "f_", "validate")):
         assert val["val_loss"] == pytest.approx(trained_loss, rel=RTOL), r
 
 

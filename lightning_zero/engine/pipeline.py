@@ -139,8 +139,9 @@ class PipelineZero:
     given, each stage's replicas start from its data-parallel rank 0); ``loss_fn=None`` as well: predict only.
     """
 
-    def __init__(self, stage_module: Union[nn.Module, Sequence[nn.Module]], num_stages: int, loss_fn: Optional[Callable],
-                 optimizer: Any, microbatches: int, schedule: str = "1f1b", config: Optional[ZeroConfig] = None,
+    def __init__(self, stage_module: Union[nn.Module, Sequence[nn.Module]], num_stages: int,
+                 loss_fn: Optional[Callable], optimizer: Any, microbatches: int, schedule: str = "1f1b",
+                 config: Optional[ZeroConfig] = None,
                  accumulate_grad_batches: int = 1, gradient_clip_val: Optional[float] = None,
                  max_imbalance: Optional[float] = 4.0, loss_scaler: Any = None, check_finite: bool = False,
                  compute_dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:

@@ -22,7 +22,9 @@ The LightningModule's contract:
   ``trainer.predict`` returns the last stage's outputs per batch on *every* rank of the replica that read
   it (broadcast along the pipeline; each replica its own share of the data, as with DDP).
   Outside fit the pipeline is an evaluation-only one: fp32 weights as given (or from ``ckpt_path``),
-  mixed precision under autocast, as ZeroStrategy evaluates.
+  mixed precision under autocast, as ZeroStrategy evaluates. After a fit under the fork/spawn launcher
+  the trained stages lived in the workers only (no rank, and not the main process, holds the whole model),
+  so evaluating that module again needs ``ckpt_path=`` (anything else is one clear error).
 * Several chunks per rank (``pipeline_schedule="interleaved"``, ``pipeline_chunks=V``): ``configure_model``
   sets ``self.pipeline_stages`` to the V chunk modules of ``strategy.pipeline_stage_indices`` (of
   ``strategy.pipeline_virtual_stages`` = P * V), each with its own stage forward; the one optimizer is
@@ -40,27 +42,26 @@ read the same batch (the first stage its inputs, the last its targets).
 
 Checkpoints are :meth:`PipelineZero.save`'s per-stage files (full fp32 values, any data-parallel size
 resumes) plus Lightning's ``meta.pt`` in one directory, written as ``X.zero-tmp`` and renamed into place as
-the DCP directories are (checkpoint/files.py). ``consolidate_pipeline_checkpoint(X)`` gives the model's
-own state dict.
+the DCP directories are (checkpoint/files.py). ``lightning-zero consolidate X out.pt`` (or
+``consolidate_pipeline_checkpoint(X)``) gives the uncut model's own state dict.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-from pathlib import Path
-from typing import Any, Generator, Mapping, Optional
+from typing import Any, Generator, Optional
 
 import torch
 
-from ..checkpoint.files import _OLD, _TMP, INFO_FILE, META_FILE, _remove, resolve_checkpoint_dir, tidy_checkpoint_dir
 from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size, virtual_stages
+from .pipeline_checkpoint import PipelineCheckpointMixin
 from .pipeline_chunks import chunk_optimizers, sync_hyperparameters
+from ._distribution import lightning_import
 from .strategy import TrainerFn, ZeroStrategy
 
-PIPELINE_FORMAT = "lightning_zero.pipeline"
-_LOADED_KEY = "lightning_zero_pipeline_dir"
+_MultiProcessingLauncher = lightning_import("strategies.launchers", "_MultiProcessingLauncher")
+_TRAINED_ELSEWHERE = "_lightning_zero_pipeline_trained_elsewhere"
+
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -69,7 +70,7 @@ def _check_int(name: str, value: Any) -> int:
     return value
 
 
-class ZeroPipelineStrategy(ZeroStrategy):
+class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
     """ZeRO stage 0, 1 or 2 over the data-parallel replicas of each of P pipeline stages.
 
     Args (besides ZeroStrategy's):
@@ -102,8 +103,8 @@ class ZeroPipelineStrategy(ZeroStrategy):
                              f"pipeline_schedule='interleaved', or pipeline_chunks=1.")
         if self.checkpoint_format != "sharded":
             raise ValueError("checkpoint_format='full' is not available with pipeline_parallel_size: a checkpoint "
-                             "is one file per stage. Allowed: checkpoint_format='sharded' (then "
-                             "consolidate_pipeline_checkpoint for one state dict).")
+                             "is one file per stage. Allowed: checkpoint_format='sharded' (then `lightning-zero "
+                             "consolidate` for one state dict).")
         self.pipeline_parallel_size = _check_int("pipeline_parallel_size", pipeline_parallel_size)
         self.pipeline_microbatches = _check_int("pipeline_microbatches", pipeline_microbatches)
         self.pipeline_schedule = pipeline_schedule
@@ -113,6 +114,7 @@ class ZeroPipelineStrategy(ZeroStrategy):
         self._eval_pipe: Optional[PipelineZero] = None  # validate / test / predict outside fit
         self._live: list[PipelineZero] = []  # pipes whose engines still hold hooks (removed at teardown)
         self._chunk_opts: list = []  # several chunks: one optimizer per chunk (pipeline_chunks.py)
+        self._stale = False  # evaluating a module whose training happened in other processes (see _PipelineLauncher)
         self.last_loss: Optional[torch.Tensor] = None  # the last batch's loss (global batch mean), every rank
         self._boundary = False  # Lightning's loop is inside optimizer_step: this batch ends with a step
 
@@ -144,6 +146,8 @@ class ZeroPipelineStrategy(ZeroStrategy):
         # the world is known here (devices x nodes), before any process starts: one error, in the caller
         check_pipeline_size(self.pipeline_parallel_size, self.num_nodes * len(self.parallel_devices or [None]))
         super()._configure_launcher()
+        if type(self._launcher) is _MultiProcessingLauncher:  # fork / spawn: see _PipelineLauncher
+            self._launcher = _PipelineLauncher(self, start_method=self._start_method)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -171,6 +175,7 @@ class ZeroPipelineStrategy(ZeroStrategy):
             device=self.root_device)
         stage_arg = stages if len(stages) > 1 else module
         if not fitting:  # evaluation only: fp32 weights, mixed precision under autocast (as ZeroStrategy)
+            self._stale = getattr(module, _TRAINED_ELSEWHERE, False)  # until a checkpoint loads
             self._eval_pipe = PipelineZero(stage_arg, self.pipeline_parallel_size, loss_fn, None,
                                            self.pipeline_microbatches, **common)
             self._live.append(self._eval_pipe)
@@ -236,6 +241,12 @@ class ZeroPipelineStrategy(ZeroStrategy):
         pipe = self._eval_pipe if self._eval_pipe is not None else self.pipe
         if pipe is None:
             raise RuntimeError("no pipeline is set up: evaluation runs inside trainer.fit / validate / test / predict.")
+        if pipe is self._eval_pipe and self._stale:
+            raise RuntimeError("this LightningModule was trained by trainer.fit in worker processes (fork/spawn "
+                               "launcher), which held its pipeline stages; this process's copy has none of the "
+                               "trained weights. Allowed: pass ckpt_path= (a checkpoint that fit saved, e.g. "
+                               "ckpt_path='last') to validate / test / predict, or run under torchrun, where fit and "
+                               "evaluation share the processes.")
         return pipe
 
     # -- the training step: the whole schedule, inside Lightning's closure --------------------------------
@@ -319,66 +330,9 @@ class ZeroPipelineStrategy(ZeroStrategy):
             for engine in pipe.engines:
                 engine.remove(hand_back=not self._failed)
         self._live, self._eval_pipe = [], None
-        self.lightning_module.__dict__.pop("optimizer_zero_grad", None)
+        if self.lightning_module is not None:
+            self.lightning_module.__dict__.pop("optimizer_zero_grad", None)
         super().teardown()
-
-    # -- checkpoints: per-stage files + Lightning's metadata, one directory ----------------------------------
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the stage files hold the weights
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}  # ... and the optimizer state
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if self.pipe is None:
-            raise RuntimeError("save_checkpoint with pipeline_parallel_size needs a fit's pipeline (call it during "
-                               "or after trainer.fit).")
-        if storage_options is not None:
-            raise TypeError("storage_options are not supported for pipeline checkpoints (no CheckpointIO).")
-        path = Path(self.broadcast(str(filepath)))
-        tmp, old = path.with_name(path.name + _TMP), path.with_name(path.name + _OLD)
-        if self.is_global_zero:
-            tidy_checkpoint_dir(path.parent)
-            tmp.mkdir(parents=True)
-        self.barrier()
-        self.pipe.save(str(tmp))  # collective; each stage's data-parallel rank 0 writes stage<i>.pt
-        if self.is_global_zero:
-            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            torch.save(meta, tmp / META_FILE)
-            info = {"format": PIPELINE_FORMAT, "version": 1, "num_stages": self.pipeline_parallel_size,
-                    "zero_stage": self.stage}
-            (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
-        self.barrier()
-        if self.is_global_zero:  # a name that exists is complete (see checkpoint/format.py)
-            if os.path.lexists(path):
-                _remove(old)
-                os.rename(path, old)
-            os.rename(tmp, path)
-            _remove(old)
-        self.barrier()
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # into the stage engines' masters, which exist after setup
-
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = resolve_checkpoint_dir(self.broadcast(str(checkpoint_path)))
-        info_file = path / INFO_FILE
-        info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-        if info.get("format") != PIPELINE_FORMAT:
-            raise ValueError(f"{str(path)!r} is not a pipeline checkpoint directory (no {INFO_FILE} with format "
-                             f"{PIPELINE_FORMAT!r}). Allowed: a directory that trainer.save_checkpoint wrote with "
-                             f"pipeline_parallel_size.")
-        meta = torch.load(path / META_FILE, weights_only=False)
-        meta["optimizer_states"] = [{}]  # in the stage files; Lightning checks the key exists
-        meta[_LOADED_KEY] = str(path)
-        return meta
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._forward_pipe.load(checkpoint[_LOADED_KEY])  # model and optimizer state, any data-parallel size
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded with the model above
 
 
 def _child_prefixes(module: torch.nn.Module) -> dict[str, str]:
@@ -388,3 +342,22 @@ def _child_prefixes(module: torch.nn.Module) -> dict[str, str]:
         for local, source in (getattr(child, "source_prefixes", None) or {}).items() if child is not module else ():
             out[f"{name}.{local}"] = source
     return out
+
+
+class _PipelineLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, which also marks the main process's module after a fit.
+
+    The launcher hands rank 0's module state back to the main process, but under pipeline parallelism rank 0
+    holds stage 0 only, and the main process's module (whose stages ``configure_model`` built in the workers)
+    none: a later ``trainer.validate(model)`` would silently evaluate freshly built stages. The mark makes
+    that one clear error instead (unless a ``ckpt_path`` loads the trained weights)."""
+
+    def get_extra_results(self, trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        extra[_TRAINED_ELSEWHERE] = trainer.state.fn == TrainerFn.FITTING
+        return extra
+
+    def update_main_process_results(self, trainer, extra: dict[str, Any]) -> None:
+        if extra.pop(_TRAINED_ELSEWHERE, False):
+            setattr(trainer.lightning_module, _TRAINED_ELSEWHERE, True)
+        super().update_main_process_results(trainer, extra)

@@ -1,4 +1,4 @@
-"""Per-stage model-state memory of pipeline parallelism x ZeRO 0-2 (``lightning-zero estimate --pipeline-parallel-size P``).
+"""Per-stage model-state memory of pipeline parallelism x ZeRO 0-2 (``estimate --pipeline-parallel-size P``).
 
 Design note
 -----------
@@ -107,7 +107,8 @@ def format_pipeline_estimate(est: PipelineEstimate) -> str:
              f"({est.world_size} ranks); precision {est.precision}; optimizer {est.optimizer}; split: {est.split}",
              "GiB per rank of the stage (M = MiB); states = params + grads + master+optim; ZeRO 1/2 shard over the "
              "stage's D replicas (stage 3 does not compose with the pipeline)"]
-    head = "| pipeline stage | params | zero0 states | zero1 states | zero2 states | zero2 params / grads / master+optim |"
+    head = ("| pipeline stage | params | zero0 states | zero1 states | zero2 states "
+            "| zero2 params / grads / master+optim |")
     lines += [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
     for r in est.rows:
         z2 = r.zero[2]
