@@ -140,6 +140,18 @@ def test_validate_test_predict_without_fit_equal_the_uncut_model(tmp_path):
         assert torch.allclose(torch.cat(preds), ref_logits, rtol=RTOL, atol=ATOL), r
 
 
+@pytest.mark.timeout(120)
+def test_validate_predict_at_p2_dp2_split_the_data_by_replica(tmp_path):
+    ref_logits, ref_loss = _uncut()
+    model, trainer = EvalGPT2(str(tmp_path), "d_"), _trainer(devices=4)
+    trainer.validate(model)
+    trainer.predict(model)
+    for r, val in enumerate(_load(tmp_path, "d_", "validate", devices=4)):  # the mean over both replicas
+        assert val["val_loss"] == pytest.approx(ref_loss, rel=RTOL), r
+    for r, preds in enumerate(_load(tmp_path, "d_", "predict", devices=4)):  # rank r: stage r // 2, replica r % 2
+        assert len(preds) == 1 and torch.allclose(preds[0], ref_logits[r % 2::2], rtol=RTOL, atol=ATOL), r
+
+
 @pytest.mark.timeout(150)
 def test_validate_from_a_fit_checkpoint_and_consolidate_cli(tmp_path):
     ckpt = tmp_path / "epoch0.ckpt"
@@ -252,10 +264,19 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_both(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_interleaved_under_the_trainer_equals_the_reference(tmp_path):
-    results = [torch.load(p) for p in _fit_run(tmp_path, "i_", schedule="interleaved",
-                                                module_cls=InterleavedGPT2)]
+    ckpt = tmp_path / "interleaved.ckpt"
+    results = [torch.load(p) for p in _fit_run(tmp_path, "i_", schedule="interleaved", module_cls=InterleavedGPT2,
+                                                callbacks=[SaveAtEpochEnd(str(ckpt))])]
     ref_losses, ref_val, ref_sd = _reference(results[0]["batches"])
     _check(results, ref_losses, ref_val, ref_sd, "interleaved, zero1")  # = 1F1B's (same reference)
+    # four stage files (two chunks on each of two ranks) consolidate into the uncut model's state dict
+    assert sorted(f for f in os.listdir(ckpt) if f.startswith("stage")) == [f"stage{i}.pt" for i in range(4)]
+    assert cli(["consolidate", str(ckpt), str(tmp_path / "full.safetensors"), "--quiet"]) == 0
+    from safetensors.torch import load_file
+
+    full = load_file(str(tmp_path / "full.safetensors"))
+    assert set(full) == set(ref_sd)
+    assert all(torch.allclose(full[k], ref_sd[k], rtol=RTOL, atol=ATOL) for k in ref_sd)
 
 
 def test_estimate_reports_per_stage_memory(capsys):
