@@ -81,9 +81,10 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         grad_reduce, overlap_publish, quantize_weights, quantize_grads: communication (see ZeroConfig):
             the gradient reduction ("auto" per backend), the stage 1-2 parameter all-gather overlapped
             with the next forward, and int8 all-gathers (qwZ) / reduce-scatters (qgZ), off by default.
-        pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_max_imbalance: given
-            ``pipeline_parallel_size=P``, the constructor returns a ``ZeroPipelineStrategy``
+        pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_max_imbalance,
+            pipeline_chunks: given ``pipeline_parallel_size=P``, the constructor returns a ``ZeroPipelineStrategy``
             (``lightning/pipeline_strategy.py``): P pipeline stages, ZeRO 0-2 over each stage's replicas.
+            None (the default) is no pipeline; the other pipeline options then are an error.
     """
 
     strategy_name = "zero"
