@@ -63,7 +63,6 @@ _MultiProcessingLauncher = lightning_import("strategies.launchers", "_MultiProce
 _TRAINED_ELSEWHERE = "_lightning_zero_pipeline_trained_elsewhere"
 
 
-
 def _check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
@@ -244,9 +243,9 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
         if pipe is self._eval_pipe and self._stale:
             raise RuntimeError("this LightningModule was trained by trainer.fit in worker processes (fork/spawn "
                                "launcher), which held its pipeline stages; this process's copy has none of the "
-                               "trained weights. Allowed: pass ckpt_path= (a checkpoint that fit saved, e.g. "
-                               "ckpt_path='last') to validate / test / predict, or run under torchrun, where fit and "
-                               "evaluation share the processes.")
+                               "trained weights. Allowed: pass ckpt_path= (a checkpoint that fit saved) to "
+                               "validate / test / predict, or run under torchrun, where fit and evaluation share "
+                               "the processes.")
         return pipe
 
     # -- the training step: the whole schedule, inside Lightning's closure --------------------------------
@@ -321,6 +320,7 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
         return self.precision_plugin.convert_output(out)
 
     def on_train_end(self) -> None:
+        super().on_train_end()
         if self.pipe is not None:  # bf16/fp16: the module back in fp32 with the master values
             for engine in self.pipe.engines:
                 engine.restore_fp32_module()
