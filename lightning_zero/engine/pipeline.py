@@ -26,7 +26,6 @@ norm of the whole model and every rank of every stage skips or steps together.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -37,8 +36,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from . import collectives as C
 from .config import ZeroConfig
 from .engine import ZeroEngine
+from .engine_state import EngineMode
 from .groups import _registered
 from .memory import model_state_floor
+from .pipeline_checkpoint import (consolidate_pipeline_checkpoint, load_stages, save_stages,  # noqa: F401
+                                  source_names, stage_file, stage_state_dicts)
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 _LAYOUTS: dict[tuple, tuple[Any, "PipelineLayout"]] = {}  # (id(default pg), P) -> (default pg, layout)
@@ -132,10 +134,14 @@ class PipelineZero:
     and ``optimizer`` a list of V optimizers; chunk k of pipeline rank p is stage ``p + k * P`` of ``P * V``
     (:func:`virtual_stages`). Each chunk gets its own engine (its own ``no_sync``: torch reports the last
     backward per chunk); norms and overflow are summed over all of them.
+
+    ``optimizer=None``: evaluation only (``evaluate`` / ``predict``; evaluation engines, fp32 weights as
+    given, each stage's replicas start from its data-parallel rank 0); ``loss_fn=None`` as well: predict only.
     """
 
-    def __init__(self, stage_module: Union[nn.Module, Sequence[nn.Module]], num_stages: int, loss_fn: Callable,
-                 optimizer: Any, microbatches: int, schedule: str = "1f1b", config: Optional[ZeroConfig] = None,
+    def __init__(self, stage_module: Union[nn.Module, Sequence[nn.Module]], num_stages: int,
+                 loss_fn: Optional[Callable], optimizer: Any, microbatches: int, schedule: str = "1f1b",
+                 config: Optional[ZeroConfig] = None,
                  accumulate_grad_batches: int = 1, gradient_clip_val: Optional[float] = None,
                  max_imbalance: Optional[float] = 4.0, loss_scaler: Any = None, check_finite: bool = False,
                  compute_dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
@@ -152,7 +158,10 @@ class PipelineZero:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
         chunks = list(stage_module) if isinstance(stage_module, (list, tuple)) else [stage_module]
-        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) and len(chunks) > 1 else [optimizer]
+        if optimizer is None:  # evaluation only: forward pipeline (evaluate / predict), weights as given
+            optimizers = [None] * len(chunks)
+        else:
+            optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) and len(chunks) > 1 else [optimizer]
         if len(chunks) > 1 and (schedule != "interleaved" or len(optimizers) != len(chunks)):
             raise ValueError(f"{len(chunks)} stage chunks on one rank need schedule='interleaved' and one optimizer "
                              f"per chunk; got schedule={schedule!r} and {len(optimizers)} optimizer(s). Allowed: one "
@@ -178,12 +187,13 @@ class PipelineZero:
         self.module, self.engine, self.stage = chunks[0], self.engines[0], self.stages[0]
         # scale_grads=False: the schedule would divide p.grad after backward, but the engine has already
         # reduced (stage 2: freed) it by then; the loss carries 1/(M * accumulation) instead
+        # loss_fn=None (prediction only): the schedule computes no loss
+        scaled = self._scaled_loss if loss_fn is not None else None
         if schedule == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, microbatches, loss_fn=self._scaled_loss,
-                                                    scale_grads=False)
+            self.schedule = ScheduleInterleaved1F1B(self.stages, microbatches, loss_fn=scaled, scale_grads=False)
         else:
             cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-            self.schedule = cls(self.stage, microbatches, loss_fn=self._scaled_loss, scale_grads=False)
+            self.schedule = cls(self.stage, microbatches, loss_fn=scaled, scale_grads=False)
         self._calls = 0  # step() calls since the last optimizer step
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.last_step_skipped = False
@@ -217,10 +227,18 @@ class PipelineZero:
                                  f"{self.microbatches} equal micro-batches. Allowed: a batch size that is a multiple "
                                  f"of {self.microbatches} on every replica.")
 
+    @property
+    def trains(self) -> bool:
+        """False for an evaluation-only pipeline (``optimizer=None``)."""
+        return self.engine.mode is EngineMode.TRAIN
+
     def step(self, inputs: Any, targets: Any) -> torch.Tensor:
         """Run the schedule on this replica's batch; on every accumulate-th call clip (globally) and step.
 
         Returns the mean loss over the global batch (all replicas), on every rank."""
+        if not self.trains:
+            raise RuntimeError("this PipelineZero was built with optimizer=None (evaluation only). Allowed: "
+                               "evaluate(inputs, targets) and predict(inputs); build it with an optimizer to train.")
         self._check_batch(inputs, targets)
         lay = self.layout
         for m, engine in zip(self.modules, self.engines):
@@ -268,6 +286,27 @@ class PipelineZero:
         self.schedule.eval(*args, **kwargs)
         return self._global_mean(losses)
 
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> Any:
+        """The forward pipeline without a loss on this replica's batch: the last stage's outputs (the
+        micro-batches' concatenated), broadcast to every stage of this replica (each rank of a replica
+        returns the same value)."""
+        self._check_batch(inputs, None)
+        lay = self.layout
+        for m in self.modules:
+            m.eval()
+        # no targets: the schedule computes a loss whenever it has a loss function, so it has none here
+        loss_fn, self.schedule._loss_fn = self.schedule._loss_fn, None
+        try:
+            out = self.schedule.eval(*((inputs,) if lay.is_first else ()))
+        finally:
+            self.schedule._loss_fn = loss_fn
+        if lay.num_stages > 1:  # outputs of any structure and shape: pickled from the last stage
+            box = [out]
+            dist.broadcast_object_list(box, group_src=lay.num_stages - 1, group=lay.pp_group)
+            out = box[0]
+        return out
+
     def _optimizer_step(self) -> None:
         if self.gradient_clip_val is not None or self.engine.check_finite:
             self._pipeline_sq_norm()
@@ -297,83 +336,25 @@ class PipelineZero:
             for k, s in enumerate(engine.shardeds):
                 s.sq_norm = (total if k == 0 else torch.zeros(())).to(s.sq_norm.device, s.sq_norm.dtype)
 
-    # -- checkpoints: one file per stage, full (unsharded) values, so any data-parallel size resumes ----------
+    # -- checkpoints: one file per stage, full (unsharded) values (pipeline_checkpoint.py) ---------------------
     def state_dicts(self) -> list[dict]:
-        """Per chunk on this rank: its stage's full fp32 module state and full optimizer state (on
-        data-parallel rank 0; the optimizer state is ``{}`` elsewhere). Collective over the dp group."""
-        out = []
-        for module, engine, index in zip(self.modules, self.engines, self.stage_indices):
-            model = {k: v.detach().clone() for k, v in module.state_dict().items()}
-            for name, full in zip(engine.param_names(), engine.full_master_params()):
-                model[name] = full.detach().clone().reshape(model[name].shape)
-            optim = engine.optimizer_state_dict() if engine.sharded is not None else {}
-            out.append({"stage_index": index, "num_stages": self.stages[0].num_stages,
-                        "model": model, "optimizer": optim, "source_names": source_names(module, index, model),
-                        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None})
-        return out
+        """Per chunk on this rank: its stage's full fp32 module and optimizer state. Collective over the dp group."""
+        return stage_state_dicts(self)
 
     def save(self, path: str) -> None:
         """Write ``path/stage{i}.pt`` per stage (by its data-parallel rank 0). Collective over the world."""
-        sds = self.state_dicts()
-        if self.layout.dp_rank == 0:
-            os.makedirs(path, exist_ok=True)
-            for sd in sds:
-                torch.save(sd, os.path.join(path, f"stage{sd['stage_index']}.pt"))
-        if dist.is_initialized():
-            dist.barrier()
+        save_stages(self, path)
 
     def load(self, path: str) -> None:
-        """Resume this rank's stages from :meth:`save`'s files, written at any data-parallel size."""
-        total = self.stages[0].num_stages
-        for engine, index in zip(self.engines, self.stage_indices):
-            sd = torch.load(stage_file(path, index), weights_only=False)
-            if sd["num_stages"] != total:
-                raise ValueError(f"checkpoint {path} has {sd['num_stages']} pipeline stages; this run has {total}. "
-                                 f"Allowed: resume with the same pipeline_parallel_size and chunks per rank (the "
-                                 f"data-parallel size may change), or consolidate it first.")
-            engine.load_full_state_dict(sd["model"])
-            if sd["optimizer"]:
-                engine.load_optimizer_state_dict(sd["optimizer"])
-            if sd["loss_scaler"] is not None and engine.loss_scaler is not None:
-                engine.loss_scaler.load_state_dict(sd["loss_scaler"])
+        """Resume this rank's stages from :meth:`save`'s files, written at any data-parallel size (an
+        evaluation-only pipeline loads the weights only)."""
+        load_stages(self, path)
         self._calls = 0
 
 
 def virtual_stages(rank_in_pipeline: int, num_ranks: int, chunks: int) -> list[int]:
     """The stage indices of a pipeline rank's chunks: ``p, p + P, p + 2P, ...`` (torch's interleaved layout)."""
     return [rank_in_pipeline + k * num_ranks for k in range(chunks)]
-
-
-def stage_file(path: str, index: int) -> str:
-    f = os.path.join(path, f"stage{index}.pt")
-    if not os.path.exists(f):
-        raise FileNotFoundError(f"no pipeline stage checkpoint {f} (expected stage0.pt ... stage<P-1>.pt in {path}).")
-    return f
-
-
-def source_names(module: nn.Module, index: int, state: dict) -> dict:
-    """Local state-dict name -> name in the whole model: by the stage's ``source_prefixes`` (local prefix ->
-    original prefix, as :func:`~.pipeline_split.split_gpt2` records), else ``stage{index}.<name>``."""
-    prefixes = getattr(module, "source_prefixes", None) or {}
-    out = {}
-    for name in state:
-        hit = max((p for p in prefixes if name == p or name.startswith(p + ".")), key=len, default=None)
-        out[name] = prefixes[hit] + name[len(hit):] if hit is not None else f"stage{index}.{name}"
-    return out
-
-
-def consolidate_pipeline_checkpoint(path: str) -> dict:
-    """One state dict of the whole model from :meth:`PipelineZero.save`'s per-stage files (no process group)."""
-    files = sorted(f for f in os.listdir(path) if f.startswith("stage") and f.endswith(".pt"))
-    if not files:
-        raise FileNotFoundError(f"no pipeline stage checkpoints (stage<i>.pt) in {path}.")
-    first = torch.load(os.path.join(path, files[0]), weights_only=False)
-    out: dict = {}
-    for i in range(first["num_stages"]):
-        sd = torch.load(stage_file(path, i), weights_only=False)
-        for name, value in sd["model"].items():
-            out[sd["source_names"][name]] = value
-    return out
 
 
 class _ZeroStage(PipelineStage):

@@ -16,8 +16,22 @@ The LightningModule's contract:
   tensor that is both, as for a language model). ``on_before_backward`` / ``on_after_backward`` /
   ``on_before_optimizer_step`` are not called either: backward happens inside the schedule.
 * ``configure_optimizers``: one optimizer over ``self.parameters()`` (this stage's), with any LR scheduler.
-* ``validation_step`` is not called either: during fit, validation runs the forward pipeline and logs
-  ``val_loss`` (mean over the global batch). ``trainer.validate`` / ``test`` / ``predict`` are refused.
+* ``validation_step`` / ``test_step`` / ``predict_step`` are not called either: validation (during fit or
+  ``trainer.validate``) and ``trainer.test`` run the forward pipeline and log ``val_loss`` / ``test_loss``,
+  the last stage's mean over the global batch, broadcast so every rank's ``callback_metrics`` agree.
+  ``trainer.predict`` returns the last stage's outputs per batch on *every* rank of the replica that read
+  it (broadcast along the pipeline; each replica its own share of the data, as with DDP).
+  Outside fit the pipeline is an evaluation-only one: fp32 weights as given (or from ``ckpt_path``),
+  mixed precision under autocast, as ZeroStrategy evaluates. After a fit under the fork/spawn launcher
+  the trained stages lived in the workers only (no rank, and not the main process, holds the whole model),
+  so evaluating that module again needs ``ckpt_path=`` (anything else is one clear error).
+* Several chunks per rank (``pipeline_schedule="interleaved"``, ``pipeline_chunks=V``): ``configure_model``
+  sets ``self.pipeline_stages`` to the V chunk modules of ``strategy.pipeline_stage_indices`` (of
+  ``strategy.pipeline_virtual_stages`` = P * V), each with its own stage forward; the one optimizer is
+  split per chunk (lightning/pipeline_chunks.py).
+* Precision: "32-true", "bf16-mixed", "16-mixed" as ZeroStrategy (the stage module in fp16/bf16, fp32
+  masters); the fp16 loss scaler skips a step on every stage when any stage overflows, and the LR scheduler
+  does not advance on a skipped step.
 
 Lightning's loop stays in charge of *when*: its accumulation boundary (every ``accumulate_grad_batches``-th
 batch, or an epoch's last) is the boundary the pipeline reduces and steps at, its LR schedulers step as
@@ -28,26 +42,25 @@ read the same batch (the first stage its inputs, the last its targets).
 
 Checkpoints are :meth:`PipelineZero.save`'s per-stage files (full fp32 values, any data-parallel size
 resumes) plus Lightning's ``meta.pt`` in one directory, written as ``X.zero-tmp`` and renamed into place as
-the DCP directories are (checkpoint/files.py). ``consolidate_pipeline_checkpoint(X)`` gives the model's
-own state dict.
+the DCP directories are (checkpoint/files.py). ``lightning-zero consolidate X out.pt`` (or
+``consolidate_pipeline_checkpoint(X)``) gives the uncut model's own state dict.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-from pathlib import Path
-from typing import Any, Generator, Mapping, Optional
+from typing import Any, Generator, Optional
 
 import torch
 
-from ..checkpoint.files import _OLD, _TMP, INFO_FILE, META_FILE, _remove, resolve_checkpoint_dir, tidy_checkpoint_dir
-from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size
+from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size, virtual_stages
+from .pipeline_checkpoint import PipelineCheckpointMixin
+from .pipeline_chunks import chunk_optimizers, sync_hyperparameters
+from ._distribution import lightning_import
 from .strategy import TrainerFn, ZeroStrategy
 
-PIPELINE_FORMAT = "lightning_zero.pipeline"
-_LOADED_KEY = "lightning_zero_pipeline_dir"
+_MultiProcessingLauncher = lightning_import("strategies.launchers", "_MultiProcessingLauncher")
+_TRAINED_ELSEWHERE = "_lightning_zero_pipeline_trained_elsewhere"
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -56,43 +69,51 @@ def _check_int(name: str, value: Any) -> int:
     return value
 
 
-class ZeroPipelineStrategy(ZeroStrategy):
+class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
     """ZeRO stage 0, 1 or 2 over the data-parallel replicas of each of P pipeline stages.
 
     Args (besides ZeroStrategy's):
         pipeline_parallel_size: P, the stages of one pipeline; must divide the world size.
         pipeline_microbatches: M, the micro-batches torch's schedule cuts each batch into (the bubble is
             (P - 1) / (M + P - 1) of a step).
-        pipeline_schedule: "1f1b" (default) or "gpipe" ("interleaved" needs several chunks and optimizers
-            per rank, which the engine's ``PipelineZero`` takes but this strategy does not yet).
+        pipeline_schedule: "1f1b" (default), "gpipe" or "interleaved" (``pipeline_chunks`` chunks per rank).
         pipeline_max_imbalance: refuse splits whose largest stage holds more than this many times the
             parameters of the smallest (None: no check).
+        pipeline_chunks: stage chunks per rank, V (default: 2 with "interleaved", else 1; more than one
+            needs "interleaved").
     """
 
     strategy_name = "zero_pipeline"
 
     def __init__(self, *args: Any, pipeline_parallel_size: int = 2, pipeline_microbatches: int = 4,
                  pipeline_schedule: str = "1f1b", pipeline_max_imbalance: Optional[float] = 4.0,
-                 **kwargs: Any) -> None:
+                 pipeline_chunks: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.stage not in (0, 1, 2):
             raise ValueError(f"pipeline parallelism composes with ZeRO stages 0, 1 and 2 (each stage holds its own "
                              f"parameters whole); got stage={self.stage}. Allowed: stage=0, 1 or 2.")
         if pipeline_schedule not in SCHEDULES:
             raise ValueError(f"Unknown pipeline_schedule {pipeline_schedule!r}. Allowed: {', '.join(SCHEDULES)}.")
-        if pipeline_schedule == "interleaved":
-            raise NotImplementedError("pipeline_schedule='interleaved' (several stage chunks per rank, one optimizer "
-                                      "each) is available in the engine (lightning_zero.engine.pipeline.PipelineZero) "
-                                      "but not under the Trainer. Allowed here: '1f1b', 'gpipe'.")
+        chunks = _check_int("pipeline_chunks", pipeline_chunks if pipeline_chunks is not None
+                            else 2 if pipeline_schedule == "interleaved" else 1)
+        if chunks > 1 and pipeline_schedule != "interleaved":
+            raise ValueError(f"pipeline_chunks={chunks} (several stage chunks per rank) runs the interleaved "
+                             f"schedule only; got pipeline_schedule={pipeline_schedule!r}. Allowed: "
+                             f"pipeline_schedule='interleaved', or pipeline_chunks=1.")
         if self.checkpoint_format != "sharded":
             raise ValueError("checkpoint_format='full' is not available with pipeline_parallel_size: a checkpoint "
-                             "is one file per stage. Allowed: checkpoint_format='sharded' (then "
-                             "consolidate_pipeline_checkpoint for one state dict).")
+                             "is one file per stage. Allowed: checkpoint_format='sharded' (then `lightning-zero "
+                             "consolidate` for one state dict).")
         self.pipeline_parallel_size = _check_int("pipeline_parallel_size", pipeline_parallel_size)
         self.pipeline_microbatches = _check_int("pipeline_microbatches", pipeline_microbatches)
         self.pipeline_schedule = pipeline_schedule
         self.pipeline_max_imbalance = pipeline_max_imbalance
-        self.pipe: Optional[PipelineZero] = None
+        self.pipeline_chunks = chunks
+        self.pipe: Optional[PipelineZero] = None  # the fit's (kept after it: save_checkpoint writes its state)
+        self._eval_pipe: Optional[PipelineZero] = None  # validate / test / predict outside fit
+        self._live: list[PipelineZero] = []  # pipes whose engines still hold hooks (removed at teardown)
+        self._chunk_opts: list = []  # several chunks: one optimizer per chunk (pipeline_chunks.py)
+        self._stale = False  # evaluating a module whose training happened in other processes (see _PipelineLauncher)
         self.last_loss: Optional[torch.Tensor] = None  # the last batch's loss (global batch mean), every rank
         self._boundary = False  # Lightning's loop is inside optimizer_step: this batch ends with a step
 
@@ -110,10 +131,22 @@ class ZeroPipelineStrategy(ZeroStrategy):
     def pipeline_dp_rank(self) -> int:
         return self.global_rank % self.pipeline_dp_size
 
+    @property
+    def pipeline_virtual_stages(self) -> int:
+        """P * V: the stages the model is cut into (V = ``pipeline_chunks`` per rank)."""
+        return self.pipeline_parallel_size * self.pipeline_chunks
+
+    @property
+    def pipeline_stage_indices(self) -> list[int]:
+        """The (virtual) stages this rank builds: ``p, p + P, ...`` (torch's interleaved layout)."""
+        return virtual_stages(self.pipeline_stage_index, self.pipeline_parallel_size, self.pipeline_chunks)
+
     def _configure_launcher(self) -> None:
         # the world is known here (devices x nodes), before any process starts: one error, in the caller
         check_pipeline_size(self.pipeline_parallel_size, self.num_nodes * len(self.parallel_devices or [None]))
         super()._configure_launcher()
+        if type(self._launcher) is _MultiProcessingLauncher:  # fork / spawn: see _PipelineLauncher
+            self._launcher = _PipelineLauncher(self, start_method=self._start_method)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -122,44 +155,98 @@ class ZeroPipelineStrategy(ZeroStrategy):
     # -- setup ----------------------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        if trainer.state.fn != TrainerFn.FITTING:
-            raise NotImplementedError(self._fit_only("trainer." + str(trainer.state.fn.value)))
-        if self.precision_plugin.compute_dtype != torch.float32:
-            raise NotImplementedError(f"precision={self.precision_plugin.precision!r} with pipeline_parallel_size: "
-                                      f"the pipeline strategy runs fp32 only so far. Allowed: precision='32-true' "
-                                      f"(fp16/bf16 pipelines: lightning_zero.engine.pipeline.PipelineZero).")
-        if trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm not in (None, "norm"):
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and trainer.gradient_clip_val is not None and trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} with pipeline stages. "
                              f"Allowed: 'norm' (clipped by the norm over all stages).")
         module = self.lightning_module
-        if not callable(getattr(module, "pipeline_loss", None)):
+        loss_fn = getattr(module, "pipeline_loss", None)
+        if trainer.state.fn != TrainerFn.PREDICTING and not callable(loss_fn):
             raise TypeError(f"{type(module).__name__} has no pipeline_loss(output, target): the last pipeline stage "
                             f"needs it to turn its output into the micro-batch's loss.")
         self.accelerator.setup(trainer)
         self.model_to_device()
+        stages = self._stage_modules(module)
+        if getattr(module, "source_prefixes", None) is None and len(stages) == 1:
+            module.source_prefixes = _child_prefixes(module)  # checkpoints consolidate to the model's names
+        prec, common = self.precision_plugin, dict(
+            schedule=self.pipeline_schedule, config=self.zero_config, max_imbalance=self.pipeline_max_imbalance,
+            device=self.root_device)
+        stage_arg = stages if len(stages) > 1 else module
+        if not fitting:  # evaluation only: fp32 weights, mixed precision under autocast (as ZeroStrategy)
+            self._stale = getattr(module, _TRAINED_ELSEWHERE, False)  # until a checkpoint loads
+            self._eval_pipe = PipelineZero(stage_arg, self.pipeline_parallel_size, loss_fn, None,
+                                           self.pipeline_microbatches, **common)
+            self._live.append(self._eval_pipe)
+            prec.attach(None, self.root_device.type)
+            self.setup_precision_plugin()
+            return
         self.setup_optimizers(trainer)
         if len(self.optimizers) != 1:
             raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers. Allowed with "
                              f"pipeline_parallel_size: one optimizer over the stage's parameters.")
-        if getattr(module, "source_prefixes", None) is None:
-            module.source_prefixes = _child_prefixes(module)  # checkpoints consolidate to the model's names
+        self._chunk_opts = chunk_optimizers(self.optimizers[0], stages) if len(stages) > 1 else []
         clip = trainer.gradient_clip_val
-        self.pipe = PipelineZero(module, self.pipeline_parallel_size, module.pipeline_loss, self.optimizers[0],
-                                 self.pipeline_microbatches, schedule=self.pipeline_schedule, config=self.zero_config,
+        self.pipe = PipelineZero(stage_arg, self.pipeline_parallel_size, loss_fn,
+                                 self._chunk_opts or self.optimizers[0], self.pipeline_microbatches,
                                  accumulate_grad_batches=trainer.accumulate_grad_batches,
                                  gradient_clip_val=float(clip) if clip is not None else None,
-                                 max_imbalance=self.pipeline_max_imbalance, device=self.root_device)
+                                 compute_dtype=prec.compute_dtype, loss_scaler=prec.loss_scaler,
+                                 check_finite=prec.check_finite, **common)
+        self._live.append(self.pipe)
+        self._attach_precision()
+        self._guard_scheduler()
         # Lightning zeroes gradients after the first training_step of an accumulation window, assuming its
         # backward comes next; here that step's backward has already run inside the schedule. The engines
         # clear their gradients after each optimizer step themselves.
         module.optimizer_zero_grad = lambda *a, **k: None  # instance attribute; removed at teardown
         self.setup_precision_plugin()
 
-    def _fit_only(self, what: str) -> str:
-        return (f"{what} under pipeline_parallel_size is not implemented: the pipeline strategy runs trainer.fit "
-                f"(training batches and validation during fit: val_loss from the forward pipeline). Allowed: fit "
-                f"with validation; for test / predict / a lone validate, evaluate the consolidated checkpoint "
-                f"(lightning_zero.engine.pipeline.consolidate_pipeline_checkpoint) in one process.")
+    def _stage_modules(self, module) -> list:
+        """This rank's stage modules: the LightningModule itself, or its ``pipeline_stages`` (several chunks)."""
+        if self.pipeline_chunks == 1:
+            return [module]
+        stages = list(getattr(module, "pipeline_stages", None) or ())
+        if len(stages) != self.pipeline_chunks:
+            raise ValueError(f"pipeline_chunks={self.pipeline_chunks}: configure_model must set "
+                             f"self.pipeline_stages to the {self.pipeline_chunks} chunk modules of "
+                             f"trainer.strategy.pipeline_stage_indices (of pipeline_virtual_stages); got "
+                             f"{len(stages)}.")
+        return stages
+
+    def _attach_precision(self) -> None:
+        """The plugin's input casts and skip counter on every chunk's engine (it attaches to one engine)."""
+        from .precision import _cast_inputs_to_param_dtype
+
+        prec = self.precision_plugin
+        prec.attach(self.pipe.engine, self.root_device.type)
+        for engine in self.pipe.engines[1:]:
+            engine.counters = prec.counters
+            if prec.mixed:
+                prec._cast_hooks += _cast_inputs_to_param_dtype(engine.module)
+
+    def _guard_scheduler(self) -> None:
+        """A step skipped for overflow (on any stage: on all of them) does not advance the LR schedule."""
+        module, original = self.lightning_module, self.lightning_module.lr_scheduler_step
+
+        def lr_scheduler_step(scheduler, metric=None):
+            return None if self.pipe.last_step_skipped else original(scheduler, metric)
+
+        module.lr_scheduler_step = lr_scheduler_step  # instance attribute; removed at teardown (ZeroStrategy's)
+        self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
+
+    @property
+    def _forward_pipe(self) -> PipelineZero:
+        pipe = self._eval_pipe if self._eval_pipe is not None else self.pipe
+        if pipe is None:
+            raise RuntimeError("no pipeline is set up: evaluation runs inside trainer.fit / validate / test / predict.")
+        if pipe is self._eval_pipe and self._stale:
+            raise RuntimeError("this LightningModule was trained by trainer.fit in worker processes (fork/spawn "
+                               "launcher), which held its pipeline stages; this process's copy has none of the "
+                               "trained weights. Allowed: pass ckpt_path= (a checkpoint that fit saved) to "
+                               "validate / test / predict, or run under torchrun, where fit and evaluation share "
+                               "the processes.")
+        return pipe
 
     # -- the training step: the whole schedule, inside Lightning's closure --------------------------------
     def _split_batch(self, batch: Any) -> tuple[Any, Any]:
@@ -177,8 +264,16 @@ class ZeroPipelineStrategy(ZeroStrategy):
         # Lightning decides the boundary (its accumulation count, or an epoch's last batch); PipelineZero's
         # reduction (no_sync on the other micro-batches) and its optimizer step follow that decision
         pipe._calls = pipe.accumulate - 1 if self._boundary else 0
-        self.last_loss = loss = pipe.step(inputs, targets)
-        self.lightning_module.log("train_loss", loss, prog_bar=True, batch_size=self._rows(inputs))
+        if self._boundary and self._chunk_opts:
+            sync_hyperparameters(self.optimizers[0], self._chunk_opts)  # the LR the scheduler set
+        prec, module = self.precision_plugin, self.lightning_module
+        with prec.forward_context():
+            self.last_loss = loss = pipe.step(inputs, targets)
+        module.log("train_loss", loss, prog_bar=True, batch_size=self._rows(inputs))
+        if self._boundary and prec.mixed:
+            if prec.loss_scaler is not None:
+                module.log("loss_scale", prec.loss_scale, prog_bar=True)
+            module.log("skipped_steps", float(prec.skipped_steps), prog_bar=prec.loss_scaler is not None)
         return loss
 
     @staticmethod
@@ -201,87 +296,43 @@ class ZeroPipelineStrategy(ZeroStrategy):
     def block_backward_sync(self) -> Generator:
         yield None  # the pipeline's own no_sync covers the non-boundary micro-batches
 
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The forward pipeline over the batch's micro-batches: ``val_loss``, the mean over the global batch
-        (every rank holds the same value)."""
-        if self.pipe is None:
-            raise NotImplementedError(self._fit_only("validation outside fit"))
-        batch = args[0] if args else kwargs["batch"]
-        inputs, targets = self._split_batch(batch)
-        loss = self.pipe.evaluate(inputs, targets)
-        self.lightning_module.log("val_loss", loss, prog_bar=True, batch_size=self._rows(inputs))
+    def _evaluate(self, name: str, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The forward pipeline over the batch's micro-batches: ``name`` logged, the mean over the global
+        batch (every rank holds the same value)."""
+        inputs, targets = self._split_batch(args[0] if args else kwargs["batch"])
+        with self.precision_plugin.forward_context():
+            loss = self._forward_pipe.evaluate(inputs, targets)
+        self.lightning_module.log(name, loss, prog_bar=True, batch_size=self._rows(inputs))
         return loss
 
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate("val_loss", args, kwargs)
+
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(self._fit_only("test_step"))
+        return self._evaluate("test_loss", args, kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(self._fit_only("predict_step"))
+        """The last stage's outputs for the batch's inputs, on every rank of this replica."""
+        batch = args[0] if args else kwargs["batch"]
+        inputs = self._split_batch(batch)[0]
+        with self.precision_plugin.forward_context():
+            out = self._forward_pipe.predict(inputs)
+        return self.precision_plugin.convert_output(out)
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.pipe is not None:  # bf16/fp16: the module back in fp32 with the master values
+            for engine in self.pipe.engines:
+                engine.restore_fp32_module()
 
     def teardown(self) -> None:
-        if self.pipe is not None:  # the pipe stays: save_checkpoint after fit still writes its state
-            for engine in self.pipe.engines:
+        for pipe in self._live:  # self.pipe stays: save_checkpoint after fit still writes its state
+            for engine in pipe.engines:
                 engine.remove(hand_back=not self._failed)
+        self._live, self._eval_pipe = [], None
+        if self.lightning_module is not None:
             self.lightning_module.__dict__.pop("optimizer_zero_grad", None)
         super().teardown()
-
-    # -- checkpoints: per-stage files + Lightning's metadata, one directory ----------------------------------
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the stage files hold the weights
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}  # ... and the optimizer state
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if self.pipe is None:
-            raise RuntimeError("save_checkpoint with pipeline_parallel_size needs a fit's pipeline (call it during "
-                               "or after trainer.fit).")
-        if storage_options is not None:
-            raise TypeError("storage_options are not supported for pipeline checkpoints (no CheckpointIO).")
-        path = Path(self.broadcast(str(filepath)))
-        tmp, old = path.with_name(path.name + _TMP), path.with_name(path.name + _OLD)
-        if self.is_global_zero:
-            tidy_checkpoint_dir(path.parent)
-            tmp.mkdir(parents=True)
-        self.barrier()
-        self.pipe.save(str(tmp))  # collective; each stage's data-parallel rank 0 writes stage<i>.pt
-        if self.is_global_zero:
-            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            torch.save(meta, tmp / META_FILE)
-            info = {"format": PIPELINE_FORMAT, "version": 1, "num_stages": self.pipeline_parallel_size,
-                    "zero_stage": self.stage}
-            (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
-        self.barrier()
-        if self.is_global_zero:  # a name that exists is complete (see checkpoint/format.py)
-            if os.path.lexists(path):
-                _remove(old)
-                os.rename(path, old)
-            os.rename(tmp, path)
-            _remove(old)
-        self.barrier()
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # into the stage engines' masters, which exist after setup
-
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = resolve_checkpoint_dir(self.broadcast(str(checkpoint_path)))
-        info_file = path / INFO_FILE
-        info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-        if info.get("format") != PIPELINE_FORMAT:
-            raise ValueError(f"{str(path)!r} is not a pipeline checkpoint directory (no {INFO_FILE} with format "
-                             f"{PIPELINE_FORMAT!r}). Allowed: a directory that trainer.save_checkpoint wrote with "
-                             f"pipeline_parallel_size.")
-        meta = torch.load(path / META_FILE, weights_only=False)
-        meta["optimizer_states"] = [{}]  # in the stage files; Lightning checks the key exists
-        meta[_LOADED_KEY] = str(path)
-        return meta
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self.pipe.load(checkpoint[_LOADED_KEY])  # model and optimizer state, at any data-parallel size
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded with the model above
 
 
 def _child_prefixes(module: torch.nn.Module) -> dict[str, str]:
@@ -291,3 +342,22 @@ def _child_prefixes(module: torch.nn.Module) -> dict[str, str]:
         for local, source in (getattr(child, "source_prefixes", None) or {}).items() if child is not module else ():
             out[f"{name}.{local}"] = source
     return out
+
+
+class _PipelineLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, which also marks the main process's module after a fit.
+
+    The launcher hands rank 0's module state back to the main process, but under pipeline parallelism rank 0
+    holds stage 0 only, and the main process's module (whose stages ``configure_model`` built in the workers)
+    none: a later ``trainer.validate(model)`` would silently evaluate freshly built stages. The mark makes
+    that one clear error instead (unless a ``ckpt_path`` loads the trained weights)."""
+
+    def get_extra_results(self, trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        extra[_TRAINED_ELSEWHERE] = trainer.state.fn == TrainerFn.FITTING
+        return extra
+
+    def update_main_process_results(self, trainer, extra: dict[str, Any]) -> None:
+        if extra.pop(_TRAINED_ELSEWHERE, False):
+            setattr(trainer.lightning_module, _TRAINED_ELSEWHERE, True)
+        super().update_main_process_results(trainer, extra)

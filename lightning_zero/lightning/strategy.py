@@ -38,6 +38,20 @@ rank_zero_info = lightning_import("utilities.rank_zero", "rank_zero_info")
 ZeroPrecision = sibling("precision").ZeroPrecision
 
 
+_PIPELINE_OPTIONS = ("pipeline_microbatches", "pipeline_schedule", "pipeline_max_imbalance", "pipeline_chunks")
+
+
+def _check_pipeline_options(options: dict) -> None:
+    """Without a pipeline (``pipeline_parallel_size=None``) its options mean nothing: one clear error."""
+    unknown = [k for k in options if k not in _PIPELINE_OPTIONS]
+    if unknown:
+        raise TypeError(f"ZeroStrategy got unexpected keyword argument(s) {', '.join(map(repr, unknown))}.")
+    if options:
+        raise ValueError(f"{', '.join(sorted(options))} configure pipeline parallelism, which is off "
+                         f"(pipeline_parallel_size=None). Allowed: pipeline_parallel_size=P (an int dividing the "
+                         f"world size) with them, or none of them.")
+
+
 class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
     """ZeRO data parallelism for Lightning.
 
@@ -68,9 +82,10 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         grad_reduce, overlap_publish, quantize_weights, quantize_grads: communication (see ZeroConfig):
             the gradient reduction ("auto" per backend), the stage 1-2 parameter all-gather overlapped
             with the next forward, and int8 all-gathers (qwZ) / reduce-scatters (qgZ), off by default.
-        pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_max_imbalance: given
-            ``pipeline_parallel_size=P``, the constructor returns a ``ZeroPipelineStrategy``
+        pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_max_imbalance,
+            pipeline_chunks: given ``pipeline_parallel_size=P``, the constructor returns a ``ZeroPipelineStrategy``
             (``lightning/pipeline_strategy.py``): P pipeline stages, ZeRO 0-2 over each stage's replicas.
+            None (the default) is no pipeline; the other pipeline options then are an error.
         tensor_parallel_size: tensor parallelism (stages 0-2): a 2-D ``DeviceMesh`` (N // T, T) with dims
             ("data_parallel", "tensor_parallel"), ``strategy.device_mesh`` and ``self.device_mesh`` in
             ``LightningModule.configure_model``, where the model is cut with torch's ``parallelize_module``
@@ -123,7 +138,11 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         quantize_weights: bool = False,
         quantize_grads: bool = False,
         tensor_parallel_size: Optional[int] = None,
+        # pipeline parallelism: a number builds ZeroPipelineStrategy instead (see __new__); None = no pipeline
+        pipeline_parallel_size: Optional[int] = None,
+        **pipeline_options: Any,
     ) -> None:
+        _check_pipeline_options(pipeline_options)
         self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")

@@ -5,6 +5,7 @@
     lightning-zero export CKPT_DIR OUTDIR --hf [--prefix model.] [--config DIR_or_config.json]
     lightning-zero estimate --model t5_large --ranks 8 --precision bf16-mixed --batch-size 8 --device-memory 24
     lightning-zero estimate --params 1.5e9 --ranks 16 --nodes 2 --optimizer sgd
+    lightning-zero estimate --params 1.5e9 --ranks 8 --pipeline-parallel-size 2 --microbatches 8
     lightning-zero tune --memory-mb 12 --out tuned.overrides model=t5_tiny trainer.devices=2
     lightning-zero from-deepspeed ds_config.json --world-size 2 --out ds.overrides
 """
@@ -23,11 +24,14 @@ def _consolidate(args: argparse.Namespace) -> int:
 
     from ..checkpoint.consolidate import consolidate, stored_nbytes
     from ..checkpoint.files import read_info, resolve_checkpoint_dir
+    from ..engine.pipeline_checkpoint import is_pipeline_checkpoint
     from .progress import byte_progress
 
     if args.optimizer and not args.lightning:
         raise ValueError("--optimizer needs --lightning (a plain state dict holds the weights only).")
     dtype = getattr(torch, _DTYPES[args.dtype])
+    if is_pipeline_checkpoint(resolve_checkpoint_dir(args.ckpt_dir)):
+        return _consolidate_pipeline(args, dtype)
     total = stored_nbytes(read_info(resolve_checkpoint_dir(args.ckpt_dir)), dtype)
     with byte_progress(total, "consolidate", args.quiet) as progress:
         if args.lightning:
@@ -40,6 +44,21 @@ def _consolidate(args: argparse.Namespace) -> int:
     what = " (Lightning checkpoint" + (", with optimizer state)" if info.get("optimizer") else ", weights only)") \
         if args.lightning else ""
     print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.out}{what}")
+    return 0
+
+
+def _consolidate_pipeline(args: argparse.Namespace, dtype) -> int:
+    """A pipeline checkpoint (per-stage files): the uncut model's state dict, as DDP over it would save."""
+    from ..checkpoint.files import resolve_checkpoint_dir
+    from ..engine.pipeline_checkpoint import write_consolidated
+
+    if args.lightning:
+        raise ValueError("--lightning is not available for a pipeline checkpoint: its weights consolidate under "
+                         "the uncut model's names, not the LightningModule's stage modules. Allowed: a plain "
+                         "state dict (OUT .pt or .safetensors) that loads into the uncut model with strict=True.")
+    info = write_consolidated(resolve_checkpoint_dir(args.ckpt_dir), args.out, dtype)
+    print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.out} (pipeline "
+          f"checkpoint: every stage's weights under the uncut model's names)")
     return 0
 
 
@@ -134,6 +153,8 @@ def _estimate(args: argparse.Namespace) -> int:
     else:
         model = args.model
     vocab = None if args.vocab == "preset" else int(args.vocab)
+    if args.pipeline_parallel_size is not None:
+        return _estimate_pipeline(args, model, vocab)
     est = estimate_model_states(
         model, world_size=args.ranks, num_nodes=args.nodes, precision=args.precision, optimizer=args.optimizer,
         bucket_mb=args.bucket_mb, grad_accumulation=args.grad_accum, batch_size=args.batch_size, src_len=args.src_len, tgt_len=args.tgt_len,
@@ -142,6 +163,20 @@ def _estimate(args: argparse.Namespace) -> int:
         shard_group_size=args.shard_group_size, activation_checkpointing=args.activation_checkpointing,
         offload_activations=args.offload_activations)
     print(est)
+    return 0
+
+
+def _estimate_pipeline(args: argparse.Namespace, model, vocab) -> int:
+    from .estimate import info_from_t5, t5_dims
+    from .estimate_pipeline import estimate_pipeline, format_pipeline_estimate
+
+    name = args.module or args.params or args.model
+    if isinstance(model, str):  # a recipe preset: its parameter count, cut evenly
+        model = info_from_t5(t5_dims(model, vocab_size=vocab)).numel
+    stage_params = [_count(x) for x in args.stage_params.split(",")] if args.stage_params else None
+    print(format_pipeline_estimate(estimate_pipeline(
+        model, args.ranks, args.pipeline_parallel_size, args.precision, args.optimizer, stage_params=stage_params,
+        microbatches=args.microbatches, name=str(name))))
     return 0
 
 
@@ -179,6 +214,13 @@ def _add_estimate(sub) -> None:
                    help="activations with strategy.activation_checkpointing=auto (every T5Block recomputed)")
     p.add_argument("--offload-activations", action="store_true",
                    help="activations with strategy.offload_activations=true (saved tensors in host memory)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=None, metavar="P",
+                   help="per pipeline stage instead: the model-state bytes of one rank of each of P stages at ZeRO "
+                   "0/1/2 (each stage sharded over its --ranks / P replicas)")
+    p.add_argument("--stage-params", default=None, help="with --pipeline-parallel-size: parameters per stage, "
+                   "comma separated (40M,42M); default: GPT-2 blocks split evenly for a --module GPT-2, else Psi / P")
+    p.add_argument("--microbatches", type=int, default=None, metavar="M",
+                   help="with --pipeline-parallel-size: also print the bubble fraction (P - 1) / (M + P - 1)")
     p.set_defaults(func=_estimate)
 
 
