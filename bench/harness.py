@@ -37,13 +37,16 @@ WORLD_SIZE = 2
 ADAM_STATE_BYTES = 8  # two fp32 moments per element
 
 # communication variants of the presets: ``*_blocking`` = reduce-scatter (the engine before grad_reduce; the
-# publish blocks in step() as by default); ``*_overlap`` = the publish overlapped with the next forward;
+# publish blocks in step() as by default); ``*_allreduce`` = the all-reduce keeping this rank's rows;
+# ``*_overlap`` = the publish overlapped with the next forward;
 # ``*_q`` = int8 all-gathers and reduce-scatters (qwZ + qgZ)
 COMM_VARIANTS = {
     "zero1_overlap": dict(overlap_publish=True),
     "zero2_overlap": dict(overlap_publish=True),
     "zero1_blocking": dict(grad_reduce="reduce_scatter", overlap_publish=False),
     "zero2_blocking": dict(grad_reduce="reduce_scatter", overlap_publish=False),
+    "zero1_allreduce": dict(grad_reduce="all_reduce"),  # gloo's "auto" before all_to_all
+    "zero2_allreduce": dict(grad_reduce="all_reduce"),
     "zero2_q": dict(quantize_weights=True, quantize_grads=True),
     "zero3_q": dict(quantize_weights=True, quantize_grads=True),
 }
@@ -331,8 +334,10 @@ def add_model_args(p) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap for DDP and the engine (MiB)")
 
 
-def parse_interleaved_args(doc: str, allowed, default_methods, steps: int, warmup: int, rounds: int = 5):
-    """Command line shared by the interleaved benches: timing, model size, methods, JSON output."""
+def parse_interleaved_args(doc: str, allowed, default_methods, steps: int, warmup: int, rounds: int = 5,
+                           extra: Optional[Callable] = None):
+    """Command line shared by the interleaved benches: timing, model size, methods, JSON output;
+    ``extra(parser)`` adds a bench's own flags."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -343,6 +348,8 @@ def parse_interleaved_args(doc: str, allowed, default_methods, steps: int, warmu
     p.add_argument("--methods", default=",".join(default_methods),
                    help=f"comma list from {','.join(allowed)} (default: {','.join(default_methods)})")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
+    if extra is not None:
+        extra(p)
     args = p.parse_args()
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in allowed]
