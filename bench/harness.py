@@ -47,6 +47,8 @@ COMM_VARIANTS = {
     "zero2_blocking": dict(grad_reduce="reduce_scatter", overlap_publish=False),
     "zero1_allreduce": dict(grad_reduce="all_reduce"),  # gloo's "auto" before all_to_all
     "zero2_allreduce": dict(grad_reduce="all_reduce"),
+    "zero1_b1": dict(bucket_mb=1.0),  # 1 MiB buckets whatever --bucket-mb (DDP's first bucket is 1 MiB too)
+    "zero2_b1": dict(bucket_mb=1.0),
     "zero2_q": dict(quantize_weights=True, quantize_grads=True),
     "zero3_q": dict(quantize_weights=True, quantize_grads=True),
 }
@@ -157,9 +159,9 @@ def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: t
     if method in ZERO_METHODS:
         stage = int(method[4])
         offload = method.endswith("_offload")
-        cfg = ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
-                         bucket_mb=bucket_mb, unit_classes=[block_class] if stage == 3 else None,
-                         **(activations or {}), **COMM_VARIANTS.get(method, {}))
+        cfg = ZeroConfig(**{**dict(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
+                                   bucket_mb=bucket_mb, unit_classes=[block_class] if stage == 3 else None),
+                            **(activations or {}), **COMM_VARIANTS.get(method, {})})
         opt = make_adamw(model.parameters(), args)
         return Runner(method, model, model, opt, ZeroEngine(model, opt, cfg, compute_dtype=compute_dtype))
     raise ValueError(f"unknown method {method!r}; allowed: {', '.join(ALL_METHODS)}")
