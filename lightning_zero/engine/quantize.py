@@ -150,7 +150,8 @@ def reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, grou
 def _sum_rows(output: torch.Tensor, rows: list[torch.Tensor]) -> None:
     """``output`` := ``rows[0] + rows[1] + ...``, in rank order, accumulated in fp32. A chain of adds, not a
     sum over dim 0: on CPU half the time of ``rows.sum(0)`` (which then also needs a copy into ``output``)."""
-    acc = output if output.dtype == torch.float32 else torch.empty(output.shape, device=output.device)
+    acc = output if output.dtype == torch.float32 else torch.empty(output.shape, dtype=torch.float32,
+                                                                   device=output.device)
     torch.add(rows[0].to(torch.float32), rows[1], out=acc)
     for row in rows[2:]:
         acc.add_(row)
