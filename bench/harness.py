@@ -47,6 +47,8 @@ COMM_VARIANTS = {
     "zero2_blocking": dict(grad_reduce="reduce_scatter", overlap_publish=False),
     "zero1_allreduce": dict(grad_reduce="all_reduce"),  # gloo's "auto" before all_to_all
     "zero2_allreduce": dict(grad_reduce="all_reduce"),
+    "zero1_overlap_allreduce": dict(grad_reduce="all_reduce", overlap_publish=True),
+    "zero2_overlap_allreduce": dict(grad_reduce="all_reduce", overlap_publish=True),
     "zero1_b1": dict(bucket_mb=1.0),  # 1 MiB buckets whatever --bucket-mb (DDP's first bucket is 1 MiB too)
     "zero2_b1": dict(bucket_mb=1.0),
     "zero2_q": dict(quantize_weights=True, quantize_grads=True),
