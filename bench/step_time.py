@@ -73,8 +73,7 @@ from harness import (  # noqa: E402  -- the shared bench harness (model, data, b
 ALL_METHODS = ("ddp", "zero0", "zero1", "zero2", "zero1_offload", "zero2_offload")
 # also selectable: zero1_overlap, zero2_overlap (publish overlapped with the next forward), zero1_blocking,
 # zero2_blocking (gloo's reduce-scatter), zero1_allreduce, zero2_allreduce, zero*_overlap_allreduce (all-reduce
-# instead of gloo's
-# all-to-all), zero*_b1 (1 MiB buckets), zero2_q (int8), see harness.COMM_VARIANTS
+# instead of gloo's all-to-all), zero*_b1 (1 MiB buckets), zero2_q (int8), see harness.COMM_VARIANTS
 __all__ = ["TinyLM", "make_batches", "loss_of", "percentile"]  # re-exported for older importers
 
 
