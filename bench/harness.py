@@ -37,13 +37,20 @@ WORLD_SIZE = 2
 ADAM_STATE_BYTES = 8  # two fp32 moments per element
 
 # communication variants of the presets: ``*_blocking`` = reduce-scatter (the engine before grad_reduce; the
-# publish blocks in step() as by default); ``*_overlap`` = the publish overlapped with the next forward;
+# publish blocks in step() as by default); ``*_allreduce`` = the all-reduce keeping this rank's rows;
+# ``*_overlap`` = the publish overlapped with the next forward;
 # ``*_q`` = int8 all-gathers and reduce-scatters (qwZ + qgZ)
 COMM_VARIANTS = {
     "zero1_overlap": dict(overlap_publish=True),
     "zero2_overlap": dict(overlap_publish=True),
     "zero1_blocking": dict(grad_reduce="reduce_scatter", overlap_publish=False),
     "zero2_blocking": dict(grad_reduce="reduce_scatter", overlap_publish=False),
+    "zero1_allreduce": dict(grad_reduce="all_reduce"),  # gloo's "auto" before all_to_all
+    "zero2_allreduce": dict(grad_reduce="all_reduce"),
+    "zero1_overlap_allreduce": dict(grad_reduce="all_reduce", overlap_publish=True),
+    "zero2_overlap_allreduce": dict(grad_reduce="all_reduce", overlap_publish=True),
+    "zero1_b1": dict(bucket_mb=1.0),  # 1 MiB buckets whatever --bucket-mb (DDP's first bucket is 1 MiB too)
+    "zero2_b1": dict(bucket_mb=1.0),
     "zero2_q": dict(quantize_weights=True, quantize_grads=True),
     "zero3_q": dict(quantize_weights=True, quantize_grads=True),
 }
@@ -154,9 +161,9 @@ def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: t
     if method in ZERO_METHODS:
         stage = int(method[4])
         offload = method.endswith("_offload")
-        cfg = ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
-                         bucket_mb=bucket_mb, unit_classes=[block_class] if stage == 3 else None,
-                         **(activations or {}), **COMM_VARIANTS.get(method, {}))
+        cfg = ZeroConfig(**{**dict(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
+                                   bucket_mb=bucket_mb, unit_classes=[block_class] if stage == 3 else None),
+                            **(activations or {}), **COMM_VARIANTS.get(method, {})})
         opt = make_adamw(model.parameters(), args)
         return Runner(method, model, model, opt, ZeroEngine(model, opt, cfg, compute_dtype=compute_dtype))
     raise ValueError(f"unknown method {method!r}; allowed: {', '.join(ALL_METHODS)}")
@@ -331,8 +338,10 @@ def add_model_args(p) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap for DDP and the engine (MiB)")
 
 
-def parse_interleaved_args(doc: str, allowed, default_methods, steps: int, warmup: int, rounds: int = 5):
-    """Command line shared by the interleaved benches: timing, model size, methods, JSON output."""
+def parse_interleaved_args(doc: str, allowed, default_methods, steps: int, warmup: int, rounds: int = 5,
+                           extra: Optional[Callable] = None):
+    """Command line shared by the interleaved benches: timing, model size, methods, JSON output;
+    ``extra(parser)`` adds a bench's own flags."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -343,6 +352,8 @@ def parse_interleaved_args(doc: str, allowed, default_methods, steps: int, warmu
     p.add_argument("--methods", default=",".join(default_methods),
                    help=f"comma list from {','.join(allowed)} (default: {','.join(default_methods)})")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
+    if extra is not None:
+        extra(p)
     args = p.parse_args()
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in allowed]

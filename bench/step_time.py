@@ -42,6 +42,7 @@ Run::
     python bench/step_time.py                      # defaults: ~1-2 minutes on 2 cores
     python bench/step_time.py --rounds 7 --steps 30 --json /tmp/step_time.json
     python bench/step_time.py --methods ddp,zero2 --d-model 256 --layers 4
+    python bench/step_time.py --comm-only --comm-mib 1,2.5,8,25   # the collectives alone, by bucket size
 """
 
 from __future__ import annotations
@@ -71,12 +72,19 @@ from harness import (  # noqa: E402  -- the shared bench harness (model, data, b
 
 ALL_METHODS = ("ddp", "zero0", "zero1", "zero2", "zero1_offload", "zero2_offload")
 # also selectable: zero1_overlap, zero2_overlap (publish overlapped with the next forward), zero1_blocking,
-# zero2_blocking (reduce-scatter instead of gloo's all-reduce), zero2_q (int8), see harness.COMM_VARIANTS
+# zero2_blocking (gloo's reduce-scatter), zero1_allreduce, zero2_allreduce, zero*_overlap_allreduce (all-reduce
+# instead of gloo's all-to-all), zero*_b1 (1 MiB buckets), zero2_q (int8), see harness.COMM_VARIANTS
 __all__ = ["TinyLM", "make_batches", "loss_of", "percentile"]  # re-exported for older importers
 
 
 def comm_microbench(numel: int, reps: int) -> dict:
-    """Median ms of the collectives a step issues, on a fp32 tensor of Psi elements, interleaved."""
+    """Median ms of the collectives a step issues on ``numel`` fp32 elements, interleaved (A B C A B C ..., a
+    barrier before each; a rep's time is the slower rank's). The engine's own entry points are timed where
+    they differ from torch's flat calls: gloo's list forms, and the all-to-all reduce-scatter
+    (``grad_reduce="all_to_all"``: one all-to-all of the rank-major rows, then the N rows summed here)."""
+    from lightning_zero.engine import collectives as C
+    from lightning_zero.engine import quantize as Q
+
     n = dist.get_world_size()
     shard = (numel + n - 1) // n
     full = torch.randn(shard * n)
@@ -84,11 +92,16 @@ def comm_microbench(numel: int, reps: int) -> dict:
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     ops = {
-        "all_reduce (DDP, zero0)": lambda: dist.all_reduce(full),
-        "reduce_scatter (zero1/2)": lambda: reduce_scatter(part, full),
-        "all_gather (zero1/2)": lambda: all_gather(full, part),
+        "all_reduce": lambda: dist.all_reduce(full),
+        "reduce_scatter_tensor": lambda: reduce_scatter(part, full),
+        "reduce_scatter (list)": lambda: C.reduce_scatter(part, full),
+        "all_to_all RS": lambda: Q.reduce_scatter_by_all_to_all(part, full),
+        "all_gather_into_tensor": lambda: all_gather(full, part),
+        "all_gather (list)": lambda: C.all_gather(full, part),
     }
     t: dict[str, list[float]] = {k: [] for k in ops}
+    for op in ops.values():  # one untimed call each: gloo sets up its buffers on first use
+        op()
     for _ in range(reps):
         for k, op in ops.items():
             dist.barrier()
@@ -103,11 +116,23 @@ def comm_microbench(numel: int, reps: int) -> dict:
     return out
 
 
+def comm_sizes(rank: int, args) -> dict:
+    """:func:`comm_microbench` at every ``--comm-mib`` size (MiB of fp32), plus the model's own Psi."""
+    out = {}
+    for mib in args.comm_mib:
+        numel = int(mib * 2**20 / 4)
+        out[f"{mib:g} MiB"] = comm_microbench(numel, reps=max(5, int(args.comm_reps * 2.5 / max(mib, 2.5))))
+    return out
+
+
 def body(rank: int, args) -> dict:
+    if args.comm_only:
+        return {"methods": {}, "comm_ms": {}, "comm_sizes_ms": comm_sizes(rank, args)}
     batches = make_batches(args.warmup + args.steps, rank, args.batch, args.seq, args.vocab)
     results = run_rounds(list(args.methods), args, batches, rank)
     numel = next(r["numel"] for rs in results.values() for r in rs if "numel" in r)
-    return {"methods": results, "comm_ms": comm_microbench(numel, reps=2 * args.steps)}
+    return {"methods": results, "comm_ms": comm_microbench(numel, reps=2 * args.steps),
+            "comm_sizes_ms": comm_sizes(rank, args) if args.comm_mib else {}}
 
 
 # -- summary -------------------------------------------------------------------------------------------
@@ -116,15 +141,31 @@ def floor_bytes(method: str, numel: int) -> dict:
 
 
 def summarize(raw: dict, args) -> dict:
+    if args.comm_only:
+        return {"comm_sizes_ms": raw["comm_sizes_ms"]}
     s = summarize_methods(raw["methods"], bases=("ddp",))
     for r in s["methods"].values():
         if "ratio_vs" in r:
             r["ratio_vs_ddp"] = r["ratio_vs"].get("ddp")
     s["comm_ms"] = raw["comm_ms"]
+    s["comm_sizes_ms"] = raw["comm_sizes_ms"]
     return s
 
 
+def comm_table(sizes: dict) -> list[str]:
+    if not sizes:
+        return []
+    ops = list(next(iter(sizes.values())))
+    lines = [f"collectives on {WORLD_SIZE} gloo ranks, fp32, median ms (interleaved):", "",
+             "| size | " + " | ".join(ops) + " |", "|---" * (len(ops) + 1) + "|"]
+    for size, row in sizes.items():
+        lines.append(f"| {size} | " + " | ".join(f"{row[k]:.2f}" for k in ops) + " |")
+    return lines
+
+
 def print_table(s: dict, args) -> list[str]:
+    if args.comm_only:
+        return comm_table(s["comm_sizes_ms"])
     numel = s["numel"]
     ref, bad = loss_check(s, "ddp")
     lines = [
@@ -172,11 +213,20 @@ def print_table(s: dict, args) -> list[str]:
         "final loss: all methods and rounds agree within 1e-4 relative"
         if not bad else f"FINAL LOSS MISMATCH (>1e-4 relative to {ref:.6f}): {', '.join(bad)}"
     )
+    lines += [""] + comm_table(s["comm_sizes_ms"])
     return lines
 
 
+def _comm_args(p) -> None:
+    p.add_argument("--comm-mib", default="", metavar="LIST",
+                   help="also time the collectives at these sizes, MiB of fp32 (e.g. 1,2.5,8,25)")
+    p.add_argument("--comm-reps", type=int, default=30, help="reps per collective at <= 2.5 MiB (fewer above)")
+    p.add_argument("--comm-only", action="store_true", help="only the collective table (needs --comm-mib)")
+
+
 def main() -> None:
-    args = parse_interleaved_args(__doc__, HARNESS_METHODS, ALL_METHODS, steps=15, warmup=3)
+    args = parse_interleaved_args(__doc__, HARNESS_METHODS, ALL_METHODS, steps=15, warmup=3, extra=_comm_args)
+    args.comm_mib = [float(x) for x in args.comm_mib.split(",") if x.strip()]
     run_and_report(body, args, summarize, print_table)
 
 

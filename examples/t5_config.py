@@ -43,8 +43,8 @@ class StrategyConf:
     # recompute these modules' forward in backward: null | auto (the unit policy's blocks: T5Block) | [T5Block, ...]
     activation_checkpointing: Any = None
     offload_activations: bool = False  # saved activations in (pinned) host memory between forward and backward
-    # communication: auto (per backend) | reduce_scatter | all_reduce; the stage 1-2 publish overlapped with
-    # the next forward; int8 all-gathers of parameters (qwZ) and reduce-scatters of gradients (qgZ)
+    # communication: auto (per backend) | reduce_scatter | all_reduce | all_to_all; the stage 1-2 publish
+    # overlapped with the next forward; int8 all-gathers of parameters (qwZ) and reduce-scatters of gradients (qgZ)
     grad_reduce: str = "auto"
     overlap_publish: bool = False  # true: read engine/publish.py first (callbacks reading weights)
     quantize_weights: bool = False

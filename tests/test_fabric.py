@@ -54,7 +54,9 @@ def _train(fabric, model, opt, rank, steps, start=0, accum=1, clip=None, clip_va
                 loss = loss_fn(model, batch(step, rank, micro), sometimes and uses_sometimes(rank, step))
                 fabric.backward(loss)
             if micro < accum - 1 and reductions is not None:
-                reductions.append(sum(n for op, n in (collectives.stats.calls - before).items() if "reduce" in op))
+                # the gradient reductions: gloo's "auto" reduce-scatters through an all-to-all
+                reductions.append(sum(n for op, n in (collectives.stats.calls - before).items()
+                                      if "reduce" in op or op == "all_to_all"))
             losses.append(loss.item())
         if clip is not None:
             fabric.clip_gradients(model, opt, max_norm=clip)

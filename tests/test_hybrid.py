@@ -23,7 +23,7 @@ from tests.test_stage3 import STEPS, UNITS, _train, _use
 
 K = 2
 ACCUM, CLIP = 2, 0.5
-RS = dict(grad_reduce="reduce_scatter")  # what NCCL runs ("auto" on gloo all-reduces: the _allreduce cases)
+RS = dict(grad_reduce="reduce_scatter")  # what NCCL runs ("auto" on gloo: the _alltoall case)
 CASES = {  # name -> ZeroConfig keywords; tiny buckets: several per step
     "zero0": dict(stage=0),  # shards nothing: K changes nothing, one all-reduce over the world
     "zero1": dict(stage=1, **RS),
@@ -34,6 +34,7 @@ CASES = {  # name -> ZeroConfig keywords; tiny buckets: several per step
                           offload_params=True, **RS),
     "zero2_allreduce": dict(stage=2, grad_reduce="all_reduce"),
     "zero3_allreduce": dict(stage=3, unit_classes=UNITS, persist_numel=0, grad_reduce="all_reduce"),
+    "zero2_alltoall": dict(stage=2, grad_reduce="all_to_all"),
 }
 
 
@@ -90,7 +91,7 @@ def test_hybrid_matches_ddp(name):
         # gathers, reduce-scatters and norms stay inside the shard group; only broadcasts span the world
         assert {op for (g, op) in calls if g == "world"} <= {"broadcast"}, calls
         assert {op for (g, op) in calls if g == "replicate"} == {"all_reduce"}, calls
-        reduction = "all_reduce" if name.endswith("_allreduce") else "reduce_scatter"
+        reduction = {"allreduce": "all_reduce", "alltoall": "all_to_all"}.get(name.rsplit("_", 1)[-1], "reduce_scatter")
         assert calls[("shard", "all_gather")] > 0 and calls[("shard", reduction)] > 0, calls
         # one cross-group all-reduce per bucket per optimizer step, also at stage 2 under accumulation
         assert calls[("replicate", "all_reduce")] == n_buckets * STEPS, (calls, n_buckets)

@@ -177,21 +177,33 @@ def all_reduce(tensor: torch.Tensor, op=None, group: Optional[Any] = None, async
     return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_to_all(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None, async_op: bool = False):
-    """Flat all-to-all: chunk ``r`` of ``input`` goes to rank ``r``; chunk ``r`` of ``output`` came from it."""
-    if world_size(group) == 1:
-        output.copy_(input)
+def all_to_all_rows(output: torch.Tensor, rows: torch.Tensor, group: Optional[Any] = None, async_op: bool = False):
+    """All-to-all of ``rows`` (``[N, w]``): row ``j`` goes to rank ``j``, except this rank's own row, which
+    stays where it is (the caller reads it in place): ``output`` (``[N - 1, w]``) receives the other ranks'
+    rows for this rank, in rank order. Skipping the self-copy saves a row of memory and a copy; counted as
+    an all-to-all of all N rows, whose ring wire bytes ((N-1)/N of them) are exactly what travels."""
+    n, r = world_size(group), rank(group)
+    if n == 1:
         return _Done() if async_op else None
-    stats.record("all_to_all", input, group)
-    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+    stats.record("all_to_all", rows, group)
+    splits = [1] * n
+    splits[r] = 0
+    # the other rows are one slice at the ends of the rank range, a copy in between
+    send = rows[1:] if r == 0 else rows[:-1] if r == n - 1 else torch.cat([rows[:r], rows[r + 1 :]])
+    return dist.all_to_all_single(output, send, output_split_sizes=splits, input_split_sizes=splits,
+                                  group=group, async_op=async_op)
 
 
-# grad_reduce="auto": measured on 2 gloo ranks (CPU), all-reduce beats reduce-scatter at every bucket size
-# (0.25 / 2.5 / 25 MiB fp32: 0.9 / 4.7 / 47 ms vs 1.7 / 6.0 / 62 ms, list form): the all-reduce of the
-# whole bucket, keeping this rank's slice, is the faster reduce-scatter there. NCCL's reduce-scatter moves
-# half the bytes of its all-reduce and is the faster one. A table (not a measurement at setup) keeps the
-# choice identical on every rank without a collective to agree on it.
-GRAD_REDUCE_BY_BACKEND = {"gloo": "all_reduce"}
+# grad_reduce="auto": on gloo, its own reduce-scatter is the slowest way to reduce-scatter; an all-reduce
+# keeping this rank's rows beats it, and one all-to-all of the rows (quantize.reduce_scatter_by_all_to_all,
+# half the all-reduce's bytes) beats both at every bucket size. Measured on 2 gloo ranks (CPU), fp32, median
+# ms, bench/step_time.py --comm-only --comm-mib 1,2.5,8,25, two runs on a shared machine:
+#   all_reduce           4.1-6.6 / 9.8-11.1 / 9.0-28.0 / 29.7-80.1
+#   reduce_scatter list  7.8-8.8 / 11.8-14.9 / 12.3-18.7 / 38.4-93.1
+#   all_to_all rows      3.5-4.9 / 6.8-7.0 / 7.6-8.6 / 19.7-42.7
+# NCCL's reduce-scatter moves a reduce-scatter's bytes in one kernel and is the faster one there. A table
+# (not a measurement at setup) keeps the choice identical on every rank without a collective to agree on it.
+GRAD_REDUCE_BY_BACKEND = {"gloo": "all_to_all"}
 
 
 def grad_reduce_mode(requested: str, group: Optional[Any] = None) -> str:

@@ -19,7 +19,7 @@ import torch
 from .stage3.lifecycle import OrderCheck
 
 STAGES = (0, 1, 2, 3)
-GRAD_REDUCE = ("auto", "reduce_scatter", "all_reduce")
+GRAD_REDUCE = ("auto", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 def _is_int(value) -> bool:
@@ -89,8 +89,10 @@ class ZeroConfig:
     # -- communication (engine/reducer.py, publish.py, quantize.py) ---------------------------------
     # grad_reduce (stages 1-3): how a gradient bucket reaches its shard. "reduce_scatter"; "all_reduce" (the
     #     whole bucket summed, this rank's slice kept: same memory, since the full bucket exists either way,
-    #     and the same sums); "auto" = per backend from a fixed table (collectives.GRAD_REDUCE_BY_BACKEND:
-    #     all_reduce on gloo, whose reduce-scatter is slower than its all-reduce; reduce_scatter elsewhere).
+    #     and the same sums); "all_to_all" (one all-to-all of the rank-major rows, the N received rows summed
+    #     in fp32 in rank order: a reduce-scatter's bytes through gloo's faster all-to-all; quantize.py);
+    #     "auto" = per backend from a fixed table (collectives.GRAD_REDUCE_BY_BACKEND: gloo, whose
+    #     reduce-scatter is slow, gets its table entry; reduce_scatter elsewhere).
     # overlap_publish (stages 1-2, opt-in): the parameter all-gather after a step runs while the next
     #     forward computes; each bucket is waited for in the forward pre-hook of the modules that hold its
     #     parameters and wherever the engine reads or writes them (engine/publish.py). Off by default: code

@@ -20,8 +20,9 @@ values are written back into ``param.grad`` (identical on every rank, so repeate
 How a bucket of stages 1-3 reaches its shard is ``mode``: a reduce-scatter; an all-reduce of the whole
 rank-major buffer keeping this rank's row (the same sums in the same memory -- the full bucket exists
 either way -- and faster where the backend's reduce-scatter is slow: gloo, see
-``collectives.GRAD_REDUCE_BY_BACKEND``); or int8 blocks through one all-to-all, summed in fp32 (qgZ,
-:mod:`.quantize`).
+``collectives.GRAD_REDUCE_BY_BACKEND``); one all-to-all of the rows, each rank summing the N it receives
+in fp32 (a reduce-scatter's bytes, half an all-reduce's); or the same all-to-all with the rows as int8
+blocks (qgZ). Both all-to-all forms are :func:`.quantize.reduce_scatter_by_all_to_all`.
 
 Which parameters got a gradient on *any* rank travels inside the reductions themselves: every bucket
 buffer carries one extra element per parameter (1 if this rank had a gradient), which the same sum turns
@@ -64,7 +65,7 @@ from . import tensor_parallel as TP
 from .buckets import Bucket
 
 _SHARD_REDUCTIONS = {"reduce_scatter": C.reduce_scatter, "all_reduce": C.reduce_scatter_by_all_reduce,
-                     "int8": None}
+                     "all_to_all": Q.reduce_scatter_by_all_to_all, "int8": Q.reduce_scatter_int8}
 
 
 class BackwardPhase(enum.Enum):
@@ -120,8 +121,9 @@ class GradReducer:
         self._pre, self._post = pre, ranks / pre
         self._unreplicated: list[Optional[torch.Tensor]] = [None] * len(buckets)  # hybrid: shard + counts
         self.sync = GradSync.BOUNDARY
-        # stages 1-3: "reduce_scatter", "all_reduce" (the whole bucket, this rank's row kept) or "int8"
-        # (qgZ: one all-to-all of int8 blocks, summed in fp32); see collectives.grad_reduce_mode
+        # stages 1-3: "reduce_scatter", "all_reduce" (the whole bucket, this rank's row kept), "all_to_all"
+        # (the rows exchanged, summed in fp32 on arrival) or "int8" (qgZ: the same all-to-all, int8 blocks);
+        # see collectives.grad_reduce_mode
         if mode not in _SHARD_REDUCTIONS:
             raise ValueError(f"Unknown gradient reduction {mode!r}. Allowed: {', '.join(_SHARD_REDUCTIONS)}.")
         self.mode = mode
@@ -264,11 +266,9 @@ class GradReducer:
                 _write_flags(flat.view(b.world_size, -1)[:, b.shard_numel :], grads)
                 flat.div_(self._pre)
                 out = torch.empty(b.shard_numel + n, dtype=dtype, device=flat.device)
-                if self.mode == "int8":  # the used-parameter counts get scales of their own
-                    work = Q.reduce_scatter_int8(out, flat, group=self.group, async_op=True,
-                                                 segments=[b.shard_numel, n])
-                else:
-                    work = _SHARD_REDUCTIONS[self.mode](out, flat, group=self.group, async_op=True)
+                # int8: the used-parameter counts get scales of their own
+                kw = dict(segments=[b.shard_numel, n]) if self.mode == "int8" else {}
+                work = _SHARD_REDUCTIONS[self.mode](out, flat, group=self.group, async_op=True, **kw)
                 for p in b.params:  # the full gradient is now inside ``flat``: free it
                     if p.grad is not None and self._stream is not None:
                         p.grad.record_stream(self._stream)

@@ -43,7 +43,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
 
     Args: as :class:`~lightning_zero.ZeroStrategy` (stage, offload_optimizer, offload_params, bucket_mb,
     reduce_dtype, broadcast_buffers, the stage-3 unit options, start_method, process_group_backend,
-    timeout); ``precision``: a :class:`ZeroFabricPrecision` (else Fabric's ``precision=`` flag is mapped).
+    timeout, grad_reduce); ``precision``: a :class:`ZeroFabricPrecision` (else Fabric's ``precision=`` flag is mapped).
     """
 
     def __init__(
@@ -70,6 +70,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
         shard_group_size: Optional[int] = None,
         activation_checkpointing: Optional[Any] = None,
         offload_activations: bool = False,
+        grad_reduce: str = "auto",
         **unknown: Any,
     ) -> None:
         if unknown:  # Fabric's DDPStrategy forwards extra kwargs to DistributedDataParallel; there is none here

@@ -80,8 +80,9 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
             names, e.g. ``["T5Block"]``: their forward is recomputed in backward instead of saved.
         offload_activations: saved activations go to (pinned) host memory during forward, back for backward.
         grad_reduce, overlap_publish, quantize_weights, quantize_grads: communication (see ZeroConfig):
-            the gradient reduction ("auto" per backend), the stage 1-2 parameter all-gather overlapped
-            with the next forward, and int8 all-gathers (qwZ) / reduce-scatters (qgZ), off by default.
+            the gradient reduction ("auto" per backend, "reduce_scatter", "all_reduce" or "all_to_all"), the
+            stage 1-2 parameter all-gather overlapped with the next forward, and int8 all-gathers (qwZ) /
+            reduce-scatters (qgZ), off by default.
         pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_max_imbalance,
             pipeline_chunks: given ``pipeline_parallel_size=P``, the constructor returns a ``ZeroPipelineStrategy``
             (``lightning/pipeline_strategy.py``): P pipeline stages, ZeRO 0-2 over each stage's replicas.
