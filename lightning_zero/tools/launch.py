@@ -38,9 +38,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence, 
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if dist.is_initialized():  # inherited from the parent by fork
         dist.destroy_process_group()
-    # the parent's store (run_ranks): a client here, never a second server on a port someone else may hold
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(outdir, f"rank{rank}.pt"))
@@ -58,16 +56,10 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence = (), start_method: 
     A failing rank raises ``RuntimeError("rank r failed: <its traceback>")`` here (or "died without a
     result" when it was killed); ``fn`` must be picklable for ``start_method="spawn"``.
     """
-    # [Note: the rendezvous store lives in the parent] Picking a free port and letting rank 0 bind it later
-    # races with every other process on the machine: another job may take the port in between, or (with
-    # SO_REUSEPORT) bind it too, and ranks of two runs then meet in one store and fail in gloo's
-    # connectFullMesh. The parent binds port 0 (the OS picks) and holds the store until every rank is done.
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
     with tempfile.TemporaryDirectory() as outdir:
         launch_error = None
         try:
-            mp.start_processes(_entry, args=(world_size, store.port, fn, tuple(args), outdir, backend, threads,
+            mp.start_processes(_entry, args=(world_size, free_port(), fn, tuple(args), outdir, backend, threads,
                                              timeout_s), nprocs=world_size, join=True, start_method=start_method)
         except Exception as err:  # the rank files below say what went wrong; this says why a rank wrote none
             launch_error = err
@@ -80,5 +72,4 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence = (), start_method: 
             if not out["ok"]:
                 raise RuntimeError(f"rank {r} failed:\n{out['error']}")
             results.append(out["result"])
-        del store
         return results
