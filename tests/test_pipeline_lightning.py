@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroStrategy
-from lightning_zero.engine.pipeline import consolidate_pipeline_checkpoint
+from lightning_zero.checkpoint.pipeline_dir import consolidate_pipeline_checkpoint
 from lightning_zero.engine.pipeline_split import split_gpt2
 from lightning_zero.lightning.pipeline_strategy import ZeroPipelineStrategy
 from tests.test_pipeline import ACCUM, ATOL, BATCH, CLIP, M, RTOL, _batch, _loss, _model, _optimizer
@@ -226,7 +226,7 @@ def test_p2_dp2_zero1_matches_and_resumes_at_dp1(tmp_path):
     saved = consolidate_pipeline_checkpoint(str(ckpt))
     assert set(saved) == set(mid_sd) and all(torch.allclose(saved[k], mid_sd[k], rtol=RTOL, atol=ATOL)
                                              for k in mid_sd)
-    # resumed at P2 x DP1 (each stage's optimizer state re-sliced from the full per-stage files)
+    # resumed at P2 x DP1 (each stage's DCP shards resharded from 2 ranks to 1)
     resumed = _fit(tmp_path, "e_", "1f1b", 2, ckpt_path=str(ckpt), stage=1, devices=2)
     ref_losses, ref_val, ref_sd = _reference(seen + resumed[0]["batches"])
     _check(resumed, ref_losses[BATCHES:], ref_val[1:], ref_sd, "resumed at DP1")
