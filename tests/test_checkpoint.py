@@ -79,7 +79,7 @@ def _crash_during_save(rank, world_size, model, engine, path):
     train(model, engine, rank, world_size, range(4, 5))
     real = ck.dcp.save
 
-    def dying_save(state, checkpoint_id):
+    def dying_save(state, checkpoint_id, **kw):  # dcp.save(..., process_group=...)
         (Path(checkpoint_id) / f"__{rank}_0.distcp").write_bytes(b"half a shard")
         raise OSError("simulated crash in the middle of a save")
 

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zero.engine import ZeroConfig, collectives
-from lightning_zero.engine.pipeline import (PipelineZero, check_pipeline_size, consolidate_pipeline_checkpoint,
-                                            estimate_stage_states, pipeline_layout, virtual_stages)
+from lightning_zero.checkpoint.pipeline_dir import consolidate_pipeline_checkpoint
+from lightning_zero.engine.pipeline import (PipelineZero, check_pipeline_size, estimate_stage_states, pipeline_layout,
+                                            virtual_stages)
 from lightning_zero.engine.pipeline_split import split_gpt2
 from tests.dist_utils import run_distributed
 
@@ -142,7 +143,7 @@ def _p2dp2(rank, world_size, path):
         losses = _train(pipe, 4)  # two optimizer steps
         calls = dict(collectives.stats.group_calls)
         if stage == 2:
-            pipe.save(path)
+            pipe.save(os.path.join(path, "mid"))
         out[stage] = (losses, _named(pipe), calls, len(pipe.engine.buckets), groups,
                       pipe.engine.memory_report().as_dict(), pipe.layout.stage_index)
     return out
@@ -150,7 +151,7 @@ def _p2dp2(rank, world_size, path):
 
 def _resume_dp1(rank, world_size, path):
     pipe = _pipeline(2, 2, "1f1b")
-    pipe.load(path)
+    pipe.load(os.path.join(path, "mid"))
     rows = BATCH
     losses = []
     for call in range(4, CALLS):
@@ -186,7 +187,7 @@ def test_p2_dp2_zero1_zero2_and_resume_at_dp1(tmp_path):
             assert abs(got - floor["optimizer"]) <= 0.05 * floor["optimizer"], (mem, floor)
         bad = [k for k in mid_sd if not _close(merged[k], mid_sd[k])]
         assert not bad, (stage, bad)
-    saved = consolidate_pipeline_checkpoint(str(tmp_path))
+    saved = consolidate_pipeline_checkpoint(str(tmp_path / "mid"))
     assert set(saved) == set(mid_sd) and all(_close(saved[k], mid_sd[k]) for k in mid_sd)
     resumed = run_distributed(_resume_dp1, 2, str(tmp_path))
     for losses in resumed:

@@ -269,8 +269,8 @@ def test_interleaved_under_the_trainer_equals_the_reference(tmp_path):
                                                 callbacks=[SaveAtEpochEnd(str(ckpt))])]
     ref_losses, ref_val, ref_sd = _reference(results[0]["batches"])
     _check(results, ref_losses, ref_val, ref_sd, "interleaved, zero1")  # = 1F1B's (same reference)
-    # four stage files (two chunks on each of two ranks) consolidate into the uncut model's state dict
-    assert sorted(f for f in os.listdir(ckpt) if f.startswith("stage")) == [f"stage{i}.pt" for i in range(4)]
+    # four stage directories (two chunks on each of two ranks) consolidate into the uncut model's state dict
+    assert sorted(f for f in os.listdir(ckpt) if f.startswith("stage")) == [f"stage{i}" for i in range(4)]
     assert cli(["consolidate", str(ckpt), str(tmp_path / "full.safetensors"), "--quiet"]) == 0
     from safetensors.torch import load_file
 

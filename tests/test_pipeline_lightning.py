@@ -16,11 +16,12 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroStrategy
-from lightning_zero.engine.pipeline import consolidate_pipeline_checkpoint
+from lightning_zero.checkpoint.pipeline_dir import consolidate_pipeline_checkpoint, read_manifest
 from lightning_zero.engine.pipeline_split import split_gpt2
 from lightning_zero.lightning.pipeline_strategy import ZeroPipelineStrategy
 from tests.test_pipeline import ACCUM, ATOL, BATCH, CLIP, M, RTOL, _batch, _loss, _model, _optimizer
@@ -147,7 +148,8 @@ def _fit(out, tag, schedule, epochs, ckpt_path=None, callbacks=(), stage=None, d
                             pipeline_parallel_size=2, pipeline_microbatches=M, pipeline_schedule=schedule)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs,
                       accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+                      enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=1, limit_val_batches=1,
                       callbacks=list(callbacks))
     trainer.fit(PipeGPT2(str(out), tag, BATCH * 2 // devices), ckpt_path=ckpt_path)
@@ -216,8 +218,10 @@ def test_bad_pipeline_settings_get_one_clear_error():
 
 @pytest.mark.timeout(240)
 def test_p2_dp2_zero1_matches_and_resumes_at_dp1(tmp_path):
-    ckpt = tmp_path / "epoch0.ckpt"
-    first = _fit(tmp_path, "d_", "1f1b", 1, callbacks=[SaveAtEpochEnd(str(ckpt))], stage=1, devices=4)
+    ckpt = tmp_path / "epoch0.ckpt"  # ModelCheckpoint writes it and last.ckpt: both pipeline directories
+    first = _fit(tmp_path, "d_", "1f1b", 1, callbacks=[ModelCheckpoint(tmp_path, "epoch0", save_last=True)],
+                 stage=1, devices=4)
+    assert all(read_manifest(tmp_path / n)["data_parallel_size"] == 2 for n in ("epoch0.ckpt", "last.ckpt"))
     seen = [[first[0]["batches"][b], first[1]["batches"][b]] for b in range(BATCHES)]  # replicas 0 and 1
     assert all(p.shape[0] == BATCH // 2 for parts in seen for p in parts)
     mid_losses, mid_val, mid_sd = _reference(seen)
@@ -226,7 +230,7 @@ def test_p2_dp2_zero1_matches_and_resumes_at_dp1(tmp_path):
     saved = consolidate_pipeline_checkpoint(str(ckpt))
     assert set(saved) == set(mid_sd) and all(torch.allclose(saved[k], mid_sd[k], rtol=RTOL, atol=ATOL)
                                              for k in mid_sd)
-    # resumed at P2 x DP1 (each stage's optimizer state re-sliced from the full per-stage files)
-    resumed = _fit(tmp_path, "e_", "1f1b", 2, ckpt_path=str(ckpt), stage=1, devices=2)
+    # resumed from last.ckpt at P2 x DP1 and ZeRO-2 (each stage's DCP shards resharded from 2 ranks to 1)
+    resumed = _fit(tmp_path, "e_", "1f1b", 2, ckpt_path=str(tmp_path / "last.ckpt"), stage=2, devices=2)
     ref_losses, ref_val, ref_sd = _reference(seen + resumed[0]["batches"])
     _check(resumed, ref_losses[BATCHES:], ref_val[1:], ref_sd, "resumed at DP1")

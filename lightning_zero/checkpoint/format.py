@@ -31,11 +31,12 @@ the directory are removed by the next save there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -67,54 +68,71 @@ def save_checkpoint_dir(
 
     ``optimizer_state``: one optimizer's :func:`sharded_optimizer_state`, or a list of them (several
     optimizers: the first under "optim", optimizer ``k`` under "optim_k")."""
+    with atomic_checkpoint_dir(path, barrier) as tmp:
+        write_checkpoint_files(tmp, model_state, module, engine, optimizer_state, metadata)
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_checkpoint_dir(path: _PathLike, barrier: Callable[[], None] = _barrier) -> Iterator[Path]:
+    """The temporary ``path.zero-tmp`` every rank writes into, renamed to ``path`` once all are done (see
+    the design note). Collective over the world."""
     path = Path(path)
     tmp, old = path.with_name(path.name + _TMP), path.with_name(path.name + _OLD)
-    rank = _rank()
-    opt_states = list(optimizer_state) if isinstance(optimizer_state, (list, tuple)) else (
-        [optimizer_state] if optimizer_state is not None else [])
-    optimizer_state = opt_states[0] if opt_states else None
-    state_kinds = _check_optimizer_keys(optimizer_state)
-    more_kinds = [_check_optimizer_keys(st) for st in opt_states[1:]]
-    if rank == 0:
+    if _rank() == 0:
         tidy_checkpoint_dir(path.parent)  # what crashed saves left behind
         tmp.mkdir(parents=True)
     barrier()
-    tensors = {"model": dict(model_state)}
-    for k, st in enumerate(opt_states):
-        tensors[_optim_key(k)] = {"state": st["state"]}
-    dcp.save(tensors, checkpoint_id=tmp)
-    if rank == 0:
-        meta = dict(metadata or {})
-        if opt_states:
-            meta["optimizer_states"] = [{k: v for k, v in st.items() if k != "state"} for st in opt_states]
-        torch.save(meta, tmp / META_FILE)
-        info = _info(model_state, module, engine, state_kinds)
-        if more_kinds:
-            info["more_optimizer_states"] = more_kinds  # optimizers 1, 2, ... (0 is "optimizer_state")
-        (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
+    yield tmp
     barrier()
-    if rank == 0:
+    if _rank() == 0:
         if os.path.lexists(path):  # a name that exists is complete, so the old copy (if any) is redundant
             _remove(old)
             os.rename(path, old)
         os.rename(tmp, path)  # until this rename, ``old`` is the complete copy loads fall back to
         _remove(old)
     barrier()
-    return path
+
+
+def write_checkpoint_files(directory: Path, model_state: Mapping[str, torch.Tensor], module: nn.Module,
+                           engine=None, optimizer_state: Any = None, metadata: Optional[dict] = None,
+                           process_group=None) -> None:
+    """The DCP tensors, ``meta.pt`` and ``zero_checkpoint.json`` of one checkpoint into ``directory`` (not
+    atomic by itself: inside :func:`atomic_checkpoint_dir`). Collective over ``process_group`` (default:
+    the world), whose ranks hold the shards of ``model_state``; its first rank writes the small files."""
+    opt_states = list(optimizer_state) if isinstance(optimizer_state, (list, tuple)) else (
+        [optimizer_state] if optimizer_state is not None else [])
+    state_kinds = _check_optimizer_keys(opt_states[0] if opt_states else None, process_group)
+    more_kinds = [_check_optimizer_keys(st, process_group) for st in opt_states[1:]]
+    tensors = {"model": dict(model_state)}
+    for k, st in enumerate(opt_states):
+        tensors[_optim_key(k)] = {"state": st["state"]}
+    os.makedirs(directory, exist_ok=True)
+    dcp.save(tensors, checkpoint_id=directory, process_group=process_group)
+    if _rank(process_group) == 0:
+        meta = dict(metadata or {})
+        if opt_states:
+            meta["optimizer_states"] = [{k: v for k, v in st.items() if k != "state"} for st in opt_states]
+        torch.save(meta, directory / META_FILE)
+        info = _info(model_state, module, engine, state_kinds, process_group)
+        if more_kinds:
+            info["more_optimizer_states"] = more_kinds  # optimizers 1, 2, ... (0 is "optimizer_state")
+        (directory / INFO_FILE).write_text(json.dumps(info, indent=1))
 
 
 def _optim_key(index: int) -> str:
     return "optim" if index == 0 else f"optim_{index}"
 
 
-def _check_optimizer_keys(optimizer_state) -> Optional[dict]:
-    """Which state each parameter has; it must agree on all ranks or DCP would write a broken checkpoint."""
+def _check_optimizer_keys(optimizer_state, group=None) -> Optional[dict]:
+    """Which state each parameter has; it must agree on all ranks (of ``group``, which writes one checkpoint)
+    or DCP would write a broken checkpoint."""
     if optimizer_state is None:
         return None
     kinds = {n: sorted(st) for n, st in optimizer_state["state"].items()}
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        every: list = [None] * dist.get_world_size()
-        dist.all_gather_object(every, kinds)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        every: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, kinds, group=group)
         for r, other in enumerate(every):
             if other != kinds:
                 diff = sorted(n for n in set(other) | set(kinds) if other.get(n) != kinds.get(n))
@@ -125,7 +143,7 @@ def _check_optimizer_keys(optimizer_state) -> Optional[dict]:
     return kinds
 
 
-def _info(model_state, module, engine, state_kinds) -> dict:
+def _info(model_state, module, engine, state_kinds, group=None) -> dict:
     managed = _managed(engine)
     canonical, aliases = _canonical(module)
     tensors = {}
@@ -138,7 +156,7 @@ def _info(model_state, module, engine, state_kinds) -> dict:
     layout = {"layout": TS.NATURAL, "tensor_parallel_size": engine.tensor_parallel.tp_size} if TS.is_tp(engine) else {}
     return {**layout,
         "format": FORMAT, "version": VERSION,
-        "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
+        "world_size": dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1,
         "stage": None if cfg is None else cfg.stage,
         "torch_version": torch.__version__,
         "tensors": tensors,
@@ -149,7 +167,7 @@ def _info(model_state, module, engine, state_kinds) -> dict:
 
 
 # -- read / validate ----------------------------------------------------------------------------------------
-def _dcp_load(state: dict, path: Path, no_dist: Optional[bool] = None) -> None:
+def _dcp_load(state: dict, path: Path, no_dist: Optional[bool] = None, process_group=None) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     if no_dist is None:
@@ -157,7 +175,7 @@ def _dcp_load(state: dict, path: Path, no_dist: Optional[bool] = None) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+            dcp.load(state, checkpoint_id=path, no_dist=no_dist, process_group=process_group)
     except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures; name the broken checkpoint
         raise ValueError(f"Reading the tensors of checkpoint {str(path)!r} failed; the directory is incomplete "
                          f"or corrupt, or does not match the model: {err}") from err
@@ -184,11 +202,12 @@ def check_compatible(info: dict, module: nn.Module, strict: bool = True, engine=
 # -- load into a module / engine ------------------------------------------------------------------------------
 @torch.no_grad()
 def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bool = True,
-                     info: Optional[dict] = None) -> None:
+                     info: Optional[dict] = None, process_group=None) -> None:
     """Load the model tensors into the engine's masters (in place, resharded) and the module's other tensors.
 
     Without an engine (evaluation, or a plain model in one process) every tensor lands in the module.
-    Collective when a process group is initialized; works without one.
+    Collective over ``process_group`` (the group the engine shards over; default: the world) when a process
+    group is initialized; works without one.
     """
     path = Path(path) if info is not None else resolve_checkpoint_dir(path)
     info = info or read_info(path)
@@ -208,7 +227,7 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
             continue
         if n in managed and flat:
             m, spec, _ = managed[n]
-            targets[n] = _flat(m, spec)
+            targets[n] = _flat(m, spec, process_group)
             if not m.is_contiguous() and spec.world_size == 1:
                 after.append(lambda m=m, t=targets[n]: m.copy_(t.view_as(m)))
             continue
@@ -217,7 +236,7 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
             t = torch.empty(dest.numel(), dtype=dest.dtype, device=dest.device)
             after.append(lambda dest=dest, t=t: dest.copy_(t.view_as(dest)))
         targets[n] = t if flat and not dest.is_contiguous() else (dest.view(-1) if flat else dest)
-    _dcp_load({"model": targets}, path)
+    _dcp_load({"model": targets}, path, process_group=process_group)
     for fn in after:
         fn()
     if engine is not None:
@@ -226,7 +245,7 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
 
 @torch.no_grad()
 def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], info: Optional[dict] = None,
-                         index: int = 0) -> None:
+                         index: int = 0, process_group=None) -> None:
     """Load the state of the engine's optimizer ``index`` (moments resharded in place) and its
     hyper-parameters by parameter name."""
     path = Path(path) if info is not None else resolve_checkpoint_dir(path)
@@ -274,8 +293,8 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
                                                      info.get("layout") != TS.NATURAL)
                 after.append(copy)
             else:
-                targets[n][k] = _flat(st[k], spec)
-    _dcp_load({_optim_key(index): {"state": targets}}, path)
+                targets[n][k] = _flat(st[k], spec, process_group)
+    _dcp_load({_optim_key(index): {"state": targets}}, path, process_group=process_group)
     for copy in after:
         copy()
     for m in list(opt.state):  # a parameter that had no state when saved has none now
@@ -317,19 +336,20 @@ def _init_state(opt: torch.optim.Optimizer, masters: list[torch.Tensor]) -> None
 
 
 def load_checkpoint_dir(path: _PathLike, module: nn.Module, engine=None, load_optimizer: bool = True,
-                        strict: bool = True, weights_only: Optional[bool] = None) -> dict:
+                        strict: bool = True, weights_only: Optional[bool] = None, process_group=None) -> dict:
     """Engine-level load: model (and optimizer state when ``load_optimizer`` and an engine is given).
+    ``process_group``: the group the engine shards over, when not the world (a pipeline stage's).
 
     Returns the metadata dict (Lightning's loops/epoch/... plus whatever the saver passed)."""
     path = resolve_checkpoint_dir(path)
     info = read_info(path)
     meta = read_meta(path, weights_only)
-    load_model_state(path, module, engine, strict, info)
+    load_model_state(path, module, engine, strict, info, process_group)
     if load_optimizer and engine is not None:
         saved = meta.get("optimizer_states") or [{}]
         check_optimizer_count(path, len(saved), len(engine.optimizers))
         for k in range(len(engine.optimizers)):
-            load_optimizer_state(path, engine, saved[k], info, index=k)
+            load_optimizer_state(path, engine, saved[k], info, index=k, process_group=process_group)
         scaler = getattr(engine, "loss_scaler", None)
         if scaler is not None and "loss_scaler" in meta:
             scaler.load_state_dict(meta["loss_scaler"])
@@ -341,11 +361,20 @@ def load_checkpoint_dir(path: _PathLike, module: nn.Module, engine=None, load_op
 def save_engine_checkpoint(path: _PathLike, module: nn.Module, engine=None, metadata: Optional[dict] = None,
                            optimizer: bool = True) -> Path:
     """Engine-level save (no Lightning): model, optimizer state, loss-scaler state and ``metadata``."""
+    model, opt, meta = engine_checkpoint_state(module, engine, metadata, optimizer)
+    return save_checkpoint_dir(path, model, module, engine, opt, meta)
+
+
+def engine_checkpoint_state(module: nn.Module, engine=None, metadata: Optional[dict] = None, optimizer: bool = True,
+                            group=None) -> tuple[dict, Optional[list], dict]:
+    """What :func:`save_engine_checkpoint` writes: the model tensors, the optimizer states and the metadata
+    (plus loss scaler and skipped steps). ``group``: the sub-group the engine shards over, if not the world."""
     meta = dict(metadata or {})
     scaler = getattr(engine, "loss_scaler", None)
     if scaler is not None:
         meta["loss_scaler"] = scaler.state_dict()
     if engine is not None:
         meta["skipped_steps"] = engine.counters.skipped_steps
-    opt = [sharded_optimizer_state(engine, o) for o in engine.optimizers] if optimizer and engine is not None else None
-    return save_checkpoint_dir(path, sharded_model_state(module, engine), module, engine, opt, meta)
+    opt = [sharded_optimizer_state(engine, o, group) for o in engine.optimizers] \
+        if optimizer and engine is not None else None
+    return sharded_model_state(module, engine, group), opt, meta

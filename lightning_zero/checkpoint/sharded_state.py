@@ -19,11 +19,17 @@ from . import tp_state as TS
 _MESHES: dict = {}
 
 
-def _mesh(device_type: str, shard_size: int):
+def _mesh(device_type: str, shard_size: int, group=None):
     """The default group's mesh: 1-D, or (hybrid sharding) 2-D ("replicate", "shard") with shard groups of
-    ``shard_size`` consecutive ranks -- the engine's groups, so DCP writes each slice from one replica only."""
-    from torch.distributed.device_mesh import init_device_mesh
+    ``shard_size`` consecutive ranks -- the engine's groups, so DCP writes each slice from one replica only.
+    ``group``: a sub-group the engine shards over (a pipeline stage's data-parallel group), 1-D over it."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    if group is not None:  # groups are made once per process (engine/groups.py), so their id is stable
+        key = (device_type, "group", id(group))
+        if key not in _MESHES:
+            _MESHES[key] = DeviceMesh.from_group(group, device_type)
+        return _MESHES[key]
     world = dist.get_world_size()
     key = (device_type, world, shard_size, id(dist.distributed_c10d._get_default_group()))
     if key not in _MESHES:
@@ -33,17 +39,17 @@ def _mesh(device_type: str, shard_size: int):
     return _MESHES[key]
 
 
-def _flat(t: torch.Tensor, spec) -> torch.Tensor:
+def _flat(t: torch.Tensor, spec, group=None) -> torch.Tensor:
     """The 1-D global view of a master-shaped tensor: a DTensor Shard(0) slice (hybrid: replicated over the
-    shard groups), or a plain 1-D tensor."""
+    shard groups; ``group``: over that sub-group), or a plain 1-D tensor."""
     t = t.detach()
     if spec.world_size == 1:  # stage 0, or shard groups of one rank: every rank holds the whole tensor
         return t.view(-1) if t.is_contiguous() else t.reshape(-1)
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     placements = [Shard(0)] if spec.world_size == world else [Replicate(), Shard(0)]
-    return DTensor.from_local(t.view(-1), _mesh(t.device.type, spec.world_size), placements, run_check=False,
+    return DTensor.from_local(t.view(-1), _mesh(t.device.type, spec.world_size, group), placements, run_check=False,
                               shape=torch.Size([spec.numel]), stride=(1,))
 
 
@@ -80,28 +86,29 @@ def _managed(engine) -> dict[str, tuple[torch.Tensor, Any, torch.Size]]:
 
 
 # -- state dicts handed to Lightning (and to dcp.save) ---------------------------------------------------
-def sharded_model_state(module: nn.Module, engine=None) -> dict[str, torch.Tensor]:
-    """Model tensors for DCP: fp32 masters (flattened, DTensor-sharded on stages >= 1) + buffers/frozen."""
+def sharded_model_state(module: nn.Module, engine=None, group=None) -> dict[str, torch.Tensor]:
+    """Model tensors for DCP: fp32 masters (flattened, DTensor-sharded on stages >= 1) + buffers/frozen.
+    ``group``: the sub-group the engine shards over, when not the default group (pipeline stages)."""
     managed = _managed(engine)
     canonical, _ = _canonical(module)
-    entry = _entry_fn(engine, module)
+    entry = _entry_fn(engine, module, group)
     return {n: (entry(managed[n][0], n, managed[n][1]) if n in managed else t) for n, t in canonical.items()}
 
 
-def _entry_fn(engine, module: nn.Module):
+def _entry_fn(engine, module: nn.Module, group=None):
     """How a master-shaped tensor is written: flat (:func:`_flat`), or per parameter in full parameter
     coordinates with tensor parallelism (tp_state.py)."""
     if TS.is_tp(engine):
         return TS.natural_entry_fn(engine, module)
-    return lambda t, _name, spec: _flat(t, spec)
+    return lambda t, _name, spec: _flat(t, spec, group)
 
 
-def sharded_optimizer_state(engine, optimizer=None) -> dict[str, Any]:
+def sharded_optimizer_state(engine, optimizer=None, group=None) -> dict[str, Any]:
     """Optimizer state keyed by parameter name: per-element tensors flattened like the masters.
-    ``optimizer``: which of the engine's optimizers (default: the first)."""
+    ``optimizer``: which of the engine's optimizers (default: the first); ``group``: as for the model."""
     name_of = {id(m): (n, spec) for n, (m, spec, _) in _managed(engine).items()}
     opt = engine.optimizer if optimizer is None else optimizer
-    entry = _entry_fn(engine, engine.module)
+    entry = _entry_fn(engine, engine.module, group)
     state: dict[str, dict] = {}
     other: dict[str, dict] = {}
     for group in opt.param_groups:

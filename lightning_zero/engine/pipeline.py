@@ -39,8 +39,7 @@ from .engine import ZeroEngine
 from .engine_state import EngineMode
 from .groups import _registered
 from .memory import model_state_floor
-from .pipeline_checkpoint import (consolidate_pipeline_checkpoint, load_stages, save_stages,  # noqa: F401
-                                  source_names, stage_file, stage_state_dicts)
+from .pipeline_checkpoint import source_names, stage_state_dicts  # noqa: F401
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 _LAYOUTS: dict[tuple, tuple[Any, "PipelineLayout"]] = {}  # (id(default pg), P) -> (default pg, layout)
@@ -336,19 +335,25 @@ class PipelineZero:
             for k, s in enumerate(engine.shardeds):
                 s.sq_norm = (total if k == 0 else torch.zeros(())).to(s.sq_norm.device, s.sq_norm.dtype)
 
-    # -- checkpoints: one file per stage, full (unsharded) values (pipeline_checkpoint.py) ---------------------
+    # -- checkpoints: one sharded DCP directory per stage (checkpoint/pipeline_dir.py) -------------------------
     def state_dicts(self) -> list[dict]:
-        """Per chunk on this rank: its stage's full fp32 module and optimizer state. Collective over the dp group."""
+        """Per chunk on this rank: its stage's full fp32 module and optimizer state (gathered; not what
+        checkpoints write). Collective over the dp group."""
         return stage_state_dicts(self)
 
-    def save(self, path: str) -> None:
-        """Write ``path/stage{i}.pt`` per stage (by its data-parallel rank 0). Collective over the world."""
-        save_stages(self, path)
+    def save(self, path: str, metadata: Optional[dict] = None) -> None:
+        """Write the checkpoint directory ``path`` (atomically): per stage a sharded DCP directory written by
+        its data-parallel group, each rank its own slice; ``metadata`` in ``meta.pt``. Collective over the world."""
+        from ..checkpoint.pipeline_dir import save_pipeline_checkpoint  # checkpoint/ builds on engine/
+
+        save_pipeline_checkpoint(self, path, metadata)
 
     def load(self, path: str) -> None:
-        """Resume this rank's stages from :meth:`save`'s files, written at any data-parallel size (an
-        evaluation-only pipeline loads the weights only)."""
-        load_stages(self, path)
+        """Resume this rank's stages from :meth:`save`'s directory, written at any data-parallel size and
+        ZeRO stage (an evaluation-only pipeline loads the weights only)."""
+        from ..checkpoint.pipeline_dir import load_pipeline_checkpoint
+
+        load_pipeline_checkpoint(self, path)
         self._calls = 0
 
 

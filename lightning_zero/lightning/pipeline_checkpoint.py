@@ -1,26 +1,22 @@
-"""The checkpoint hooks of ZeroPipelineStrategy: per-stage files plus Lightning's metadata, one directory.
+"""The checkpoint hooks of ZeroPipelineStrategy: the pipeline's checkpoint directory with Lightning's metadata.
 
 Design note
 -----------
-``trainer.save_checkpoint(X)`` writes :meth:`PipelineZero.save`'s per-stage files (full fp32 values, so any
-data-parallel size resumes; engine/pipeline_checkpoint.py) and Lightning's ``meta.pt`` (loops, LR
-schedulers, callbacks, precision) into ``X.zero-tmp``, renamed into place as the DCP directories are
-(checkpoint/files.py): a name that exists is complete. Loading happens after setup, into the stage engines'
-masters (the fit's pipeline, or the evaluation-only one of validate / test / predict).
+``trainer.save_checkpoint(X)`` is :meth:`PipelineZero.save` with Lightning's loops, LR schedulers, callbacks
+and precision state as its ``meta.pt`` (checkpoint/pipeline_dir.py: per stage a sharded DCP directory,
+written by that stage's data-parallel group; the whole directory renamed into place when complete).
+Loading happens after setup, into the stage engines' masters (the fit's pipeline, or the evaluation-only
+one of validate / test / predict), resharded to this run's data-parallel size and ZeRO stage.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-import torch
+from ..checkpoint.files import read_meta, resolve_checkpoint_dir
+from ..checkpoint.pipeline_dir import read_manifest
 
-from ..checkpoint.files import _OLD, _TMP, INFO_FILE, META_FILE, _remove, resolve_checkpoint_dir, tidy_checkpoint_dir
-
-PIPELINE_FORMAT = "lightning_zero.pipeline"
 _LOADED_KEY = "lightning_zero_pipeline_dir"
 
 
@@ -28,7 +24,7 @@ class PipelineCheckpointMixin:
     """Checkpoint hooks for a strategy holding ``pipe`` (the fit's PipelineZero) and ``_forward_pipe``."""
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the stage files hold the weights
+        return {}  # the stage directories hold the weights
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return {}  # ... and the optimizer state
@@ -40,26 +36,8 @@ class PipelineCheckpointMixin:
         if storage_options is not None:
             raise TypeError("storage_options are not supported for pipeline checkpoints (no CheckpointIO).")
         path = Path(self.broadcast(str(filepath)))
-        tmp, old = path.with_name(path.name + _TMP), path.with_name(path.name + _OLD)
-        if self.is_global_zero:
-            tidy_checkpoint_dir(path.parent)
-            tmp.mkdir(parents=True)
-        self.barrier()
-        self.pipe.save(str(tmp))  # collective; each stage's data-parallel rank 0 writes stage<i>.pt
-        if self.is_global_zero:
-            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            torch.save(meta, tmp / META_FILE)
-            info = {"format": PIPELINE_FORMAT, "version": 1, "num_stages": self.pipeline_parallel_size,
-                    "zero_stage": self.stage}
-            (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
-        self.barrier()
-        if self.is_global_zero:  # a name that exists is complete (see checkpoint/format.py)
-            if os.path.lexists(path):
-                _remove(old)
-                os.rename(path, old)
-            os.rename(tmp, path)
-            _remove(old)
-        self.barrier()
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.pipe.save(str(path), metadata=meta)  # collective; each stage's group writes its own shards
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -67,14 +45,9 @@ class PipelineCheckpointMixin:
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = resolve_checkpoint_dir(self.broadcast(str(checkpoint_path)))
-        info_file = path / INFO_FILE
-        info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-        if info.get("format") != PIPELINE_FORMAT:
-            raise ValueError(f"{str(path)!r} is not a pipeline checkpoint directory (no {INFO_FILE} with format "
-                             f"{PIPELINE_FORMAT!r}). Allowed: a directory that trainer.save_checkpoint wrote with "
-                             f"pipeline_parallel_size.")
-        meta = torch.load(path / META_FILE, weights_only=False)
-        meta["optimizer_states"] = [{}]  # in the stage files; Lightning checks the key exists
+        read_manifest(path)  # one clear error for anything that is not a pipeline checkpoint
+        meta = read_meta(path, weights_only=False)  # Lightning's own objects (loops, callbacks)
+        meta["optimizer_states"] = [{}]  # in the stage directories; Lightning checks the key exists
         meta[_LOADED_KEY] = str(path)
         return meta
 

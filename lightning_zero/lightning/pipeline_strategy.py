@@ -40,10 +40,10 @@ by the norm over all stages, the logged ``train_loss`` is the last stage's mean 
 broadcast to every rank. The sampler splits the data by data-parallel rank only: the P stages of a replica
 read the same batch (the first stage its inputs, the last its targets).
 
-Checkpoints are :meth:`PipelineZero.save`'s per-stage files (full fp32 values, any data-parallel size
-resumes) plus Lightning's ``meta.pt`` in one directory, written as ``X.zero-tmp`` and renamed into place as
-the DCP directories are (checkpoint/files.py). ``lightning-zero consolidate X out.pt`` (or
-``consolidate_pipeline_checkpoint(X)``) gives the uncut model's own state dict.
+Checkpoints are :meth:`PipelineZero.save`'s directory (checkpoint/pipeline_dir.py): per stage a sharded DCP
+directory written by its data-parallel group (any data-parallel size and ZeRO stage resumes), Lightning's
+``meta.pt`` beside them, written as ``X.zero-tmp`` and renamed into place. ``lightning-zero consolidate X
+out.pt`` (or ``consolidate_pipeline_checkpoint(X)``) gives the uncut model's own state dict.
 """
 
 from __future__ import annotations

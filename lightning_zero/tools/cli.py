@@ -24,7 +24,7 @@ def _consolidate(args: argparse.Namespace) -> int:
 
     from ..checkpoint.consolidate import consolidate, stored_nbytes
     from ..checkpoint.files import read_info, resolve_checkpoint_dir
-    from ..engine.pipeline_checkpoint import is_pipeline_checkpoint
+    from ..checkpoint.pipeline_dir import is_pipeline_checkpoint
     from .progress import byte_progress
 
     if args.optimizer and not args.lightning:
@@ -48,9 +48,9 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _consolidate_pipeline(args: argparse.Namespace, dtype) -> int:
-    """A pipeline checkpoint (per-stage files): the uncut model's state dict, as DDP over it would save."""
+    """A pipeline checkpoint (a sharded directory per stage): the uncut model's state dict, as DDP over it would save."""
     from ..checkpoint.files import resolve_checkpoint_dir
-    from ..engine.pipeline_checkpoint import write_consolidated
+    from ..checkpoint.pipeline_dir import write_consolidated
 
     if args.lightning:
         raise ValueError("--lightning is not available for a pipeline checkpoint: its weights consolidate under "

@@ -1,0 +1,153 @@
+"""Pipeline checkpoints: one ZeRO checkpoint directory per (virtual) stage, inside one atomic directory.
+
+Design note
+-----------
+::
+
+    ckpt/                      (written as ckpt.zero-tmp, renamed when complete: format.py's atomic rename)
+      zero_checkpoint.json     the manifest: format "lightning_zero.pipeline" version 2; P, chunks per rank,
+                               the data-parallel size and ZeRO stage at save; per stage its directory, its
+                               parameter count and ``source_names`` (stage-local name -> name in the uncut model)
+      meta.pt                  the caller's metadata (Lightning's loops, LR schedulers, callbacks, ...)
+      stage0/ ... stage<S-1>/  each exactly what a ZeRO engine over D ranks writes (format.py's files), written
+                               by that stage's data-parallel group alone (``dcp.save(process_group=dp_group)``):
+                               masters and optimizer state as flat DTensor shards on the group's mesh, each rank
+                               writing its own slice, nothing gathered; plus the stage's loss scaler and skips
+
+Because a stage's directory is an ordinary sharded checkpoint, loading reshards as for ZeRO: each stage's
+data-parallel group reads its own directory through DCP's metadata, D -> D' ranks and ZeRO stage a -> b
+alike. The pipeline's shape (P stages x chunks per rank) must match; any other shape goes through
+:func:`consolidate_pipeline_checkpoint` (one process, no process group), the uncut model's state dict.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..engine.collectives import rank as _rank
+from ..engine.engine_state import EngineMode
+from ..engine.pipeline_checkpoint import source_names
+from .consolidate import atomic_output, full_model_state
+from .files import INFO_FILE, META_FILE, read_info, resolve_checkpoint_dir
+from .format import atomic_checkpoint_dir, engine_checkpoint_state, load_checkpoint_dir, write_checkpoint_files
+
+PIPELINE_FORMAT, PIPELINE_VERSION = "lightning_zero.pipeline", 2
+STAGE_DIR = "stage{}"
+_PathLike = Union[str, Path]
+
+
+def save_pipeline_checkpoint(pipe: Any, path: _PathLike, metadata: Optional[dict] = None) -> Path:
+    """Write ``path`` for ``pipe`` (a training PipelineZero): every chunk's stage directory over its
+    data-parallel group, then the manifest and ``metadata``. Collective over the world."""
+    if not pipe.trains:
+        raise RuntimeError("an evaluation-only pipeline (optimizer=None) has no training state to checkpoint. "
+                           "Allowed: save from the training PipelineZero.")
+    lay, path = pipe.layout, Path(path)
+    mine = {}
+    with atomic_checkpoint_dir(path) as tmp:
+        for module, engine, index in zip(pipe.modules, pipe.engines, pipe.stage_indices):
+            model, optim, meta = engine_checkpoint_state(module, engine, group=lay.dp_group)
+            write_checkpoint_files(tmp / STAGE_DIR.format(index), model, module, engine, optim, meta,
+                                   process_group=lay.dp_group)
+            mine[index] = {"dir": STAGE_DIR.format(index),
+                           "params": sum(p.numel() for p in module.parameters()),
+                           "source_names": source_names(module, index, module.state_dict())}
+        stages = _gather_over_pipeline(mine, lay.pp_group)
+        if _rank() == 0:
+            manifest = {"format": PIPELINE_FORMAT, "version": PIPELINE_VERSION,
+                        "num_stages": len(stages), "pipeline_parallel_size": lay.num_stages,
+                        "chunks": len(pipe.modules), "data_parallel_size": lay.dp_size,
+                        "zero_stage": pipe.engine.config.stage,
+                        "stages": {str(i): stages[i] for i in sorted(stages)}}
+            torch.save(dict(metadata or {}), tmp / META_FILE)
+            (tmp / INFO_FILE).write_text(json.dumps(manifest, indent=1))
+    return path
+
+
+def _gather_over_pipeline(mine: dict, pp_group: Any) -> dict:
+    """Every stage's manifest entry on each rank (small: names and counts), from the ranks of one pipeline."""
+    if pp_group is None:
+        return dict(mine)
+    every: list = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(every, mine, group=pp_group)
+    return {i: entry for part in every for i, entry in part.items()}
+
+
+def load_pipeline_checkpoint(pipe: Any, path: _PathLike) -> dict:
+    """This rank's chunks from ``path`` (saved at any data-parallel size and ZeRO stage 0-2); an
+    evaluation-only pipeline takes the weights only. Returns the manifest."""
+    path = resolve_checkpoint_dir(path)
+    manifest = read_manifest(path)
+    shape = (manifest["pipeline_parallel_size"], manifest["chunks"])
+    if shape != (pipe.layout.num_stages, len(pipe.modules)):
+        raise ValueError(f"checkpoint {str(path)!r} was saved with pipeline_parallel_size={shape[0]} and {shape[1]} "
+                         f"chunk(s) per rank; this run has {pipe.layout.num_stages} and {len(pipe.modules)}. Allowed: "
+                         f"resume with the same pipeline shape (the data-parallel size and ZeRO stage may change), "
+                         f"or consolidate it (`lightning-zero consolidate`) and load the uncut model's state dict.")
+    for module, engine, index in zip(pipe.modules, pipe.engines, pipe.stage_indices):
+        train = engine.mode is EngineMode.TRAIN
+        load_checkpoint_dir(path / manifest["stages"][str(index)]["dir"], module, engine, load_optimizer=train,
+                            weights_only=False, process_group=pipe.layout.dp_group)
+    return manifest
+
+
+def is_pipeline_checkpoint(path: _PathLike) -> bool:
+    """A directory whose ``zero_checkpoint.json`` names the pipeline format (any version)."""
+    try:
+        return json.loads((Path(path) / INFO_FILE).read_text()).get("format") == PIPELINE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_manifest(path: _PathLike) -> dict:
+    """The manifest of a pipeline checkpoint, with one clear error for anything else."""
+    path = Path(path)
+    if not is_pipeline_checkpoint(path):
+        raise ValueError(f"{str(path)!r} is not a pipeline checkpoint directory (no {INFO_FILE} with format "
+                         f"{PIPELINE_FORMAT!r}). Allowed: a directory written by PipelineZero.save or by "
+                         f"trainer.save_checkpoint with pipeline_parallel_size.")
+    manifest = json.loads((path / INFO_FILE).read_text())
+    if manifest.get("version") != PIPELINE_VERSION:
+        raise ValueError(f"{str(path)!r} is a pipeline checkpoint of format version {manifest.get('version')!r} "
+                         f"(version 1: full per-stage .pt files from a development build); this release reads "
+                         f"version {PIPELINE_VERSION} (sharded DCP directories per stage). Allowed: a checkpoint "
+                         f"saved by this release.")
+    missing = [str(i) for i in range(manifest["num_stages"]) if str(i) not in manifest["stages"]]
+    if missing or not (path / META_FILE).is_file():
+        raise ValueError(f"Corrupt pipeline checkpoint {str(path)!r}: " + (
+            f"the manifest lists no directory for stage(s) {missing}." if missing else f"{META_FILE} is missing."))
+    return manifest
+
+
+def consolidate_pipeline_checkpoint(path: _PathLike, dtype: Optional[torch.dtype] = None) -> dict:
+    """One state dict of the whole model under the uncut model's names, read from every stage's directory
+    in this process (no process group); floating tensors cast to ``dtype`` when given."""
+    path = resolve_checkpoint_dir(path)
+    manifest = read_manifest(path)
+    out: dict = {}
+    for i in range(manifest["num_stages"]):
+        entry = manifest["stages"][str(i)]
+        stage_dir = path / entry["dir"]
+        for name, value in full_model_state(stage_dir, read_info(stage_dir), dtype).items():
+            out[entry["source_names"][name]] = value
+    return out
+
+
+def write_consolidated(path: _PathLike, out: _PathLike, dtype: torch.dtype = torch.float32) -> dict:
+    """:func:`consolidate_pipeline_checkpoint` written to ``out`` (``.safetensors``: safetensors, else
+    ``torch.save``), atomically. Returns {"tensors": n, "bytes": weights}."""
+    sd = consolidate_pipeline_checkpoint(path, dtype)
+    out = Path(out)
+    with atomic_output(out) as tmp:
+        if out.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp))
+        else:
+            torch.save(sd, tmp)
+    return {"tensors": len(sd), "bytes": sum(t.numel() * t.element_size() for t in sd.values())}
