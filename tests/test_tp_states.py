@@ -55,9 +55,45 @@ def _restore_then_train(rank, world_size, mesh):
     return out
 
 
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+
+
+def _local_bytes(tensors) -> int:
+    return sum(TPM.local(t).numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _memory_table(rank, world_size, mesh):
+    """The table's DDP column against DDP of the TP-split model, measured: the TP model with a plain AdamW."""
+    import torch.distributed as dist
+
+    from lightning_zero.lightning.memory_summary import ddp_numbers, format_table, rank_numbers
+
+    dp_rank, dp_size = mesh.get_local_rank("data_parallel"), mesh.size(0)
+    model = parallelize(make_gpt(), mesh["tensor_parallel"])
+    engine = ZeroEngine(model, _adamw(model), ZeroConfig(stage=2), device_mesh=mesh)
+    lm_loss(model, dp_batch(0, 0, dp_rank, dp_size)).backward()
+    engine.step()
+    ranks = [None] * world_size
+    dist.all_gather_object(ranks, rank_numbers(engine))
+    ddp = ddp_numbers(engine, ranks)
+    table = format_table(engine.config, world_size, ranks, ddp)
+    engine.remove()
+
+    plain = parallelize(make_gpt(), mesh["tensor_parallel"])  # no ZeRO: TP only, every state whole
+    opt = _adamw(plain)
+    lm_loss(plain, dp_batch(0, 0, dp_rank, dp_size)).backward()
+    opt.step()
+    measured = {"params": _local_bytes(plain.parameters()), "grads": _local_bytes(p.grad for p in plain.parameters()),
+                "optimizer_state": _local_bytes(t for st in opt.state.values() for t in st.values()
+                                                if torch.is_tensor(t) and t.dim() > 0)}
+    return ddp, measured, table
+
+
 def _job(rank, world_size):
     mesh = _mesh(world_size)
-    return {"restore": _restore_then_train(rank, world_size, mesh)}
+    return {"restore": _restore_then_train(rank, world_size, mesh),
+            "table": _memory_table(rank, world_size, mesh)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,3 +110,14 @@ def test_training_after_the_fp32_hand_back_under_tp():
         _close(out["loss"], out["ref_loss"])
         for k, v in out["ref_params"].items():
             _close(out["params"][k], v)
+
+
+@pytest.mark.timeout(120)
+def test_memory_table_ddp_column_counts_local_pieces():
+    ddp, measured, table = results()[0]["table"]
+    for key, got in measured.items():
+        assert ddp[key] == got, (key, ddp, measured)
+    assert ddp["master"] == 0 and "tensor parallel 2 x data parallel 2" in table
+    assert "vs DDP of the same TP-split model" in table
+    for res in results()[1:]:  # every rank's DDP-of-TP holds the same (even cuts)
+        assert res["table"][1] == measured
