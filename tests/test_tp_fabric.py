@@ -162,5 +162,10 @@ def test_fabric_tp_checkpoint_loads_without_tp(results):
 def test_fabric_refuses_bad_tensor_parallel_settings(kwargs, error, message):
     with pytest.raises(error, match=message):
         ZeroFabricStrategy(**kwargs)
-    with pytest.raises(AttributeError, match="tensor_parallel_size=T only"):
+
+
+def test_fabric_device_mesh_exists_with_tensor_parallel_only():
+    with pytest.raises(AttributeError, match="ZeroFabricStrategy.device_mesh exists with tensor_parallel_size=T only"):
         ZeroFabricStrategy(stage=2).device_mesh
+    with pytest.raises(RuntimeError, match=r"after fabric.launch\(\) \(Fabric\)"):
+        ZeroFabricStrategy(stage=2, tensor_parallel_size=2).device_mesh  # before fabric.launch()

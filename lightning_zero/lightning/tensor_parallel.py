@@ -66,7 +66,8 @@ class TensorParallelLayout:
     def device_mesh(self) -> Any:
         if self.mesh is None:
             raise RuntimeError("The device mesh is built once the processes exist (setup_environment); it is "
-                               "available from LightningModule.configure_model on.")
+                               "available from LightningModule.configure_model on (Trainer), after "
+                               "fabric.launch() (Fabric).")
         return self.mesh
 
     def sampler_kwargs(self) -> dict:

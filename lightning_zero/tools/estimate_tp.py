@@ -112,8 +112,9 @@ def _t5_info(info, dims, size: int):
     per_block = lambda decoder: ((8 if decoder else 4) * dims.inner + ff) * dims.d_model  # noqa: E731
     split = dims.num_layers * per_block(False) + dims.dec_layers * per_block(True)
     local = info.numel - split + split // size
-    return replace(info, numel=local, trainable=local, sizes=[], trainable_sizes=[], name=_local_name(info, size),
-                   largest_param=max(dims.vocab_size * dims.d_model, dims.d_model * dims.d_ff // size)), info.numel, split
+    largest = max(dims.vocab_size * dims.d_model, dims.d_model * dims.d_ff // size)
+    return replace(info, numel=local, trainable=local, sizes=[], trainable_sizes=[], largest_param=largest,
+                   name=_local_name(info, size)), info.numel, split
 
 
 def tensor_parallel_info(model: Any, info, size: int, world_size: int, shard_group_size: Optional[int],
