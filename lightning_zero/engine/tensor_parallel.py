@@ -84,11 +84,17 @@ def as_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 def set_data(p: nn.Parameter, value: torch.Tensor) -> None:
     """``p.data = value`` for a local-shaped ``value`` (the fp32 module handed back). A DTensor keeps its
     local piece and dtype in Python attributes ``.data =`` does not reach: the parameter object is swapped
-    in place instead, as ``nn.Module._apply`` does for DTensors (references to ``p`` stay valid)."""
+    in place instead, as ``nn.Module._apply`` does for DTensors (references to ``p`` stay valid).
+
+    The swap leaves ``p``'s post-accumulate-grad hooks (the reducer's) in ``p``'s Python dict but not on
+    the new tensor autograd reads them from: they would never fire again, and a later backward would
+    reduce nothing. Assigning the dict back installs it on the new tensor; the hooks' handles stay valid."""
     if not is_dtensor(p):
         p.data = value
         return
     torch.utils.swap_tensors(p, nn.Parameter(as_like(p, value), requires_grad=p.requires_grad))
+    if p._post_accumulate_grad_hooks is not None:
+        p._post_accumulate_grad_hooks = p._post_accumulate_grad_hooks
 
 
 def full_value(t: Any) -> Any:

@@ -9,6 +9,13 @@ reduce(-scatter) gradients during backward, ``fabric.no_backward_sync`` is the e
 ``optimizer.zero_grad()`` go to the engine, ``fabric.init_module(empty_init=True)`` builds a stage-3
 model on the meta device (materialized unit by unit, already sharded) and ``fabric.save`` /
 ``fabric.load`` write and read the Trainer's sharded checkpoint directories (``fabric_checkpoint.py``).
+
+``tensor_parallel_size=T`` (stages 0-2): ``fabric.launch()`` builds the ("data_parallel",
+"tensor_parallel") mesh, ``fabric.strategy.device_mesh``; the model is cut by ``parallelize_fn(module,
+device_mesh)`` in ``fabric.setup_module`` (Fabric's ModelParallelStrategy convention: then create the
+optimizer over the cut module and ``fabric.setup_optimizers`` it), or by the user before ``fabric.setup``.
+``fabric.setup_dataloaders`` splits by the data-parallel rank; checkpoints take the TP path
+(``checkpoint/tp_state.py``) and load with or without TP.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import contextlib
 import inspect
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -33,17 +40,21 @@ from ..engine import ZeroEngine, collectives
 from ..engine.stage3.deferred_init import has_meta_params
 from .fabric_checkpoint import ZeroFabricCheckpointMixin
 from .fabric_precision import ZeroFabricPrecision
+from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
 from .zero_setup import (as_zero_precision, build_engine, check_start_method, external_launcher,
                          register_presets, zero_config)
 
 
-class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
+class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStrategy):
     """ZeRO data parallelism for Fabric: ``Fabric(strategy=ZeroFabricStrategy(stage=3, ...))`` or a
     registered name (``"zero0"`` ... ``"zero3_offload"``, each also ``_spawn`` / ``_fork``).
 
     Args: as :class:`~lightning_zero.ZeroStrategy` (stage, offload_optimizer, offload_params, bucket_mb,
     reduce_dtype, broadcast_buffers, the stage-3 unit options, start_method, process_group_backend,
     timeout, grad_reduce); ``precision``: a :class:`ZeroFabricPrecision` (else Fabric's ``precision=`` flag is mapped).
+    ``tensor_parallel_size``: as the Trainer's (stages 0-2); ``parallelize_fn(module, device_mesh) -> module``
+    cuts the model in ``fabric.setup_module`` (e.g. torch's ``parallelize_module`` over
+    ``device_mesh["tensor_parallel"]``), as Lightning's Fabric ``ModelParallelStrategy`` does.
     """
 
     def __init__(
@@ -71,6 +82,8 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
         activation_checkpointing: Optional[Any] = None,
         offload_activations: bool = False,
         grad_reduce: str = "auto",
+        tensor_parallel_size: Optional[int] = None,
+        parallelize_fn: Optional[Callable[[Module, Any], Module]] = None,
         **unknown: Any,
     ) -> None:
         if unknown:  # Fabric's DDPStrategy forwards extra kwargs to DistributedDataParallel; there is none here
@@ -79,6 +92,12 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
             raise TypeError(f"ZeroFabricStrategy got unknown argument(s) {', '.join(sorted(unknown))}. "
                             f"Allowed: {', '.join(allowed)}.")
         self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
+        check_tensor_parallel_args(dict(tensor_parallel_size=tensor_parallel_size, shard_group_size=shard_group_size))
+        self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config)  # None without TP
+        if parallelize_fn is not None and self.tensor_parallel is None:
+            raise ValueError("parallelize_fn needs tensor_parallel_size=T (it is called with the 2-D device mesh). "
+                             "Allowed: ZeroFabricStrategy(tensor_parallel_size=T, parallelize_fn=...).")
+        self._parallelize_fn = parallelize_fn
         check_start_method(start_method)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -111,6 +130,10 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
         if not external_launcher(self, _SubprocessScriptLauncher, rank_zero_info):
             super()._configure_launcher()
 
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._build_device_mesh()  # tensor_parallel_size: fabric.strategy.device_mesh from fabric.launch() on
+
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Stage 3 with ``empty_init=True``: the model is built on the meta device and materialized by the
         engine unit by unit, already sharded, with the values of an eager build from the same seed."""
@@ -125,16 +148,26 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
 
     # -- setup -----------------------------------------------------------------------------------------
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler=None):
-        self._adopt(module)
+        module = self._adopt(module)
+        if self._parallelize_fn is not None:  # its new (DTensor) parameters are in no optimizer made before
+            mine = {id(p) for p in module.parameters()}
+            if any(id(p) not in mine for opt in optimizers for g in opt.param_groups for p in g["params"]):
+                raise RuntimeError("parallelize_fn replaced the model's parameters, so the optimizer passed to "
+                                   "fabric.setup(model, optimizer) holds stale ones. Allowed: model = "
+                                   "fabric.setup_module(model), then the optimizer over model.parameters() and "
+                                   "fabric.setup_optimizers(optimizer); or cut the model yourself "
+                                   "(fabric.strategy.device_mesh) before creating the optimizer.")
         self._build(optimizers)
         return module, optimizers, scheduler
 
     def setup_module(self, module: Module) -> Module:
         """No wrapper. The engine is built once the optimizers are known (``setup_optimizers``); a stage-3
         model on the meta device is materialized now, sharded (its optimizer needs real parameters)."""
-        self._adopt(module)
+        module = self._adopt(module)
         if self.stage == 3 and has_meta_params(module):
             self._build(None)
+        elif self.tensor_parallel is not None:  # TP ranks hold different pieces: over the DP dim only
+            self.tensor_parallel.sync_module_states(module)
         elif collectives.world_size() > 1:  # every rank starts from rank 0's weights, as DDP's wrap does
             with torch.no_grad():
                 collectives.broadcast_flat([p.data for p in module.parameters()] + list(module.buffers()), None)
@@ -153,15 +186,21 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, DDPStrategy):
         self._build([optimizer])
         return optimizer
 
-    def _adopt(self, module: Module) -> None:
+    def _adopt(self, module: Module) -> Module:
         if self._module is not None and self._module is not module:
             raise ValueError("ZeroFabricStrategy sets up one model (one engine shards it and its optimizers). "
                              "Allowed: one fabric.setup(model, ...) call; put several networks in one nn.Module.")
+        if self._module is None and self._parallelize_fn is not None:
+            module = self._parallelize_fn(module, self.device_mesh)
+            if not isinstance(module, Module):
+                raise TypeError(f"parallelize_fn must return the nn.Module it cut; got {type(module).__name__}.")
         self._module = module
+        return module
 
     def _build(self, optimizers: Optional[list[Optimizer]]) -> None:
         module = self._module
-        self.engine = engine = build_engine(module, optimizers, self.zero_config, self.precision, self.root_device)
+        self.engine = engine = build_engine(module, optimizers, self.zero_config, self.precision, self.root_device,
+                                            device_mesh=self._device_mesh)
         # Fabric calls the module, not a training_step: rank 0's buffers and (stage 3) the root unit before
         # each forward, as the Trainer strategy does around its steps
         self._handles = [module.register_forward_pre_hook(lambda *_: engine.prepare_forward())]

@@ -11,6 +11,10 @@ without accumulation the full gradients only live bucket by bucket), at stage 0 
 optimizer hold without sharding (the floor of ``engine/memory.py`` at stage 0, with the optimizer-state
 bytes the ranks really allocated added up), so the ratio is the saving this run gets. Global rank 0 prints
 it and hands the numbers to the loggers as ``zero/*`` metrics.
+
+Under tensor parallelism the baseline is DDP of the same TP-split model: each rank holds its local pieces
+(TP is not what ZeRO saves), and its optimizer state is what the data-parallel ranks of one TP rank
+allocated together (the pieces of another TP rank are other parameters), the largest such TP rank.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..engine import tensor_parallel as TP
 
 _ROWS = (("params", "params"), ("grads", "grads"), ("master", "master (fp32)"), ("optimizer_state", "optimizer state"))
 
@@ -36,6 +42,10 @@ def rank_numbers(engine) -> dict[str, int]:
     mine = {"params": r.params, "grads": grads, "master": r.master,
             "optimizer_state": r.optimizer_state, "host": r.host}
     mine["device"] = sum(mine[k] for k, _ in _ROWS) - r.host
+    if engine.tensor_parallel is not None:  # DDP's column: this rank's local pieces
+        mine["tp_rank"] = engine.tensor_parallel.mesh.get_local_rank(TP.TP)
+        mine["ddp_numel"] = sum({id(p): TP.local_numel(p) for p in engine.module.parameters()}.values())
+        mine["ddp_trainable"] = sum(TP.local_numel(p) for p in engine.params)
     part = engine.partitioner
     if part is not None:
         mine["units"] = len(part.units)
@@ -45,15 +55,23 @@ def rank_numbers(engine) -> dict[str, int]:
 
 
 def ddp_numbers(engine, ranks: list[dict]) -> dict[str, float]:
-    """What one DDP rank holds for the same model and optimizer: everything whole, nothing offloaded."""
-    trainable = sum(p.numel() for p in engine.params)
+    """What one DDP rank holds for the same model and optimizer: everything whole, nothing offloaded (under
+    tensor parallelism: the same TP-split model, its local pieces whole)."""
     compute = engine.compute_dtype or torch.float32
     mixed = compute != torch.float32
     size = torch.empty((), dtype=compute).element_size()
-    every = {id(p): p.numel() for p in engine.module.parameters()}  # frozen too (counted once when tied)
     sharded = engine.config.stage >= 1 and len(ranks) > 1
-    state = sum(r["optimizer_state"] for r in ranks) if sharded else ranks[0]["optimizer_state"]
-    ddp = {"params": size * sum(every.values()), "grads": size * trainable, "master": 4 * trainable if mixed else 0,
+    if "tp_rank" in ranks[0]:
+        numel, trainable = max(r["ddp_numel"] for r in ranks), max(r["ddp_trainable"] for r in ranks)
+        by_tp: dict[int, int] = {}
+        for r in ranks:
+            by_tp[r["tp_rank"]] = by_tp.get(r["tp_rank"], 0) + r["optimizer_state"]
+        state = max(by_tp.values()) if sharded else max(r["optimizer_state"] for r in ranks)
+    else:
+        trainable = sum(p.numel() for p in engine.params)
+        numel = sum({id(p): p.numel() for p in engine.module.parameters()}.values())  # frozen too, tied once
+        state = sum(r["optimizer_state"] for r in ranks) if sharded else ranks[0]["optimizer_state"]
+    ddp = {"params": size * numel, "grads": size * trainable, "master": 4 * trainable if mixed else 0,
            "optimizer_state": state, "host": 0}
     ddp["device"] = sum(ddp[k] for k, _ in _ROWS)
     return ddp
@@ -76,8 +94,11 @@ def format_table(zero_config, world_size: int, ranks: list[dict], ddp: dict) -> 
     """One compact table: the largest rank's bytes (and rank 0's when they differ), DDP's, the saving."""
     worst = {k: max(r[k] for r in ranks) for k in ranks[0]}
     off = [w for w, on in (("optimizer", zero_config.offload_optimizer), ("params", zero_config.offload_params)) if on]
+    tp = len({r["tp_rank"] for r in ranks}) if "tp_rank" in ranks[0] else None
     head = (f"ZeRO stage {zero_config.stage} on {world_size} rank(s)" + (f", offload {'+'.join(off)}" if off else "")
-            + ": model-state bytes per rank after the first step (max over ranks) vs DDP")
+            + (f", tensor parallel {tp} x data parallel {world_size // tp}" if tp else "")
+            + ": model-state bytes per rank after the first step (max over ranks) vs DDP"
+            + (" of the same TP-split model" if tp else ""))
     rows = [("", "ZeRO", "DDP", "saving")]
     for key, label in _ROWS:
         rows.append((label, _mb(worst[key]), _mb(ddp[key]), _ratio(ddp[key], worst[key])))

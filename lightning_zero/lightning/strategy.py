@@ -23,7 +23,7 @@ from ..engine.engine_state import EngineMode
 from .callback_checks import check_callbacks
 from .checkpoint_strategy import ZeroCheckpointMixin
 from .memory_summary import report as memory_report
-from .tensor_parallel import TensorParallelLayout, check_tensor_parallel_args
+from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
 from .optimizers import bind as bind_optimizers
 from ._distribution import lightning_import, sibling
 from .zero_setup import (as_zero_precision, build_engine, check_start_method, external_launcher,
@@ -52,7 +52,7 @@ def _check_pipeline_options(options: dict) -> None:
                          f"world size) with them, or none of them.")
 
 
-class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
+class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
     """ZeRO data parallelism for Lightning.
 
     Args:
@@ -224,28 +224,11 @@ class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy):
         module.lr_scheduler_step = lr_scheduler_step  # instance attribute; removed at teardown
         self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
 
-    # -- tensor parallelism: the 2-D mesh, made once the processes exist ---------------------------------
-    @property
-    def _device_mesh(self) -> Optional[Any]:
-        return self.tensor_parallel.mesh if self.tensor_parallel is not None else None
-
-    @property
-    def device_mesh(self) -> Any:
-        """The ("data_parallel", "tensor_parallel") DeviceMesh (``tensor_parallel_size`` only)."""
-        if self.tensor_parallel is None:
-            raise AttributeError("ZeroStrategy.device_mesh exists with tensor_parallel_size=T only.")
-        return self.tensor_parallel.device_mesh
-
+    # -- tensor parallelism: device_mesh and the sampler split in TensorParallelMixin ------------------
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.tensor_parallel is not None:  # LightningModule.device_mesh in configure_model, as Lightning's
-            self.lightning_module._device_mesh = self.tensor_parallel.build(self.world_size, self.root_device)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self.tensor_parallel is not None:  # the TP ranks of one data-parallel rank see the same batches
-            return self.tensor_parallel.sampler_kwargs()
-        return super().distributed_sampler_kwargs
+            self.lightning_module._device_mesh = self._build_device_mesh()
 
     def _configure_launcher(self) -> None:
         if not external_launcher(self, _SubprocessScriptLauncher, rank_zero_info):

@@ -161,7 +161,7 @@ def _estimate(args: argparse.Namespace) -> int:
         device_memory_gb=args.device_memory, cpu_memory_gb=args.cpu_memory,
         settings=args.settings.split(",") if args.settings else None, vocab_size=vocab,
         shard_group_size=args.shard_group_size, activation_checkpointing=args.activation_checkpointing,
-        offload_activations=args.offload_activations)
+        offload_activations=args.offload_activations, tensor_parallel_size=args.tensor_parallel_size)
     print(est)
     return 0
 
@@ -210,6 +210,8 @@ def _add_estimate(sub) -> None:
     p.add_argument("--settings", default=None, help="comma list of settings to show (default: all seven)")
     p.add_argument("--shard-group-size", type=int, default=None, metavar="K",
                    help="hybrid sharding: shard over groups of K ranks (e.g. GPUs per node); also shows K = ranks")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="T",
+                   help="tensor parallelism: T5 attention q/k/v/o and FFN wi/wo cut T ways, states over N/T ranks")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="activations with strategy.activation_checkpointing=auto (every T5Block recomputed)")
     p.add_argument("--offload-activations", action="store_true",

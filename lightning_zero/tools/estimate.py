@@ -164,6 +164,7 @@ class Estimate:
     activation_checkpointing: bool = False
     offload_activations: bool = False
     activation_parts: Optional[dict] = None  # t5_activation_memory: device, host, saved, recompute
+    tensor_parallel: Optional[object] = None  # estimate_tp.TensorParallelSplit (tensor_parallel_size only)
 
     @property
     def ranks_per_node(self) -> int:
@@ -201,6 +202,8 @@ def estimate_model_states(
     shard_group_size: Optional[int] = None,
     activation_checkpointing: bool = False,
     offload_activations: bool = False,
+    tensor_parallel_size: Optional[int] = None,
+    tensor_parallel_plan: Optional[dict] = None,
 ) -> Estimate:
     """Per-rank device bytes and per-node CPU RAM for every ZeRO stage x offload setting.
 
@@ -213,6 +216,8 @@ def estimate_model_states(
     the world (stage 2 mixed: 2 Psi + 14 Psi / K per rank); each row also keeps its K = world figure.
     ``activation_checkpointing`` (every T5Block, the ``"auto"`` policy) / ``offload_activations``: the
     activations as those strategy options leave them (offloaded bytes count as host memory).
+    ``tensor_parallel_size`` (T) / ``tensor_parallel_plan``: each rank's local pieces, sharded over N / T
+    data-parallel ranks; stages 0-2 (``estimate_tp.py``).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}. Allowed: 32-true, bf16-mixed, 16-mixed.")
@@ -246,10 +251,17 @@ def estimate_model_states(
     from ..engine.groups import check_shard_group_size
 
     shards = check_shard_group_size(shard_group_size, world_size)  # the ranks one parameter is cut over
+    split = None
+    if tensor_parallel_size is not None:  # the local pieces, sharded over the data-parallel ranks
+        from .estimate_tp import tensor_parallel_info
+
+        split, info = tensor_parallel_info(model, info, tensor_parallel_size, world_size, shard_group_size,
+                                           tensor_parallel_plan)
+        shards = world_size // tensor_parallel_size
     ranks_per_node = math.ceil(world_size / num_nodes)
     rows = []
     for (stage, offload), name in SETTINGS.items():
-        if settings is not None and name not in settings:
+        if (settings is not None and name not in settings) or (split is not None and stage == 3):
             continue
         st = model_state_bytes(info, stage, offload, shards, mixed, k, grad_accumulation > 1)
         buf = buffer_bytes(info, stage, offload, shards, mixed, bucket_mb, grad_accumulation > 1)
@@ -267,7 +279,7 @@ def estimate_model_states(
                     device_memory_gb * GiB if device_memory_gb is not None else None,
                     cpu_memory_gb * GiB if cpu_memory_gb is not None else None,
                     shard_group_size if shards != world_size else None,
-                    activation_checkpointing, offload_activations, parts)
+                    activation_checkpointing, offload_activations, parts, split)
 
 
 def _gib(x: Optional[float]) -> str:
@@ -306,6 +318,10 @@ def format_estimate(est: Estimate) -> str:
             f"| {_gib(st['grads']):>5} | {_gib(mo):>12} | {_gib(st['device']):>13} "
             f"| {_gib(r.buffers['backward']) + '/' + _gib(r.buffers['step']):>16} | {_gib(r.activations):>11} "
             f"| {_gib(r.peak_device):>11} | {_gib(r.host_per_rank):>9} | {_gib(r.cpu_ram_per_node):>12} |{fits}")
+    if est.tensor_parallel is not None:
+        from .estimate_tp import tensor_parallel_line
+
+        lines.append(tensor_parallel_line(est))
     if est.shard_group_size is not None:
         lines.append(f"hybrid sharding: shard_group_size={est.shard_group_size} (states sharded over "
                      f"{est.shard_group_size} ranks, replicated {est.world_size // est.shard_group_size}x); "
