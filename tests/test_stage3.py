@@ -9,7 +9,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine, model_state_floor
-from tests.dist_utils import run_distributed
+from tests.dist_utils import clip_and_step, run_distributed
 from tests.models import batch, loss_fn, make_model, make_optimizer
 
 STEPS = 5
@@ -41,15 +41,7 @@ def _train(rank, opt_kind, accum, clip, zero: bool, use_mode="rank", cfg=None):
                 loss = loss_fn(runner, batch(step, rank, micro), _use(rank, step, use_mode)) / accum
                 loss.backward()
             losses.append(loss.item())
-        if zero:
-            if clip is not None:
-                norms.append(engine.clip_grad_norm_(clip).item())
-            engine.step()
-        else:
-            if clip is not None:
-                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-            opt.step()
-            opt.zero_grad()
+        clip_and_step(engine if zero else None, model, opt, clip, norms)
         sched.step()
     if zero:
         engine.restore_fp32_module()

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import tensor_parallel as TPM
-from tests.dist_utils import run_distributed
+from tests.dist_utils import clip_and_step, run_distributed
 from tests.tp_models import dp_batch, full_state, global_batch, lm_loss, make_gpt, parallelize
 
 T, STEPS = 2, 3
@@ -57,15 +57,7 @@ def _train(rank, world_size, cfg, accum, clip, mesh, compute_dtype=None):
                 loss = lm_loss(runner, dp_batch(step, micro, dp_rank, dp_size)) / accum
                 loss.backward()
             losses.append(loss.item())
-        if cfg is not None:
-            if clip is not None:
-                norms.append(engine.clip_grad_norm_(clip).item())
-            engine.step()
-        else:
-            if clip is not None:
-                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-            opt.step()
-            opt.zero_grad()
+        clip_and_step(engine if cfg is not None else None, model, opt, clip, norms)
     extra = {}
     if cfg is not None:
         extra["memory"] = engine.memory_report().as_dict()
