@@ -12,6 +12,7 @@ import datetime
 import os
 import socket
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -26,19 +27,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: Sequence, outdir: str, backend: str,
+def _rendezvous(rank: int, world_size: int, outdir: str, timeout: datetime.timedelta):
+    """The ranks' TCPStore, race-free: rank 0 binds port 0 (the OS picks a free one, and holds it from then
+    on) and writes the number to ``outdir``; the others read it there. A port picked in the parent and
+    bound later by rank 0 could be taken by a concurrent job in between (seen as gloo's connectFullMesh
+    failing under load)."""
+    path = os.path.join(outdir, "port")
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(path + ".tmp", path)  # atomic: a reader never sees a half-written number
+        return store, store.port
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 did not publish its store port within {timeout}")
+        time.sleep(0.01)
+    with open(path) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout), port
+
+
+def _entry(rank: int, world_size: int, fn: Callable, args: Sequence, outdir: str, backend: str,
            threads: int, timeout_s: float) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads))
     # the exported count also stops Lightning's launchers (``_set_num_threads_if_needed``) from raising it:
     # a forked child whose parent already ran a parallel region deadlocks in its first OpenMP team of 2+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
     if backend == "nccl" and torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if dist.is_initialized():  # inherited from the parent by fork
         dist.destroy_process_group()
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    store, port = _rendezvous(rank, world_size, outdir, timeout)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # for code that reads them (Lightning)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, os.path.join(outdir, f"rank{rank}.pt"))
@@ -59,7 +83,7 @@ def run_ranks(fn: Callable, world_size: int, args: Sequence = (), start_method: 
     with tempfile.TemporaryDirectory() as outdir:
         launch_error = None
         try:
-            mp.start_processes(_entry, args=(world_size, free_port(), fn, tuple(args), outdir, backend, threads,
+            mp.start_processes(_entry, args=(world_size, fn, tuple(args), outdir, backend, threads,
                                              timeout_s), nprocs=world_size, join=True, start_method=start_method)
         except Exception as err:  # the rank files below say what went wrong; this says why a rank wrote none
             launch_error = err
