@@ -47,6 +47,44 @@ def test_bucket_rank_major_round_trip_and_local_views():
     assert b.pack_rank_major([None, None, None], torch.float32).abs().sum() == 0
 
 
+def _rank_major_reference(tensors, world):
+    """The layout by definition: row r = every parameter's r-th padded chunk, in bucket order."""
+    rows = [[] for _ in range(world)]
+    for t in tensors:
+        flat = t.reshape(-1).float()
+        s = -(-flat.numel() // world)
+        padded = torch.cat([flat, torch.zeros(world * s - flat.numel())])
+        for r in range(world):
+            rows[r].append(padded[r * s:(r + 1) * s])
+    return torch.stack([torch.cat(r) for r in rows])
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_bucket_one_copy_pack_unpack_matches_the_layout(world):
+    """[Note: one copy per bucket]: the batched pack / unpack equal the layout written out element by element,
+    with even and padded sizes, a None, a cast, a non-contiguous input and a non-contiguous output."""
+    shapes = [(8, 4), (7,), (3, 5), (1,), (4, 4)]
+    b = _bucket(shapes, world, rank=world - 1)
+    tensors = [p.clone() for p in b.params]
+    tensors[4] = torch.randn(4, 4).t()  # non-contiguous input
+    ref = _rank_major_reference(tensors, world)
+    grid = b.pack_rank_major(tensors, torch.float32).view(world, -1)
+    assert torch.equal(grid, ref)
+    with_none = b.pack_rank_major([tensors[0], None] + tensors[2:], torch.float32, extra=2).view(world, -1)
+    assert torch.equal(with_none[:, : b.shard_numel], _rank_major_reference([tensors[0], torch.zeros(7)] + tensors[2:], world))
+    half = b.pack_rank_major([t.bfloat16() for t in tensors], torch.float32).view(world, -1)  # cast on the way in
+    assert torch.equal(half, _rank_major_reference([t.bfloat16() for t in tensors], world))
+    outs = [torch.full_like(t, float("nan")) for t in tensors[:4]] + [torch.empty(4, 4).t()]  # last: non-contiguous
+    b.unpack_rank_major(grid.reshape(-1), outs)
+    assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
+    # the all-gather's send chunk: this rank's slices, each padded with zeros, None as zeros
+    local = [spec.local_slice(t.reshape(-1)) for t, spec in zip(tensors, b.specs)]
+    local[1] = None
+    _, flat = b.all_gather(local, torch.float32)  # no process group: the chunk lands first in the output
+    expect = _rank_major_reference([tensors[0], torch.zeros(7)] + tensors[2:], world)[world - 1]
+    assert torch.equal(flat[: b.shard_numel], expect)
+
+
 def test_bucket_all_gather_single_rank_rebuilds_full_tensors():
     b = _bucket([(4,), (3, 2)], 1, 0)
     work, flat = b.all_gather([p.reshape(-1) for p in b.params], torch.float64)

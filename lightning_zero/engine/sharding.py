@@ -53,34 +53,3 @@ class ShardSpec:
     def local_slice(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a flattened full tensor (a view, no copy)."""
         return flat[self.lo : self.hi]
-
-
-def scatter_into_rank_major(full: torch.Tensor, dest: torch.Tensor, offset: int, spec: ShardSpec) -> None:
-    """Write a full flattened tensor into its column of a rank-major ``(world_size, S)`` buffer.
-
-    ``dest`` is the 2-D view of a bucket buffer; this parameter's chunk of every rank's row lives at
-    columns ``[offset, offset + shard_numel)``. The tail past ``numel`` is zero-filled so that padding
-    never carries stale values into a sum.
-    """
-    s = spec.shard_numel
-    block = dest[:, offset : offset + s]
-    full_rows, rem = divmod(spec.numel, s)
-    flat = full.reshape(-1)
-    if full_rows:
-        block[:full_rows].copy_(flat[: full_rows * s].view(full_rows, s))
-    if full_rows < spec.world_size:
-        block[full_rows:].zero_()
-        if rem:
-            block[full_rows, :rem].copy_(flat[full_rows * s :])
-
-
-def gather_from_rank_major(src: torch.Tensor, full: torch.Tensor, offset: int, spec: ShardSpec) -> None:
-    """Inverse of :func:`scatter_into_rank_major`: rebuild a full tensor from a gathered buffer."""
-    s = spec.shard_numel
-    block = src[:, offset : offset + s]
-    full_rows, rem = divmod(spec.numel, s)
-    flat = full.view(-1)
-    if full_rows:
-        flat[: full_rows * s].view(full_rows, s).copy_(block[:full_rows])
-    if rem:
-        flat[full_rows * s :].copy_(block[full_rows, :rem])
