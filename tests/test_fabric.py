@@ -130,6 +130,11 @@ def _parity_job(rank, world_size):
     out["accum_clip", "zero3 ckpt+offload"] = _run(
         ZeroFabricStrategy(stage=3, activation_checkpointing=["Linear"], offload_activations=True), rank,
         **loops["accum_clip"])
+    # the stage-2 publish overlapped with the next forward: still exact
+    out["accum_clip", "zero2 overlap"] = _run(ZeroFabricStrategy(stage=2, overlap_publish=True), rank,
+                                              **loops["accum_clip"])
+    out["quantized"] = _run(ZeroFabricStrategy(stage=3, quantize_weights=True, quantize_grads=True), rank,
+                            **loops["accum_clip"])
     out["meta", "ddp"] = _run(ddp(), rank, net=_meta_net, **loops["accum_clip"])
     for build in ("meta", "meta_separate"):
         out["meta", f"zero3 {build}"] = _run(ZeroFabricStrategy(stage=3), rank, build=build, net=_meta_net,
@@ -156,7 +161,7 @@ def test_every_stage_equals_fabric_ddp(parity):
     built on meta: the same per-micro-batch losses and final weights as Fabric DDP, with gradient
     accumulation (no_backward_sync) and clipping by norm (and by value)."""
     keys = [k for k in parity[0] if isinstance(k, tuple) and k[1] != "ddp"]
-    assert len(keys) == len(PRESETS) + 5
+    assert len(keys) == len(PRESETS) + 6
     for rank, res in enumerate(parity):
         for what, name in keys:
             ref = res[what, "ddp"]
@@ -189,6 +194,17 @@ def test_mixed_precision_true_low_precision_module(parity):
             rel = ((torch.tensor(res[key]["losses"]) - ref).abs() / ref.abs()).max().item()
             assert rel < 2e-2, f"{key}: max relative loss gap {rel:.4f} to fp32 DDP"
         assert res["bf16"]["loss_scale"] == 1.0 and res["fp16"]["loss_scale"] == 2.0**8
+
+
+@pytest.mark.timeout(240)
+def test_quantized_collectives_through_the_fabric_strategy(parity):
+    """ZeroFabricStrategy(quantize_weights=True, quantize_grads=True): int8 gathers and reductions are in
+    force (the losses move off DDP's) and stay within int8's error of Fabric DDP."""
+    for res in parity:
+        ref = torch.tensor(res["accum_clip", "ddp"]["losses"])
+        got = torch.tensor(res["quantized"]["losses"])
+        rel = ((got - ref).abs() / ref.abs()).max().item()
+        assert 0 < rel < 1e-2, f"quantized: max relative loss gap {rel:.2e} to fp32 DDP"
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------

@@ -83,6 +83,9 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         offload_activations: bool = False,
         grad_reduce: str = "auto",
         tensor_parallel_size: Optional[int] = None,
+        overlap_publish: bool = False,
+        quantize_weights: bool = False,
+        quantize_grads: bool = False,
         parallelize_fn: Optional[Callable[[Module, Any], Module]] = None,
         **unknown: Any,
     ) -> None:
