@@ -37,7 +37,7 @@ from .memory import MemoryReport, measure_model_states
 from . import full_state as FS
 from .groups import HybridGroups, check_shard_group_size, hybrid_groups, reduce_scatter_group
 from .optimizer import ShardedOptimizer
-from .publish import PublishQueue, publish_blocking
+from .publish import PublishQueue, publish_masters
 from .comm_report import CommReport, StepTraffic
 from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
@@ -288,35 +288,9 @@ class ZeroEngine:
         self._traffic.step_done()
         return not skip
 
-    @torch.no_grad()
     def publish_params(self, optimizer=None) -> None:
-        """Copy the updated masters into the module's parameters (all-gather in stages 1-2).
-
-        Stage 3 only refreshes the unit shards; units are gathered again when next used. An
-        evaluation-only engine has no masters: its unit shards already hold the values.
-        """
-        if self.mode is EngineMode.EVAL_ONLY:
-            if self.partitions_params:
-                self.partitioner.after_step()
-            return
-        rows = self.master_rows(PG.select(self, optimizer))
-        if self.partitions_params:
-            for row, b in rows:
-                for m, src in zip(row, self._sources[b.index]):
-                    if m is not src:
-                        src.copy_(m, non_blocking=True)
-            self.partitioner.after_step()
-            return
-        if self.config.stage == 0:
-            for row, b in rows:
-                for m, p in zip(row, b.params):
-                    if m is not TP.local(p):
-                        TP.local_data(p).copy_(m.view_as(TP.local(p)))
-            return
-        if self.publisher is not None:
-            self.publisher.launch(rows, self.shard_group, self.config.offload_optimizer, self.config.quantize_weights)
-        else:
-            publish_blocking(rows, self.shard_group, self.config.offload_optimizer, self.config.quantize_weights)
+        """Copy the updated masters into the module's parameters (all-gather in stages 1-2; publish.py)."""
+        publish_masters(self, optimizer)
 
     def zero_grad(self, optimizer=None) -> None:
         if self.mode is EngineMode.EVAL_ONLY:

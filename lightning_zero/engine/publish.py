@@ -1,4 +1,4 @@
-"""Stages 1-2: the parameter all-gather after a step overlaps the next forward (FSDP2's prefetch idea).
+"""Publishing updated masters into the module; in stages 1-2 the all-gather can overlap the next forward.
 
 Design note
 -----------
@@ -39,8 +39,44 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from . import param_groups as PG
+from . import tensor_parallel as TP
 from .buckets import Bucket
+from .engine_state import EngineMode
 from .tensor_parallel import local_data
+
+
+@torch.no_grad()
+def publish_masters(engine: Any, optimizer=None) -> None:
+    """Copy the updated masters of ``optimizer`` (None: all) into ``engine.module``'s parameters.
+
+    Stage 0: a copy where a master does not alias its parameter. Stages 1-2: one all-gather per bucket,
+    blocking or queued (``overlap_publish``). Stage 3 only refreshes the unit shards; units are gathered
+    again when next used. An evaluation-only engine has no masters: its unit shards already hold the values.
+    """
+    if engine.mode is EngineMode.EVAL_ONLY:
+        if engine.partitions_params:
+            engine.partitioner.after_step()
+        return
+    rows = engine.master_rows(PG.select(engine, optimizer))
+    if engine.partitions_params:
+        for row, b in rows:
+            for m, src in zip(row, engine._sources[b.index]):
+                if m is not src:
+                    src.copy_(m, non_blocking=True)
+        engine.partitioner.after_step()
+        return
+    if engine.config.stage == 0:
+        for row, b in rows:
+            for m, p in zip(row, b.params):
+                if m is not TP.local(p):
+                    TP.local_data(p).copy_(m.view_as(TP.local(p)))
+        return
+    cfg = engine.config
+    if engine.publisher is not None:
+        engine.publisher.launch(rows, engine.shard_group, cfg.offload_optimizer, cfg.quantize_weights)
+    else:
+        publish_blocking(rows, engine.shard_group, cfg.offload_optimizer, cfg.quantize_weights)
 
 
 @torch.no_grad()
