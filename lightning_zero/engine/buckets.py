@@ -72,11 +72,11 @@ class Bucket:
     @property
     def shard_numel(self) -> int:
         """Elements of one rank's chunk (padded): the size of a reduce-scatter output."""
-        return sum(s.shard_numel for s in self.specs)
+        return self.offsets[-1] + self.specs[-1].shard_numel if self.specs else 0
 
     @property
     def numel(self) -> int:
-        return sum(s.numel for s in self.specs)
+        return self.full_offsets[-1] + self.specs[-1].numel if self.specs else 0
 
     # -- rank-major layout (stages 1-3) ---------------------------------------------------------
     def pack_rank_major(

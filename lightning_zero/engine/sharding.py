@@ -20,6 +20,7 @@ Only the flat communication buffers carry padding; master shards and optimizer s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -32,20 +33,20 @@ class ShardSpec:
     world_size: int
     rank: int
 
-    @property
+    @cached_property  # read for every parameter of every bucket at every step
     def shard_numel(self) -> int:
         """Padded chunk size: the span every rank reserves for this parameter in a flat buffer."""
         return -(-self.numel // self.world_size)
 
-    @property
+    @cached_property
     def lo(self) -> int:
         return min(self.rank * self.shard_numel, self.numel)
 
-    @property
+    @cached_property
     def hi(self) -> int:
         return min((self.rank + 1) * self.shard_numel, self.numel)
 
-    @property
+    @cached_property
     def shard_len(self) -> int:
         """Unpadded length of this rank's slice (0 when the parameter is smaller than the rank's offset)."""
         return self.hi - self.lo
