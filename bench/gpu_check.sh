@@ -6,7 +6,8 @@
 #      zero3_offload / zero2_offload (bf16 compute, fp32 master + Adam on the CPU)
 #   4. t5-3b with activation checkpointing + activation offload (every T5Block recomputed, its saved inputs
 #      in pinned host memory) on top of zero3_offload / zero2_offload: the largest batch (reference: 20)
-# A timeout per part; parts 1-3 fit in 8 minutes, part 4 adds 3.5: ONLY=activations runs 1 and 4 alone
+#   5. communication: int8 kernels on the GPU; NCCL collectives and step times with >= 2 GPUs (bench/comm_gpu.py)
+# A timeout per part; parts 1-3 fit in 8 minutes, part 4 adds 3.5, part 5 ~1 on one GPU: ONLY=activations runs 1 and 4 alone
 # (one call of a 10-minute device budget each). Results -> "${OUT:-bench_out}/gpu_results.txt".
 # Models are built from T5Config (examples/t5_module.py presets): nothing is downloaded.
 # Usage (repo root):  bash bench/gpu_check.sh
@@ -85,6 +86,10 @@ part "t5_3b dims, zero3_offload / zero2_offload + activation checkpointing + off
     --methods zero3_offload_ckpt_offact_bf16,zero2_offload_ckpt_offact_bf16 \
     --src-len 128 --tgt-len 128 --start-batch 16 --bisect-tol 0.25 --max-batch 256 \
     --train-samples 32 --eval-samples 32 --json "$OUTDIR/seed_table_t5_3b_ckpt_offload.json"
+
+# 5. communication (issue 20): int8 kernels on the GPU; NCCL collectives (reduce-scatter vs all-reduce vs
+#    all-to-all, int8) and step times (DDP, zero2 blocking / overlapped / int8, zero3 / int8) need >= 2 GPUs
+part "communication: int8 kernels; NCCL rows if >= 2 GPUs" 150 python bench/comm_gpu.py
 
 log ""
 log "gpu_check.sh done in $(( $(date +%s) - START ))s; results in $RES"

@@ -133,3 +133,23 @@ def test_reduced_shards_go_to_pinned_host_memory_during_backward():
     assert all(h.device.type == "cpu" and h.is_pinned() and h.dtype == torch.bfloat16 for h in hosts)
     engine.step()
     assert all(h is None for h in engine.reducer.host_shards)
+
+
+def test_int8_blocks_on_the_device_match_the_host():
+    """qwZ / qgZ quantize on the GPU where the buckets live: the device kernels give the host's blocks (each
+    value within one int8 step, scales to fp32 rounding) and stay within half a step of the input."""
+    from lightning_zero.engine import quantize as Q
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1000, generator=g) * torch.tensor([[1e-3], [1.0], [1e3]])  # blocks of very different scale
+    x[1, 5] = float("inf")  # non-finite stays non-finite (fp16 overflow checks see it)
+    q_host, s_host = Q.quantize(x)
+    q_dev, s_dev = Q.quantize(x.cuda())
+    assert q_dev.device.type == "cuda" and q_dev.dtype == torch.int8
+    torch.testing.assert_close(s_dev.cpu(), s_host, rtol=1e-6, atol=0)
+    assert (q_dev.cpu().int() - q_host.int()).abs().max() <= 1
+    y = Q.dequantize(q_dev, s_dev, 1000).cpu()
+    finite = torch.isfinite(x).all(dim=1)
+    bound = (s_host / 2).repeat_interleave(Q.BLOCK, dim=1)[:, :1000]
+    assert ((y - x).abs() <= bound * (1 + 1e-5))[finite].all()
+    assert torch.isnan(y[1, :Q.BLOCK]).all()  # the block holding inf
