@@ -80,8 +80,9 @@ __all__ = ["TinyLM", "make_batches", "loss_of", "percentile"]  # re-exported for
 def comm_microbench(numel: int, reps: int) -> dict:
     """Median ms of the collectives a step issues on ``numel`` fp32 elements, interleaved (A B C A B C ..., a
     barrier before each; a rep's time is the slower rank's). The engine's own entry points are timed where
-    they differ from torch's flat calls: gloo's list forms, the all-gather of 2 ranks as one exchange, and the all-to-all reduce-scatter
-    (``grad_reduce="all_to_all"``: one all-to-all of the rank-major rows, then the N rows summed here)."""
+    they differ from torch's flat calls: gloo's list forms, the all-gather of 2 ranks as one exchange, and
+    the all-to-all reduce-scatter (``grad_reduce="all_to_all"``: one all-to-all of the rank-major rows, then
+    the N rows summed here)."""
     from lightning_zero.engine import collectives as C
     from lightning_zero.engine import quantize as Q
 
@@ -97,7 +98,7 @@ def comm_microbench(numel: int, reps: int) -> dict:
         "reduce_scatter (list)": lambda: C.reduce_scatter(part, full),
         "all_to_all RS": lambda: Q.reduce_scatter_by_all_to_all(part, full),
         "all_gather_into_tensor": lambda: all_gather(full, part),
-        "all_gather (engine: 2 ranks = one exchange)": lambda: C.all_gather(full, part),
+        "all_gather (engine)": lambda: C.all_gather(full, part),
     }
     t: dict[str, list[float]] = {k: [] for k in ops}
     for op in ops.values():  # one untimed call each: gloo sets up its buffers on first use
