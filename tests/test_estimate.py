@@ -96,9 +96,12 @@ def test_param_count_of_presets_without_building_weights():
         with torch.device("meta"):
             n = sum(p.numel() for p in T5ForConditionalGeneration(cfg).parameters())
         assert d.numel == n
-    # a module and its preset give the same estimate
+    # a module and its preset give the same estimate (the preset at the recipe's default vocabulary)
+    from lightning_zero.tools.t5_dims import RECIPE_VOCAB
+
     with torch.device("meta"):
-        m = T5ForConditionalGeneration(T5Config(**t5_presets()["t5_tiny"], feed_forward_proj="relu"))
+        dims = {**t5_presets()["t5_tiny"], "vocab_size": RECIPE_VOCAB}
+        m = T5ForConditionalGeneration(T5Config(**dims, feed_forward_proj="relu"))
     a = estimate_model_states(m, world_size=2).row("zero3")
     b = estimate_model_states("t5_tiny", world_size=2).row("zero3")
     assert a.states == b.states and a.buffers == b.buffers
@@ -120,7 +123,7 @@ def test_activation_formula_is_calibrated_on_t5_tiny():
         saved = SavedBytes(model.parameters())
         with saved.hooks():
             model(input_ids=x, attention_mask=torch.ones_like(x), labels=y).loss.backward()
-        est = t5_activation_bytes(t5_dims("t5_tiny", dropout_rate=p), 4, 32, 16, dtype != torch.float32)
+        est = t5_activation_bytes(t5_dims("t5_tiny", vocab_size=259, dropout_rate=p), 4, 32, 16, dtype != torch.float32)
         assert abs(est - saved.bytes) <= 0.05 * saved.bytes, (dtype, p, est, saved.bytes)
 
 
@@ -140,7 +143,10 @@ def test_cli_estimate(capsys):
     assert cli_main(["estimate", "--model", "t5_small", "--ranks", "4", "--precision", "bf16-mixed",
                      "--batch-size", "16", "--src-len", "128", "--tgt-len", "64", "--device-memory", "2"]) == 0
     out = capsys.readouterr().out
-    assert "Psi = 44,189,696 params" in out and "| zero3_offload |" in out and "FITS in 2 GiB" in out
+    # the recipe's 2048-token vocabulary by default: 44,189,696 at 259 tokens + (2048 - 259) x d_model 512
+    assert "Psi = 45,105,664 params" in out and "| zero3_offload |" in out and "FITS in 2 GiB" in out
+    assert cli_main(["estimate", "--model", "t5_small", "--vocab", "259"]) == 0
+    assert "Psi = 44,189,696 params" in capsys.readouterr().out
     assert cli_main(["estimate", "--params", "1.5e9", "--ranks", "16", "--nodes", "2", "--optimizer", "sgd"]) == 0
     out = capsys.readouterr().out
     assert "8 rank(s) per node" in out and "K = 0" in out

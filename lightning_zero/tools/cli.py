@@ -16,6 +16,8 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from .t5_dims import BYTE_VOCAB, RECIPE_VOCAB  # pure arithmetic: no torch import at CLI start-up
+
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -192,8 +194,9 @@ def _add_estimate(sub) -> None:
                      help="a T5 preset of the recipe (conf/model: t5_tiny, t5_mini, t5_small, t5_base, t5_large, t5_3b)")
     src.add_argument("--params", help="a parameter count instead (1.5e9, 350M, 7B)")
     src.add_argument("--module", help="package.module:factory returning an nn.Module (built on the meta device)")
-    p.add_argument("--vocab", default="259",
-                   help="T5 vocabulary size: 259 = the recipe's byte tokenizer (default), 'preset' = the preset's own")
+    p.add_argument("--vocab", default=str(RECIPE_VOCAB),
+                   help=f"T5 vocabulary size: {RECIPE_VOCAB} = the recipe's subword tokenizer (default), "
+                   f"{BYTE_VOCAB} = its tokenizer=bytes, 'preset' = the preset's own (32128)")
     p.add_argument("--ranks", type=int, default=1, help="total number of ranks (world size)")
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (CPU RAM is per node)")
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])

@@ -42,7 +42,7 @@ MiB = 2**20
 SETTINGS: dict[tuple[int, bool], str] = {(kw["stage"], kw.get("offload_optimizer", False)): name
                                          for name, kw in PRESETS.items()}
 PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
-from .t5_dims import (BYTE_VOCAB, T5Dims, t5_activation_bytes, t5_activation_memory, t5_dims,  # noqa: F401
+from .t5_dims import (BYTE_VOCAB, RECIPE_VOCAB, T5Dims, t5_activation_bytes, t5_activation_memory, t5_dims,  # noqa: F401
                       t5_dims_from_config)
 
 @dataclass
@@ -198,7 +198,7 @@ def estimate_model_states(
     cpu_memory_gb: Optional[float] = None,
     settings: Optional[Sequence[str]] = None,
     unit_classes: Optional[Sequence] = None,
-    vocab_size: Optional[int] = BYTE_VOCAB,
+    vocab_size: Optional[int] = RECIPE_VOCAB,
     shard_group_size: Optional[int] = None,
     activation_checkpointing: bool = False,
     offload_activations: bool = False,
@@ -208,7 +208,7 @@ def estimate_model_states(
     """Per-rank device bytes and per-node CPU RAM for every ZeRO stage x offload setting.
 
     ``model``: an ``nn.Module`` (meta-device is fine), a parameter count, a recipe preset name
-    ("t5_tiny" ... "t5_3b", built with ``vocab_size``: the recipe's byte vocabulary by default, None for
+    ("t5_tiny" ... "t5_3b", built with ``vocab_size``: the recipe's subword vocabulary by default, None for
     the preset's own), or :class:`T5Dims`. ``batch_size`` (per rank) with ``src_len``/``tgt_len`` adds
     the T5 activation estimate (T5 models only). ``grad_accumulation`` > 1: stage 1 holds full gradients
     between micro-batches. ``device_memory_gb``/``cpu_memory_gb`` are GiB (2**30).

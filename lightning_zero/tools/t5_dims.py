@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-BYTE_VOCAB = 259  # the estimator's default vocabulary (--vocab); the recipe's own runs use RECIPE_VOCAB
+BYTE_VOCAB = 384  # the recipe's tokenizer=bytes: transformers' ByT5Tokenizer (256 bytes + 3 specials + 125 sentinels)
 # The recipe's default tokenizer: its subword BPE (conf/tokenizer/subword.yaml vocab_size; a test keeps the two
-# equal). The tuner asks the recipe for the vocabulary of the run it measures (tune_model_config).
+# equal), hence the estimator's default vocabulary (--vocab). The tuner asks the recipe for the vocabulary of
+# the run it measures (tune_model_config).
 RECIPE_VOCAB = 2048
 # The real architectures of the original T5 checkpoints (relu FFN, tied embeddings), plus two small sizes for
 # CPU runs. The single source: the recipe (examples/t5_module.py) and conf/model/*.yaml use these.
@@ -74,7 +75,7 @@ class T5Dims:
         return self.vocab_size * self.d_model * (1 if self.tied else 2) + 2 * self.d_model
 
 
-def t5_dims(preset: str, vocab_size: Optional[int] = BYTE_VOCAB, dropout_rate: float = 0.0, **overrides) -> T5Dims:
+def t5_dims(preset: str, vocab_size: Optional[int] = RECIPE_VOCAB, dropout_rate: float = 0.0, **overrides) -> T5Dims:
     """Dims of a recipe preset; ``vocab_size=None`` keeps the preset's own (sentencepiece) vocabulary."""
     presets = t5_presets()
     if preset not in presets:
