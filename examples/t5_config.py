@@ -137,6 +137,8 @@ class OptimConf:
     weight_decay: float = 0.01
     warmup_steps: int = 50
     total_steps: Optional[int] = None  # null = the trainer's estimated stepping batches (max_steps)
+    schedule: str = "linear"  # after warmup: linear (to 0 at total_steps) | cosine | inverse_sqrt (T5's)
+    label_smoothing: float = 0.0  # of the training loss only (val/test loss stay the plain NLL)
 
 
 @dataclass

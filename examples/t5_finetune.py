@@ -59,7 +59,8 @@ def build_model(cfg: DictConfig, tok, out: str):
         return T5FineTuner(
             preset=cfg.model.preset, tokenizer=tok, pretrained=cfg.model.pretrained,
             lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, warmup_steps=cfg.optim.warmup_steps,
-            total_steps=cfg.optim.total_steps, num_gen_batches=cfg.model.num_gen_batches,
+            total_steps=cfg.optim.total_steps, lr_schedule=cfg.optim.schedule,
+            label_smoothing=cfg.optim.label_smoothing, num_gen_batches=cfg.model.num_gen_batches,
             max_new_tokens=cfg.model.max_new_tokens, dropout_rate=cfg.model.dropout_rate,
             no_repeat_ngram_size=cfg.model.no_repeat_ngram_size, num_samples=cfg.model.num_samples,
             samples_path=os.path.join(out, "samples.jsonl"),

@@ -38,6 +38,9 @@ from t5_tokenizer import bytes_tokenizer, check_vocab_matches, tokenizer_vocab  
 from lightning_zero.tools.t5_dims import T5_PRESETS  # noqa: E402,F401  (one table for recipe and estimator)
 
 
+LR_SCHEDULES = ("linear", "cosine", "inverse_sqrt")
+
+
 def make_t5_config(preset: str = "t5_tiny", tokenizer: Any = None, **overrides: Any) -> T5Config:
     """T5Config from a preset; special ids (and vocab for small tokenizers) come from `tokenizer`."""
     if preset not in T5_PRESETS:
@@ -82,8 +85,13 @@ class T5FineTuner(L.LightningModule):
                  dropout_rate: float = 0.1, no_repeat_ngram_size: int = 0, num_samples: int = 4,
                  samples_path: str | None = None,
                  predictions_path: str | None = None, model_config: dict | None = None,
+                 label_smoothing: float = 0.0, lr_schedule: str = "linear",
                  **config_overrides: Any):
         super().__init__()
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"optim.schedule={lr_schedule!r}: allowed {', '.join(LR_SCHEDULES)}.")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"optim.label_smoothing={label_smoothing}: allowed 0 <= value < 1.")
         # The tokenizer object is not a hyperparameter (not serialisable in general).
         self.save_hyperparameters(ignore=["tokenizer"])
         self.tokenizer = tokenizer if tokenizer is not None else bytes_tokenizer()
@@ -124,7 +132,12 @@ class T5FineTuner(L.LightningModule):
         return {k: v for k, v in batch.items() if k != "index"}
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.model(**self._inputs(batch)).loss
+        out = self.model(**self._inputs(batch))
+        loss = out.loss
+        if self.hparams.label_smoothing > 0:  # training loss only: val/test loss stay the plain NLL
+            loss = torch.nn.functional.cross_entropy(
+                out.logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100,
+                label_smoothing=self.hparams.label_smoothing)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
@@ -228,10 +241,17 @@ class T5FineTuner(L.LightningModule):
             total = int(est) if est is not None and math.isfinite(est) else 10_000
         warmup = min(self.hparams.warmup_steps, max(total - 1, 0))
 
+        kind = self.hparams.lr_schedule
+
         def lr_lambda(step: int) -> float:
             if step < warmup:
                 return (step + 1) / (warmup + 1)  # never exactly 0 on the first step
-            return max(0.0, (total - step) / max(1, total - warmup))
+            frac = min(1.0, (step - warmup) / max(1, total - warmup))
+            if kind == "cosine":
+                return 0.5 * (1.0 + math.cos(math.pi * frac))
+            if kind == "inverse_sqrt":  # T5's own schedule: 1/sqrt(step) after warmup, no decay to 0
+                return math.sqrt(max(1, warmup) / max(step, 1))
+            return max(0.0, 1.0 - frac)
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

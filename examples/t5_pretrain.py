@@ -71,7 +71,8 @@ def pretrain(cfg: DictConfig) -> Optional[dict]:
         model = T5FineTuner(
             preset=cfg.model.preset, tokenizer=tok, pretrained=cfg.model.pretrained, lr=cfg.optim.lr,
             weight_decay=cfg.optim.weight_decay, warmup_steps=cfg.optim.warmup_steps,
-            total_steps=cfg.optim.total_steps, num_gen_batches=0, num_samples=0,
+            total_steps=cfg.optim.total_steps, lr_schedule=cfg.optim.schedule,
+            label_smoothing=cfg.optim.label_smoothing, num_gen_batches=0, num_samples=0,
             max_new_tokens=cfg.model.max_new_tokens, dropout_rate=cfg.model.dropout_rate,
             **OmegaConf.to_container(cfg.model.config_overrides, resolve=True))
     except FileNotFoundError as e:
