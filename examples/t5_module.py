@@ -246,12 +246,12 @@ class T5FineTuner(L.LightningModule):
         def lr_lambda(step: int) -> float:
             if step < warmup:
                 return (step + 1) / (warmup + 1)  # never exactly 0 on the first step
-            frac = min(1.0, (step - warmup) / max(1, total - warmup))
             if kind == "cosine":
+                frac = min(1.0, (step - warmup) / max(1, total - warmup))
                 return 0.5 * (1.0 + math.cos(math.pi * frac))
             if kind == "inverse_sqrt":  # T5's own schedule: 1/sqrt(step) after warmup, no decay to 0
                 return math.sqrt(max(1, warmup) / max(step, 1))
-            return max(0.0, 1.0 - frac)
+            return max(0.0, (total - step) / max(1, total - warmup))  # linear: the formula runs always had
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
