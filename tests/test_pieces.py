@@ -85,6 +85,36 @@ def test_bucket_one_copy_pack_unpack_matches_the_layout(world):
     assert torch.equal(flat[: b.shard_numel], expect)
 
 
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_unpack_skipping_the_own_row_keeps_what_the_step_wrote(rank):
+    """publish: a rank whose masters are its parameters' slices skips its own row of the gathered buffer
+    (the step wrote it in place); every other row, and a padded parameter whole, still arrive."""
+    from lightning_zero.engine.publish import _own_row_in_place
+
+    world = 3
+    b = _bucket([(6, 2), (7,), (3,), (7,)], world, rank)  # two padded parameters with equal ShardSpecs
+    tensors = [p.clone() for p in b.params]
+    flat = b.pack_rank_major(tensors, torch.float32)
+    outs = [torch.zeros_like(t) for t in tensors]
+    for o, t, spec in zip(outs, tensors, b.specs):  # this rank's slices: what its step wrote in place
+        o.view(-1)[spec.lo:spec.hi] = t.view(-1)[spec.lo:spec.hi]
+    mark = flat.view(world, -1)[rank].clone()
+    flat.view(world, -1)[rank] = float("nan")  # the skipped row is never read (except for padded params)
+    b.unpack_rank_major(flat, outs, skip_rank=rank)
+    assert torch.equal(outs[0], tensors[0])  # even-sized: own row untouched, the others copied
+    flat.view(world, -1)[rank] = mark
+    outs2 = [torch.zeros_like(t) for t in tensors]
+    for o, t, spec in zip(outs2, tensors, b.specs):
+        o.view(-1)[spec.lo:spec.hi] = t.view(-1)[spec.lo:spec.hi]
+    b.unpack_rank_major(flat, outs2, skip_rank=rank)
+    assert all(torch.equal(o, t) for o, t in zip(outs2, tensors))
+    # the detection: masters that are the parameters' slices skip; separate copies or qwZ do not
+    aliased = [p.view(-1)[spec.lo:spec.hi] for p, spec in zip(b.params, b.specs)]
+    assert _own_row_in_place(aliased, b, quantized=False) == rank
+    assert _own_row_in_place(aliased, b, quantized=True) is None
+    assert _own_row_in_place([m.clone() for m in aliased], b, quantized=False) is None
+
+
 def test_bucket_all_gather_single_rank_rebuilds_full_tensors():
     b = _bucket([(4,), (3, 2)], 1, 0)
     work, flat = b.all_gather([p.reshape(-1) for p in b.params], torch.float64)

@@ -94,20 +94,30 @@ class Bucket:
                   dim=1, out=grid[:, : self.shard_numel])
         return flat
 
-    def unpack_rank_major(self, flat: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    def unpack_rank_major(self, flat: torch.Tensor, outs: list[torch.Tensor], skip_rank: int | None = None) -> None:
         """Write a gathered rank-major buffer into ``outs`` (full tensors); one copy kernel for the
-        bucket, plus one per padded parameter. [Note: one copy per bucket]"""
-        grid = flat.view(self.world_size, self.shard_numel)
+        bucket, plus one per padded parameter. [Note: one copy per bucket]
+
+        ``skip_rank``: that rank's row is already in ``outs`` (this rank's masters alias the parameters'
+        slices, so the step wrote it in place) and is not copied again, except for padded parameters."""
+        w = self.world_size
+        grid = flat.view(w, self.shard_numel)
         views, padded = [], []
-        for t, spec in zip(outs, self.specs):
-            w, s = spec.world_size, spec.shard_numel
+        for t, spec, off in zip(outs, self.specs, self.offsets):
+            s = spec.shard_numel
             if spec.numel == w * s and t.dtype == flat.dtype and t.is_contiguous():
                 views.append(t.view(w, s))
             else:  # the padded tail (or a cast) goes through a staging chunk
                 views.append(torch.empty(w, s, dtype=flat.dtype, device=flat.device))
-                padded.append((t, views[-1], spec))
-        torch.split_with_sizes_copy(grid, [s.shard_numel for s in self.specs], dim=1, out=views)
-        for t, stage, spec in padded:
+                padded.append((t, views[-1], spec, off))
+        sizes = [s.shard_numel for s in self.specs]
+        spans = [(0, w)] if skip_rank is None else [(0, skip_rank), (skip_rank + 1, w)]
+        for a, b in spans:
+            if b > a:
+                torch.split_with_sizes_copy(grid[a:b], sizes, dim=1, out=[v[a:b] for v in views])
+        for t, stage, spec, off in padded:
+            if skip_rank is not None:  # the staging chunk is written whole into ``t``: its own row too
+                stage[skip_rank].copy_(grid[skip_rank, off : off + spec.shard_numel])
             t.copy_(stage.view(-1)[: spec.numel].view_as(t))
 
     def local_views(self, chunk: torch.Tensor) -> list[torch.Tensor]:
@@ -125,8 +135,10 @@ class Bucket:
         ``async_op`` is False). ``quantized``: the chunks travel as int8 blocks (qwZ, :mod:`.quantize`).
         """
         dev = self.params[0].device
-        send = torch.empty(self.shard_numel, dtype=dtype, device="cpu" if host else dev,
-                           pin_memory=host and dev.type == "cuda")
+        flat = torch.empty(self.world_size * self.shard_numel, dtype=dtype, device=dev)
+        # this rank's chunk is packed in place, into its own row of the output (an in-place all-gather)
+        send = (torch.empty(self.shard_numel, dtype=dtype, device="cpu", pin_memory=dev.type == "cuda") if host
+                else flat.view(self.world_size, self.shard_numel)[self.specs[0].rank])
         parts = []  # this rank's slices, each followed by its padding: one cat writes the chunk
         for v, spec in zip(local, self.specs):
             if v is not None and spec.shard_len:
@@ -137,7 +149,6 @@ class Bucket:
         if parts:
             torch.cat(parts, out=send)
         send = send.to(dev, non_blocking=True)  # a no-op unless the chunk was built on the host
-        flat = torch.empty(self.world_size * self.shard_numel, dtype=dtype, device=dev)
         gather = Q.all_gather_int8 if quantized else C.all_gather
         return gather(flat, send, group=group, async_op=async_op), flat
 

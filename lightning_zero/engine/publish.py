@@ -85,24 +85,41 @@ def publish_blocking(rows: list[tuple[list[torch.Tensor], Bucket]], group: Optio
     """The default publish: every bucket's all-gather before ``step()`` returns, at most three in flight
     (two overlap communication without a second model copy). ``host`` (offload): the host masters are cast
     into a pinned host chunk, then one asynchronous host->device copy per bucket."""
-    pending: list[tuple[Bucket, Any, torch.Tensor]] = []
+    pending: list[tuple[Bucket, Any, torch.Tensor, Optional[int]]] = []
     for row, b in rows:
-        pending.append((b, *b.all_gather(row, b.params[0].dtype, group, host=host, async_op=True, quantized=quantized)))
+        work, flat = b.all_gather(row, b.params[0].dtype, group, host=host, async_op=True, quantized=quantized)
+        pending.append((b, work, flat, _own_row_in_place(row, b, quantized)))
         if len(pending) > 2:
             _unpack(*pending.pop(0))
     for item in pending:
         _unpack(*item)
 
 
-def _unpack(b: Bucket, work: Any, flat: torch.Tensor) -> None:
+def _own_row_in_place(masters: list[torch.Tensor], b: Bucket, quantized: bool) -> Optional[int]:
+    """This rank's row index when every master *is* its parameter's slice (fp32 compute, no offload): the
+    step already wrote that row into the parameters, so the unpack skips it. None otherwise -- separate
+    masters, or qwZ, where every rank must read the same rounded values, its own chunk included."""
+    if quantized:
+        return None
+    for m, p, spec in zip(masters, b.params, b.specs):
+        if not spec.shard_len:
+            continue  # none of this parameter lives in this rank's row
+        data = local_data(p)
+        if m is None or m.dtype != data.dtype or m.data_ptr() != data.data_ptr() + spec.lo * data.element_size():
+            return None
+    return b.specs[0].rank
+
+
+def _unpack(b: Bucket, work: Any, flat: torch.Tensor, skip_rank: Optional[int] = None) -> None:
     work.wait()
-    b.unpack_rank_major(flat, [local_data(p) for p in b.params])
+    b.unpack_rank_major(flat, [local_data(p) for p in b.params], skip_rank=skip_rank)
 
 
 class PublishQueue:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self._pending: dict[int, tuple[Bucket, Any, torch.Tensor]] = {}  # bucket index -> (b, work, flat), launch order
+        # bucket index -> (b, work, flat, own row written in place or None), launch order
+        self._pending: dict[int, tuple[Bucket, Any, torch.Tensor, Optional[int]]] = {}
         self._bucket_of: dict[int, int] = {}  # id(param) -> bucket index, for pending buckets
         self.launches = self.waits_in_forward = 0
         self._handles = []
@@ -125,7 +142,7 @@ class PublishQueue:
         self.ensure()
         for row, b in sorted(rows, key=lambda rb: -rb[1].index):
             work, flat = b.all_gather(row, b.params[0].dtype, group, host=host, async_op=True, quantized=quantized)
-            self._pending[b.index] = (b, work, flat)
+            self._pending[b.index] = (b, work, flat, _own_row_in_place(row, b, quantized))
             for p in b.params:
                 self._bucket_of[id(p)] = b.index
             self.launches += 1
@@ -161,7 +178,7 @@ class PublishQueue:
             self._bucket_of.pop(id(p), None)
 
     def _unpack_arrived(self) -> None:
-        for bi, (_b, work, _f) in list(self._pending.items()):
+        for bi, (_b, work, _f, _s) in list(self._pending.items()):
             done = getattr(work, "is_completed", None)
             if done is None or not done():
                 return  # collectives complete in launch order: nothing later has arrived either
