@@ -64,7 +64,7 @@ class ModelConf:
     preset: str = "t5_mini"  # a key of examples/t5_module.T5_PRESETS
     pretrained: Optional[str] = None  # LOCAL directory with config.json + weights; never downloaded
     dropout_rate: float = 0.1  # random init only (a pretrained checkpoint keeps its own config)
-    num_gen_batches: int = 2  # validation batches that also run generate() for chrF/BLEU/ROUGE-L
+    num_gen_batches: Optional[int] = None  # validation batches that also run generate() (chrF/BLEU/ROUGE-L); None: all
     num_samples: int = 4  # fixed validation examples shown as text (TensorBoard + console summary)
     max_new_tokens: int = 64
     # greedy decoding never repeats an n-gram of this size (0 = off): a small model's greedy output otherwise

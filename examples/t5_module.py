@@ -2,8 +2,8 @@
 
 Design note: the model is built from a ``T5Config`` so that nothing is fetched at
 run time; ``pretrained`` only accepts a local directory.  Validation computes
-loss + token accuracy on every batch and, on the first ``num_gen_batches``
-batches only, runs ``generate`` for text metrics (testing generates for every batch) (chrF, SacreBLEU, ROUGE-L --
+loss + token accuracy on every batch and runs ``generate`` for text metrics on every batch, or on the
+first ``num_gen_batches`` only when set (testing generates for every batch) (chrF, SacreBLEU, ROUGE-L --
 all pure-python in torchmetrics, no nltk/sacrebleu download needed as long as
 ``rougeLsum`` and the stemmer stay off).  Generation passes ``synced_gpus=True``
 under multi-process runs so ranks whose sequences finish early keep doing
@@ -81,7 +81,7 @@ def _world_size() -> int:
 class T5FineTuner(L.LightningModule):
     def __init__(self, preset: str = "t5_tiny", tokenizer: Any = None, pretrained: str | None = None,
                  lr: float = 1e-3, weight_decay: float = 0.01, warmup_steps: int = 100,
-                 total_steps: int | None = None, num_gen_batches: int = 2, max_new_tokens: int = 64,
+                 total_steps: int | None = None, num_gen_batches: int | None = None, max_new_tokens: int = 64,
                  dropout_rate: float = 0.1, no_repeat_ngram_size: int = 0, num_samples: int = 4,
                  samples_path: str | None = None,
                  predictions_path: str | None = None, model_config: dict | None = None,
@@ -179,7 +179,8 @@ class T5FineTuner(L.LightningModule):
         self._eval_step(batch, "val", self.val_acc)
         # Same batch indices on every rank (the DistributedSampler pads ranks to equal
         # length), so all ranks enter generate() together.
-        if batch_idx < self.hparams.num_gen_batches:
+        n = self.hparams.num_gen_batches  # None: every batch (data.limit_val already caps the set)
+        if n is None or batch_idx < n:
             preds, refs = self._generate(batch)
             self._rows += self._rows_of(batch, preds, refs, keep=self.hparams.num_samples)
 

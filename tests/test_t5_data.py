@@ -199,6 +199,27 @@ def test_tiny_t5_fit_cpu():
         assert k in m and math.isfinite(float(m[k])), k
 
 
+@pytest.mark.parametrize("num_gen_batches,calls", [(None, 3), (1, 1)])
+def test_text_metrics_score_every_validation_batch_by_default(num_gen_batches, calls):
+    """num_gen_batches=None (the presets' default): every validation batch generates, so a smaller
+    data.batch_size still scores the whole (limit_val-capped) set; a number limits it."""
+    import lightning as L
+    from t5_module import T5FineTuner
+
+    torch.manual_seed(0)
+    splits = build_stdlib_pairs(packages=("json", "textwrap"), max_pairs=None)
+    pairs = {"train": splits["train"][:4], "val": splits["train"][4:10]}
+    dm = Seq2SeqDataModule(pairs, batch_size=2, max_source_len=32, max_target_len=8)
+    model = T5FineTuner("t5_tiny", warmup_steps=1, num_gen_batches=num_gen_batches, max_new_tokens=4)
+    seen = []
+    generate = model._generate
+    model._generate = lambda batch: seen.append(len(batch["input_ids"])) or generate(batch)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, num_sanity_val_steps=0, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(model, datamodule=dm, verbose=False)
+    assert len(seen) == calls and sum(seen) == 2 * calls
+
+
 def test_presets_and_pretrained_error(tmp_path):
     from t5_module import T5_PRESETS, T5FineTuner, make_t5_config
 
