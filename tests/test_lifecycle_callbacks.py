@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, EMAWeightAveraging, ModelSummary, StochasticWeightAveraging
@@ -30,11 +31,11 @@ class _BeforeAveraging(Callback):
         self.weights = whole_params(pl_module, trainer.strategy)
 
 
-def _averaged_fit(rank, world_size, name, out, kind, fmt):
+def _averaged_fit(rank, world_size, name, out, kind, fmt, overlap=False):
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
     model, before = LifecycleModule(out), _BeforeAveraging()
     avg = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1) if kind == "swa" else EMAWeightAveraging()
-    kw = {} if name == "ddp" else dict(checkpoint_format=fmt)
+    kw = {} if name == "ddp" else dict(checkpoint_format=fmt, **(dict(overlap_publish=True) if overlap else {}))
     t = trainer(make_strategy(name, **kw), world_size, -1, max_epochs=3, limit_train_batches=2, limit_val_batches=1,
                 callbacks=[before, avg])
     t.fit(model)
@@ -75,6 +76,51 @@ def test_weight_averaging_at_stages_0_to_2_matches_ddp(tmp_path, stage, kind, fm
         _assert_close_dicts(z["saved"], z["final"], f"{stage} {kind} rank {rank} checkpoint vs module")
         # the averaging did something (else this test could not tell it from a silent no-op)
         assert any(not torch.allclose(d["final"][k], d["before"][k]) for k in d["final"])
+
+
+@pytest.mark.timeout(120)
+def test_weight_averaging_with_overlapped_publish_matches_ddp(tmp_path):
+    """overlap_publish=True with EMAWeightAveraging (it reads the weights in on_train_batch_end): the strategy
+    sees a weight reader and completes each step's all-gather before the hooks, so the average equals DDP's
+    (without that, the EMA would average other ranks' slices one step old)."""
+    if "ema" not in _REFS:
+        _REFS["ema"] = run_distributed(_averaged_fit, 2, "ddp", str(tmp_path), "ema", "full")
+    zero = run_distributed(_averaged_fit, 2, "zero2", str(tmp_path), "ema", "full", True)
+    for rank, (z, d) in enumerate(zip(zero, _REFS["ema"])):
+        _assert_close_dicts(z["final"], d["final"], f"overlap ema rank {rank} final")
+
+
+class _CountsWaits(LifecycleModule):
+    # ParityModule's bookkeeping hooks would count as possible weight readers: the plain ones here
+    on_train_batch_start = pl.LightningModule.on_train_batch_start
+    on_train_batch_end = pl.LightningModule.on_train_batch_end
+
+    def on_train_end(self):  # not a hook between steps: reading the counter here changes nothing
+        self.waits = self.trainer.strategy.engine.publisher.unpacked_in_forward
+
+
+class _ReadsWeights(_CountsWaits):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.weight_sum = float(next(self.parameters()).sum())
+
+
+def _overlap_kept(rank, world_size, out, module_reads):
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    model = _ReadsWeights(out) if module_reads else _CountsWaits(out)
+    t = trainer(make_strategy("zero2", overlap_publish=True), world_size, 3, enable_progress_bar=True,
+                enable_checkpointing=True, default_root_dir=out)  # Lightning's own callbacks: no readers
+    t.fit(model)
+    return t.strategy.precision_plugin.ensure_published_after_step, model.waits
+
+
+@pytest.mark.timeout(120)
+def test_overlap_is_kept_unless_something_reads_the_weights(tmp_path):
+    """With Lightning's bookkeeping callbacks only, the buckets are still unpacked inside the next forward; a
+    module that overrides on_train_batch_end makes each step complete them first."""
+    for module_reads in (False, True):
+        for ensure, waits in run_distributed(_overlap_kept, 2, str(tmp_path / str(module_reads)), module_reads):
+            assert ensure is module_reads
+            assert (waits > 0) is (not module_reads), (module_reads, waits)
 
 
 def _refused(rank, world_size, name, kind, kw, precision):

@@ -25,7 +25,10 @@ updated and the rest one step old. Lightning's ``EMAWeightAveraging`` does exact
 ``on_train_batch_end`` (tests/test_lifecycle_callbacks.py fails with the overlap on), as would a callback
 logging weight norms there. Such code calls ``engine.ensure_published()`` first (or keeps the default,
 ``overlap_publish=False``); the root module's own parameters are waited for before ``training_step``
-(``prepare_forward``).
+(``prepare_forward``). Under the Trainer, ZeroStrategy does this itself: when a callback outside
+Lightning's bookkeeping ones (progress bars, checkpointing, summaries, timers, LR monitors, early
+stopping) or a LightningModule hook that runs between a step and the next forward is present, each
+optimizer step completes its all-gathers before returning (``lightning/callback_checks.weight_readers``).
 
 Memory: until its forward runs, each bucket's gathered buffer (compute dtype) is alive, so between the
 step and the forward up to one more copy of the managed parameters exists transiently (blocking: at most
@@ -121,7 +124,8 @@ class PublishQueue:
         # bucket index -> (b, work, flat, own row written in place or None), launch order
         self._pending: dict[int, tuple[Bucket, Any, torch.Tensor, Optional[int]]] = {}
         self._bucket_of: dict[int, int] = {}  # id(param) -> bucket index, for pending buckets
-        self.launches = self.waits_in_forward = 0
+        # counters: buckets launched; forward pre-hooks that had to wait; buckets unpacked inside a forward
+        self.launches = self.waits_in_forward = self.unpacked_in_forward = 0
         self._handles = []
         self._root_ids = [id(p) for p in module.parameters(recurse=False)]
         for m in module.modules():
@@ -160,12 +164,14 @@ class PublishQueue:
             self._wait_for(self._root_ids)
 
     def _wait_for(self, ids: list[int]) -> None:
+        before = len(self._pending)
         needed = [self._bucket_of[i] for i in ids if i in self._bucket_of]
         if needed:
             self.waits_in_forward += 1
             for bi in needed:
                 self._unpack(bi)
         self._unpack_arrived()
+        self.unpacked_in_forward += before - len(self._pending)
 
     @torch.no_grad()
     def _unpack(self, bi: int) -> None:

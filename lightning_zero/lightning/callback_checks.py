@@ -48,3 +48,27 @@ def check_callbacks(callbacks: list[Any], stage: int, compute_dtype: torch.dtype
                     "EMAWeightAveraging at stages 0-2 with precision='32-true' and checkpoint_format='full'. "
                     + _GATHER_HINT
                 )
+
+
+# Hooks of a LightningModule that run between an optimizer step and the next forward: where an overlapped
+# publish (overlap_publish) has not yet written the other ranks' slices into the parameters.
+_WINDOW_HOOKS = ("on_train_batch_end", "on_train_batch_start", "on_train_epoch_end", "on_train_epoch_start",
+                 "on_before_batch_transfer", "on_after_batch_transfer", "on_validation_start",
+                 "on_validation_epoch_start", "on_validation_model_eval", "on_validation_model_train")
+
+
+def weight_readers(callbacks: list[Any], pl_module: Any) -> list[str]:
+    """What may read the module's parameters while an overlapped publish is still in flight: every callback
+    outside Lightning's own bookkeeping ones (progress bars, checkpointing -- which reads through
+    ``state_dict``, and so waits -- summaries, timers, LR monitors, early stopping), and the module's own
+    overrides of the hooks that run between a step and the next forward."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch import callbacks as C
+
+    safe = tuple(getattr(C, n) for n in ("ProgressBar", "ModelCheckpoint", "ModelSummary", "Timer", "LearningRateMonitor",
+                                         "EarlyStopping", "DeviceStatsMonitor", "ThroughputMonitor")
+                 if hasattr(C, n))
+    names = [type(cb).__name__ for cb in callbacks if not isinstance(cb, safe)]
+    names += [f"{type(pl_module).__name__}.{h}" for h in _WINDOW_HOOKS
+              if getattr(type(pl_module), h, None) is not getattr(LightningModule, h, None)]
+    return names

@@ -83,6 +83,8 @@ class ZeroPrecision(Precision):
         # scaler's own when there is one, handed to every training engine attached (engine_state.py)
         self.counters = self.loss_scaler.counters if self.loss_scaler is not None else StepCounters()
         self._engine = None  # attached by the strategy once the optimizer is sharded
+        # overlap_publish with weight-reading hooks: wait for the all-gathers at the end of each step
+        self.ensure_published_after_step = False
         self._cast_hooks: list = []
 
     def _make_scaler(self):
@@ -146,6 +148,8 @@ class ZeroPrecision(Precision):
             self._engine.zero_grad(optimizer)  # training_step returned None: skip this step, drop its gradients
             return None
         self._engine.step(optimizer)
+        if self.ensure_published_after_step:  # hooks that read weights run next (strategy._publish_before_hooks)
+            self._engine.ensure_published()
         if self.mixed and hasattr(model, "log"):
             if self.loss_scaler is not None:
                 model.log("loss_scale", float(self.loss_scaler.scale), prog_bar=True, sync_dist=False)

@@ -20,7 +20,7 @@ from torch.distributed.constants import default_pg_timeout
 from ..engine import ZeroEngine
 from ..engine.stage3.deferred_init import has_meta_params
 from ..engine.engine_state import EngineMode
-from .callback_checks import check_callbacks
+from .callback_checks import check_callbacks, weight_readers
 from .checkpoint_strategy import ZeroCheckpointMixin
 from .memory_summary import report as memory_report
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
@@ -197,6 +197,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
             self.engine = build_engine(self.lightning_module, self.optimizers, self.zero_config, precision,
                                        self.root_device, device_mesh=self._device_mesh)
             self._memory_reported = not self.memory_summary
+            self._publish_before_hooks(trainer)
             self._guard_scheduler_on_skipped_steps()
             self._unbind_optimizers = bind_optimizers(self, trainer)
         else:
@@ -210,6 +211,17 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
                 _sync_module_states(self.model)
                 precision.attach(self.engine, self.root_device.type)
         self.setup_precision_plugin()
+
+    def _publish_before_hooks(self, trainer) -> None:
+        """overlap_publish with a callback or module hook that may read the weights between a step and the
+        next forward (EMAWeightAveraging, a user's on_train_batch_end): the step completes its all-gathers
+        before returning, so they see every rank's update. Lightning's own bookkeeping callbacks keep the
+        overlap (engine/publish.py)."""
+        readers = weight_readers(trainer.callbacks, self.lightning_module) if self.engine.publisher is not None else []
+        self.precision_plugin.ensure_published_after_step = bool(readers)
+        if readers:
+            rank_zero_info(f"overlap_publish: {', '.join(readers)} may read the weights between steps, so each "
+                           "optimizer step completes its parameter all-gather before the hooks run.")
 
     def _guard_scheduler_on_skipped_steps(self) -> None:
         """A step skipped for overflow must not advance the LR schedule (as in DeepSpeed)."""
