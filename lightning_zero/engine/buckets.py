@@ -90,8 +90,10 @@ class Bucket:
         width = self.shard_numel + extra
         flat = torch.empty(self.world_size * width, dtype=dtype, device=self.params[0].device)
         grid = flat.view(self.world_size, width)
-        torch.cat([as_rank_major(t, spec, dtype, flat.device) for t, spec in zip(tensors, self.specs)],
-                  dim=1, out=grid[:, : self.shard_numel])
+        parts = [as_rank_major(t, spec, dtype, flat.device) for t, spec in zip(tensors, self.specs)]
+        if extra:  # zeros the caller overwrites: the output stays the whole (contiguous) grid
+            parts.append(_zeros(dtype, flat.device).expand(self.world_size, extra))
+        torch.cat(parts, dim=1, out=grid)
         return flat
 
     def unpack_rank_major(self, flat: torch.Tensor, outs: list[torch.Tensor], skip_rank: int | None = None) -> None:
