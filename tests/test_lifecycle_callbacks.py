@@ -96,7 +96,8 @@ class _CountsWaits(LifecycleModule):
     on_train_batch_end = pl.LightningModule.on_train_batch_end
 
     def on_train_end(self):  # not a hook between steps: reading the counter here changes nothing
-        self.waits = self.trainer.strategy.engine.publisher.unpacked_in_forward
+        engine = getattr(self.trainer.strategy, "engine", None)  # DDP (the reference) has none
+        self.waits = engine.publisher.unpacked_in_forward if engine is not None else None
 
 
 class _ReadsWeights(_CountsWaits):
@@ -106,21 +107,28 @@ class _ReadsWeights(_CountsWaits):
 
 def _overlap_kept(rank, world_size, out, module_reads):
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
-    model = _ReadsWeights(out) if module_reads else _CountsWaits(out)
-    t = trainer(make_strategy("zero2", overlap_publish=True), world_size, 3, enable_progress_bar=True,
-                enable_checkpointing=True, default_root_dir=out)  # Lightning's own callbacks: no readers
-    t.fit(model)
-    return t.strategy.precision_plugin.ensure_published_after_step, model.waits
+    runs = {}
+    for name, kw in (("ddp", {}), ("zero2", dict(overlap_publish=True))):
+        model = _ReadsWeights(out) if module_reads else _CountsWaits(out)
+        t = trainer(make_strategy(name, **kw), world_size, 3, enable_progress_bar=True,
+                    enable_checkpointing=True, default_root_dir=out)  # Lightning's own callbacks: no readers
+        t.fit(model)
+        runs[name] = (getattr(t.strategy.precision_plugin, "ensure_published_after_step", None), model.waits,
+                      whole_params(model, t.strategy))
+    return runs
 
 
 @pytest.mark.timeout(120)
 def test_overlap_is_kept_unless_something_reads_the_weights(tmp_path):
     """With Lightning's bookkeeping callbacks only, the buckets are still unpacked inside the next forward; a
-    module that overrides on_train_batch_end makes each step complete them first."""
+    module that overrides on_train_batch_end makes each step complete them first. Both equal DDP."""
     for module_reads in (False, True):
-        for ensure, waits in run_distributed(_overlap_kept, 2, str(tmp_path / str(module_reads)), module_reads):
+        for rank, runs in enumerate(run_distributed(_overlap_kept, 2, str(tmp_path / str(module_reads)), module_reads)):
+            ensure, waits, weights = runs["zero2"]
             assert ensure is module_reads
             assert (waits > 0) is (not module_reads), (module_reads, waits)
+            # either way the run equals DDP's (the overlapped all-gather lands before anything reads it)
+            _assert_close_dicts(weights, runs["ddp"][2], f"overlap reads={module_reads} rank {rank}")
 
 
 def _refused(rank, world_size, name, kind, kw, precision):
