@@ -138,9 +138,14 @@ class Bucket:
         """
         dev = self.params[0].device
         flat = torch.empty(self.world_size * self.shard_numel, dtype=dtype, device=dev)
-        # this rank's chunk is packed in place, into its own row of the output (an in-place all-gather)
-        send = (torch.empty(self.shard_numel, dtype=dtype, device="cpu", pin_memory=dev.type == "cuda") if host
-                else flat.view(self.world_size, self.shard_numel)[self.specs[0].rank])
+        # this rank's chunk is packed in place, into its own row of the output, where the collective takes
+        # it so (an in-place all-gather); else, or from the host, into a chunk of its own
+        if host:
+            send = torch.empty(self.shard_numel, dtype=dtype, device="cpu", pin_memory=dev.type == "cuda")
+        elif C.gathers_in_place(group):
+            send = flat.view(self.world_size, self.shard_numel)[self.specs[0].rank]
+        else:
+            send = torch.empty(self.shard_numel, dtype=dtype, device=dev)
         parts = []  # this rank's slices, each followed by its padding: one cat writes the chunk
         for v, spec in zip(local, self.specs):
             if v is not None and spec.shard_len:

@@ -176,6 +176,14 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] =
     return _all_gather(output.view(-1), input.view(-1), group=group, async_op=async_op)
 
 
+def gathers_in_place(group: Optional[Any] = None) -> bool:
+    """Whether :func:`all_gather` takes its input as a view of its own output chunk without an extra copy
+    (one rank, gloo's two-rank exchange, NCCL's in-place all-gather); gloo's list form with more ranks
+    would have to clone it first, so a separate send buffer is cheaper there."""
+    n = world_size(group)
+    return n == 1 or not _is_gloo(group) or n == 2
+
+
 def _all_gather_pair(output: torch.Tensor, input: torch.Tensor, group: Optional[Any], async_op: bool):
     """The all-gather of two gloo ranks as one all-to-all exchange: each rank's chunk goes to the other's
     row of ``output`` and its own row is a local copy. The same bytes travel as gloo's all-gather moves,
