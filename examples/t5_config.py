@@ -162,7 +162,7 @@ class T5FinetuneConf:
     output: OutputConf = field(default_factory=OutputConf)
     seed: int = 0
     mode: str = "fit"  # fit (train, validate, export) | test (test metrics + predictions JSONL of ckpt_path)
-    ckpt_path: Optional[str] = None  # mode=test: a checkpoint of a fit run (null = the model as configured)
+    ckpt_path: Optional[str] = None  # mode=fit: resume this checkpoint (exact, mid-epoch too); mode=test: test it (null = the model as configured)
 
 
 @dataclass

@@ -41,6 +41,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from t5_resume import ResumableDataLoader
 from t5_tokenizer import bytes_tokenizer, encode
 
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "__pycache__"}
@@ -349,6 +350,7 @@ class Seq2SeqDataModule(L.LightningDataModule):
         self.stdlib_kwargs = stdlib_kwargs or {}
         self.name_hint = name_hint  # prefix each source with its function's name words (with_name_words)
         self.splits: dict[str, list[dict]] | None = None
+        self.skip_train_batches = 0  # set by t5_resume.TrainPosition when a fit resumes mid-epoch
 
     def _load_splits(self) -> dict[str, list[dict]]:
         if isinstance(self.pairs_spec, dict):
@@ -376,11 +378,13 @@ class Seq2SeqDataModule(L.LightningDataModule):
         ds = Seq2SeqDataset(self.splits[split], self.tokenizer, self.max_source_len, self.max_target_len,
                             self.name_hint)
         pad_id = self.tokenizer.pad_token_id
-        # Plain DataLoader: Lightning injects a DistributedSampler for distributed strategies.
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle,
-                          num_workers=self.num_workers,
-                          collate_fn=functools.partial(collate_seq2seq, pad_token_id=pad_id),
-                          persistent_workers=self.num_workers > 0)
+        # Lightning injects a DistributedSampler for distributed strategies; a resumed fit skips what the
+        # checkpoint's epoch had consumed (t5_resume.py)
+        return ResumableDataLoader(ds, batch_size=self.batch_size, shuffle=shuffle,
+                                   num_workers=self.num_workers,
+                                   collate_fn=functools.partial(collate_seq2seq, pad_token_id=pad_id),
+                                   persistent_workers=self.num_workers > 0,
+                                   skip_batches=self.skip_train_batches if split == "train" else 0)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

@@ -3,6 +3,7 @@
     python examples/t5_finetune.py                       # CPU, 2 ranks, ZeRO-2, t5_mini, 2048-token BPE
     python examples/t5_finetune.py model.pretrained=outputs/t5_pretrain/.../hf_model   # from t5_pretrain.py
     python examples/t5_finetune.py mode=test ckpt_path=outputs/.../checkpoints/last.ckpt   # test + predictions
+    python examples/t5_finetune.py ckpt_path=outputs/.../checkpoints/last.ckpt   # resume the fit (exact, mid-epoch too)
     python examples/t5_finetune.py strategy=zero1_offload trainer.max_steps=200
     python examples/t5_finetune.py -m strategy=zero0,zero1,zero2 trainer.max_steps=100
     python examples/t5_finetune.py trainer=gpu model=t5_small
@@ -42,7 +43,7 @@ from omegaconf import DictConfig  # noqa: E402
 from t5_config import (  # noqa: E402,F401  (importing registers the schemas in the ConfigStore)
     ConfigError, build_datamodule, build_strategy, build_tokenizer, strategy_kwargs, validate_schema)
 from t5_run import (  # noqa: E402,F401  (resolve_start_method, output_dir: part of this app's API)
-    eval_trainer, fit_and_report, fmt_metric, make_trainer, one_line_per_message, output_dir,
+    checked_ckpt_path, eval_trainer, fit_and_report, fmt_metric, make_trainer, one_line_per_message, output_dir,
     resolve_start_method, run_report, set_cpu_threads, summary_lines)
 from t5_samples import console_table, last_samples  # noqa: E402
 from t5_tokenizer import describe  # noqa: E402
@@ -81,6 +82,7 @@ def train(cfg: DictConfig) -> Optional[dict]:
     validate_schema(cfg)
     if cfg.mode not in ("fit", "test"):
         raise ConfigError(f"Unknown mode {cfg.mode!r}. Allowed: 'fit', 'test'.")
+    ckpt_path = checked_ckpt_path(cfg)
     one_line_per_message()
     resolve_start_method(cfg)
     strategy = build_strategy(cfg)  # ConfigError names the allowed values
@@ -100,19 +102,21 @@ def train(cfg: DictConfig) -> Optional[dict]:
 
     # 2. trainer
     report = run_report(out, tok, cfg.output.export_hf)
-    trainer, checkpoint, csv_logger, loggers = make_trainer(cfg, strategy, out, "val_loss", [report])
+    trainer, checkpoint, csv_logger, loggers = make_trainer(cfg, strategy, out, "val_loss", [report], dm)
     if trainer.is_global_zero:
-        log.info("strategy=%s %s | model=%s | tokenizer=%s | %d ranks on %s | output: %s", cfg.strategy.name,
+        log.info("strategy=%s %s | model=%s | tokenizer=%s | %d ranks on %s | output: %s%s", cfg.strategy.name,
                  strategy_kwargs(cfg), cfg.model.pretrained or cfg.model.preset, describe(tok),
-                 trainer.world_size, cfg.trainer.accelerator, out)
+                 trainer.world_size, cfg.trainer.accelerator, out,
+                 f" | resuming from {ckpt_path}" if ckpt_path else "")
 
-    # 3. fit (after an optional baseline validation of the untrained model: the "step 0" point)
+    # 3. fit (after an optional baseline validation of the untrained model: the "step 0" point; a resumed
+    # run's model is not untrained, so it has none)
     baseline: dict = {}
-    if cfg.trainer.validate_before_fit:
+    if cfg.trainer.validate_before_fit and ckpt_path is None:
         res = eval_trainer(cfg, build_strategy(cfg), out).validate(model, datamodule=dm, verbose=False)
         baseline = {k: float(v) for k, v in (res[0] if res else {}).items()}
         baseline["step"] = 0
-    summary = fit_and_report(trainer, model, dm, out, checkpoint, csv_logger, loggers, tok)
+    summary = fit_and_report(trainer, model, dm, out, checkpoint, csv_logger, loggers, tok, ckpt_path)
     if summary is None:
         return None
     hist = summary["val_history"]
@@ -146,8 +150,7 @@ def test(cfg: DictConfig, strategy, model, dm, out: str) -> Optional[dict]:
     """mode=test: test-split metrics of ``ckpt_path`` (or of the model as configured) + predictions JSONL."""
     from lightning.pytorch.loggers import CSVLogger
 
-    if cfg.ckpt_path and not os.path.exists(cfg.ckpt_path):
-        raise ConfigError(f"ckpt_path={cfg.ckpt_path!r}: no such checkpoint.")
+    checked_ckpt_path(cfg)
     trainer = eval_trainer(cfg, strategy, out, logger=CSVLogger(save_dir=out, name="csv_test", version=""))
     t0 = time.time()
     res = trainer.test(model, datamodule=dm, ckpt_path=cfg.ckpt_path, verbose=False)

@@ -28,7 +28,7 @@ from t5_config import (  # noqa: E402
     ConfigError, T5PretrainConf, build_datamodule, build_strategy, build_tokenizer, default_cache_dir,
     validate_schema)
 from t5_run import (  # noqa: E402
-    fit_and_report, fmt_metric, make_trainer, one_line_per_message, output_dir, resolve_start_method, run_report,
+    checked_ckpt_path, fit_and_report, fmt_metric, make_trainer, one_line_per_message, output_dir, resolve_start_method, run_report,
     set_cpu_threads, summary_lines)
 from t5_tokenizer import describe  # noqa: E402
 
@@ -42,6 +42,7 @@ def pretrain(cfg: DictConfig) -> Optional[dict]:
     from t5_pretrain_data import SpanCorruptionDataModule, held_out_summaries, pretrain_files
 
     validate_schema(cfg, T5PretrainConf)
+    ckpt_path = checked_ckpt_path(cfg)  # resume a pretraining fit (exact, mid-epoch too)
     one_line_per_message()
     resolve_start_method(cfg)
     strategy = build_strategy(cfg)
@@ -81,12 +82,12 @@ def pretrain(cfg: DictConfig) -> Optional[dict]:
         raise ConfigError(f"model: {e}") from e
 
     report = run_report(out, tok, export_hf=True)  # the point of pretraining is the exported directory
-    trainer, checkpoint, csv_logger, loggers = make_trainer(cfg, strategy, out, "val_loss", [report])
+    trainer, checkpoint, csv_logger, loggers = make_trainer(cfg, strategy, out, "val_loss", [report], dm)
     if trainer.is_global_zero:
         log.info("pretraining on %d stdlib files (%d train / %d val chunks of %d tokens) | tokenizer=%s | "
                  "output: %s", len(files), len(dm.splits["train"]), len(dm.splits["val"]), p.chunk_len,
                  describe(tok), out)
-    s = fit_and_report(trainer, model, dm, out, checkpoint, csv_logger, loggers, tok)
+    s = fit_and_report(trainer, model, dm, out, checkpoint, csv_logger, loggers, tok, ckpt_path)
     if s is None:
         return None
     hist, info = s["val_history"], s["run_info"]

@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from t5_data import _iter_stdlib_files, _module_name, collate_seq2seq, split_of
+from t5_resume import ResumableDataLoader
 
 
 def _ws(text: str) -> str:
@@ -165,6 +166,7 @@ class SpanCorruptionDataModule(L.LightningDataModule):
         self.noise_density, self.mean_span, self.seed = noise_density, mean_span, seed
         self.val_every, self.max_val, self.cache_dir = val_every, max_val, cache_dir
         self.splits: dict[str, list[list[int]]] | None = None
+        self.skip_train_batches = 0  # set by t5_resume.TrainPosition when a fit resumes mid-epoch
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits is None:
@@ -178,8 +180,9 @@ class SpanCorruptionDataModule(L.LightningDataModule):
         tok = self.tokenizer
         ds = SpanCorruptionDataset(self.splits[split], sentinel_ids(tok), tok.eos_token_id,
                                    self.seed + (split == "val"), self.noise_density, self.mean_span)
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-                          collate_fn=functools.partial(collate_seq2seq, pad_token_id=tok.pad_token_id))
+        return ResumableDataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
+                                   collate_fn=functools.partial(collate_seq2seq, pad_token_id=tok.pad_token_id),
+                                   skip_batches=self.skip_train_batches if split == "train" else 0)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=True)

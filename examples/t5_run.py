@@ -124,8 +124,10 @@ def describe_strategy(strategy: Any) -> str:
     return ", ".join(parts)
 
 
-def make_trainer(cfg: DictConfig, strategy: Any, out: str, monitor: str, extra_callbacks: list) -> tuple:
-    """(trainer, checkpoint callback, csv logger, loggers) as configured in cfg.trainer / cfg.output."""
+def make_trainer(cfg: DictConfig, strategy: Any, out: str, monitor: str, extra_callbacks: list,
+                 datamodule: Any = None) -> tuple:
+    """(trainer, checkpoint callback, csv logger, loggers) as configured in cfg.trainer / cfg.output; with
+    ``datamodule``, its position in the epoch and the RNG states go into every checkpoint (t5_resume.py)."""
     import lightning as L
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
@@ -144,6 +146,10 @@ def make_trainer(cfg: DictConfig, strategy: Any, out: str, monitor: str, extra_c
         except ImportError:
             pass
     callbacks = [checkpoint, LearningRateMonitor(logging_interval="step")] + extra_callbacks
+    if datamodule is not None:
+        from t5_resume import TrainPosition
+
+        callbacks.append(TrainPosition(datamodule))
     if cfg.trainer.enable_progress_bar:
         callbacks.append(_progress_bar(cfg))
     t = cfg.trainer
@@ -282,13 +288,31 @@ def summary_lines(app: str, cfg: DictConfig, strategy: Any, s: dict) -> list[str
     return lines
 
 
-def fit_and_report(trainer, model, dm, out: str, checkpoint, csv_logger, loggers, tok) -> Optional[dict]:
-    """Fit, then (global rank 0 only; None elsewhere) the summary fields both apps report: outputs, wall
-    time and speed, validation history, what the ranks recorded (run_info.json), tokenizer, size."""
+def checked_ckpt_path(cfg: DictConfig) -> Optional[str]:
+    """``ckpt_path``: None, a checkpoint file, or a lightning_zero checkpoint directory -- anything else is refused
+    before a process starts (a mistyped path must not train from step 0 without a word)."""
+    from lightning_zero.checkpoint.format import is_checkpoint_dir
+    from t5_config import ConfigError
+
+    path = cfg.ckpt_path
+    if path is None:
+        return None
+    if not (os.path.isfile(path) or is_checkpoint_dir(path)):
+        what = "a directory that is not a lightning_zero checkpoint" if os.path.isdir(path) else "no such file"
+        raise ConfigError(f"ckpt_path={path!r}: {what}. Allowed: null, a checkpoint file, or a checkpoint "
+                          "directory a fit wrote (e.g. <output>/checkpoints/last.ckpt).")
+    return path
+
+
+def fit_and_report(trainer, model, dm, out: str, checkpoint, csv_logger, loggers, tok,
+                   ckpt_path: Optional[str] = None) -> Optional[dict]:
+    """Fit (resuming from ``ckpt_path`` when given: t5_resume.py makes it exact mid-epoch), then (global rank 0
+    only; None elsewhere) the summary fields both apps report: outputs, wall time and speed, validation
+    history, what the ranks recorded (run_info.json), tokenizer, size."""
     from t5_tokenizer import describe
 
     t0 = time.time()
-    trainer.fit(model, datamodule=dm)
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
     wall = time.time() - t0
     if not trainer.is_global_zero:
         return None
