@@ -115,7 +115,10 @@ def results():
 
 
 def _close(a, b):
-    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-6)
+    # The reference runs the whole model; TP sums each matmul in two halves, so fp32 differs by an ulp and AdamW
+    # (which divides by sqrt(v)) carries that into the weights: on AMD EPYC the same element of the same weight
+    # differs by 2.4e-6 at *every* stage, zero0 included. A ZeRO defect moves weights by ~lr (2e-2).
+    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.timeout(120)
