@@ -44,7 +44,9 @@ def test_hf_style_config_translates_key_by_key():
     assert t.optimizer == (torch.optim.AdamW, {"lr": 3e-4, "betas": (0.9, 0.98), "eps": 1e-6, "weight_decay": 0.1})
     assert set(t.ignored) == {"steps_per_print", "zero_optimization.overlap_comm",
                               "zero_optimization.contiguous_gradients",
-                              "zero_optimization.stage3_gather_16bit_weights_on_model_save"}
+                              "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+                              "zero_optimization.offload_optimizer.pin_memory",
+                              "zero_optimization.offload_param.pin_memory"}  # said, never dropped silently
     s = t.make_strategy(start_method="fork")
     assert isinstance(s, ZeroStrategy)
     assert (s.zero_config.stage, s.zero_config.offload_optimizer, s.zero_config.offload_params) == (3, True, True)
@@ -200,9 +202,112 @@ def test_overrides_compose_into_the_recipe_and_cli_writes_them(tmp_path, capsys)
         cfg = compose("t5_finetune", overrides=overrides)
     validate_schema(cfg)
     assert (cfg.strategy.stage, cfg.strategy.offload_params, cfg.trainer.precision) == (3, True, "bf16-mixed")
-    assert list(cfg.strategy.unit_classes) == ["T5Block"] and cfg.strategy.name == "zero3_offload"
+    # no unit_classes override: the recipe's unit policy makes the T5 blocks units, as its zero3 preset does
+    assert cfg.strategy.unit_classes is None and cfg.strategy.name == "zero3_offload"
     assert (cfg.trainer.accumulate_grad_batches, cfg.optim.warmup_steps, cfg.optim.total_steps) == (4, 10, 100)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"zero_optimization": {"stage": 7}}))
     assert cli_main(["from-deepspeed", str(bad)]) == 2
     assert "Allowed stages: 0, 1, 2, 3" in capsys.readouterr().err
+
+
+HF_DOCS_ZERO3 = {  # HF's documented ZeRO-3 offload config, every tunable "auto"
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR",
+                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True, "contiguous_gradients": True,
+        "sub_group_size": 1e9, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def test_auto_keys_keep_the_recipe_settings_and_say_so(tmp_path, capsys):
+    """HF's "auto" means "the setting beside it": composed with the overrides, the recipe's own clipping, weight
+    decay, precision, LR, warmup, accumulation, micro-batch and bucket stay, exactly as its zero3_offload preset."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from hydra import compose, initialize_config_dir
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(HF_DOCS_ZERO3))
+    out = tmp_path / "ds.overrides"
+    assert cli_main(["from-deepspeed", str(path), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    overrides = out.read_text().split()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        translated = compose("t5_finetune", overrides=overrides)
+        preset = compose("t5_finetune", overrides=["strategy=zero3_offload"])
+    assert translated.strategy == preset.strategy
+    for key in ("trainer", "optim", "data"):
+        assert translated[key] == preset[key], key
+    for key, field_ in (("gradient_clipping", "trainer.gradient_clip_val"), ("bf16.enabled", "trainer.precision"),
+                        ("optimizer.params.weight_decay", "optim.weight_decay"), ("optimizer.params.lr", "optim.lr"),
+                        ("scheduler.params.warmup_num_steps", "optim.warmup_steps"),
+                        ("gradient_accumulation_steps", "trainer.accumulate_grad_batches"),
+                        ("zero_optimization.reduce_bucket_size", "strategy.bucket_mb")):
+        assert f'note: {key}: "auto" -> left to the recipe\'s {field_}' in err, key
+    assert "zero_optimization.offload_param.pin_memory: no effect here" in err
+
+
+def test_auto_keys_resolve_from_trainer_arguments_as_hf_does():
+    auto = {"max_grad_norm": 1.0, "weight_decay": 0.01, "precision": "bf16-mixed", "learning_rate": 3e-4,
+            "adam_beta1": 0.9, "adam_beta2": 0.98, "adam_epsilon": 1e-6, "warmup_steps": 10,
+            "per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "hidden_size": 512}
+    t = from_deepspeed_config(HF_DOCS_ZERO3, auto=auto)
+    assert t.trainer == {"accumulate_grad_batches": 2, "gradient_clip_val": 1.0}
+    assert t.precision == "bf16-mixed" and t.micro_batch_size == 8
+    assert t.optimizer == (torch.optim.AdamW, {"lr": 3e-4, "betas": (0.9, 0.98), "eps": 1e-6, "weight_decay": 0.01})
+    assert t.strategy["bucket_mb"] == 512 * 512 * 2 / 2**20 and t.strategy["persist_numel"] == 5120  # HF's formulas
+    assert t.scheduler == {"type": "WarmupLR", "warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 10}
+    assert t.auto["gradient_clipping"] == "1.0 (from max_grad_norm)"
+    sched = t.configure_optimizers([torch.zeros(2, requires_grad=True)])["lr_scheduler"]["scheduler"]
+    lrs = []
+    for _ in range(12):
+        lrs.append(sched.get_last_lr()[0])
+        sched.optimizer.step()
+        sched.step()
+    assert lrs[-1] == pytest.approx(3e-4) and max(lrs) == pytest.approx(3e-4)  # warms up to HF's learning_rate
+
+
+def test_unresolved_auto_defers_to_the_trainer_or_asks_for_the_value():
+    t = from_deepspeed_config(HF_DOCS_ZERO3)
+    assert t.precision is None and "gradient_clip_val" not in t.trainer  # the Trainer's own flags stay
+    assert "weight_decay" not in t.optimizer[1]  # never DeepSpeed's 0.0 in place of "auto"
+    strategy = t.make_strategy(start_method="fork")
+    trainer = Trainer(strategy=strategy, precision="bf16-mixed", accelerator="cpu", devices=1, logger=False,
+                      enable_checkpointing=False)
+    assert trainer.strategy.precision_plugin.precision == "bf16-mixed"  # the Trainer's flag, not 32-true
+    with pytest.raises(DeepSpeedConfigError, match="learning_rate"):
+        t.configure_optimizers([torch.zeros(2, requires_grad=True)])
+    with pytest.raises(DeepSpeedConfigError, match="warmup_steps"):
+        from_deepspeed_config(HF_DOCS_ZERO3, auto={"learning_rate": 1e-3}).configure_optimizers(
+            [torch.zeros(2, requires_grad=True)])
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "four"])
+def test_non_positive_accumulation_is_refused(value):
+    with pytest.raises(DeepSpeedConfigError, match="gradient_accumulation_steps.*positive integer"):
+        from_deepspeed_config({"gradient_accumulation_steps": value})
+
+
+def test_bad_paths_are_refused_with_one_clear_error(tmp_path, capsys):
+    with pytest.raises(DeepSpeedConfigError, match="is a directory"):
+        from_deepspeed_config(tmp_path)
+    with pytest.raises(DeepSpeedConfigError, match="no such file"):
+        from_deepspeed_config(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(DeepSpeedConfigError, match="not valid JSON"):
+        from_deepspeed_config(tmp_path / "bad.json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(DeepSpeedConfigError, match="expected a JSON object"):
+        from_deepspeed_config(tmp_path / "list.json")
+    assert cli_main(["from-deepspeed", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory" in err and "Traceback" not in err

@@ -13,8 +13,15 @@ each setting lives here, so nothing is silently dropped:
 * a key that only tunes DeepSpeed's own machinery (``overlap_comm``, ``sub_group_size``, logging, ...)
   is listed in ``ignored`` with the reason;
 * anything else -- an unknown key, NVMe offload, a non-elementwise optimizer, fp16 and bf16 together --
-  is refused with one error that names what is allowed. ``"auto"`` (HF Trainer's placeholder) means
-  "not set".
+  is refused with one error that names what is allowed.
+
+``"auto"`` is HF Trainer's placeholder for "the value of the setting beside it" (its
+``HfTrainerDeepSpeedConfig.trainer_config_process``: clipping from ``max_grad_norm``, weight decay from
+``weight_decay``, precision from ``--bf16``/``--fp16``, ...). It is resolved the same way: from ``auto=`` (HF's
+``TrainingArguments`` names, :data:`AUTO_SOURCES`) where given, else left to the setting beside it -- the
+Trainer's own flag or, for ``hydra_overrides``, the recipe's field (no override is emitted, so the recipe's
+clipping / weight decay / precision stay). Every resolution is listed in ``auto``; it never silently becomes
+DeepSpeed's default.
 """
 
 from __future__ import annotations
@@ -75,6 +82,27 @@ _OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torc
 _SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
 
 
+# "auto" key -> (HF TrainingArguments name it resolves from, the recipe field that then stays in force)
+AUTO_SOURCES = {
+    "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", "data.batch_size"),
+    "gradient_accumulation_steps": ("gradient_accumulation_steps", "trainer.accumulate_grad_batches"),
+    "train_batch_size": ("world size x micro-batch x accumulation", None),
+    "gradient_clipping": ("max_grad_norm", "trainer.gradient_clip_val"),
+    "fp16.enabled": ("precision", "trainer.precision"),
+    "bf16.enabled": ("precision", "trainer.precision"),
+    "optimizer.params.lr": ("learning_rate", "optim.lr"),
+    "optimizer.params.weight_decay": ("weight_decay", "optim.weight_decay"),
+    "optimizer.params.betas": ("adam_beta1, adam_beta2", None),
+    "optimizer.params.eps": ("adam_epsilon", None),
+    "scheduler.params.warmup_min_lr": ("0, as HF fills it", None),
+    "scheduler.params.warmup_max_lr": ("learning_rate", "optim.lr"),
+    "scheduler.params.warmup_num_steps": ("warmup_steps", "optim.warmup_steps"),
+    "scheduler.params.total_num_steps": ("max_steps", "optim.total_steps"),
+    "zero_optimization.reduce_bucket_size": ("hidden_size x hidden_size elements", "strategy.bucket_mb"),
+    "zero_optimization.stage3_param_persistence_threshold": ("10 x hidden_size", "strategy.persist_numel"),
+}
+
+
 class DeepSpeedConfigError(ValueError):
     """A DeepSpeed config setting that has no equivalent here (the message names what is allowed)."""
 
@@ -95,33 +123,49 @@ class DeepSpeedTranslation:
     """What a DeepSpeed config becomes: build the pieces with the ``make_*`` methods."""
 
     strategy: dict = field(default_factory=dict)  # ZeroStrategy keyword arguments
-    precision: str = "32-true"
+    precision: Optional[str] = "32-true"  # None: "auto", the Trainer's precision flag stays
     precision_kwargs: dict = field(default_factory=dict)  # ZeroPrecision loss-scaler arguments
     trainer: dict = field(default_factory=dict)  # Trainer flags: accumulate_grad_batches, gradient_clip_val
     micro_batch_size: Optional[int] = None  # per rank: the DataLoader's batch_size
     optimizer: Optional[tuple[type, dict]] = None  # torch class, kwargs (lr, betas, ...)
     scheduler: Optional[dict] = None  # {"type": "WarmupLR" | "WarmupDecayLR", params}
     ignored: dict = field(default_factory=dict)  # key -> why it has no effect here
+    auto: dict = field(default_factory=dict)  # "auto" key -> what it resolved to (a value, or the setting it defers to)
 
     def make_precision(self):
         from ..lightning.precision import ZeroPrecision
 
+        if self.precision is None:
+            raise DeepSpeedConfigError("fp16/bf16 \"enabled\" is \"auto\": pass from_deepspeed_config(..., auto="
+                                       "{'precision': 'bf16-mixed'}) or leave the precision to the Trainer "
+                                       "(make_strategy() then takes the Trainer's precision flag).")
         return ZeroPrecision(self.precision, **self.precision_kwargs)
 
     def make_strategy(self, **kwargs):
         """``ZeroStrategy`` with the translated ZeRO settings and precision plugin (``kwargs`` override)."""
         from ..lightning.strategy import ZeroStrategy
 
-        return ZeroStrategy(**{**self.strategy, "precision_plugin": self.make_precision(), **kwargs})
+        plugin = {"precision_plugin": self.make_precision()} if self.precision is not None else {}
+        return ZeroStrategy(**{**self.strategy, **plugin, **kwargs})
 
     def configure_optimizers(self, params) -> Union[torch.optim.Optimizer, dict]:
         """For ``LightningModule.configure_optimizers``: the optimizer, with the LR schedule per step."""
         if self.optimizer is None:
             raise DeepSpeedConfigError("the DeepSpeed config has no 'optimizer' block; build the optimizer yourself")
         cls, kw = self.optimizer
+        if "lr" not in kw and "optimizer.params.lr" in self.auto:
+            raise DeepSpeedConfigError("optimizer.params.lr is \"auto\": pass its value as "
+                                       "from_deepspeed_config(..., auto={'learning_rate': LR}).")
         opt = cls(params, **kw)
         if self.scheduler is None:
             return opt
+        open_keys = [k for k in ("warmup_num_steps", "total_num_steps")
+                     if f"scheduler.params.{k}" in self.auto and k not in self.scheduler]
+        if open_keys:
+            names = {"warmup_num_steps": "warmup_steps", "total_num_steps": "max_steps"}
+            raise DeepSpeedConfigError(
+                f"scheduler.params {', '.join(open_keys)} are \"auto\": pass from_deepspeed_config(..., auto="
+                f"{{{', '.join(repr(names[k]) + ': N' for k in open_keys)}}}) (HF resolves them from its arguments).")
         return {"optimizer": opt, "lr_scheduler": {"scheduler": DeepSpeedWarmupLR(opt, **self.scheduler),
                                                    "interval": "step"}}
 
@@ -130,11 +174,12 @@ class DeepSpeedTranslation:
         offload = self.strategy.get("offload_optimizer") or self.strategy.get("offload_params")
         o = {"strategy.name": f"zero{self.strategy.get('stage', 0)}{'_offload' if offload else ''}"}  # a label
         o.update({f"strategy.{k}": v for k, v in self.strategy.items()})
-        if self.strategy.get("stage") == 3:
-            o["strategy.unit_classes"] = "[T5Block]"  # the recipe's model: one unit per block
-        o["trainer.precision"] = self.precision
+        # no unit_classes: the recipe's default unit policy already makes one unit per T5Block, as its preset
+        if self.precision is not None:
+            o["trainer.precision"] = self.precision
         o.update({f"trainer.{k}": v for k, v in self.trainer.items()})
         notes = [f"{k}: no effect here ({why})" for k, why in self.ignored.items()]
+        notes += [f"{k}: \"auto\" -> {how}" for k, how in self.auto.items()]
         if self.micro_batch_size:
             o["data.batch_size"] = self.micro_batch_size
         if self.precision_kwargs:
@@ -199,7 +244,53 @@ class DeepSpeedWarmupLR(torch.optim.lr_scheduler.LRScheduler):
         return [lr for _ in self.optimizer.param_groups]
 
 
-def _offload(block, key: str) -> bool:
+_OFFLOAD_NOTES = {
+    "pin_memory": "host buffers are always pinned when a CUDA device is used",
+    "fast_init": "offloaded state is built shard by shard", "ratio": "the whole optimizer state is offloaded",
+    "buffer_count": "NVMe offload tuning", "buffer_size": "NVMe offload tuning", "max_in_cpu": "NVMe offload tuning",
+    "pipeline": "NVMe offload tuning", "pipeline_read": "NVMe offload tuning", "pipeline_write": "NVMe offload tuning",
+}
+
+
+class _Auto:
+    """Resolves "auto" values as HF's Trainer does (from ``values``, HF ``TrainingArguments`` names), recording
+    each resolution in ``out.auto``."""
+
+    def __init__(self, values: Optional[dict], out: "DeepSpeedTranslation") -> None:
+        self.values, self.out = dict(values or {}), out
+        unknown = sorted(set(self.values) - {a for a, _ in AUTO_SOURCES.values()} - {
+            "adam_beta1", "adam_beta2", "hidden_size"})
+        if unknown:
+            raise DeepSpeedConfigError(f"auto: unknown name(s) {unknown}. Allowed: HF TrainingArguments names "
+                                       "per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm, "
+                                       "precision, learning_rate, weight_decay, adam_beta1, adam_beta2, "
+                                       "adam_epsilon, warmup_steps, max_steps, hidden_size.")
+
+    def resolve(self, key: str, value: Any, source: Optional[str] = None, compute=None) -> Any:
+        """``value`` itself, or for "auto" the resolved value (None: left to the setting beside it)."""
+        if value != "auto":
+            return value
+        name, field_ = AUTO_SOURCES[key]
+        source = source or name
+        if compute is not None:
+            resolved = compute(self.values)
+        else:
+            resolved = self.values.get(source)
+        if resolved is not None:
+            self.out.auto[key] = f"{resolved!r} (from {source})"
+        else:
+            self.out.auto[key] = (f"left to the recipe's {field_}" if field_ else f"HF derives it from {name}; "
+                                  "left to the setting beside it")
+        return resolved
+
+
+def _positive_int(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DeepSpeedConfigError(f"DeepSpeed config {where}={value!r}: allowed a positive integer (or \"auto\").")
+    return value
+
+
+def _offload(block, key: str, out: "DeepSpeedTranslation") -> bool:
     """True for device 'cpu', False for 'none'/absent; NVMe and unknown devices are refused."""
     if _unset(block):
         return False
@@ -208,13 +299,24 @@ def _offload(block, key: str) -> bool:
     if device not in ("cpu", "none"):
         raise DeepSpeedConfigError(
             f"zero_optimization.{key}.device={device!r} is not supported. Allowed: 'cpu', 'none'.")
+    out.ignored.update({f"zero_optimization.{key}.{k}": why for k, why in _OFFLOAD_NOTES.items() if k in block})
     return device == "cpu"
 
 
-def _precision(cfg: dict, out: DeepSpeedTranslation) -> None:
+def _precision(cfg: dict, out: DeepSpeedTranslation, auto: _Auto) -> None:
     fp16, bf16 = cfg.get("fp16") or {}, cfg.get("bf16") or {}
     _check_keys(fp16, _FP16_KEYS, "fp16")
     _check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16")
+    if "auto" in (fp16.get("enabled"), bf16.get("enabled")):  # HF: from --bf16 / --fp16, i.e. the Trainer's flag
+        chosen = auto.values.get("precision")
+        for key, block in (("fp16.enabled", fp16), ("bf16.enabled", bf16)):
+            if block.get("enabled") == "auto":
+                auto.resolve(key, "auto")
+        if chosen is None:
+            out.precision = None
+            return
+        fp16 = {**fp16, "enabled": str(chosen).startswith("16")}
+        bf16 = {**bf16, "enabled": str(chosen).startswith("bf16")}
     on16, onbf = fp16.get("enabled") is True, bf16.get("enabled") is True
     if on16 and onbf:
         raise DeepSpeedConfigError("fp16 and bf16 are both enabled. Allowed: at most one of them.")
@@ -231,17 +333,23 @@ def _precision(cfg: dict, out: DeepSpeedTranslation) -> None:
             out.ignored["fp16.auto_cast"] = "inputs keep their dtype; the module's fp16 params set the compute dtype"
 
 
-def _zero(cfg: dict, out: DeepSpeedTranslation, elem_bytes: int) -> None:
+def _zero(cfg: dict, out: DeepSpeedTranslation, elem_bytes: int, auto: _Auto) -> None:
     zero = cfg.get("zero_optimization") or {}
     _check_keys(zero, _ZERO_KEYS, "zero_optimization")
     stage = 0 if _unset(zero.get("stage")) else zero["stage"]
-    offload_opt = _offload(zero.get("offload_optimizer"), "offload_optimizer") or zero.get("cpu_offload") is True
-    offload_par = _offload(zero.get("offload_param"), "offload_param") or zero.get("cpu_offload_params") is True
+    offload_opt = _offload(zero.get("offload_optimizer"), "offload_optimizer", out) or zero.get("cpu_offload") is True
+    offload_par = _offload(zero.get("offload_param"), "offload_param", out) or zero.get("cpu_offload_params") is True
     s = {"stage": stage, "offload_optimizer": offload_opt, "offload_params": offload_par}
-    if not _unset(zero.get("reduce_bucket_size")):
-        s["bucket_mb"] = float(zero["reduce_bucket_size"]) * elem_bytes / 2**20  # DeepSpeed counts elements
-    if not _unset(zero.get("stage3_param_persistence_threshold")):
-        s["persist_numel"] = int(zero["stage3_param_persistence_threshold"])
+    hidden = lambda v: v.get("hidden_size")  # noqa: E731
+    bucket = auto.resolve("zero_optimization.reduce_bucket_size", zero.get("reduce_bucket_size"), "hidden_size",
+                          lambda v: hidden(v) and hidden(v) ** 2)
+    if bucket is not None:
+        s["bucket_mb"] = float(bucket) * elem_bytes / 2**20  # DeepSpeed counts elements
+    persist = auto.resolve("zero_optimization.stage3_param_persistence_threshold",
+                           zero.get("stage3_param_persistence_threshold"), "hidden_size",
+                           lambda v: hidden(v) and 10 * hidden(v))
+    if persist is not None:
+        s["persist_numel"] = int(persist)
     comm = cfg.get("communication_data_type")
     if not _unset(comm):
         s["reduce_dtype"] = str(comm).lower()
@@ -253,7 +361,7 @@ def _zero(cfg: dict, out: DeepSpeedTranslation, elem_bytes: int) -> None:
     out.ignored.update({f"zero_optimization.{k}": why for k, why in _ZERO_NO_EFFECT.items() if k in zero})
 
 
-def _optimizer(cfg: dict, out: DeepSpeedTranslation) -> None:
+def _optimizer(cfg: dict, out: DeepSpeedTranslation, auto: _Auto) -> None:
     block = cfg.get("optimizer")
     if block:
         kind = str(block.get("type", "")).lower()
@@ -265,9 +373,15 @@ def _optimizer(cfg: dict, out: DeepSpeedTranslation) -> None:
         if kind == "adam":  # DeepSpeed's Adam decouples weight decay unless told otherwise
             kind = "adamw" if params.pop("adam_w_mode", True) else "adam"
         params.pop("torch_adam", None)
+        betas = lambda v: (v["adam_beta1"], v["adam_beta2"]) if "adam_beta1" in v and "adam_beta2" in v else None  # noqa: E731
+        sources = {"lr": ("learning_rate", None), "weight_decay": ("weight_decay", None), "eps": ("adam_epsilon", None),
+                   "betas": ("adam_beta1, adam_beta2", betas)}
+        for k, (source, compute) in sources.items():
+            if params.get(k) == "auto":
+                params[k] = auto.resolve(f"optimizer.params.{k}", "auto", source, compute)
         params = {k: (tuple(v) if k == "betas" else v) for k, v in params.items() if not _unset(v)}
         cls = _OPTIMIZERS[kind]
-        if cls in (torch.optim.Adam, torch.optim.AdamW):
+        if cls in (torch.optim.Adam, torch.optim.AdamW) and "optimizer.params.weight_decay" not in out.auto:
             params.setdefault("weight_decay", 0.0)  # DeepSpeed's default; torch's AdamW would use 0.01
         try:
             cls([torch.zeros(1, requires_grad=True)], **params)
@@ -280,30 +394,73 @@ def _optimizer(cfg: dict, out: DeepSpeedTranslation) -> None:
             raise DeepSpeedConfigError(
                 f"scheduler type {sched.get('type')!r} is not supported. Allowed: {', '.join(_SCHEDULERS)} "
                 "(or leave 'scheduler' out and return a torch scheduler from configure_optimizers).")
-        p = {k: v for k, v in (sched.get("params") or {}).items() if not _unset(v)}
+        p = dict(sched.get("params") or {})
+        fills = {"warmup_min_lr": lambda v: 0.0, "warmup_max_lr": None, "warmup_num_steps": None,
+                 "total_num_steps": None}
+        for k, compute in fills.items():
+            if p.get(k) == "auto":
+                p[k] = auto.resolve(f"scheduler.params.{k}", "auto", None, compute)
+        p = {k: v for k, v in p.items() if not _unset(v)}
         out.scheduler = {"type": sched["type"], **p}
+        if "total_num_steps" not in p and "scheduler.params.total_num_steps" in out.auto:
+            return  # WarmupDecayLR's length is still open: checked when the scheduler is built
         DeepSpeedWarmupLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), **out.scheduler)
 
 
-def from_deepspeed_config(config: Union[dict, str, Path], world_size: Optional[int] = None) -> DeepSpeedTranslation:
-    """Translate a DeepSpeed config (a dict or a JSON file). ``world_size`` checks ``train_batch_size``."""
-    if not isinstance(config, dict):
-        config = json.loads(Path(config).read_text())
+def _read_config(config: Union[dict, str, Path]) -> dict:
+    if isinstance(config, dict):
+        return config
+    path = Path(config)
+    if not path.exists():
+        raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r}: no such file.")
+    if path.is_dir():
+        raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r} is a directory; give the JSON file "
+                                   "(e.g. ds_config.json).")
+    try:
+        loaded = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(loaded, dict):
+        raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r}: expected a JSON object, got "
+                                   f"{type(loaded).__name__}.")
+    return loaded
+
+
+def from_deepspeed_config(config: Union[dict, str, Path], world_size: Optional[int] = None,
+                          auto: Optional[dict] = None) -> DeepSpeedTranslation:
+    """Translate a DeepSpeed config (a dict or a JSON file). ``world_size`` checks ``train_batch_size``.
+
+    ``auto``: the values HF's Trainer would fill "auto" keys with, by ``TrainingArguments`` name (e.g.
+    ``{"max_grad_norm": 1.0, "weight_decay": 0.01, "precision": "bf16-mixed", "learning_rate": 3e-4}``); an
+    "auto" key without one is left to the setting beside it (``translation.auto`` says which)."""
+    config = _read_config(config)
     _check_keys(config, _TOP_KEYS, "top level")
     out = DeepSpeedTranslation()
-    _precision(config, out)
-    _zero(config, out, elem_bytes=4 if out.precision == "32-true" else 2)
-    _optimizer(config, out)
+    resolver = _Auto(auto, out)
+    _precision(config, out, resolver)
+    _zero(config, out, elem_bytes=4 if out.precision in ("32-true", None) else 2, auto=resolver)
+    _optimizer(config, out, resolver)
     out.ignored.update({k: why for k, why in _NO_EFFECT.items() if k in config})
-    gas = config.get("gradient_accumulation_steps")
-    if not _unset(gas):
-        out.trainer["accumulate_grad_batches"] = int(gas)
-    clip = config.get("gradient_clipping")  # DeepSpeed's default 0 = no clipping
-    out.trainer["gradient_clip_val"] = float(clip) if not _unset(clip) and float(clip) > 0 else None
-    micro = config.get("train_micro_batch_size_per_gpu")
-    out.micro_batch_size = None if _unset(micro) else int(micro)
+    gas = resolver.resolve("gradient_accumulation_steps", config.get("gradient_accumulation_steps"))
+    if gas is not None:
+        out.trainer["accumulate_grad_batches"] = _positive_int(gas, "gradient_accumulation_steps")
+    if "gradient_clipping" in config and config["gradient_clipping"] == "auto":
+        clip = resolver.resolve("gradient_clipping", "auto")
+        if clip is not None:
+            out.trainer["gradient_clip_val"] = float(clip) if float(clip) > 0 else None
+    else:  # DeepSpeed's default 0 (or absent) = no clipping
+        clip = config.get("gradient_clipping")
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+            raise DeepSpeedConfigError(f"DeepSpeed config gradient_clipping={clip!r}: allowed a number >= 0 "
+                                       "(0 = no clipping) or \"auto\".")
+        out.trainer["gradient_clip_val"] = float(clip) if clip else None
+    micro = resolver.resolve("train_micro_batch_size_per_gpu", config.get("train_micro_batch_size_per_gpu"))
+    out.micro_batch_size = None if micro is None else _positive_int(micro, "train_micro_batch_size_per_gpu")
     total = config.get("train_batch_size")
-    if not _unset(total):
+    if total == "auto":
+        resolver.resolve("train_batch_size", "auto")
+    elif total is not None:
+        total = _positive_int(total, "train_batch_size")
         accum = out.trainer.get("accumulate_grad_batches", 1)
         if out.micro_batch_size is None and world_size:
             out.micro_batch_size, rem = divmod(int(total), accum * world_size)
@@ -311,7 +468,7 @@ def from_deepspeed_config(config: Union[dict, str, Path], world_size: Optional[i
                 raise DeepSpeedConfigError(
                     f"train_batch_size={total} is not a multiple of gradient_accumulation_steps x world size "
                     f"= {accum * world_size}")
-        elif world_size and out.micro_batch_size * accum * world_size != int(total):
+        elif world_size and out.micro_batch_size and out.micro_batch_size * accum * world_size != int(total):
             raise DeepSpeedConfigError(
                 f"train_batch_size={total} != micro batch {out.micro_batch_size} x accumulation {accum} x "
                 f"world size {world_size}")
