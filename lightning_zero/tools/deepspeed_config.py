@@ -27,14 +27,15 @@ DeepSpeed's default.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
 from ..engine.config import ZeroConfig
+from .deepspeed_auto import AUTO_SOURCES, DeepSpeedConfigError, _Auto  # noqa: F401  (AUTO_SOURCES: public)
+from .deepspeed_schedule import DeepSpeedWarmupLR
 
 # keys that tune DeepSpeed's internals or its own logging; the run is the same without them
 _NO_EFFECT = {
@@ -82,29 +83,6 @@ _OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torc
 _SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
 
 
-# "auto" key -> (HF TrainingArguments name it resolves from, the recipe field that then stays in force)
-AUTO_SOURCES = {
-    "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", "data.batch_size"),
-    "gradient_accumulation_steps": ("gradient_accumulation_steps", "trainer.accumulate_grad_batches"),
-    "train_batch_size": ("world size x micro-batch x accumulation", None),
-    "gradient_clipping": ("max_grad_norm", "trainer.gradient_clip_val"),
-    "fp16.enabled": ("precision", "trainer.precision"),
-    "bf16.enabled": ("precision", "trainer.precision"),
-    "optimizer.params.lr": ("learning_rate", "optim.lr"),
-    "optimizer.params.weight_decay": ("weight_decay", "optim.weight_decay"),
-    "optimizer.params.betas": ("adam_beta1, adam_beta2", None),
-    "optimizer.params.eps": ("adam_epsilon", None),
-    "scheduler.params.warmup_min_lr": ("0, as HF fills it", None),
-    "scheduler.params.warmup_max_lr": ("learning_rate", "optim.lr"),
-    "scheduler.params.warmup_num_steps": ("warmup_steps", "optim.warmup_steps"),
-    "scheduler.params.total_num_steps": ("max_steps", "optim.total_steps"),
-    "zero_optimization.reduce_bucket_size": ("hidden_size x hidden_size elements", "strategy.bucket_mb"),
-    "zero_optimization.stage3_param_persistence_threshold": ("10 x hidden_size", "strategy.persist_numel"),
-}
-
-
-class DeepSpeedConfigError(ValueError):
-    """A DeepSpeed config setting that has no equivalent here (the message names what is allowed)."""
 
 
 def _unset(v) -> bool:
@@ -207,81 +185,12 @@ def _hydra(v) -> str:
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
-class DeepSpeedWarmupLR(torch.optim.lr_scheduler.LRScheduler):
-    """DeepSpeed's WarmupLR (``total_num_steps=None``) and WarmupDecayLR, formula for formula.
-
-    DeepSpeed's iteration counter starts at -1 (the first step runs at ``warmup_min_lr``); torch's
-    ``last_epoch`` starts at 0, so DeepSpeed's iteration is ``last_epoch - 1``.
-    """
-
-    def __init__(self, optimizer, type: str = "WarmupLR", warmup_min_lr: float = 0.0,  # noqa: A002
-                 warmup_max_lr: Optional[float] = None, warmup_num_steps: int = 1000, warmup_type: str = "log",
-                 total_num_steps: Optional[int] = None, last_epoch: int = -1) -> None:
-        if warmup_type not in ("log", "linear"):
-            raise DeepSpeedConfigError(f"warmup_type {warmup_type!r}: allowed 'log', 'linear'")
-        if type == "WarmupDecayLR" and total_num_steps is None:
-            raise DeepSpeedConfigError("WarmupDecayLR needs total_num_steps")
-        if warmup_max_lr is None:
-            warmup_max_lr = optimizer.param_groups[0]["lr"]  # DeepSpeed: the optimizer's lr
-        self.min_lr, self.max_lr = float(warmup_min_lr), float(warmup_max_lr)
-        self.warmup_num_steps = max(2, int(warmup_num_steps))
-        self.warmup_type, self.total_num_steps = warmup_type, total_num_steps
-        super().__init__(optimizer, last_epoch)
-
-    def gamma(self, it: int) -> float:
-        if it < 0:
-            return 0.0
-        if it < self.warmup_num_steps:
-            if self.warmup_type == "log":
-                return math.log(it + 1) / math.log(self.warmup_num_steps)
-            return it / self.warmup_num_steps
-        if self.total_num_steps is None:
-            return 1.0
-        return max(0.0, (self.total_num_steps - it) / max(1.0, self.total_num_steps - self.warmup_num_steps))
-
-    def get_lr(self) -> list[float]:
-        lr = self.min_lr + (self.max_lr - self.min_lr) * self.gamma(self.last_epoch - 1)
-        return [lr for _ in self.optimizer.param_groups]
-
-
 _OFFLOAD_NOTES = {
     "pin_memory": "host buffers are always pinned when a CUDA device is used",
     "fast_init": "offloaded state is built shard by shard", "ratio": "the whole optimizer state is offloaded",
     "buffer_count": "NVMe offload tuning", "buffer_size": "NVMe offload tuning", "max_in_cpu": "NVMe offload tuning",
     "pipeline": "NVMe offload tuning", "pipeline_read": "NVMe offload tuning", "pipeline_write": "NVMe offload tuning",
 }
-
-
-class _Auto:
-    """Resolves "auto" values as HF's Trainer does (from ``values``, HF ``TrainingArguments`` names), recording
-    each resolution in ``out.auto``."""
-
-    def __init__(self, values: Optional[dict], out: "DeepSpeedTranslation") -> None:
-        self.values, self.out = dict(values or {}), out
-        unknown = sorted(set(self.values) - {a for a, _ in AUTO_SOURCES.values()} - {
-            "adam_beta1", "adam_beta2", "hidden_size"})
-        if unknown:
-            raise DeepSpeedConfigError(f"auto: unknown name(s) {unknown}. Allowed: HF TrainingArguments names "
-                                       "per_device_train_batch_size, gradient_accumulation_steps, max_grad_norm, "
-                                       "precision, learning_rate, weight_decay, adam_beta1, adam_beta2, "
-                                       "adam_epsilon, warmup_steps, max_steps, hidden_size.")
-
-    def resolve(self, key: str, value: Any, source: Optional[str] = None, compute=None) -> Any:
-        """``value`` itself, or for "auto" the resolved value (None: left to the setting beside it)."""
-        if value != "auto":
-            return value
-        name, field_ = AUTO_SOURCES[key]
-        source = source or name
-        if compute is not None:
-            resolved = compute(self.values)
-        else:
-            resolved = self.values.get(source)
-        if resolved is not None:
-            self.out.auto[key] = f"{resolved!r} (from {source})"
-        else:
-            self.out.auto[key] = (f"left to the recipe's {field_}" if field_ else f"HF derives it from {name}; "
-                                  "left to the setting beside it")
-        return resolved
 
 
 def _positive_int(value, where: str) -> int:
