@@ -22,13 +22,6 @@ from lightning_zero import ZeroConfig, ZeroEngine, ZeroPrecision, ZeroStrategy, 
 from tests.lightning_models import ParityModule, TokenDataset, load_rank_files, trainer_kwargs
 from tests.models import batch, loss_fn, make_model, make_optimizer
 
-PRESETS = {
-    "zero0": (0, False),
-    "zero1": (1, False),
-    "zero1_offload": (1, True),
-    "zero2": (2, False),
-    "zero2_offload": (2, True),
-}
 SUFFIXES = {"": "popen", "_spawn": "spawn", "_fork": "fork"}
 
 
@@ -67,15 +60,19 @@ def test_constructor_accepts_valid_combinations():
 
 # -- registry and Trainer plumbing -----------------------------------------------------------------------------------------
 def test_registry_has_every_preset():
+    """Over the package's own table (engine/config.py PRESETS), so a new preset is checked the day it is added."""
+    from lightning_zero.engine.config import PRESETS, ZeroConfig
+
+    assert {"zero0", "zero1", "zero2", "zero3", "zero3_offload"} <= set(PRESETS)
     names = set(StrategyRegistry.available_strategies())
-    for base, (stage, offload) in PRESETS.items():
+    for base, fields in PRESETS.items():
+        want = ZeroConfig(**fields)
         for suffix, method in SUFFIXES.items():
             name = base + suffix
             assert name in names, name
             strategy = StrategyRegistry.get(name)
             assert isinstance(strategy, ZeroStrategy), name
-            assert strategy.stage == stage, name
-            assert strategy.zero_config.offload_optimizer is offload, name
+            assert strategy.zero_config == want, name  # every field, not only stage and offload
             assert strategy._start_method == method, name
 
 
@@ -313,8 +310,21 @@ def _assert_opt_state_equal(got: dict, want: dict) -> None:
 
 
 def test_package_exports():
-    assert lightning_zero.ZeroStrategy is ZeroStrategy
-    assert ZeroStrategy.strategy_name == "zero"
+    """Every public name resolves, is documented, and is the object its defining module holds."""
+    import importlib
+
+    assert len(set(lightning_zero.__all__)) == len(lightning_zero.__all__)
+    for name in lightning_zero.__all__:
+        obj = getattr(lightning_zero, name)
+        if name == "__version__":
+            assert isinstance(obj, str) and obj.count(".") == 2
+            continue
+        assert (obj.__doc__ or "").strip(), f"{name} has no docstring"
+        home = importlib.import_module(obj.__module__)
+        assert getattr(home, obj.__qualname__.split(".")[0]) is obj, name
+    # the old import paths, kept as aliases
+    assert importlib.import_module("lightning_zero.strategy").ZeroStrategy is lightning_zero.ZeroStrategy
+    assert importlib.import_module("lightning_zero.precision").ZeroPrecision is lightning_zero.ZeroPrecision
 
 
 def test_pytorch_lightning_registry_trains():

@@ -48,6 +48,11 @@ from . import tensor_parallel as TP
 
 
 class ZeroEngine:
+    """ZeRO stages 0-3 for one module and its optimizer(s) on plain torch.distributed: gradient hooks that
+    reduce(-scatter) during backward, fp32 master shards stepped by the user's optimizer, parameters published
+    (or, at stage 3, partitioned into units gathered around their use). ``backward`` / ``step`` / ``no_sync`` /
+    ``clip_grad_norm_`` are the training API; see docs/ARCHITECTURE.md for the path of one step."""
+
     def __init__(
         self,
         module: nn.Module,

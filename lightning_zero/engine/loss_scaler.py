@@ -43,6 +43,10 @@ class _RecordsSkips:
 
 
 class DynamicLossScaler(_RecordsSkips):
+    """fp16 dynamic loss scaling with DeepSpeed's semantics: start at ``init_scale`` (2^16), halve on an
+    overflow once ``hysteresis`` overflows have been absorbed, double after ``scale_window`` clean steps, never
+    below ``min_scale`` (``raise_at_min_scale``: an overflow there raises :class:`LossScalerError`)."""
+
     dynamic = True
 
     _CONFIG_KEYS = (
@@ -155,6 +159,9 @@ class DynamicLossScaler(_RecordsSkips):
 
 
 class StaticLossScaler(_RecordsSkips):
+    """A fixed loss scale (DeepSpeed's ``fp16.loss_scale`` > 0): a step whose gradients overflow is skipped and
+    counted, the scale never changes."""
+
     dynamic = False
 
     def __init__(self, scale: float = 1.0) -> None:
