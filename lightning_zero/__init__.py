@@ -11,22 +11,48 @@ Lightning), ``tools/`` the ``lightning-zero`` command line (estimate, tune, from
 docs/ARCHITECTURE.md.
 """
 
-from .engine import (
-    DynamicLossScaler,
-    LossScalerError,
-    StaticLossScaler,
-    ZeroConfig,
-    ZeroEngine,
-    model_state_floor,
-    register_shardable_optimizer,
-)
-from .engine.stage3.join import RankDivergenceError
-from .lightning import ZeroPrecision, ZeroStrategy
-from .lightning.fabric_precision import ZeroFabricPrecision
-from .lightning.fabric_strategy import ZeroFabricStrategy
-from .tools.deepspeed_config import DeepSpeedConfigError, DeepSpeedWarmupLR, from_deepspeed_config
-from .tools.estimate import estimate_model_states
-from .tools.tuning import tune
+import importlib
+import importlib.abc
+import sys
+from typing import Any
+
+# public name -> the module that defines it; resolved on first use (PEP 562), so ``import lightning_zero.engine``
+# and ``lightning-zero --help`` load neither Lightning nor, for the CLI, torch
+_PUBLIC = {
+    "DeepSpeedConfigError": ".tools.deepspeed_auto",
+    "DeepSpeedWarmupLR": ".tools.deepspeed_schedule",
+    "DynamicLossScaler": ".engine.loss_scaler",
+    "LossScalerError": ".engine.loss_scaler",
+    "RankDivergenceError": ".engine.stage3.join",
+    "StaticLossScaler": ".engine.loss_scaler",
+    "ZeroConfig": ".engine.config",
+    "ZeroEngine": ".engine.engine",
+    "ZeroFabricPrecision": ".lightning.fabric_precision",
+    "ZeroFabricStrategy": ".lightning.fabric_strategy",
+    "ZeroPrecision": ".lightning.precision",
+    "ZeroStrategy": ".lightning.strategy",
+    "estimate_model_states": ".tools.estimate",
+    "from_deepspeed_config": ".tools.deepspeed_config",
+    "model_state_floor": ".engine.memory",
+    "register_shardable_optimizer": ".engine.optimizer",
+    "tune": ".tools.tuning.tune",
+}
+_OLD_PATHS = ("strategy", "precision")  # lightning_zero.strategy / .precision: aliases of lightning/*
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+        globals()[name] = value
+        return value
+    if name in _OLD_PATHS:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_PUBLIC))
+
 
 __version__ = "0.1.0"
 
@@ -45,21 +71,75 @@ def _configure_logging() -> None:
 _configure_logging()
 
 
-def _register() -> None:
+def _register_lightning() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
     from .lightning import fabric_strategy
-    from .lightning._pl_compat import register_pytorch_lightning
+    from .lightning.fabric_strategy import ZeroFabricStrategy
     from .lightning.lightning_io import install
     from .lightning.model_summary import install as install_model_summary
+    from .lightning.strategy import ZeroStrategy
 
     ZeroStrategy.register_strategies(StrategyRegistry)
     ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
     fabric_strategy.install()  # Fabric's optimizer wrapper: zero_grad / add_param_group through the engine
     install()  # plain-DDP loads of ZeRO directories, ckpt_path="last" after an interrupted save
     install_model_summary()  # ModelSummary's "Params per Device" column under stage 3
-    register_pytorch_lightning()  # the separate pytorch_lightning registry, when installed
+
+
+def _register_pytorch_lightning() -> None:
+    from .lightning._pl_compat import register_pytorch_lightning
+
+    register_pytorch_lightning()  # the separate pytorch_lightning registry
+
+
+# [Note: names registered when Lightning is there]
+# Lightning has no entry points for strategies: the names must be in its registry before a Trainer or Fabric
+# resolves ``strategy="zero3"``. Importing Lightning here would make every import of the engine, the checkpoint
+# reader or the CLI pay for Lightning (and pytorch_lightning, and through them transformers). So the names are
+# registered now if the distribution is already imported, else right after it is (a finder that runs the
+# registration once the distribution's own ``__init__`` has finished) -- either import order works.
+_DISTRIBUTIONS = {"lightning": _register_lightning, "pytorch_lightning": _register_pytorch_lightning}
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _DISTRIBUTIONS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _ThenRegister(spec.loader, _DISTRIBUTIONS[fullname])
+                return spec
+        return None
+
+
+class _ThenRegister(importlib.abc.Loader):
+    def __init__(self, loader, register) -> None:
+        self.loader, self.register = loader, register
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.loader.exec_module(module)
+        self.register()
+
+    def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, ...: the real loader's
+        return getattr(self.loader, name)
+
+
+def _register() -> None:
+    # the finder first: registering one distribution may import the other
+    if not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())
+    for name, register in _DISTRIBUTIONS.items():
+        if name in sys.modules:
+            register()
 
 
 _register()

@@ -9,6 +9,9 @@ separate ``pytorch_lightning`` distribution. ``fabric_strategy.py`` + ``fabric_c
 alike (the engine, the precision plugin, the registered names).
 """
 
+import lightning  # noqa: F401  first: its import registers the names (lightning_zero/__init__.py) before any
+# adapter module below starts, so none is half-initialized when the registration imports them all
+
 from .precision import ZeroPrecision
 from .strategy import ZeroStrategy
 
