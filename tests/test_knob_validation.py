@@ -27,6 +27,7 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins import HalfPrecision, MixedPrecision
 from lightning.pytorch.plugins.environments import LightningEnvironment
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from omegaconf import ListConfig
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -61,7 +62,8 @@ CONFIG = {
                          [("int8", r"Unknown dtype 'int8' for reduce_dtype\. Allowed: None, .*fp32"),
                           (torch.float64, "Allowed: None"), (True, "Allowed: None"), (32, "Allowed: None")]),
     "broadcast_buffers": Knob([True, False], [("no", BOOL), (None, BOOL)]),
-    "unit_classes": Knob([None, ["GPT2Block"], "GPT2Block", (nn.Linear, "transformer.h.0")],
+    "unit_classes": Knob([None, ["GPT2Block"], "GPT2Block", (nn.Linear, "transformer.h.0"),
+                          ListConfig(["GPT2Block"])],  # Hydra's list
                          [(v, r"unit_classes must be None or a non-empty list of module classes, class names or "
                               r"qualified module names") for v in ([3], [], int, {"GPT2Block": 1}, [""], 3.0)]),
     "unit_mb": Knob([None, 1, 0.25], [(0, "positive number of MiB"), ("8", "positive"), (True, "positive"),
@@ -74,12 +76,13 @@ CONFIG = {
     "shard_group_size": Knob([None, 1, 2], [(v, "shard_group_size must be an int >= 1") for v in (0, 2.0, True, "2")],
                              dict(stage=3)),
     "activation_checkpointing": Knob(
-        [None, "auto", ["GPT2Block"], "GPT2Block", nn.Linear],
+        [None, "auto", ["GPT2Block"], "GPT2Block", nn.Linear, "AutoBlock", ListConfig(["GPT2Block"])],
         [(v, r"did you mean 'auto'.*Allowed: None, 'auto' or a non-empty list") for v in ("autoo", "Auto", ["auto"])]
         + [(v, r"activation_checkpointing must be None, 'auto' or a non-empty list") for v in ([], 3, [3], [""])]),
     "offload_activations": Knob([True, False], [("yes", BOOL)]),
     "grad_reduce": Knob(["auto", "reduce_scatter", "all_reduce", "all_to_all"],
-                        [(v, "grad_reduce must be one of 'auto', 'reduce_scatter'") for v in ("reduce", ["auto"], None)]),
+                        [(v, "grad_reduce must be one of 'auto', 'reduce_scatter'")
+                         for v in ("reduce", ["auto"], None)]),
     "overlap_publish": Knob([True, False], [("no", BOOL)] + [
         (True, r"overlap_publish=True .*got stage %d .*Allowed: overlap_publish with stage 1 or 2" % s, dict(stage=s))
         for s in (0, 3)], dict(stage=1)),
@@ -223,8 +226,10 @@ def test_bad_value_is_one_clear_error(target, name, kwargs, regex):
 def test_normalized_values():
     cfg = ZeroConfig(stage=3, unit_classes="GPT2Block", activation_checkpointing=nn.Linear, reduce_dtype="bf16")
     assert cfg.unit_classes == ["GPT2Block"] and cfg.activation_checkpointing == [nn.Linear]
-    assert cfg.reduce_dtype is torch.bfloat16 and ZeroConfig(activation_checkpointing="auto").activation_checkpointing == "auto"
+    assert cfg.reduce_dtype is torch.bfloat16
+    assert ZeroConfig(activation_checkpointing="auto").activation_checkpointing == "auto"
     assert ZeroConfig(unit_classes=("GPT2Block",)).unit_classes == ["GPT2Block"]
+    assert ZeroConfig(unit_classes=ListConfig(["GPT2Block"])).unit_classes == ["GPT2Block"]  # Hydra's list
 
 
 def test_unknown_arguments_are_a_type_error():

@@ -192,7 +192,8 @@ class ZeroConfig:
         if ac != "auto":  # one class or class name alone, as unit_classes accepts
             ac = module_entries("activation_checkpointing", ac,
                                 "None, 'auto' or a non-empty list of module classes / class names")
-            near = [e for e in ac or () if isinstance(e, str) and difflib.get_close_matches(e.lower(), ["auto"])]
+            near = [e for e in ac or ()
+                    if isinstance(e, str) and difflib.get_close_matches(e.lower(), ["auto"], cutoff=0.75)]
             if near:  # 'autoo', 'Auto', ['auto']: surely meant the automatic choice, not a class of that name
                 raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r}: did you mean 'auto' "
                                  f"(the string alone)? Allowed: None, 'auto' or a non-empty list of module classes / "

@@ -76,8 +76,8 @@ def _check_pipeline_knobs(config, max_imbalance: Any) -> None:
     data-parallel group), and its own float knob; the ints are checked where they are read."""
     if config.stage not in (0, 1, 2):
         raise ValueError(f"pipeline parallelism (pipeline_parallel_size) composes with ZeRO stages 0, 1 and 2 (each "
-                         f"stage holds its own parameters whole); got stage={config.stage}. Allowed: stage=0, 1 or 2 (with "
-                         f"offload_optimizer at 1-2).")
+                         f"stage holds its own parameters whole); got stage={config.stage}. Allowed: stage=0, 1 or 2 "
+                         f"(with offload_optimizer at 1-2).")
     if config.shard_group_size is not None:
         raise ValueError(f"shard_group_size={config.shard_group_size!r} (hybrid sharding) does not compose with "
                          f"pipeline_parallel_size: each pipeline stage already shards over its own data-parallel "

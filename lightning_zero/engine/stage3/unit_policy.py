@@ -95,8 +95,9 @@ def _user_classes(root: nn.Module, unit_classes: Sequence) -> list[nn.Module]:
             raise ValueError(f"unit_classes entries must be module classes, class names or qualified module "
                              f"names; got {entry!r} ({type(entry).__name__}).")
         if not hit:
-            raise ValueError(unmatched_entry("unit_classes", entry, root, names=list(named)) + " or qualified "
-                             f"module names (e.g. {next((repr(n) for n, _ in _splittable_modules(root) if '.' in n), repr('encoder.block.0'))}).")
+            dotted = next((repr(n) for n, _ in _splittable_modules(root) if "." in n), repr("encoder.block.0"))
+            raise ValueError(unmatched_entry("unit_classes", entry, root, names=list(named))
+                             + f" or qualified module names (e.g. {dotted}).")
     classes = tuple(c for c in unit_classes if isinstance(c, type))
     strs = {c for c in unit_classes if isinstance(c, str)}
     # not inside nn.MultiheadAttention: unit_classes=[nn.Linear] would otherwise release out_proj, which it
