@@ -315,3 +315,20 @@ def test_pipeline_with_offload_optimizer_matches_reference():
         merged.update(sd)
     assert set(merged) == set(ref_sd)
     assert not [k for k in ref_sd if not T._close(merged[k], ref_sd[k])]
+
+
+# -- Hydra: the recipe's composed config reaches the same checks ------------------------------------------------------
+def test_hydra_values_pass_and_bad_ones_are_refused():
+    from tests.test_hydra_recipe import _compose  # examples/ on sys.path
+    from t5_config import ConfigError, build_strategy
+
+    s = build_strategy(_compose("strategy=zero3", "strategy.unit_classes=[T5Block]", "strategy.persist_numel=0",
+                                "strategy.activation_checkpointing=auto", "strategy.shard_group_size=1"))
+    assert s.zero_config.unit_classes == ["T5Block"] and s.zero_config.activation_checkpointing == "auto"
+    assert build_strategy(_compose("strategy=zero1", "strategy.overlap_publish=true")).zero_config.overlap_publish
+    for overrides, match in ((("strategy=zero3", "strategy.overlap_publish=true"), "Allowed: overlap_publish with "
+                                                                                   "stage 1 or 2"),
+                             (("strategy.activation_checkpointing=autoo",), "did you mean 'auto'"),
+                             (("strategy.unit_classes=[]",), "unit_classes must be None or a non-empty list")):
+        with pytest.raises(ConfigError, match=match):
+            build_strategy(_compose(*overrides))
