@@ -28,6 +28,7 @@ the estimator (``tools/t5_dims.py``) is calibrated against.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import threading
 import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -118,8 +119,10 @@ def checkpoint_modules(root: nn.Module, spec: Union[None, str, Sequence[Union[ty
         if not hit:
             label = entry.__name__ if isinstance(entry, type) else entry
             auto = sorted({type(m).__name__ for m in choose_unit_modules(root)[0]})
+            close = difflib.get_close_matches(label, found, n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
             raise ValueError(
-                f"activation_checkpointing entry {label!r} matches no module of {type(root).__name__}. Allowed: "
+                f"activation_checkpointing entry {label!r} matches no module of {type(root).__name__}.{hint} Allowed: "
                 f"'auto' (here {auto or 'no unit'}), or classes / class names of its modules: {', '.join(found)}.")
     classes = tuple(e for e in spec if isinstance(e, type))
     names = {e for e in spec if isinstance(e, str)}

@@ -9,8 +9,10 @@ construction, not in the middle of the first step).
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -24,17 +26,37 @@ GRAD_REDUCE = ("auto", "reduce_scatter", "all_reduce", "all_to_all")
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
-def parse_dtype(value) -> Optional[torch.dtype]:
-    if value is None or isinstance(value, torch.dtype):
+def parse_dtype(value, knob: str = "dtype") -> Optional[torch.dtype]:
+    if value is None or (isinstance(value, torch.dtype) and value in _DTYPES.values()):
         return value
-    key = str(value).lower().replace("torch.", "")
+    key = value.lower().replace("torch.", "") if isinstance(value, str) else None
     if key not in _DTYPES:
-        raise ValueError(f"Unknown dtype {value!r}. Allowed: None, {', '.join(sorted(_DTYPES))}.")
+        raise ValueError(f"Unknown dtype {value!r} for {knob}. Allowed: None, {', '.join(sorted(_DTYPES))} "
+                         f"(or torch.float32 / torch.float16 / torch.bfloat16).")
     return _DTYPES[key]
+
+
+def module_entries(knob: str, value, allowed: str) -> Optional[list]:
+    """None, or the non-empty list of module classes / names ``value`` is (one class or name alone, a list,
+    a tuple, Hydra's ListConfig); anything else is refused, naming ``knob``. Whether a name matches a module
+    of the model is checked at setup, when the model is there (stage3/unit_policy.py)."""
+    if value is None:
+        return None
+    alone = isinstance(value, (str, type))
+    entries = [value] if alone else value
+    entries = list(entries) if isinstance(entries, Iterable) and not isinstance(entries, Mapping) else []
+    bad = [e for e in entries if not ((isinstance(e, str) and e and e == e.strip())
+                                      or (isinstance(e, type) and issubclass(e, torch.nn.Module)))]
+    if not entries or bad:
+        shown = repr(value) if alone or not bad else f"{bad[0]!r} ({type(bad[0]).__name__}) in {value!r}"
+        raise ValueError(f"{knob} must be {allowed} (e.g. ['T5Block']); got {shown}.")
+    return entries
 
 
 @dataclass
@@ -108,10 +130,15 @@ class ZeroConfig:
     quantize_grads: bool = False
 
     def __post_init__(self) -> None:
+        self._check_types()
+        self._check_combinations()
+        self._check_activation_options()
+
+    def _check_types(self) -> None:
         if not _is_int(self.stage) or self.stage not in STAGES:
             raise ValueError(f"Unknown ZeRO stage {self.stage!r}. Allowed stages: 0, 1, 2, 3 (an int).")
         for flag in ("offload_optimizer", "offload_params", "broadcast_buffers", "prefetch", "overlap_publish",
-                     "quantize_weights", "quantize_grads"):
+                     "quantize_weights", "quantize_grads", "offload_activations"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False; got {getattr(self, flag)!r}.")
         for size in ("bucket_mb", "unit_mb"):
@@ -125,6 +152,18 @@ class ZeroConfig:
         if self.persist_numel is not None and (not _is_int(self.persist_numel) or self.persist_numel < 0):
             raise ValueError(f"persist_numel must be an int >= 0 (a number of elements; 0 = no unit stays "
                              f"gathered) or None (automatic); got {self.persist_numel!r}.")
+        self.reduce_dtype = parse_dtype(self.reduce_dtype, "reduce_dtype")
+        self.order_check = OrderCheck.parse(self.order_check).value  # stays the user's string; engines use the enum
+        if not isinstance(self.grad_reduce, str) or self.grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"grad_reduce must be one of {', '.join(map(repr, GRAD_REDUCE))}; got {self.grad_reduce!r}.")
+        self.unit_classes = module_entries("unit_classes", self.unit_classes, "None or a non-empty list of "
+                                           "module classes, class names or qualified module names")
+        if self.shard_group_size is not None and (not _is_int(self.shard_group_size) or self.shard_group_size < 1):
+            raise ValueError(f"shard_group_size must be an int >= 1 that divides the world size (ranks per shard "
+                             f"group, e.g. the GPUs of a node) or None (the whole world); "
+                             f"got {self.shard_group_size!r}.")
+
+    def _check_combinations(self) -> None:
         if self.offload_optimizer and self.stage == 0:
             raise ValueError(
                 "offload_optimizer=True needs a sharded optimizer: stage 0 keeps replicated optimizer state. "
@@ -135,40 +174,31 @@ class ZeroConfig:
                 f"offload_params=True needs partitioned parameters (stage 3); got stage {self.stage}. "
                 "Allowed: offload_params with stage 3 only (use offload_optimizer for stages 1-2)."
             )
-        self.reduce_dtype = parse_dtype(self.reduce_dtype)
-        self.order_check = OrderCheck.parse(self.order_check).value  # stays the user's string; engines use the enum
-        if self.grad_reduce not in GRAD_REDUCE:
-            raise ValueError(f"grad_reduce must be one of {', '.join(map(repr, GRAD_REDUCE))}; got {self.grad_reduce!r}.")
         if self.quantize_grads and self.stage == 0:
             raise ValueError("quantize_grads=True quantizes the reduce-scatter of sharded gradients. Allowed: "
                              "quantize_grads with stage 1, 2 or 3 (stage 0 all-reduces whole gradients).")
         if self.quantize_weights and self.stage == 0:
             raise ValueError("quantize_weights=True quantizes the all-gather of parameter shards. Allowed: "
                              "quantize_weights with stage 1, 2 or 3 (stage 0 gathers nothing).")
-        if self.unit_classes is not None:
-            if isinstance(self.unit_classes, (str, type)):
-                self.unit_classes = [self.unit_classes]
-            self.unit_classes = list(self.unit_classes)
-        if self.shard_group_size is not None and (not _is_int(self.shard_group_size) or self.shard_group_size < 1):
-            raise ValueError(f"shard_group_size must be an int >= 1 that divides the world size (ranks per shard "
-                             f"group, e.g. the GPUs of a node) or None (the whole world); "
-                             f"got {self.shard_group_size!r}.")
-        self._check_activation_options()
+        if self.overlap_publish and self.stage not in (1, 2):
+            why = ("stage 0 steps every rank's whole copy, nothing is gathered" if self.stage == 0 else
+                   "stage 3 gathers each unit before its own forward already")
+            raise ValueError(f"overlap_publish=True overlaps the all-gather of the updated parameters after a step "
+                             f"with the next forward; got stage {self.stage} ({why}). Allowed: overlap_publish "
+                             f"with stage 1 or 2.")
 
     def _check_activation_options(self) -> None:
         ac = self.activation_checkpointing
-        if isinstance(ac, (str, type)) and ac != "auto":
-            ac = [ac]  # one class, as unit_classes accepts
-        if ac is not None and ac != "auto":
-            ac = list(ac) if isinstance(ac, (list, tuple)) else ac
-            if not isinstance(ac, list) or not ac or not all(
-                    isinstance(e, str) or (isinstance(e, type) and issubclass(e, torch.nn.Module)) for e in ac):
-                raise ValueError(
-                    f"activation_checkpointing must be None, 'auto' or a non-empty list of module classes / class "
-                    f"names (e.g. ['T5Block']); got {self.activation_checkpointing!r}.")
+        if ac != "auto":  # one class or class name alone, as unit_classes accepts
+            ac = module_entries("activation_checkpointing", ac,
+                                "None, 'auto' or a non-empty list of module classes / class names")
+            near = [e for e in ac or ()
+                    if isinstance(e, str) and difflib.get_close_matches(e.lower(), ["auto"], cutoff=0.75)]
+            if near:  # 'autoo', 'Auto', ['auto']: surely meant the automatic choice, not a class of that name
+                raise ValueError(f"activation_checkpointing={self.activation_checkpointing!r}: did you mean 'auto' "
+                                 f"(the string alone)? Allowed: None, 'auto' or a non-empty list of module classes / "
+                                 f"class names (e.g. ['T5Block']).")
         self.activation_checkpointing = ac
-        if not isinstance(self.offload_activations, bool):
-            raise ValueError(f"offload_activations must be True or False; got {self.offload_activations!r}.")
 
     @property
     def unit_bytes(self) -> Optional[int]:

@@ -27,7 +27,10 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
+from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.plugins.io import CheckpointIO
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -41,7 +44,7 @@ from ..engine.stage3.deferred_init import has_meta_params
 from .fabric_checkpoint import ZeroFabricCheckpointMixin
 from .fabric_precision import ZeroFabricPrecision
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
-from .zero_setup import (as_zero_precision, build_engine, check_start_method, external_launcher,
+from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
                          register_presets, zero_config)
 
 
@@ -95,13 +98,14 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
             raise TypeError(f"ZeroFabricStrategy got unknown argument(s) {', '.join(sorted(unknown))}. "
                             f"Allowed: {', '.join(allowed)}.")
         self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
+        check_strategy_knobs("ZeroFabricStrategy", locals(), dict(  # and the strategy's own
+            accelerator=Accelerator, cluster_environment=ClusterEnvironment, checkpoint_io=CheckpointIO))
         check_tensor_parallel_args(dict(tensor_parallel_size=tensor_parallel_size, shard_group_size=shard_group_size))
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config)  # None without TP
         if parallelize_fn is not None and self.tensor_parallel is None:
             raise ValueError("parallelize_fn needs tensor_parallel_size=T (it is called with the 2-D device mesh). "
                              "Allowed: ZeroFabricStrategy(tensor_parallel_size=T, parallelize_fn=...).")
         self._parallelize_fn = parallelize_fn
-        check_start_method(start_method)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
@@ -126,7 +130,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
     @precision.setter
     def precision(self, plugin: Optional[Precision]) -> None:
         self._precision = as_zero_precision(plugin, ZeroFabricPrecision, MixedPrecision, Precision,
-                                            "ZeroFabricStrategy")
+                                            "ZeroFabricStrategy", knob="precision")
 
     # -- model construction ---------------------------------------------------------------------------
     def _configure_launcher(self) -> None:  # torchrun / SLURM made the processes: start none (zero_setup.py)

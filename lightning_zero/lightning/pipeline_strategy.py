@@ -49,6 +49,8 @@ out.pt`` (or ``consolidate_pipeline_checkpoint(X)``) gives the uncut model's own
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 from typing import Any, Generator, Optional
 
 import torch
@@ -67,6 +69,23 @@ def _check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
     return value
+
+
+def _check_pipeline_knobs(config, max_imbalance: Any) -> None:
+    """What a pipeline refuses of ZeroStrategy's knobs (engine/pipeline.py runs a ZeroEngine per stage over its
+    data-parallel group), and its own float knob; the ints are checked where they are read."""
+    if config.stage not in (0, 1, 2):
+        raise ValueError(f"pipeline parallelism (pipeline_parallel_size) composes with ZeRO stages 0, 1 and 2 (each "
+                         f"stage holds its own parameters whole); got stage={config.stage}. Allowed: stage=0, 1 or 2 "
+                         f"(with offload_optimizer at 1-2).")
+    if config.shard_group_size is not None:
+        raise ValueError(f"shard_group_size={config.shard_group_size!r} (hybrid sharding) does not compose with "
+                         f"pipeline_parallel_size: each pipeline stage already shards over its own data-parallel "
+                         f"group. Allowed: shard_group_size=None.")
+    if max_imbalance is not None and (isinstance(max_imbalance, bool) or not isinstance(max_imbalance, numbers.Real)
+                                      or not math.isfinite(max_imbalance) or max_imbalance < 1):
+        raise ValueError(f"pipeline_max_imbalance must be a finite number >= 1 (the largest stage's parameters over "
+                         f"the smallest's) or None (no check); got {max_imbalance!r}.")
 
 
 class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
@@ -89,10 +108,8 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
                  pipeline_schedule: str = "1f1b", pipeline_max_imbalance: Optional[float] = 4.0,
                  pipeline_chunks: Optional[int] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.stage not in (0, 1, 2):
-            raise ValueError(f"pipeline parallelism composes with ZeRO stages 0, 1 and 2 (each stage holds its own "
-                             f"parameters whole); got stage={self.stage}. Allowed: stage=0, 1 or 2.")
-        if pipeline_schedule not in SCHEDULES:
+        _check_pipeline_knobs(self.zero_config, pipeline_max_imbalance)
+        if not isinstance(pipeline_schedule, str) or pipeline_schedule not in SCHEDULES:
             raise ValueError(f"Unknown pipeline_schedule {pipeline_schedule!r}. Allowed: {', '.join(SCHEDULES)}.")
         chunks = _check_int("pipeline_chunks", pipeline_chunks if pipeline_chunks is not None
                             else 2 if pipeline_schedule == "interleaved" else 1)

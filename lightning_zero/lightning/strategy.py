@@ -26,7 +26,7 @@ from .memory_summary import report as memory_report
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
 from .optimizers import bind as bind_optimizers
 from ._distribution import lightning_import, sibling
-from .zero_setup import (as_zero_precision, build_engine, check_start_method, external_launcher,
+from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
                          register_presets, zero_config)
 
 MixedPrecision, Precision = lightning_import("plugins.precision", "MixedPrecision", "Precision")
@@ -34,6 +34,9 @@ DDPStrategy = lightning_import("strategies", "DDPStrategy")
 TrainerFn = lightning_import("trainer.states", "TrainerFn")
 _sync_module_states = lightning_import("strategies.ddp", "_sync_module_states")
 _SubprocessScriptLauncher = lightning_import("strategies.launchers", "_SubprocessScriptLauncher")
+_LIGHTNING_TYPES = dict(accelerator=lightning_import("accelerators", "Accelerator"),  # the knob -> its class
+                        cluster_environment=lightning_import("plugins.environments", "ClusterEnvironment"),
+                        checkpoint_io=lightning_import("plugins.io", "CheckpointIO"))
 rank_zero_info = lightning_import("utilities.rank_zero", "rank_zero_info")
 ZeroPrecision = sibling("precision").ZeroPrecision
 
@@ -145,12 +148,10 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
     ) -> None:
         _check_pipeline_options(pipeline_options)
         self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
-        if checkpoint_format not in ("sharded", "full"):
-            raise ValueError(f"Unknown checkpoint_format {checkpoint_format!r}. Allowed: 'sharded', 'full'.")
+        check_strategy_knobs("ZeroStrategy", locals(), _LIGHTNING_TYPES)  # and the strategy's own
         self.checkpoint_format = checkpoint_format
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config,  # None without TP
                                                        checkpoint_format)
-        check_start_method(start_method)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,

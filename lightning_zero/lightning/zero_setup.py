@@ -10,14 +10,17 @@ Lightning: the callers pass their own distribution's classes and registry.
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import torch
 
 from ..engine import ZeroConfig, ZeroEngine
 from ..engine.config import PRESETS
+from ..engine.stage3.unit_policy import choose_unit_modules
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+CHECKPOINT_FORMATS = ("sharded", "full")
 _LAUNCH_VARIANTS = (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
 PRECISIONS = "precision='32-true', '16-mixed' or 'bf16-mixed'"
 
@@ -30,8 +33,48 @@ def zero_config(arguments: dict) -> ZeroConfig:
 
 
 def check_start_method(start_method: str) -> None:
-    if start_method not in START_METHODS:
+    if not isinstance(start_method, str) or start_method not in START_METHODS:
         raise ValueError(f"Unknown start_method {start_method!r}. Allowed: {', '.join(START_METHODS)}.")
+
+
+def check_strategy_knobs(owner: str, knobs: dict, instance_of: dict) -> None:
+    """The strategy's own constructor arguments (``knobs``, its ``locals()``; ZeroConfig checks the rest),
+    each refused with one error naming it, the value and what is allowed. ``instance_of``: argument ->
+    the Lightning class (of the caller's distribution) a value other than None must be an instance of."""
+    for name, cls in instance_of.items():
+        value = knobs[name]
+        if value is not None and not isinstance(value, cls):
+            raise ValueError(f"{owner}: {name} must be None (Lightning chooses) or an instance of {cls.__name__}; "
+                             f"got {value!r} ({type(value).__name__}).")
+    devices = knobs["parallel_devices"]
+    if devices is not None and not (isinstance(devices, (list, tuple)) and devices
+                                    and all(isinstance(d, torch.device) for d in devices)):
+        raise ValueError(f"parallel_devices must be None (from the devices= flag) or a non-empty list of "
+                         f"torch.device; got {devices!r}.")
+    backend = knobs["process_group_backend"]
+    if backend is not None and not (isinstance(backend, str) and backend.strip()):
+        raise ValueError(f"process_group_backend must be None (nccl on CUDA, gloo on CPU) or a torch.distributed "
+                         f"backend name, e.g. 'gloo' or 'nccl'; got {backend!r}.")
+    timeout = knobs["timeout"]
+    if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
+        raise ValueError(f"timeout must be a positive datetime.timedelta (e.g. timedelta(minutes=30)) or None "
+                         f"(torch's default); got {timeout!r}.")
+    check_start_method(knobs["start_method"])
+    fmt = knobs.get("checkpoint_format", "sharded")
+    if not isinstance(fmt, str) or fmt not in CHECKPOINT_FORMATS:
+        raise ValueError(f"Unknown checkpoint_format {fmt!r}. Allowed: {', '.join(map(repr, CHECKPOINT_FORMATS))}.")
+    if not isinstance(knobs.get("memory_summary", True), bool):
+        raise ValueError(f"memory_summary must be True or False; got {knobs['memory_summary']!r}.")
+    fn = knobs.get("parallelize_fn")
+    if fn is not None and not callable(fn):
+        raise ValueError(f"parallelize_fn must be None or a callable (module, device_mesh) -> module; got {fn!r}.")
+
+
+def check_model_knobs(module: torch.nn.Module, config: ZeroConfig) -> None:
+    """Knobs that name modules, checked once the model exists: ``unit_classes`` entries must match modules of
+    it at every stage (stage 3 resolves its units itself; below, a misspelt entry would pass unnoticed)."""
+    if config.unit_classes is not None and config.stage != 3:
+        choose_unit_modules(module, config.unit_classes)
 
 
 def external_launcher(strategy, script_launcher_cls: type, info) -> bool:
@@ -54,6 +97,7 @@ def build_engine(module: torch.nn.Module, optimizers: Optional[Sequence[Any]], c
 
     ``optimizers=None``: an evaluation engine (stage 3 still partitions, a meta model is materialized
     sharded); the weights stay fp32 and mixed precision runs under autocast."""
+    check_model_knobs(module, config)
     if optimizers is not None:
         engine = ZeroEngine(module, list(optimizers), config, compute_dtype=precision.compute_dtype,
                             loss_scaler=precision.loss_scaler, check_finite=precision.check_finite, device=device,
@@ -64,11 +108,16 @@ def build_engine(module: torch.nn.Module, optimizers: Optional[Sequence[Any]], c
     return engine
 
 
-def as_zero_precision(plugin, zero_cls: type, mixed_cls: type, plain_cls: type, owner: str):
+def as_zero_precision(plugin, zero_cls: type, mixed_cls: type, plain_cls: type, owner: str,
+                      knob: str = "precision_plugin"):
     """Lightning's plugin for a precision flag -> our ``zero_cls``: the module itself in fp16/bf16 with fp32
     master shards (fp16: loss scaling), not autocast over fp32 weights. Anything else is refused."""
     if plugin is None or isinstance(plugin, zero_cls):
         return plugin
+    if not isinstance(plugin, plain_cls):
+        raise ValueError(f"{owner}: {knob} must be None or a precision plugin, e.g. {zero_cls.__name__}('bf16-mixed'); "
+                         f"got {plugin!r} ({type(plugin).__name__}). Allowed: {PRECISIONS} as the "
+                         f"Trainer / Fabric flag, or {knob}={zero_cls.__name__}(...).")
     if isinstance(plugin, mixed_cls):
         return zero_cls(plugin.precision)
     if type(plugin) is plain_cls:

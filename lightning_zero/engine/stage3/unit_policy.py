@@ -95,14 +95,9 @@ def _user_classes(root: nn.Module, unit_classes: Sequence) -> list[nn.Module]:
             raise ValueError(f"unit_classes entries must be module classes, class names or qualified module "
                              f"names; got {entry!r} ({type(entry).__name__}).")
         if not hit:
-            label = entry.__name__ if isinstance(entry, type) else entry
-            close = difflib.get_close_matches(label, class_names + list(named), n=3)
-            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-            raise ValueError(
-                f"unit_classes entry {label!r} matches no module of {type(root).__name__}.{hint} Allowed: module "
-                f"classes, class names (here e.g. {', '.join(_examples(root, class_names))}) or qualified module "
-                f"names (e.g. {next((repr(n) for n, _ in _splittable_modules(root) if '.' in n), repr('encoder.block.0'))})."
-            )
+            dotted = next((repr(n) for n, _ in _splittable_modules(root) if "." in n), repr("encoder.block.0"))
+            raise ValueError(unmatched_entry("unit_classes", entry, root, names=list(named))
+                             + f" or qualified module names (e.g. {dotted}).")
     classes = tuple(c for c in unit_classes if isinstance(c, type))
     strs = {c for c in unit_classes if isinstance(c, str)}
     # not inside nn.MultiheadAttention: unit_classes=[nn.Linear] would otherwise release out_proj, which it
@@ -120,10 +115,24 @@ def _user_classes(root: nn.Module, unit_classes: Sequence) -> list[nn.Module]:
     return _outermost(picked)
 
 
-def _examples(root: nn.Module, class_names: list[str]) -> list[str]:
-    """Class names worth suggesting first: what the automatic policy would pick, then the rest."""
+def unit_candidates(root: nn.Module) -> list[str]:
+    """Class names of the modules that could be units: a forward that runs, parameters of their own or
+    below, not inside an atomic module; what the automatic policy picks comes first."""
     auto = [type(m).__name__ for m in (_declared(root) or _repeated(root))]
-    return list(dict.fromkeys(auto + class_names))[:8]
+    found = sorted({type(m).__name__ for _, m in _splittable_modules(root)
+                    if not isinstance(m, NO_FORWARD) and any(True for _ in m.parameters())})
+    return list(dict.fromkeys(auto + found))
+
+
+def unmatched_entry(knob: str, entry, root: nn.Module, names: Sequence[str] = ()) -> str:
+    """The error of a ``knob`` entry that names no module of ``root``: a did-you-mean (difflib) and the
+    class names the model offers; the caller appends what else it accepts."""
+    label = entry.__name__ if isinstance(entry, type) else str(entry)
+    offered = unit_candidates(root)
+    close = difflib.get_close_matches(label, offered + [n for n in names if n not in offered], n=3)
+    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    return (f"{knob} entry {label!r} matches no module of {type(root).__name__}.{hint} Allowed: module classes "
+            f"or class names of its modules that could be units ({', '.join(offered) or 'none'})")
 
 
 # -- declared ----------------------------------------------------------------------------------------------

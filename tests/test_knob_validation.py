@@ -1,0 +1,334 @@
+"""Every constructor knob of ZeroConfig, ZeroStrategy (and the ZeroPipelineStrategy it builds) and
+ZeroFabricStrategy is checked at construction: valid values pass, each kind of bad value (wrong type, out of
+range, not in the allowed set, a refused combination) is one ValueError naming the knob and what is allowed.
+A table row per knob; ``test_every_parameter_has_a_row`` fails as soon as a signature gains a knob without
+one. Knobs that name modules of the model (``unit_classes``) are checked at setup: a real Trainer fit.
+
+Pipeline x ``offload_optimizer`` is accepted, not refused: ``test_pipeline_with_offload_optimizer_matches_reference``
+shows that it trains as the uncut single-process reference does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+from lightning.fabric.accelerators import CPUAccelerator as FabricCPU
+from lightning.fabric.plugins.environments import LightningEnvironment as FabricEnv
+from lightning.fabric.plugins.io import TorchCheckpointIO as FabricIO
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.plugins import HalfPrecision, MixedPrecision
+from lightning.pytorch.plugins.environments import LightningEnvironment
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from omegaconf import ListConfig
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_zero import ZeroConfig, ZeroPrecision, ZeroStrategy
+from lightning_zero.lightning.fabric_precision import ZeroFabricPrecision
+from lightning_zero.lightning.fabric_strategy import ZeroFabricStrategy
+from lightning_zero.lightning.pipeline_strategy import ZeroPipelineStrategy
+from tests.lightning_models import TokenDataset, trainer_kwargs
+from tests.zoo_models import VOCAB, gpt2
+
+
+@dataclass
+class Knob:
+    good: list  # values accepted (with ``ctx``)
+    bad: list  # (value, regex) or (value, regex, ctx): each refused with a ValueError matching the regex
+    ctx: dict = field(default_factory=dict)  # the other arguments the good values are given with
+
+
+BOOL = r"must be True or False"
+# -- ZeroConfig: every field; the strategies take each of them too ----------------------------------------------------
+CONFIG = {
+    "stage": Knob([0, 1, 2, 3, np.int64(3)], [(5, "Allowed stages: 0, 1, 2, 3"), (2.0, "Allowed stages"),
+                                              ("2", "Allowed stages"), (True, "Allowed stages"), (None, "stage")]),
+    "offload_optimizer": Knob([True, False], [("no", BOOL), (1, BOOL), (True, r"Allowed: offload_optimizer with "
+                                                                        r"stage 1, 2 or 3", dict(stage=0))],
+                              dict(stage=1)),
+    "offload_params": Knob([True, False], [("yes", BOOL), (True, r"Allowed: offload_params with stage 3 only",
+                                                           dict(stage=2))], dict(stage=3)),
+    "bucket_mb": Knob([25, 0.5, np.float32(2)], [(0, "positive number of MiB"), (-1.0, "positive"),
+                                                  ("25", "positive"), (True, "positive"), (math.nan, "finite")]),
+    "reduce_dtype": Knob([None, "fp32", "bf16", "float16", torch.float32],
+                         [("int8", r"Unknown dtype 'int8' for reduce_dtype\. Allowed: None, .*fp32"),
+                          (torch.float64, "Allowed: None"), (True, "Allowed: None"), (32, "Allowed: None")]),
+    "broadcast_buffers": Knob([True, False], [("no", BOOL), (None, BOOL)]),
+    "unit_classes": Knob([None, ["GPT2Block"], "GPT2Block", (nn.Linear, "transformer.h.0"),
+                          ListConfig(["GPT2Block"])],  # Hydra's list
+                         [(v, r"unit_classes must be None or a non-empty list of module classes, class names or "
+                              r"qualified module names") for v in ([3], [], int, {"GPT2Block": 1}, [""], 3.0)]),
+    "unit_mb": Knob([None, 1, 0.25], [(0, "positive number of MiB"), ("8", "positive"), (True, "positive"),
+                                      (math.inf, "finite")]),
+    "persist_numel": Knob([None, 0, 10_000], [(-1, "int >= 0"), (10.5, "int >= 0"), (True, "int >= 0"),
+                                               ("x", "int >= 0")]),
+    "prefetch": Knob([True, False], [("false", BOOL)]),
+    "order_check": Knob(["strict", "always", "off"], [(v, r"order_check must be one of 'strict', 'always', 'off'")
+                                                      for v in ("sometimes", True, None)]),
+    "shard_group_size": Knob([None, 1, 2], [(v, "shard_group_size must be an int >= 1") for v in (0, 2.0, True, "2")],
+                             dict(stage=3)),
+    "activation_checkpointing": Knob(
+        [None, "auto", ["GPT2Block"], "GPT2Block", nn.Linear, "AutoBlock", ListConfig(["GPT2Block"])],
+        [(v, r"did you mean 'auto'.*Allowed: None, 'auto' or a non-empty list") for v in ("autoo", "Auto", ["auto"])]
+        + [(v, r"activation_checkpointing must be None, 'auto' or a non-empty list") for v in ([], 3, [3], [""])]),
+    "offload_activations": Knob([True, False], [("yes", BOOL)]),
+    "grad_reduce": Knob(["auto", "reduce_scatter", "all_reduce", "all_to_all"],
+                        [(v, "grad_reduce must be one of 'auto', 'reduce_scatter'")
+                         for v in ("reduce", ["auto"], None)]),
+    "overlap_publish": Knob([True, False], [("no", BOOL)] + [
+        (True, r"overlap_publish=True .*got stage %d .*Allowed: overlap_publish with stage 1 or 2" % s, dict(stage=s))
+        for s in (0, 3)], dict(stage=1)),
+    "quantize_weights": Knob([True, False], [(1, BOOL), (True, "Allowed: quantize_weights with stage 1, 2 or 3",
+                                                         dict(stage=0))]),
+    "quantize_grads": Knob([True, False], [("on", BOOL), (True, "Allowed: quantize_grads with stage 1, 2 or 3",
+                                                          dict(stage=0))]),
+}
+
+BACKEND = r"process_group_backend must be None .* or a torch.distributed backend name"
+TIMEOUT = r"timeout must be a positive datetime.timedelta"
+START = r"Unknown start_method .*Allowed: popen, spawn, fork, forkserver"
+DEVICES = r"parallel_devices must be None .* or a non-empty list of torch.device"
+TP = r"tensor_parallel_size must be an int >= 1"
+
+
+def _objects(accelerator, env, io) -> dict:
+    """Lightning's own objects: an instance passes, anything else (a name) is refused."""
+    return {name: Knob([None, ok], [(v, rf"{name} must be None .* or an instance of {cls}") for v in bad])
+            for name, ok, cls, bad in (("accelerator", accelerator, "Accelerator", ("cpu", CPUAccelerator)),
+                                       ("cluster_environment", env, "ClusterEnvironment", ("slurm",)),
+                                       ("checkpoint_io", io, "CheckpointIO", ("torch",)))}
+
+
+_COMMON = {  # the strategy knobs both strategies have (zero_setup.check_strategy_knobs)
+    "parallel_devices": Knob([None, [torch.device("cpu")] * 2], [(["cpu"], DEVICES), (torch.device("cpu"), DEVICES),
+                                                                 ([], DEVICES)]),
+    "process_group_backend": Knob([None, "gloo"], [(3, BACKEND), ("", BACKEND)]),
+    "timeout": Knob([None, timedelta(minutes=5)], [(60, TIMEOUT), (timedelta(0), TIMEOUT), ("30m", TIMEOUT)]),
+    "start_method": Knob(["popen", "spawn", "fork", "forkserver"], [("thread", START), (None, START)]),
+}
+
+# -- ZeroStrategy's own knobs ----------------------------------------------------------------------------------------
+TRAINER = {
+    **_objects(CPUAccelerator(), LightningEnvironment(), TorchCheckpointIO()),
+    **_COMMON,
+    "precision_plugin": Knob([None, ZeroPrecision("bf16-mixed"), MixedPrecision("bf16-mixed", "cpu")],
+                             [("bf16-mixed", r"precision_plugin must be None or a precision plugin.*Allowed: "
+                                             r"precision='32-true', '16-mixed' or 'bf16-mixed'"),
+                              (HalfPrecision("16-true"), r"HalfPrecision.*Allowed: precision='32-true'")]),
+    "checkpoint_format": Knob(["sharded", "full"], [(v, r"Unknown checkpoint_format .*Allowed: 'sharded', 'full'")
+                                                    for v in ("dcp", ["full"])]),
+    "memory_summary": Knob([True, False], [(v, r"memory_summary must be True or False") for v in ("no", 1, None)]),
+    "tensor_parallel_size": Knob([None, 1, 2], [(0, TP), (2.0, TP), (True, TP),
+                                                (2, r"Allowed stages with tensor parallelism: 0, 1, 2", dict(stage=3)),
+                                                (2, r"tensor_parallel_size cannot be combined with shard_group_size",
+                                                 dict(shard_group_size=2)),
+                                                (2, r"checkpoint_format='full' is not available with "
+                                                    r"tensor_parallel_size", dict(checkpoint_format="full"))]),
+    "pipeline_parallel_size": Knob(
+        [None, 2, (2, dict(stage=2, offload_optimizer=True)), (2, dict(stage=0))],  # offload: see the test below
+        [(v, "pipeline_parallel_size must be an int >= 1") for v in (0, 2.0, True)]
+        + [(2, r"composes with ZeRO stages 0, 1 and 2 .*Allowed: stage=0, 1 or 2", dict(stage=3)),
+           (2, r"shard_group_size=2 .* does not compose with pipeline_parallel_size.*Allowed: shard_group_size=None",
+            dict(shard_group_size=2)),
+           (2, r"tensor_parallel_size cannot be combined with pipeline_parallel_size", dict(tensor_parallel_size=2)),
+           (2, r"checkpoint_format='full' is not available with pipeline_parallel_size",
+            dict(checkpoint_format="full"))]),
+}
+
+# -- ZeroPipelineStrategy's own knobs (ZeroStrategy(pipeline_parallel_size=P, ...)) ----------------------------------
+PIPE = dict(pipeline_parallel_size=2)
+OFF = r"configure pipeline parallelism, which is off \(pipeline_parallel_size=None\)"
+PIPELINE = {
+    "pipeline_microbatches": Knob([1, 8], [(v, "pipeline_microbatches must be an int >= 1") for v in (0, 2.0, True)]
+                                  + [(4, OFF, dict(pipeline_parallel_size=None))], PIPE),
+    "pipeline_schedule": Knob(["1f1b", "gpipe", "interleaved"],
+                              [(v, r"Unknown pipeline_schedule .*Allowed: 1f1b, gpipe, interleaved")
+                               for v in ("zb", None, ["gpipe"])], PIPE),
+    "pipeline_max_imbalance": Knob([None, 1, 4.0], [(v, r"pipeline_max_imbalance must be a finite number >= 1 .* "
+                                                       r"or None") for v in (0.5, "4", True, math.nan)], PIPE),
+    "pipeline_chunks": Knob([None, 1], [(0, "pipeline_chunks must be an int >= 1"), (1.0, "pipeline_chunks must be"),
+                                        (2, r"pipeline_chunks=2 .*Allowed: pipeline_schedule='interleaved'")]
+                            + [(2, OFF, dict(pipeline_parallel_size=None))], PIPE),
+}
+
+# -- ZeroFabricStrategy's own knobs ---------------------------------------------------------------------------------
+FABRIC = {
+    **_objects(FabricCPU(), FabricEnv(), FabricIO()),
+    **_COMMON,
+    "precision": Knob([None, ZeroFabricPrecision("bf16-mixed"), FabricMixed("bf16-mixed", "cpu")],
+                      [("bf16-mixed", r"precision must be None or a precision plugin.*Allowed: precision='32-true'")]),
+    "tensor_parallel_size": Knob([None, 2], [(0, TP), (2, r"Allowed stages with tensor parallelism", dict(stage=3)),
+                                             (2, "cannot be combined with shard_group_size", dict(shard_group_size=2))]),
+    "parallelize_fn": Knob([None, (lambda m, mesh: m, dict(tensor_parallel_size=2))],
+                           [(3, r"parallelize_fn must be None or a callable"),
+                            (lambda m, mesh: m, r"parallelize_fn needs tensor_parallel_size=T")]),
+}
+
+
+def _build(target: str, kwargs: dict):
+    if target == "config":
+        return ZeroConfig(**kwargs)
+    if target == "fabric":
+        return ZeroFabricStrategy(**kwargs)
+    return ZeroStrategy(**kwargs)
+
+
+def _cases(tables: dict, kind: str):
+    """(target, knob, kwargs[, regex]) for every good value (``kind="good"``) or bad case of the tables."""
+    out = []
+    for target, table in tables.items():
+        for name, knob in table.items():
+            for entry in getattr(knob, kind):
+                if kind == "good":
+                    value, ctx = entry if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], dict) \
+                        else (entry, {})
+                    out.append(pytest.param(target, name, {**knob.ctx, **ctx, name: value}, None,
+                                            id=f"{target}-{name}={value!r}"))
+                else:
+                    value, regex, ctx = entry if len(entry) == 3 else (*entry, {})
+                    kw = {**{k: v for k, v in knob.ctx.items() if k != name}, **ctx, name: value}
+                    out.append(pytest.param(target, name, kw, regex, id=f"{target}-{name}={value!r}-{ctx or ''}"))
+    return out
+
+
+# ZeroConfig's knobs go through each constructor the way users pass them
+TABLES = {"config": CONFIG, "trainer": {**CONFIG, **TRAINER}, "pipeline": PIPELINE, "fabric": {**CONFIG, **FABRIC}}
+
+
+@pytest.mark.parametrize("target,name,kwargs,_", _cases(TABLES, "good"))
+def test_valid_value_is_accepted(target, name, kwargs, _):
+    built = _build(target, kwargs)
+    config = built if target == "config" else built.zero_config
+    if name in CONFIG and name not in ("unit_classes", "activation_checkpointing", "reduce_dtype", "order_check"):
+        assert getattr(config, name) == kwargs[name]  # kept as given (the normalized ones: below)
+    if name == "pipeline_parallel_size":
+        assert isinstance(built, ZeroPipelineStrategy) is (kwargs[name] is not None)
+
+
+@pytest.mark.parametrize("target,name,kwargs,regex", _cases(TABLES, "bad"))
+def test_bad_value_is_one_clear_error(target, name, kwargs, regex):
+    with pytest.raises(ValueError, match=regex) as err:
+        _build(target, kwargs)
+    message = str(err.value)
+    named = "precision" if name == "precision_plugin" and "HalfPrecision" in message else name  # a Trainer flag too
+    assert named in message, message  # the knob ...
+    assert "Allowed" in message or "must be" in message, message  # ... and what it may be
+
+
+def test_normalized_values():
+    cfg = ZeroConfig(stage=3, unit_classes="GPT2Block", activation_checkpointing=nn.Linear, reduce_dtype="bf16")
+    assert cfg.unit_classes == ["GPT2Block"] and cfg.activation_checkpointing == [nn.Linear]
+    assert cfg.reduce_dtype is torch.bfloat16
+    assert ZeroConfig(activation_checkpointing="auto").activation_checkpointing == "auto"
+    assert ZeroConfig(unit_classes=("GPT2Block",)).unit_classes == ["GPT2Block"]
+    assert ZeroConfig(unit_classes=ListConfig(["GPT2Block"])).unit_classes == ["GPT2Block"]  # Hydra's list
+
+
+def test_unknown_arguments_are_a_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        ZeroStrategy(stages=2)
+    with pytest.raises(TypeError, match="unknown argument.*Allowed: stage, "):
+        ZeroFabricStrategy(memory_summary=True)  # a Trainer-only knob
+
+
+def _knobs(fn) -> set:
+    skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return {n for n, p in inspect.signature(fn).parameters.items() if n != "self" and p.kind not in skip}
+
+
+def test_every_parameter_has_a_row():
+    """A knob added to a signature without a row here fails (and every ZeroConfig field reaches both strategies)."""
+    assert _knobs(ZeroConfig) == set(CONFIG)
+    assert _knobs(ZeroStrategy.__init__) == set(CONFIG) | set(TRAINER)
+    assert _knobs(ZeroPipelineStrategy.__init__) == {"pipeline_parallel_size"} | set(PIPELINE)
+    assert _knobs(ZeroFabricStrategy.__init__) == set(CONFIG) | set(FABRIC)
+    for table in (CONFIG, TRAINER, PIPELINE, FABRIC):
+        assert all(k.good and k.bad for k in table.values())
+
+
+# -- setup-time: unit_classes against the model, through a real fit -------------------------------------------------
+class GPT2Module(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = gpt2()
+
+    def training_step(self, batch, batch_idx):
+        ids = batch[0] if isinstance(batch, (list, tuple)) else batch
+        return self.model(ids % VOCAB, labels=ids % VOCAB).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(TokenDataset(8, 8), batch_size=2)
+
+
+def _fit(**strategy):
+    trainer = Trainer(strategy=ZeroStrategy(**strategy), **trainer_kwargs(devices=1, max_steps=1))
+    trainer.fit(GPT2Module())
+    return trainer
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_unit_class_matching_no_module_is_refused_at_setup(stage):
+    trainer = _fit(stage=stage, unit_classes=["GPT2Block"])  # a valid value trains
+    assert trainer.global_step == 1
+    with pytest.raises(ValueError, match=r"unit_classes entry 'GPT2Blok' matches no module of GPT2Module\. Did you "
+                                         r"mean 'GPT2Block'\? Allowed: .*could be units \(GPT2Block, (\w+, )*Conv1D, "
+                                         r"(\w+, )*Linear\)") as err:
+        _fit(stage=stage, unit_classes=["GPT2Blok"])
+    assert "Dropout" not in str(err.value) and "ModuleList" not in str(err.value)  # no parameters / no forward
+
+
+# -- pipeline x offload_optimizer: accepted because it works ----------------------------------------------------------
+def _pipeline_offload(rank, world_size):
+    from lightning_zero.engine.pipeline import PipelineZero, pipeline_layout
+    from lightning_zero.engine.pipeline_split import split_gpt2
+    from tests import test_pipeline as T
+
+    module = split_gpt2(T._model(), 2, pipeline_layout(2).stage_index)
+    pipe = PipelineZero(module, 2, T._loss, T._optimizer(module.parameters()), T.M,
+                        config=ZeroConfig(stage=2, bucket_mb=0.01, offload_optimizer=True),
+                        accumulate_grad_batches=T.ACCUM, gradient_clip_val=T.CLIP)
+    return T._train(pipe, T.CALLS), T._named(pipe), pipe.engine.sharded.offload
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_with_offload_optimizer_matches_reference():
+    from tests import test_pipeline as T
+    from tests.dist_utils import run_distributed
+
+    ref_losses, ref_sd = T._reference([1] * T.CALLS)
+    merged = {}
+    for losses, sd, offloaded in run_distributed(_pipeline_offload, 2):
+        assert losses == pytest.approx(ref_losses, rel=T.RTOL) and offloaded
+        merged.update(sd)
+    assert set(merged) == set(ref_sd)
+    assert not [k for k in ref_sd if not T._close(merged[k], ref_sd[k])]
+
+
+# -- Hydra: the recipe's composed config reaches the same checks ------------------------------------------------------
+def test_hydra_values_pass_and_bad_ones_are_refused():
+    from tests.test_hydra_recipe import _compose  # examples/ on sys.path
+    from t5_config import ConfigError, build_strategy
+
+    s = build_strategy(_compose("strategy=zero3", "strategy.unit_classes=[T5Block]", "strategy.persist_numel=0",
+                                "strategy.activation_checkpointing=auto", "strategy.shard_group_size=1"))
+    assert s.zero_config.unit_classes == ["T5Block"] and s.zero_config.activation_checkpointing == "auto"
+    assert build_strategy(_compose("strategy=zero1", "strategy.overlap_publish=true")).zero_config.overlap_publish
+    for overrides, match in ((("strategy=zero3", "strategy.overlap_publish=true"), "Allowed: overlap_publish with "
+                                                                                   "stage 1 or 2"),
+                             (("strategy.activation_checkpointing=autoo",), "did you mean 'auto'"),
+                             (("strategy.unit_classes=[]",), "unit_classes must be None or a non-empty list")):
+        with pytest.raises(ConfigError, match=match):
+            build_strategy(_compose(*overrides))
