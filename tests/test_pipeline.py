@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zero.engine import ZeroConfig, collectives
-from lightning_zero.checkpoint.pipeline_dir import consolidate_pipeline_checkpoint
+from lightning_zero.checkpoint.pipeline_dir import (consolidate_pipeline_checkpoint, load_pipeline_checkpoint,
+                                                    save_pipeline_checkpoint)
 from lightning_zero.engine.pipeline import (PipelineZero, check_pipeline_size, estimate_stage_states, pipeline_layout,
                                             virtual_stages)
 from lightning_zero.engine.pipeline_split import split_gpt2
@@ -143,7 +144,7 @@ def _p2dp2(rank, world_size, path):
         losses = _train(pipe, 4)  # two optimizer steps
         calls = dict(collectives.stats.group_calls)
         if stage == 2:
-            pipe.save(os.path.join(path, "mid"))
+            save_pipeline_checkpoint(pipe, os.path.join(path, "mid"))
         out[stage] = (losses, _named(pipe), calls, len(pipe.engine.buckets), groups,
                       pipe.engine.memory_report().as_dict(), pipe.layout.stage_index)
     return out
@@ -151,13 +152,13 @@ def _p2dp2(rank, world_size, path):
 
 def _resume_dp1(rank, world_size, path):
     pipe = _pipeline(2, 2, "1f1b")
-    pipe.load(os.path.join(path, "mid"))
+    load_pipeline_checkpoint(pipe, os.path.join(path, "mid"))
     rows = BATCH
     losses = []
     for call in range(4, CALLS):
         ids = _batch(call)[:rows]
         losses.append(pipe.step(ids, ids).item())
-    pipe.save(os.path.join(path, "end"))
+    save_pipeline_checkpoint(pipe, os.path.join(path, "end"))
     return losses
 
 

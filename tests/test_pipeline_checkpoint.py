@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_zero.checkpoint.pipeline_dir import consolidate_pipeline_checkpoint, read_manifest
+from lightning_zero.checkpoint.pipeline_dir import (consolidate_pipeline_checkpoint, load_pipeline_checkpoint,
+                                                    read_manifest, save_pipeline_checkpoint)
 from lightning_zero.engine import collectives
 from tests.dist_utils import run_distributed
 from tests.test_pipeline import ATOL, BATCH, CALLS, RTOL, _batch, _model, _named, _pipeline, _reference
@@ -31,12 +32,12 @@ def _save_at_dp2(rank, world_size, path):
     pipe = _pipeline(2, 2, "1f1b")  # ZeRO-2, P2 x DP2
     first = _run(pipe, range(SAVED_AT))
     collectives.stats.reset()
-    pipe.save(os.path.join(path, "mid"))
+    save_pipeline_checkpoint(pipe, os.path.join(path, "mid"))
     save_calls = collectives.stats.total_calls
     slices = {n: (spec.lo, spec.hi) for n, _, spec, _ in pipe.engine.master_items()}
     uninterrupted = _run(pipe, range(SAVED_AT, CALLS))
     resumed = _pipeline(2, 1, "1f1b")  # the same P2 x DP2 at ZeRO-1, from the directory
-    resumed.load(os.path.join(path, "mid"))
+    load_pipeline_checkpoint(resumed, os.path.join(path, "mid"))
     again = _run(resumed, range(SAVED_AT, CALLS))
     return {"first": first, "uninterrupted": uninterrupted, "resumed": again, "save_calls": save_calls,
             "slices": slices, "stage": pipe.layout.stage_index, "dp_rank": pipe.layout.dp_rank,
@@ -47,19 +48,19 @@ def _resume_at_dp1(rank, world_size, path):
     pipe = _pipeline(2, 0, "1f1b")  # ZeRO-0, P2 x DP1
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        pipe.load(os.path.join(path, "mid"))  # only mid.zero-old exists: a crash between the renames
+        load_pipeline_checkpoint(pipe, os.path.join(path, "mid"))  # only mid.zero-old exists: crashed between renames
     losses = _run(pipe, range(SAVED_AT, CALLS))
     real_save = dcp.save
     dcp.save = lambda *a, **kw: (_ for _ in ()).throw(OSError("disk full"))  # every rank fails while writing
     try:
-        pipe.save(os.path.join(path, "mid"))
+        save_pipeline_checkpoint(pipe, os.path.join(path, "mid"))
         failed = False
     except OSError:
         failed = True
     finally:
         dcp.save = real_save
     try:  # one stage over both ranks: another pipeline shape
-        _pipeline(1, 0, "1f1b").load(os.path.join(path, "mid"))
+        load_pipeline_checkpoint(_pipeline(1, 0, "1f1b"), os.path.join(path, "mid"))
         shape_error = ""
     except ValueError as err:
         shape_error = str(err)

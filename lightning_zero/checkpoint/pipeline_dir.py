@@ -93,6 +93,7 @@ def load_pipeline_checkpoint(pipe: Any, path: _PathLike) -> dict:
         train = engine.mode is EngineMode.TRAIN
         load_checkpoint_dir(path / manifest["stages"][str(index)]["dir"], module, engine, load_optimizer=train,
                             weights_only=False, process_group=pipe.layout.dp_group)
+    pipe.restart_accumulation()
     return manifest
 
 

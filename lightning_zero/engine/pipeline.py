@@ -335,25 +335,16 @@ class PipelineZero:
             for k, s in enumerate(engine.shardeds):
                 s.sq_norm = (total if k == 0 else torch.zeros(())).to(s.sq_norm.device, s.sq_norm.dtype)
 
-    # -- checkpoints: one sharded DCP directory per stage (checkpoint/pipeline_dir.py) -------------------------
+    # -- checkpoints: one sharded DCP directory per stage, written by checkpoint/pipeline_dir.py ---------------
     def state_dicts(self) -> list[dict]:
         """Per chunk on this rank: its stage's full fp32 module and optimizer state (gathered; not what
         checkpoints write). Collective over the dp group."""
         return stage_state_dicts(self)
 
-    def save(self, path: str, metadata: Optional[dict] = None) -> None:
-        """Write the checkpoint directory ``path`` (atomically): per stage a sharded DCP directory written by
-        its data-parallel group, each rank its own slice; ``metadata`` in ``meta.pt``. Collective over the world."""
-        from ..checkpoint.pipeline_dir import save_pipeline_checkpoint  # checkpoint/ builds on engine/
-
-        save_pipeline_checkpoint(self, path, metadata)
-
-    def load(self, path: str) -> None:
-        """Resume this rank's stages from :meth:`save`'s directory, written at any data-parallel size and
-        ZeRO stage (an evaluation-only pipeline loads the weights only)."""
-        from ..checkpoint.pipeline_dir import load_pipeline_checkpoint
-
-        load_pipeline_checkpoint(self, path)
+    def restart_accumulation(self) -> None:
+        """The next call of the step begins a new accumulation window (after a checkpoint is loaded). Saving and
+        loading are ``checkpoint/pipeline_dir.py``'s ``save_pipeline_checkpoint`` / ``load_pipeline_checkpoint``
+        (the checkpoint layer builds on the engine, not the reverse)."""
         self._calls = 0
 
 

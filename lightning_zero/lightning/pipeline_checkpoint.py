@@ -2,7 +2,7 @@
 
 Design note
 -----------
-``trainer.save_checkpoint(X)`` is :meth:`PipelineZero.save` with Lightning's loops, LR schedulers, callbacks
+``trainer.save_checkpoint(X)`` is ``save_pipeline_checkpoint`` with Lightning's loops, LR schedulers, callbacks
 and precision state as its ``meta.pt`` (checkpoint/pipeline_dir.py: per stage a sharded DCP directory,
 written by that stage's data-parallel group; the whole directory renamed into place when complete).
 Loading happens after setup, into the stage engines' masters (the fit's pipeline, or the evaluation-only
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..checkpoint.files import read_meta, resolve_checkpoint_dir
-from ..checkpoint.pipeline_dir import read_manifest
+from ..checkpoint.pipeline_dir import load_pipeline_checkpoint, read_manifest, save_pipeline_checkpoint
 
 _LOADED_KEY = "lightning_zero_pipeline_dir"
 
@@ -37,7 +37,7 @@ class PipelineCheckpointMixin:
             raise TypeError("storage_options are not supported for pipeline checkpoints (no CheckpointIO).")
         path = Path(self.broadcast(str(filepath)))
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.pipe.save(str(path), metadata=meta)  # collective; each stage's group writes its own shards
+        save_pipeline_checkpoint(self.pipe, str(path), meta)  # collective; each stage's group writes its own shards
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -53,7 +53,7 @@ class PipelineCheckpointMixin:
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self._stale = False
-        self._forward_pipe.load(checkpoint[_LOADED_KEY])  # model and optimizer state, any data-parallel size
+        load_pipeline_checkpoint(self._forward_pipe, checkpoint[_LOADED_KEY])  # model + optimizer, any DP size
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded with the model above
