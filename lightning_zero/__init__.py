@@ -22,6 +22,7 @@ from .engine import (
 )
 from .engine.stage3.join import RankDivergenceError
 from .lightning import ZeroPrecision, ZeroStrategy
+from .lightning.batch_size_finder import ZeroBatchSizeFinder
 from .lightning.fabric_precision import ZeroFabricPrecision
 from .lightning.fabric_strategy import ZeroFabricStrategy
 from .tools.deepspeed_config import DeepSpeedConfigError, DeepSpeedWarmupLR, from_deepspeed_config
@@ -49,7 +50,7 @@ def _register() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from .lightning import fabric_strategy
+    from .lightning import batch_size_finder, fabric_strategy
     from .lightning._pl_compat import register_pytorch_lightning
     from .lightning.lightning_io import install
     from .lightning.model_summary import install as install_model_summary
@@ -59,6 +60,7 @@ def _register() -> None:
     fabric_strategy.install()  # Fabric's optimizer wrapper: zero_grad / add_param_group through the engine
     install()  # plain-DDP loads of ZeRO directories, ckpt_path="last" after an interrupted save
     install_model_summary()  # ModelSummary's "Params per Device" column under stage 3
+    batch_size_finder.install()  # Tuner.scale_batch_size under ZeroStrategy: the error names ZeroBatchSizeFinder
     register_pytorch_lightning()  # the separate pytorch_lightning registry, when installed
 
 
@@ -71,6 +73,7 @@ __all__ = [
     "LossScalerError",
     "RankDivergenceError",
     "StaticLossScaler",
+    "ZeroBatchSizeFinder",
     "ZeroConfig",
     "ZeroEngine",
     "ZeroFabricPrecision",
