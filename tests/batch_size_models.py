@@ -55,9 +55,17 @@ def mlp_loss(model: nn.Module, batch) -> torch.Tensor:
 class _Recording(pl.LightningModule):
     net: nn.Module
 
+    out: str | None = None  # set: every rank writes {out}/rank{r}.pt at the end of fit
+
     def __init__(self) -> None:
         super().__init__()
         self.losses: list[float] = []
+
+    def on_train_end(self) -> None:
+        if self.out is not None:
+            torch.save({"losses": self.losses, "params": self.final_params(), "global_step": self.global_step,
+                        "batch_size": self.trainer.train_dataloader.batch_size},
+                       f"{self.out}/rank{self.global_rank}.pt")
 
     def setup(self, stage: str) -> None:
         torch.set_num_threads(1)  # forked ranks: see tests/lightning_models.py ParityModule.setup

@@ -187,9 +187,15 @@ class ZeroBatchSizeFinder(Callback):
         if trainer.progress_bar_callback:
             trainer.progress_bar_callback.disable()
         found = None
+        # each trial's loop run ends with the strategy's on_train_end, which hands the module back (stage 3
+        # un-partitions it for good, mixed precision writes the masters into it): that is for the real fit
+        reported = strategy._memory_reported
+        strategy.on_train_end = lambda: None
         try:
             found = self._search(trainer, pl_module, meter, params)
         finally:
+            del strategy.on_train_end
+            strategy._memory_reported = reported  # the memory table belongs to the real fit's first step
             if found is not None:
                 lightning_setattr(pl_module, self._batch_arg_name, found)  # the restored loaders use it
             _restore_params(trainer, params)
