@@ -185,3 +185,85 @@ def test_lightning_tuner_keeps_its_own_check_for_other_strategies(tmp_path):
     trainer = lightning_trainer(DDPStrategy(), 1, str(tmp_path))
     with pytest.raises(ValueError, match="^Tuning the batch size is currently not supported with distributed"):
         Tuner(trainer).scale_batch_size(MLPModule())
+
+
+# -- lightning-zero tune --module ---------------------------------------------------------------------------
+@pytest.mark.timeout(400)
+def test_cli_tune_module_end_to_end(tmp_path):
+    js = tmp_path / "tune.json"
+    cap_mb = 0.86
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(["lightning-zero", "tune", "--module", "tests.batch_size_models:mlp_factory", "--memory-mb",
+                           str(cap_mb), "--devices", "2", "--stages", "2,3", "--offload", "no", "--steps-per-trial",
+                           "1", "--json", str(js)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=380)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| setting       | micro-batch |" in proc.stdout and "best: " in proc.stdout
+    data = json.loads(js.read_text())
+    cap = int(cap_mb * 2**20)
+    rows = {r["setting"]: r for r in data["results"]}
+    assert set(rows) == {"zero2", "zero3"} and data["world_size"] == 2
+    for r in rows.values():
+        tried = {b: (ok, peak) for b, ok, peak in r["trials"]}
+        assert all(ok == (peak <= cap) for ok, peak in tried.values())  # the rule, with the agreed peaks
+        if r["status"] == "fits":
+            b = r["batch_size"]
+            assert tried[b][0] and r["peak_bytes"] == tried[b][1] <= cap
+            assert not tried[b + 1][0]  # the next size up was measured and does not fit
+        else:
+            assert r["status"] == "nothing fits" and not tried[1][0]
+    best = max((r for r in rows.values() if r["status"] == "fits"), key=lambda r: r["batch_size"])
+    assert data["best"] == best["setting"]
+    assert f"best: {best['setting']} at micro-batch {best['batch_size']}" in proc.stdout
+
+
+def test_cli_tune_module_refuses_bad_input(capsys):
+    from lightning_zero.tools.cli import main
+
+    assert main(["tune", "--module", "tests.batch_size_models:mlp_factory"]) == 2  # CPU, no cap
+    assert "needs a cap: --memory-mb or --memory-gb" in capsys.readouterr().err
+    assert main(["tune", "--module", "tests.batch_size_models", "--memory-mb", "1"]) == 2
+    assert "wants 'package.module:factory'" in capsys.readouterr().err
+    assert main(["tune", "--module", "tests.zoo_models:gpt2", "--memory-mb", "1"]) == 2
+    assert "allowed: a LightningModule, or a (LightningModule, LightningDataModule) pair" in capsys.readouterr().err
+
+
+# -- estimate: measured activations -------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [GPT2Module, MLPModule])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_probe_activations_scale_linearly(cls, precision):
+    from lightning_zero.tools.estimate_activations import probe_activations
+
+    probe = probe_activations(cls(), probe_batch=2, precision=precision)
+    for b in (1, 4, 16):
+        measured = probe_activations(cls(), probe_batch=b, precision=precision).probe_bytes
+        assert probe.at(b) == pytest.approx(measured, rel=0.01), (b, probe.at(b), measured)
+
+
+def test_cli_estimate_module_includes_measured_activations(capsys):
+    from lightning_zero.tools.cli import main
+    from lightning_zero.tools.estimate import GiB, estimate_model_states
+    from lightning_zero.tools.estimate_activations import probe_activations
+
+    # states + buffers of zero3 on 2 ranks fit the cap; with 16 samples of activations they do not
+    bare = estimate_model_states(GPT2Module(), world_size=2).row("zero3").peak_device
+    act = probe_activations(GPT2Module(), probe_batch=2).at(16)
+    cap_gb = (bare + act / 2) / GiB
+    args = ["estimate", "--module", "tests.batch_size_models:gpt2_factory", "--ranks", "2", "--settings", "zero3",
+            "--device-memory", f"{cap_gb:.9f}"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "FITS in" in out and "zero3 (" in out.split("FITS in")[1]
+    assert main(args + ["--batch-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "activations: micro-batch 16 per rank" in out and "measured: saved-tensor bytes" in out
+    assert "NOTHING FITS" in out and "zero3 (needs" in out
+    est = estimate_model_states(GPT2Module(), world_size=2, batch_size=16, settings=["zero3"],
+                                activation_probe=probe_activations(GPT2Module(), probe_batch=2))
+    assert est.activations == pytest.approx(act) and est.row("zero3").peak_device == pytest.approx(bare + act)
+
+
+def test_estimate_without_a_probe_names_it():
+    from lightning_zero.tools.estimate import estimate_model_states
+
+    with pytest.raises(ValueError, match="needs a T5 model \\(the formula\\) or a measured probe step"):
+        estimate_model_states(MLPModule(), batch_size=4)

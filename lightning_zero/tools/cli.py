@@ -149,8 +149,14 @@ def _load_module(spec: str):
 def _estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate_model_states
 
+    probe = None
     if args.module:
         model = _load_module(args.module)
+        if isinstance(model, tuple):  # (LightningModule, datamodule)
+            model = model[0]
+        cfg = getattr(model, "config", None)
+        if args.batch_size is not None and getattr(cfg, "model_type", "") != "t5":
+            probe = _probe(args)
     elif args.params:
         model = _count(args.params)
     else:
@@ -164,9 +170,23 @@ def _estimate(args: argparse.Namespace) -> int:
         device_memory_gb=args.device_memory, cpu_memory_gb=args.cpu_memory,
         settings=args.settings.split(",") if args.settings else None, vocab_size=vocab,
         shard_group_size=args.shard_group_size, activation_checkpointing=args.activation_checkpointing,
-        offload_activations=args.offload_activations, tensor_parallel_size=args.tensor_parallel_size)
+        offload_activations=args.offload_activations, tensor_parallel_size=args.tensor_parallel_size,
+        activation_probe=probe)
     print(est)
     return 0
+
+
+def _probe(args: argparse.Namespace):
+    """Activations of a non-T5 --module: one probe step of the factory's model, built for real on the CPU."""
+    import importlib
+
+    from .estimate_activations import probe_activations
+
+    mod_name, _, attr = args.module.partition(":")
+    made = getattr(importlib.import_module(mod_name), attr)()
+    model, data = made if isinstance(made, tuple) else (made, None)
+    return probe_activations(model, data, probe_batch=args.probe_batch_size, precision=args.precision,
+                             seq_len=args.src_len)
 
 
 def _estimate_pipeline(args: argparse.Namespace, model, vocab) -> int:
@@ -187,7 +207,8 @@ def _add_estimate(sub) -> None:
     p = sub.add_parser(
         "estimate", help="per-rank memory of every ZeRO stage x offload setting, and which fit",
         description="Device bytes per rank (model states from the floors of docs/ARCHITECTURE.md as the engine "
-        "allocates them, plus its bucket / stage-3 unit buffers and, for T5 with --batch-size, activations) and CPU "
+        "allocates them, plus its bucket / stage-3 unit buffers and, with --batch-size, activations: the T5 formula, "
+        "or for another --module one measured probe step) and CPU "
         "RAM per node, for stages 0-3 with and without offload. Nothing is run or allocated. "
         "Memory sizes are GiB (2**30 bytes).")
     src = p.add_mutually_exclusive_group()
@@ -206,8 +227,12 @@ def _add_estimate(sub) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="strategy.bucket_mb")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="gradient accumulation steps (> 1: stage 1 keeps full gradients between micro-batches)")
-    p.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (T5 activation estimate)")
-    p.add_argument("--src-len", type=int, default=512, help="source tokens per sample")
+    p.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank: activations (T5: formula; "
+                   "another --module: one measured probe step, scaled linearly)")
+    p.add_argument("--probe-batch-size", type=int, default=2, help="micro-batch of the measured probe step "
+                   "(--module, not T5; its model is built for real on the CPU once)")
+    p.add_argument("--src-len", type=int, default=512, help="source tokens per sample (probe of an HF --module: "
+                   "its sequence length)")
     p.add_argument("--tgt-len", type=int, default=128, help="target tokens per sample")
     p.add_argument("--device-memory", type=float, default=None, metavar="GB", help="memory per device: say what fits")
     p.add_argument("--cpu-memory", type=float, default=None, metavar="GB", help="CPU RAM per node (with --device-memory)")
