@@ -90,6 +90,31 @@ def test_answer_is_the_largest_size_within_the_cap(tmp_path, kind, preset, world
     assert [b for b, _, _ in trials][:4] == [2, 4, 8, 16]  # doubling from init_val, then the bisection
 
 
+def _every_preset(rank, world, root):
+    """Each preset on the same 2 ranks: the finder's measured trial peaks, and the harness's at those sizes."""
+    out = {}
+    for preset in PRESETS:
+        module = MLPModule()
+        finder = ZeroBatchSizeFinder(max_bytes=1_500_000, steps_per_trial=1, init_val=16, max_val=200)
+        lightning_trainer(preset, world, root, finder, max_steps=1).fit(module)
+        sizes = [b for b, _, _ in finder.trials]
+        out[preset] = (finder.optimal_batch_size, finder.trials, _brute_force(rank, world, "mlp", preset, sizes))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_every_preset_measures_what_the_engine_holds(tmp_path):
+    res = run_ranks(_every_preset, 2, (str(tmp_path),), timeout_s=280)[0]
+    assert set(res) == set(PRESETS)
+    for preset, (found, trials, brute) in res.items():
+        for b, fits, peak in trials:
+            assert peak == pytest.approx(brute[b], rel=1e-3), (preset, b, peak, brute[b])
+            assert fits == (peak <= 1_500_000)
+        ok = [b for b, fits, _ in trials if fits]
+        assert found == max(ok) and all(not f for b, f, _ in trials if b > found), (preset, trials)
+        assert found + 1 in {b for b, _, _ in trials} or found == 200, (preset, trials)
+
+
 def _fit_files(strategy, devices, root, batch_size, finder=None):
     from lightning.pytorch import Trainer
 
