@@ -148,6 +148,31 @@ def test_fit_after_the_finder_equals_ddp_at_the_found_size(tmp_path, preset):
             torch.testing.assert_close(z["params"][k], d["params"][k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+def _mixed_fit(rank, world, root, preset, precision, with_finder, batch_size):
+    module = GPT2Module(batch_size=batch_size)
+    cbs = [ZeroBatchSizeFinder(max_bytes=1_200_000, steps_per_trial=2)] if with_finder else []
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(strategy=preset, precision=precision, callbacks=cbs, default_root_dir=root,
+                      **trainer_kwargs(devices=world, max_steps=3))
+    trainer.fit(module)
+    return trainer.train_dataloader.batch_size, module.losses[-3:], module.final_params()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("preset,precision", [("zero2", "bf16-mixed"), ("zero3", "16-mixed")])
+def test_mixed_precision_fit_after_the_finder_equals_a_fit_without_it(tmp_path, preset, precision):
+    """The true bf16/fp16 module, its fp32 masters and the fp16 loss scale come back from the checkpoint:
+    the fit after the search is bit for bit the fit started at the found size without it."""
+    found, losses, params = run_ranks(_mixed_fit, 2, (str(tmp_path), preset, precision, True, 2), timeout_s=140)[0]
+    assert found > 2
+    ref_found, ref_losses, ref_params = run_ranks(_mixed_fit, 2, (str(tmp_path), preset, precision, False, found),
+                                                  timeout_s=140)[0]
+    assert ref_found == found and losses == ref_losses
+    for k in ref_params:
+        assert torch.equal(params[k], ref_params[k]), k
+
+
 def _datamodule_find(rank, world, root):
     from tests.batch_size_models import mlp_with_datamodule
 

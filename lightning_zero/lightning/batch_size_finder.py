@@ -70,9 +70,7 @@ class _TrialMeter(Callback):
             torch.cuda.reset_peak_memory_stats()
 
     def stop(self) -> int:
-        if self._meter is not None:
-            self._meter.close()
-            self._meter = None
+        self._close()
         if self.gpu:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated()
@@ -80,8 +78,14 @@ class _TrialMeter(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self.gpu:
+            self._close()
             self._meter = StepMeter(pl_module.parameters())
             self._meter.start_forward()
+
+    def _close(self) -> None:
+        if self._meter is not None:
+            self._meter.close()
+        self._meter, self._after_backward = None, None
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if self._meter is not None:
@@ -94,15 +98,13 @@ class _TrialMeter(Callback):
             self._after_backward = (engine_memory(self.strategy.engine), self._meter.activations)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._meter is None or self._after_backward is None:
-            return
-        mem, act = self._after_backward
-        created = 0
-        if not self.strategy.zero_config.offload_optimizer:  # offloaded state is host memory
-            created = max(0, self.strategy.engine.memory_report().optimizer_state - mem["optimizer_state"])
-        self.peak = max(self.peak, step_device_bytes(mem, act, created))
-        self._meter.close()
-        self._meter, self._after_backward = None, None
+        if self._after_backward is not None:  # None: the step was skipped (training_step returned None)
+            mem, act = self._after_backward
+            created = 0
+            if not self.strategy.zero_config.offload_optimizer:  # offloaded state is host memory
+                created = max(0, self.strategy.engine.memory_report().optimizer_state - mem["optimizer_state"])
+            self.peak = max(self.peak, step_device_bytes(mem, act, created))
+        self._close()
 
 
 class ZeroBatchSizeFinder(Callback):
