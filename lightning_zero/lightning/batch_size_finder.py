@@ -208,8 +208,9 @@ class ZeroBatchSizeFinder(Callback):
             strategy.remove_checkpoint(ckpt_path)
             garbage_collection_cuda()
         self.optimal_batch_size = found
+        tried = " ".join(f"{b}{'+' if ok else '-'}" for b, ok, _ in self.trials)
         rank_zero_info(f"ZeroBatchSizeFinder: micro-batch {found} fits {self.cap_bytes / 2**20:.2f} MiB per rank "
-                       f"(trials: {' '.join(f'{b}{chr(43) if ok else chr(45)}' for b, ok, _ in self.trials)})")
+                       f"(trials: {tried})")
         if self._early_exit:
             from lightning.pytorch.utilities.exceptions import _TunerExitException
 
