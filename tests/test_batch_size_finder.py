@@ -27,6 +27,14 @@ from tests.lightning_models import trainer_kwargs
 from tests.zoo_models import VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
+# the presets, and one with activation checkpointing (the finder then also counts the largest recompute)
+CONFIGS = dict(PRESETS, zero3_ckpt=dict(stage=3, activation_checkpointing="auto"))
+
+
+def _strategy(name):
+    from lightning_zero import ZeroStrategy
+
+    return name if name in PRESETS else ZeroStrategy(**CONFIGS[name])
 
 
 def _brute_force(rank, world, kind, preset, sizes):
@@ -39,7 +47,7 @@ def _brute_force(rank, world, kind, preset, sizes):
         module = GPT2Module() if kind == "gpt2" else MLPModule()
         net = module.net
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)  # as configure_optimizers
-        return Runner("zero", net, net, opt, ZeroEngine(net, opt, ZeroConfig(**PRESETS[preset])))
+        return Runner("zero", net, net, opt, ZeroEngine(net, opt, ZeroConfig(**CONFIGS[preset])))
 
     def batch(r, step, b, device):
         g = torch.Generator().manual_seed(1000 * step + r)
@@ -56,7 +64,7 @@ def _brute_force(rank, world, kind, preset, sizes):
 def _find(rank, world, kind, preset, cap, root, mode="binsearch"):
     module = GPT2Module() if kind == "gpt2" else MLPModule()
     finder = ZeroBatchSizeFinder(max_bytes=cap, mode=mode, steps_per_trial=2, init_val=2, max_trials=25)
-    trainer = lightning_trainer(preset, world, root, finder, max_steps=1)
+    trainer = lightning_trainer(_strategy(preset), world, root, finder, max_steps=1)
     trainer.fit(module)
     size = module.hparams.batch_size if kind == "gpt2" else module.batch_size
     return finder.optimal_batch_size, finder.trials, size, trainer.train_dataloader.batch_size
@@ -69,7 +77,7 @@ def lightning_trainer(strategy, devices, root, *callbacks, max_steps=3):
                    **trainer_kwargs(devices=devices, max_steps=max_steps))
 
 
-CASES = [("gpt2", "zero2", 1), ("gpt2", "zero3", 2), ("mlp", "zero2", 2), ("mlp", "zero3", 1)]
+CASES = [("gpt2", "zero2", 1), ("gpt2", "zero3", 2), ("mlp", "zero2", 2), ("mlp", "zero3", 1), ("gpt2", "zero3_ckpt", 2)]
 
 
 @pytest.mark.timeout(300)
