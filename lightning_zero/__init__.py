@@ -25,6 +25,7 @@ _PUBLIC = {
     "LossScalerError": ".engine.loss_scaler",
     "RankDivergenceError": ".engine.stage3.join",
     "StaticLossScaler": ".engine.loss_scaler",
+    "ZeroBatchSizeFinder": ".lightning.batch_size_finder",
     "ZeroConfig": ".engine.config",
     "ZeroEngine": ".engine.engine",
     "ZeroFabricPrecision": ".lightning.fabric_precision",
@@ -75,7 +76,7 @@ def _register_lightning() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from .lightning import fabric_strategy
+    from .lightning import batch_size_finder, fabric_strategy
     from .lightning.fabric_strategy import ZeroFabricStrategy
     from .lightning.lightning_io import install
     from .lightning.model_summary import install as install_model_summary
@@ -86,6 +87,7 @@ def _register_lightning() -> None:
     fabric_strategy.install()  # Fabric's optimizer wrapper: zero_grad / add_param_group through the engine
     install()  # plain-DDP loads of ZeRO directories, ckpt_path="last" after an interrupted save
     install_model_summary()  # ModelSummary's "Params per Device" column under stage 3
+    batch_size_finder.install()  # Tuner.scale_batch_size under ZeroStrategy: the error names ZeroBatchSizeFinder
 
 
 def _register_pytorch_lightning() -> None:
@@ -151,6 +153,7 @@ __all__ = [
     "LossScalerError",
     "RankDivergenceError",
     "StaticLossScaler",
+    "ZeroBatchSizeFinder",
     "ZeroConfig",
     "ZeroEngine",
     "ZeroFabricPrecision",

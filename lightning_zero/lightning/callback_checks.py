@@ -72,3 +72,22 @@ def weight_readers(callbacks: list[Any], pl_module: Any) -> list[str]:
     names += [f"{type(pl_module).__name__}.{h}" for h in _WINDOW_HOOKS
               if getattr(type(pl_module), h, None) is not getattr(LightningModule, h, None)]
     return names
+
+
+_FINDER_HINT = ("under ZeroStrategy use lightning_zero.ZeroBatchSizeFinder(max_bytes=..., mode='binsearch', "
+                "steps_per_trial=3, init_val=2, max_trials=25) as a Trainer callback, or `lightning-zero tune "
+                "--module pkg.mod:factory --memory-mb M` (docs/tuning.md)")
+
+
+def lightning_finder_refusal(entry: str) -> str:
+    return (f"{entry} refuses distributed strategies, and ZeroStrategy is one (a DDPStrategy, also at devices=1); "
+            f"{_FINDER_HINT}.")
+
+
+def check_no_lightning_finder(callbacks: list[Any]) -> None:
+    """Lightning's BatchSizeFinder among the callbacks: our error, raised where the strategy sets up its
+    environment -- before the callbacks' ``setup``, where Lightning's finder raises its own."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+
+    if any(isinstance(cb, BatchSizeFinder) for cb in callbacks):
+        raise ValueError(lightning_finder_refusal("Lightning's BatchSizeFinder"))

@@ -20,7 +20,7 @@ from torch.distributed.constants import default_pg_timeout
 from ..engine import ZeroEngine
 from ..engine.stage3.deferred_init import has_meta_params
 from ..engine.engine_state import EngineMode
-from .callback_checks import check_callbacks, weight_readers
+from .callback_checks import check_callbacks, check_no_lightning_finder, weight_readers
 from .checkpoint_strategy import ZeroCheckpointMixin
 from .memory_summary import report as memory_report
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
@@ -239,6 +239,9 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
 
     # -- tensor parallelism: device_mesh and the sampler split in TensorParallelMixin ------------------
     def setup_environment(self) -> None:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None:  # before Lightning's BatchSizeFinder.setup refuses with no way out
+            check_no_lightning_finder(trainer.callbacks)
         super().setup_environment()
         if self.tensor_parallel is not None:  # LightningModule.device_mesh in configure_model, as Lightning's
             self.lightning_module._device_mesh = self._build_device_mesh()

@@ -7,6 +7,7 @@
     lightning-zero estimate --params 1.5e9 --ranks 16 --nodes 2 --optimizer sgd
     lightning-zero estimate --params 1.5e9 --ranks 8 --pipeline-parallel-size 2 --microbatches 8
     lightning-zero tune --memory-mb 12 --out tuned.overrides model=t5_tiny trainer.devices=2
+    lightning-zero tune --module my_pkg.models:build --memory-mb 900 --devices 2 --stages 2,3
     lightning-zero from-deepspeed ds_config.json --world-size 2 --out ds.overrides
 """
 
@@ -148,8 +149,14 @@ def _load_module(spec: str):
 def _estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate_model_states
 
+    probe = None
     if args.module:
         model = _load_module(args.module)
+        if isinstance(model, tuple):  # (LightningModule, datamodule)
+            model = model[0]
+        cfg = getattr(model, "config", None)
+        if args.batch_size is not None and getattr(cfg, "model_type", "") != "t5":
+            probe = _probe(args)
     elif args.params:
         model = _count(args.params)
     else:
@@ -163,9 +170,23 @@ def _estimate(args: argparse.Namespace) -> int:
         device_memory_gb=args.device_memory, cpu_memory_gb=args.cpu_memory,
         settings=args.settings.split(",") if args.settings else None, vocab_size=vocab,
         shard_group_size=args.shard_group_size, activation_checkpointing=args.activation_checkpointing,
-        offload_activations=args.offload_activations, tensor_parallel_size=args.tensor_parallel_size)
+        offload_activations=args.offload_activations, tensor_parallel_size=args.tensor_parallel_size,
+        activation_probe=probe)
     print(est)
     return 0
+
+
+def _probe(args: argparse.Namespace):
+    """Activations of a non-T5 --module: one probe step of the factory's model, built for real on the CPU."""
+    import importlib
+
+    from .estimate_activations import probe_activations
+
+    mod_name, _, attr = args.module.partition(":")
+    made = getattr(importlib.import_module(mod_name), attr)()
+    model, data = made if isinstance(made, tuple) else (made, None)
+    return probe_activations(model, data, probe_batch=args.probe_batch_size, precision=args.precision,
+                             seq_len=args.src_len)
 
 
 def _estimate_pipeline(args: argparse.Namespace, model, vocab) -> int:
@@ -186,8 +207,9 @@ def _add_estimate(sub) -> None:
     p = sub.add_parser(
         "estimate", help="per-rank memory of every ZeRO stage x offload setting, and which fit",
         description="Device bytes per rank (model states from the floors of docs/ARCHITECTURE.md as the engine "
-        "allocates them, plus its bucket / stage-3 unit buffers and, for T5 with --batch-size, activations) and CPU "
-        "RAM per node, for stages 0-3 with and without offload. Nothing is run or allocated. "
+        "allocates them, plus its bucket / stage-3 unit buffers and, with --batch-size, activations: the T5 formula, "
+        "or for another --module one measured probe step) and CPU RAM per node, for stages 0-3 with and without "
+        "offload. Nothing is run or allocated, but for the one probe step of a non-T5 --module with --batch-size. "
         "Memory sizes are GiB (2**30 bytes).")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="t5_small",
@@ -205,8 +227,12 @@ def _add_estimate(sub) -> None:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="strategy.bucket_mb")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="gradient accumulation steps (> 1: stage 1 keeps full gradients between micro-batches)")
-    p.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank (T5 activation estimate)")
-    p.add_argument("--src-len", type=int, default=512, help="source tokens per sample")
+    p.add_argument("--batch-size", type=int, default=None, help="micro-batch per rank: activations (T5: formula; "
+                   "another --module: one measured probe step, scaled linearly)")
+    p.add_argument("--probe-batch-size", type=int, default=2, help="micro-batch of the measured probe step "
+                   "(--module, not T5; its model is built for real on the CPU once)")
+    p.add_argument("--src-len", type=int, default=512, help="source tokens per sample (probe of an HF --module: "
+                   "its sequence length)")
     p.add_argument("--tgt-len", type=int, default=128, help="target tokens per sample")
     p.add_argument("--device-memory", type=float, default=None, metavar="GB", help="memory per device: say what fits")
     p.add_argument("--cpu-memory", type=float, default=None, metavar="GB", help="CPU RAM per node (with --device-memory)")
@@ -230,6 +256,15 @@ def _add_estimate(sub) -> None:
 
 
 def _tune(args: argparse.Namespace) -> int:
+    if args.module:
+        return _tune_module(args)
+    if args.memory_mb is None and args.memory_gb is None:
+        raise ValueError("the recipe tune needs a cap: --memory-mb or --memory-gb.")
+    for flag in ("devices", "precision", "accelerator", "mode", "steps_per_trial", "init_val", "max_trials",
+                 "batch_arg_name"):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} is a --module option; the recipe takes it from its "
+                             "Hydra overrides (trainer.devices=..., trainer.precision=...).")
     from .tuning import tune
 
     res = tune(args.overrides, memory_mb=args.memory_mb, memory_gb=args.memory_gb, out=args.out,
@@ -241,6 +276,23 @@ def _tune(args: argparse.Namespace) -> int:
     return 0 if res.best is not None else 1
 
 
+def _tune_module(args: argparse.Namespace) -> int:
+    from .tuning.module_tune import tune_module
+
+    if args.overrides:
+        raise ValueError(f"Hydra overrides ({' '.join(args.overrides)}) belong to the recipe tune; with --module "
+                         "use --devices, --precision, --stages, --offload.")
+    res = tune_module(args.module, memory_mb=args.memory_mb, memory_gb=args.memory_gb, devices=args.devices or 1,
+                      stages=args.stages, offload=args.offload, precision=args.precision or "32-true",
+                      accelerator=args.accelerator or "auto", mode=args.mode or "binsearch",
+                      steps_per_trial=args.steps_per_trial or 3, init_val=args.init_val or 2,
+                      max_trials=args.max_trials or 25, max_val=args.max_batch,
+                      batch_arg_name=args.batch_arg_name or "batch_size", start_method=args.start_method,
+                      json_out=args.json)
+    print(res.report())
+    return 0 if res.best is not None else 1
+
+
 def _add_tune(sub) -> None:
     p = sub.add_parser(
         "tune", help="fastest stage x offload x micro-batch that fits, measured, for the Hydra T5 recipe",
@@ -248,10 +300,23 @@ def _add_tune(sub) -> None:
         "stage x offload setting find the largest micro-batch that fits the memory cap (doubling, then "
         "bisection; GPU: real out-of-memory under a per-process memory fraction, CPU: the measured peak "
         "against a byte budget), time a few training steps of each, print the ranked table and write the "
-        "winner's overrides (one per line) to --out: python examples/t5_finetune.py $(cat tuned.overrides)")
+        "winner's overrides (one per line) to --out: python examples/t5_finetune.py $(cat tuned.overrides). "
+        "With --module pkg.mod:factory (any LightningModule, or (module, datamodule)): per preset, the largest "
+        "micro-batch lightning_zero.ZeroBatchSizeFinder finds under the cap on --devices ranks.")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the experiment, e.g. model=t5_small trainer=gpu")
-    cap = p.add_mutually_exclusive_group(required=True)
-    cap.add_argument("--memory-gb", type=float, help="memory cap per rank in GiB")
+    p.add_argument("--module", default=None, help="package.module:factory returning a LightningModule or "
+                   "(LightningModule, LightningDataModule): search its batch size instead of the T5 recipe")
+    g = p.add_argument_group("--module options")
+    g.add_argument("--devices", type=int, default=None, help="ranks on this node (default 1)")
+    g.add_argument("--precision", default=None, choices=["32-true", "bf16-mixed", "16-mixed"], help="default 32-true")
+    g.add_argument("--accelerator", default=None, choices=["auto", "cpu", "gpu", "cuda"], help="default auto")
+    g.add_argument("--mode", default=None, choices=["power", "binsearch"], help="default binsearch")
+    g.add_argument("--steps-per-trial", type=int, default=None, help="training steps per candidate (default 3)")
+    g.add_argument("--init-val", type=int, default=None, help="first batch size tried (default 2)")
+    g.add_argument("--max-trials", type=int, default=None, help="candidates at most (default 25)")
+    g.add_argument("--batch-arg-name", default=None, help="the attribute holding the batch size (default batch_size)")
+    cap = p.add_mutually_exclusive_group()
+    cap.add_argument("--memory-gb", type=float, help="memory cap per rank in GiB (required but with --module on a GPU)")
     cap.add_argument("--memory-mb", type=float, help="memory cap per rank in MiB")
     p.add_argument("--out", default="tuned.overrides", help="file for the winning overrides")
     p.add_argument("--config-dir", default=None, help="the recipe's conf/ (default: ./conf or the repo's)")
@@ -263,7 +328,7 @@ def _add_tune(sub) -> None:
     p.add_argument("--activations", default="recipe", choices=["recipe", "search"],
                    help="search: every setting also with activation checkpointing (+ckpt) and with checkpointing "
                    "+ activation offload (+ckpt+offload); recipe: the experiment's own strategy.activation_* keys")
-    p.add_argument("--max-batch", type=int, default=256, help="search ceiling for the micro-batch")
+    p.add_argument("--max-batch", type=int, default=256, help="search ceiling for the micro-batch (--module: max_val)")
     p.add_argument("--bisect-tol", type=float, default=0.0, help="stop bisecting within this fraction")
     p.add_argument("--steps", type=int, default=5, help="timed training steps per candidate")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before timing")

@@ -18,7 +18,8 @@ Three parts, each checked against a measurement (tests/test_estimate.py, docs/tu
   overlapped with the next forward (``overlap_publish=True``), each freed as its forward runs.
 * **Activations** of HF T5 (encoder-decoder) from the architecture, batch and sequence lengths: the
   tensors autograd saves, counted per op (see :func:`t5_activation_bytes`), calibrated against the
-  saved-tensors-hook measurement of the benchmark harness.
+  saved-tensors-hook measurement of the benchmark harness. Any other model: that measurement itself, of
+  one probe step, scaled linearly in the batch size (``estimate_activations.py``, ``activation_probe=``).
 
 Peak device bytes = states + max(backward buffers + activations, step buffers). Counting activations and
 full gradients together is conservative (backward frees activations as gradients appear).
@@ -165,6 +166,7 @@ class Estimate:
     offload_activations: bool = False
     activation_parts: Optional[dict] = None  # t5_activation_memory: device, host, saved, recompute
     tensor_parallel: Optional[object] = None  # estimate_tp.TensorParallelSplit (tensor_parallel_size only)
+    activation_probe: Optional[object] = None  # estimate_activations.ActivationProbe (measured activations)
 
     @property
     def ranks_per_node(self) -> int:
@@ -204,6 +206,7 @@ def estimate_model_states(
     offload_activations: bool = False,
     tensor_parallel_size: Optional[int] = None,
     tensor_parallel_plan: Optional[dict] = None,
+    activation_probe: Optional[object] = None,
 ) -> Estimate:
     """Per-rank device bytes and per-node CPU RAM for every ZeRO stage x offload setting.
 
@@ -218,6 +221,9 @@ def estimate_model_states(
     activations as those strategy options leave them (offloaded bytes count as host memory).
     ``tensor_parallel_size`` (T) / ``tensor_parallel_plan``: each rank's local pieces, sharded over N / T
     data-parallel ranks; stages 0-2 (``estimate_tp.py``).
+    ``activation_probe`` (:func:`~.estimate_activations.probe_activations`): with ``batch_size``, the
+    activations of any model, measured at the probe's micro-batch and scaled linearly (instead of the T5
+    formula; without checkpointing or offload, which the probe does not apply).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}. Allowed: 32-true, bf16-mixed, 16-mixed.")
@@ -243,11 +249,20 @@ def estimate_model_states(
         raise ValueError(f"model must be an nn.Module, a parameter count, a preset name or T5Dims; got {model!r}.")
     act, parts = None, None
     if batch_size is not None:
-        if info.t5 is None:
-            raise ValueError("The activation estimate needs a T5 model (a preset name or a T5 module).")
-        parts = t5_activation_memory(info.t5, batch_size, src_len, tgt_len, mixed, activation_checkpointing,
-                                     offload_activations)
-        act = float(parts["device"])
+        if activation_probe is not None:
+            if activation_checkpointing or offload_activations:
+                raise ValueError("A measured activation probe runs without activation checkpointing or offload. "
+                                 "Allowed: those options with a T5 model (the formula), or the probe without them.")
+            act = float(activation_probe.at(batch_size))
+            parts = {"device": act, "host": 0.0, "saved": act, "recompute": 0.0}
+        elif info.t5 is None:
+            raise ValueError("The activation estimate needs a T5 model (the formula) or a measured probe step: "
+                             "activation_probe=probe_activations(module) (lightning_zero.tools.estimate_activations;"
+                             " `estimate --module pkg.mod:factory --batch-size B` runs it).")
+        else:
+            parts = t5_activation_memory(info.t5, batch_size, src_len, tgt_len, mixed, activation_checkpointing,
+                                         offload_activations)
+            act = float(parts["device"])
     from ..engine.groups import check_shard_group_size
 
     shards = check_shard_group_size(shard_group_size, world_size)  # the ranks one parameter is cut over
@@ -279,7 +294,7 @@ def estimate_model_states(
                     device_memory_gb * GiB if device_memory_gb is not None else None,
                     cpu_memory_gb * GiB if cpu_memory_gb is not None else None,
                     shard_group_size if shards != world_size else None,
-                    activation_checkpointing, offload_activations, parts, split)
+                    activation_checkpointing, offload_activations, parts, split, activation_probe)
 
 
 def _gib(x: Optional[float]) -> str:
@@ -297,12 +312,18 @@ def format_estimate(est: Estimate) -> str:
              f"rank(s) on {est.num_nodes} node(s); precision {est.precision}; optimizer {est.optimizer} "
              f"(K = {k} B/param); bucket {est.bucket_mb:g} MiB; gradient accumulation {est.grad_accumulation}"
              + ("" if est.grad_accumulation > 1 else " (stage 1 keeps full gradients only when accumulating)")]
-    if est.batch is not None:
+    if est.batch is not None and est.activation_probe is not None:
+        pr = est.activation_probe
+        lines.append(f"activations: micro-batch {est.batch[0]} per rank = {_gib(est.activations)} GiB on the device "
+                     f"(measured: saved-tensor bytes of one training forward at micro-batch {pr.probe_batch}, "
+                     f"{_gib(pr.probe_bytes)} GiB from {pr.source}, scaled linearly in the batch size)")
+    elif est.batch is not None:
         b, s, t = est.batch
         lines.append(f"activations: micro-batch {b} x (src {s}, tgt {t}) tokens per rank = {_gib(est.activations)} "
                      f"GiB on the device (T5 formula, docs/tuning.md); {activation_line(est)}")
     elif info.t5 is None:
-        lines.append("activations: not included (give a T5 preset and --batch-size)")
+        lines.append("activations: not included (give --batch-size: the T5 formula, or one measured probe step "
+                     "of a --module factory)")
     lines.append("GiB per rank unless noted (M = MiB); states = params + grads + master + optimizer state")
     cap = f" fits {est.device_memory / GiB:g} GiB |" if est.device_memory is not None else ""
     head = (f"| setting       | stage | offload | params | grads | master+optim | device states | buffers bwd/step "
@@ -371,7 +392,8 @@ def min_ranks_to_fit(est: Estimate, setting: str, max_ranks: int = 4096) -> Opti
         row = estimate_model_states(est.info, n, 1, est.precision, est.optimizer, est.bucket_mb,
                                     est.grad_accumulation, b[0], b[1], b[2], settings=[setting],
                                     activation_checkpointing=est.activation_checkpointing,
-                                    offload_activations=est.offload_activations).rows[0]
+                                    offload_activations=est.offload_activations,
+                                    activation_probe=est.activation_probe).rows[0]
         if row.peak_device <= est.device_memory:
             return n
         n *= 2

@@ -35,6 +35,7 @@ from torch import nn
 from ...engine import ZeroEngine
 from ...engine.activations import SavedBytes, measure_recompute  # noqa: F401 (SavedBytes: re-exported)
 from ..launch import run_ranks
+from .step_bytes import engine_memory, step_device_bytes
 
 
 # -- runners ----------------------------------------------------------------------------------------------
@@ -87,13 +88,7 @@ class Runner:
         ``finalize=False`` between accumulated micro-batches (finalizing would reduce them early).
         """
         if self.engine is not None:
-            if finalize:
-                self.engine.finalize_grads()
-            mem = self.engine.memory_report().as_dict()
-            if self.engine.partitions_params:
-                mem["peak_gathered"] = self.engine.partitioner.peak_gathered_bytes
-                mem["gathered_now"] = self.engine.partitioner.gathered_bytes()
-            return mem
+            return engine_memory(self.engine, finalize)
         params = list(self.model.parameters())
         opt_state = self.opt.optim.state if self.method == "zero_opt" else self.opt.state
         mem = {
@@ -210,9 +205,7 @@ class Trial:
                     r.backward(loss if accumulate == 1 else loss / accumulate)
             if saved is not None:
                 mem = r.state_bytes(finalize=last)
-                device_states = mem["model_states"] - mem.get("host", 0)
-                device_states += mem.get("peak_gathered", 0) - mem.get("gathered_now", 0)
-                peak = max(peak, device_states + saved.bytes + recompute.peak)
+                peak = max(peak, step_device_bytes(mem, saved.bytes + recompute.peak))  # the rule of step_bytes.py
         r.step()
         if self.gpu and measure:
             torch.cuda.synchronize()
