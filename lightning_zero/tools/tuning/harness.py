@@ -35,7 +35,7 @@ from torch import nn
 from ...engine import ZeroEngine
 from ...engine.activations import SavedBytes, measure_recompute  # noqa: F401 (SavedBytes: re-exported)
 from ..launch import run_ranks
-from .step_bytes import engine_memory, step_device_bytes
+from ...engine.step_bytes import engine_memory, step_device_bytes
 
 
 # -- runners ----------------------------------------------------------------------------------------------

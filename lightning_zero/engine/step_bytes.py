@@ -26,7 +26,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ...engine.activations import SavedBytes, measure_recompute
+from .activations import SavedBytes, measure_recompute
 
 
 def engine_memory(engine, finalize: bool = False) -> dict:
