@@ -22,6 +22,7 @@ into units (:mod:`.stage3`); whole-model views (checkpoints, handing the module 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any, Iterator, Optional
 
@@ -36,7 +37,7 @@ from .engine_state import EngineMode, StepCounters
 from .memory import MemoryReport, measure_model_states
 from . import full_state as FS
 from .groups import HybridGroups, check_shard_group_size, hybrid_groups, reduce_scatter_group
-from .optimizer import ShardedOptimizer
+from .optimizer import ShardedOptimizer, kernel_swap_line
 from .publish import PublishQueue, publish_masters
 from .comm_report import CommReport, StepTraffic
 from .stage3.partition import ParamPartitioner
@@ -45,6 +46,7 @@ from .stage3.setup import setup_stage3
 from . import param_groups as PG
 from . import tensor_parallel as TP
 
+_log = logging.getLogger("lightning_zero.engine")
 
 
 class ZeroEngine:
@@ -109,6 +111,9 @@ class ZeroEngine:
         self.shardeds: list[ShardedOptimizer] = PG.shard_optimizers(
             self.optimizers, self.buckets, self._bucket_opt, sources, cfg, compute_dtype)
         self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
+        swap = kernel_swap_line(self.shardeds)
+        if swap is not None and C.rank() == 0:
+            _log.info(swap)
         if self.tensor_parallel is not None:  # the gradient norm also sums over the TP group
             for s in self.shardeds:
                 s.tp_group, s.tp_size = self.tensor_parallel.tp_group, self.tensor_parallel.tp_size
