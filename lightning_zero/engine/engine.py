@@ -138,6 +138,7 @@ class ZeroEngine:
             )
             PG.install_optimizer_methods(self)
         self.last_step_skipped = False
+        self._sync_buffers_next = True  # DDP's require_forward_param_sync (see _buffers_due)
         self._traffic = StepTraffic(group)  # comm_report(): the collectives of the last step
 
         # activation checkpointing / offload (None when both are off)
@@ -205,14 +206,29 @@ class ZeroEngine:
         TP.broadcast_module_states(self.module, self.group)  # tensor parallel: local pieces, over DP
 
     def prepare_forward(self) -> None:
-        """Before a training/eval step: rank 0's buffers (training, like DDP); stage 3: the root unit (Lightning
-        calls ``training_step``, not ``forward``: root parameters it uses are gathered here, not in a hook)."""
-        if self.module.training:
+        """Before a training/eval step: rank 0's buffers when DDP's forward would broadcast them
+        ([Note: buffer broadcast]); stage 3: the root unit (Lightning calls ``training_step``, not ``forward``:
+        root parameters it uses are gathered here, not in a hook)."""
+        if self._buffers_due():
             self.sync_buffers()
         if self.publisher is not None:  # the root's own parameters: a training_step may use them directly
             self.publisher.wait_for_module(self.module)
         if self.partitions_params:
             self.partitioner.gather(self.partitioner.root)
+
+    def _buffers_due(self) -> bool:
+        """[Note: buffer broadcast] torch's DDP broadcasts rank 0's buffers in a forward only if the previous
+        forward ran with grad enabled outside ``no_sync`` (its ``require_forward_param_sync``, set in
+        ``_post_forward``; True before the first), in train and eval mode alike. So under accumulation the
+        boundary micro-batch keeps the running statistics its rank's previous micro-batch wrote, and the first
+        evaluation forward after a synced step takes rank 0's. The same rule here, decided at the step's
+        start, which sees the same grad mode and ``no_sync`` state as that step's forwards. An evaluation-only
+        engine broadcasts nothing: outside fit there is no DDP wrapper (and ranks may run uneven batches)."""
+        if self.mode is EngineMode.EVAL_ONLY:
+            return False
+        due = self._sync_buffers_next
+        self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
+        return due
 
     def sync_buffers(self) -> None:
         if C.world_size(self.group) > 1 and self.config.broadcast_buffers:
