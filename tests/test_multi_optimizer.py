@@ -8,6 +8,7 @@ parameters get no gradient in the other's backward), same seed and data; fp32 at
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -297,3 +298,84 @@ def test_gan_zero_grad_through_self_optimizers_matches_ddp(tmp_path, tmp_path_fa
         assert not torch.equal(ref[0]["params"]["extra.weight"], GanNoToggle("", "", mode).extra.weight.detach())
     got = _fit_no_toggle(str(tmp_path), "zero_", ZeroStrategy(start_method="fork", **kw), mode)
     _compare(got, ref)
+
+
+@pytest.mark.timeout(300)
+def test_gan_zero_grad_at_one_device_matches_ddp(tmp_path):
+    ref = _fit_no_toggle(str(tmp_path), "ddp_", _ddp(), "plain", devices=1)
+    got = _fit_no_toggle(str(tmp_path), "zero_", ZeroStrategy(stage=2, start_method="fork"), "plain", devices=1)
+    _compare(got, ref)
+
+
+class FabricGan(nn.Module):
+    """One forward per backward (what DDP needs): the generator's loss, or the discriminator's on a detached
+    fake; ``extra`` joins the discriminator's optimizer later through Fabric's optimizer wrapper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gen, self.disc, self.extra = mlp(LATENT, DATA), mlp(DATA, 1), nn.Linear(1, 1)
+        self.added = False
+
+    def _disc(self, x):
+        return self.extra(self.disc(x)) if self.added else self.disc(x)
+
+    def forward(self, z, real, phase: str):
+        if phase == "g":
+            return F.softplus(-self._disc(self.gen(z))).mean()
+        with torch.no_grad():
+            fake = self.gen(z)
+        return F.softplus(-self._disc(real)).mean() + F.softplus(self._disc(fake)).mean()
+
+
+def _fabric_gan(rank, world_size, strategies):
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+
+    torch.set_num_threads(1)
+    data = [RealData()[i] for i in range(16)]
+    out = {}
+    for name in strategies:
+        strategy = FabricDDP(find_unused_parameters=True) if name == "ddp" else lightning_zero.ZeroFabricStrategy(
+            **dict(STAGE3 if name == "zero3" else dict(stage=int(name[-1]))))
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+        fabric.launch()
+        module = FabricGan()
+        g_opt = torch.optim.Adam(module.gen.parameters(), lr=0.02, betas=(0.5, 0.9))
+        d_opt = torch.optim.SGD(module.disc.parameters(), lr=0.05, momentum=0.9)
+        model, g_opt, d_opt = fabric.setup(module, g_opt, d_opt)
+        losses = []
+        for step in range(6):
+            if step == 3:
+                d_opt.add_param_group({"params": list(module.extra.parameters()), "lr": 0.03})
+                module.added = True
+            real = torch.stack(data[4 * (step % 2) + 8 * rank: 4 * (step % 2) + 8 * rank + 4])
+            z = torch.randn(4, LATENT, generator=torch.Generator().manual_seed(1000 * step + 100 * rank))
+            g_opt.zero_grad()
+            g_loss = model(z, real, "g")
+            fabric.backward(g_loss)
+            g_opt.step()
+            d_opt.zero_grad()  # the discriminator gradient of the generator's backward must go
+            d_loss = model(z, real, "d")
+            fabric.backward(d_loss)
+            d_opt.step()
+            losses += [g_loss.item(), d_loss.item()]
+        gathered = getattr(fabric.strategy, "gathered_params", None)
+        with gathered() if gathered is not None else contextlib.nullcontext():
+            params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        out[name] = {"losses": losses, "params": params}
+        fabric.strategy.teardown() if name != "ddp" else None
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_fabric_gan_zero_grad_and_add_param_group_match_fabric_ddp():
+    """Fabric's optimizer wrapper: ``zero_grad`` / ``add_param_group`` reach the engine at every stage."""
+    from tests.dist_utils import run_distributed
+
+    names = ["ddp", "zero0", "zero1", "zero2", "zero3"]
+    for rank, res in enumerate(run_distributed(_fabric_gan, 2, names)):
+        ref = res["ddp"]
+        assert not torch.equal(ref["params"]["extra.weight"], FabricGan().extra.weight.detach())
+        for name in names[1:]:
+            _compare([res[name]], [ref])
