@@ -8,6 +8,7 @@ parameters get no gradient in the other's backward), same seed and data; fp32 at
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -221,3 +222,160 @@ def test_consolidated_lightning_file_holds_both_optimizers_and_resumes_under_ddp
     assert sgd["state"][0]["momentum_buffer"].shape == (8, DATA)  # disc.0.weight, not the generator's
     resumed = _fit(out, "b_", _ddp(), ckpt_path=single)
     _compare(resumed, whole, losses=False)
+
+
+class GanNoToggle(Gan):
+    """The GAN of Lightning's docs: ``opt.zero_grad()`` before each backward, no ``toggle_optimizer``, so the
+    generator's backward also writes discriminator gradients, which ``opt_d.zero_grad()`` must clear.
+
+    ``mode="add_group"``: ``self.extra`` (requires grad, in no optimizer, unused) joins the discriminator's
+    optimizer through ``self.optimizers()`` at the second epoch and is used from then on.
+    ``mode="toggle"``: the same step with ``toggle_optimizer`` / ``untoggle_optimizer`` around each half."""
+
+    def __init__(self, out: str, tag: str, mode: str) -> None:
+        super().__init__(out, tag)
+        self.mode = mode
+        self.extra = nn.Linear(1, 1)
+        self.added = False
+
+    def _disc(self, x):
+        y = self.disc(x)
+        return self.extra(y) if self.added else y
+
+    def training_step(self, real, batch_idx):
+        g_opt, d_opt = self.optimizers()
+        if self.mode == "add_group" and self.current_epoch == 1 and not self.added:
+            d_opt.add_param_group({"params": list(self.extra.parameters()), "lr": 0.03})
+            self.added = True
+        toggle = self.mode == "toggle"
+        z = self._noise(real.shape[0])
+        if toggle:
+            self.toggle_optimizer(g_opt)
+        g_opt.zero_grad()
+        fake = self.gen(z)
+        g_loss = F.softplus(-self._disc(fake)).mean()
+        self.manual_backward(g_loss)
+        g_opt.step()
+        if toggle:
+            self.untoggle_optimizer(g_opt)
+            self.toggle_optimizer(d_opt)
+        d_opt.zero_grad()
+        d_loss = F.softplus(-self._disc(real)).mean() + F.softplus(self._disc(fake.detach())).mean()
+        self.manual_backward(d_loss)
+        d_opt.step()
+        if toggle:
+            self.untoggle_optimizer(d_opt)
+        self.losses += [g_loss.item(), d_loss.item()]
+
+
+def _fit_no_toggle(out, tag, strategy, mode, devices=2):
+    model = GanNoToggle(out, tag, mode)
+    Trainer(strategy=strategy, **trainer_kwargs(devices=devices, max_steps=-1, max_epochs=2)).fit(model)
+    return load_rank_files(out, tag, "train", devices)
+
+
+_NO_TOGGLE_REF: dict = {}
+
+
+def _no_toggle_reference(tmp_path_factory, mode):
+    if mode not in _NO_TOGGLE_REF:
+        out = str(tmp_path_factory.mktemp(f"gan_ddp_{mode}"))
+        _NO_TOGGLE_REF[mode] = _fit_no_toggle(out, "ddp_", _ddp(), mode)
+    return _NO_TOGGLE_REF[mode]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["plain", "add_group", "toggle"])
+@pytest.mark.parametrize("kw", [dict(stage=0), dict(stage=1), dict(stage=2), STAGE3,
+                                dict(STAGE3, offload_optimizer=True, offload_params=True, offload_kernel="user")],
+                         ids=["zero0", "zero1", "zero2", "zero3", "zero3_offload"])
+def test_gan_zero_grad_through_self_optimizers_matches_ddp(tmp_path, tmp_path_factory, kw, mode):
+    """``opt_d.zero_grad()`` / ``add_param_group`` on what ``self.optimizers()`` returns reach the engine,
+    although Lightning rebuilt those wrappers after the strategy's setup (``setup_precision_plugin``)."""
+    ref = _no_toggle_reference(tmp_path_factory, mode)
+    assert ref[0]["global_step"] == 8
+    if mode == "add_group":  # the added layer trained in the second epoch
+        assert not torch.equal(ref[0]["params"]["extra.weight"], GanNoToggle("", "", mode).extra.weight.detach())
+    got = _fit_no_toggle(str(tmp_path), "zero_", ZeroStrategy(start_method="fork", **kw), mode)
+    _compare(got, ref)
+
+
+@pytest.mark.timeout(300)
+def test_gan_zero_grad_at_one_device_matches_ddp(tmp_path):
+    ref = _fit_no_toggle(str(tmp_path), "ddp_", _ddp(), "plain", devices=1)
+    got = _fit_no_toggle(str(tmp_path), "zero_", ZeroStrategy(stage=2, start_method="fork"), "plain", devices=1)
+    _compare(got, ref)
+
+
+class FabricGan(nn.Module):
+    """One forward per backward (what DDP needs): the generator's loss, or the discriminator's on a detached
+    fake; ``extra`` joins the discriminator's optimizer later through Fabric's optimizer wrapper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gen, self.disc, self.extra = mlp(LATENT, DATA), mlp(DATA, 1), nn.Linear(1, 1)
+        self.added = False
+
+    def _disc(self, x):
+        return self.extra(self.disc(x)) if self.added else self.disc(x)
+
+    def forward(self, z, real, phase: str):
+        if phase == "g":
+            return F.softplus(-self._disc(self.gen(z))).mean()
+        with torch.no_grad():
+            fake = self.gen(z)
+        return F.softplus(-self._disc(real)).mean() + F.softplus(self._disc(fake)).mean()
+
+
+def _fabric_gan(rank, world_size, strategies):
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+
+    torch.set_num_threads(1)
+    data = [RealData()[i] for i in range(16)]
+    out = {}
+    for name in strategies:
+        strategy = FabricDDP(find_unused_parameters=True) if name == "ddp" else lightning_zero.ZeroFabricStrategy(
+            **dict(STAGE3 if name == "zero3" else dict(stage=int(name[-1]))))
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+        fabric.launch()
+        module = FabricGan()
+        g_opt = torch.optim.Adam(module.gen.parameters(), lr=0.02, betas=(0.5, 0.9))
+        d_opt = torch.optim.SGD(module.disc.parameters(), lr=0.05, momentum=0.9)
+        model, g_opt, d_opt = fabric.setup(module, g_opt, d_opt)
+        losses = []
+        for step in range(6):
+            if step == 3:
+                d_opt.add_param_group({"params": list(module.extra.parameters()), "lr": 0.03})
+                module.added = True
+            real = torch.stack(data[4 * (step % 2) + 8 * rank: 4 * (step % 2) + 8 * rank + 4])
+            z = torch.randn(4, LATENT, generator=torch.Generator().manual_seed(1000 * step + 100 * rank))
+            g_opt.zero_grad()
+            g_loss = model(z, real, "g")
+            fabric.backward(g_loss)
+            g_opt.step()
+            d_opt.zero_grad()  # the discriminator gradient of the generator's backward must go
+            d_loss = model(z, real, "d")
+            fabric.backward(d_loss)
+            d_opt.step()
+            losses += [g_loss.item(), d_loss.item()]
+        gathered = getattr(fabric.strategy, "gathered_params", None)
+        with gathered() if gathered is not None else contextlib.nullcontext():
+            params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        out[name] = {"losses": losses, "params": params}
+        fabric.strategy.teardown() if name != "ddp" else None
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_fabric_gan_zero_grad_and_add_param_group_match_fabric_ddp():
+    """Fabric's optimizer wrapper: ``zero_grad`` / ``add_param_group`` reach the engine at every stage."""
+    from tests.dist_utils import run_distributed
+
+    names = ["ddp", "zero0", "zero1", "zero2", "zero3"]
+    for rank, res in enumerate(run_distributed(_fabric_gan, 2, names)):
+        ref = res["ddp"]
+        assert not torch.equal(ref["params"]["extra.weight"], FabricGan().extra.weight.detach())
+        for name in names[1:]:
+            _compare([res[name]], [ref])

@@ -22,6 +22,7 @@ from .stage3.lifecycle import OrderCheck
 
 STAGES = (0, 1, 2, 3)
 GRAD_REDUCE = ("auto", "reduce_scatter", "all_reduce", "all_to_all")
+OFFLOAD_KERNELS = ("fused", "user")
 
 
 def _is_int(value) -> bool:
@@ -66,6 +67,11 @@ class ZeroConfig:
     stage: 0 (DDP-equivalent), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
     offload_optimizer: fp32 master shards and optimizer state live in CPU memory; the step runs there.
     offload_params: stage 3 only -- parameter shards live in CPU memory between uses.
+    offload_kernel: which kernel the offloaded step runs. "fused" (default): torch's fused CPU
+        implementation replaces the user's (``fused=True`` for Adam, AdamW, SGD, Adagrad; ``foreach`` for
+        the others): faster, but not bit-identical to DDP's default kernel (about 1 ulp per step, which Adam
+        can turn into +-lr on a parameter whose true gradient is zero). "user": the optimizer's param groups
+        are left as the user made them (DDP-exact). Without offload_optimizer it has no effect.
     bucket_mb: cap of one gradient/parameter communication bucket, in MiB.
     reduce_dtype: dtype of gradient reductions (None = the compute dtype; "fp32" for exact sums).
     broadcast_buffers: copy rank 0's buffers to all ranks before each training forward (like DDP).
@@ -128,6 +134,8 @@ class ZeroConfig:
     overlap_publish: bool = False
     quantize_weights: bool = False
     quantize_grads: bool = False
+    # -- the offloaded step's kernel (engine/optimizer.py): "fused" | "user", see the docstring
+    offload_kernel: str = "fused"
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -169,6 +177,10 @@ class ZeroConfig:
                 "offload_optimizer=True needs a sharded optimizer: stage 0 keeps replicated optimizer state. "
                 "Allowed: offload_optimizer with stage 1, 2 or 3."
             )
+        if self.offload_kernel not in OFFLOAD_KERNELS:
+            raise ValueError(f"offload_kernel must be one of {', '.join(map(repr, OFFLOAD_KERNELS))} ('fused': "
+                             f"torch's fused CPU kernel, faster; 'user': the optimizer's own kernel, DDP-exact); "
+                             f"got {self.offload_kernel!r}.")
         if self.offload_params and self.stage != 3:
             raise ValueError(
                 f"offload_params=True needs partitioned parameters (stage 3); got stage {self.stage}. "

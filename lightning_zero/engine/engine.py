@@ -22,6 +22,7 @@ into units (:mod:`.stage3`); whole-model views (checkpoints, handing the module 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any, Iterator, Optional
 
@@ -36,7 +37,7 @@ from .engine_state import EngineMode, StepCounters
 from .memory import MemoryReport, measure_model_states
 from . import full_state as FS
 from .groups import HybridGroups, check_shard_group_size, hybrid_groups, reduce_scatter_group
-from .optimizer import ShardedOptimizer
+from .optimizer import ShardedOptimizer, kernel_swap_line
 from .publish import PublishQueue, publish_masters
 from .comm_report import CommReport, StepTraffic
 from .stage3.partition import ParamPartitioner
@@ -45,6 +46,7 @@ from .stage3.setup import setup_stage3
 from . import param_groups as PG
 from . import tensor_parallel as TP
 
+_log = logging.getLogger("lightning_zero.engine")
 
 
 class ZeroEngine:
@@ -114,6 +116,9 @@ class ZeroEngine:
         self.shardeds: list[ShardedOptimizer] = PG.shard_optimizers(
             self.optimizers, self.buckets, self._bucket_opt, sources, cfg, compute_dtype)
         self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
+        swap = kernel_swap_line(self.shardeds)
+        if swap is not None and C.rank() == 0:
+            _log.info(swap)
         if self.tensor_parallel is not None:  # the gradient norm also sums over the TP group
             for s in self.shardeds:
                 s.tp_group, s.tp_size = self.tensor_parallel.tp_group, self.tensor_parallel.tp_size
@@ -138,6 +143,7 @@ class ZeroEngine:
             )
             PG.install_optimizer_methods(self)
         self.last_step_skipped = False
+        self._sync_buffers_next = True  # DDP's require_forward_param_sync (see _buffers_due)
         self._traffic = StepTraffic(group)  # comm_report(): the collectives of the last step
 
         # activation checkpointing / offload (None when both are off)
@@ -205,14 +211,29 @@ class ZeroEngine:
         TP.broadcast_module_states(self.module, self.group)  # tensor parallel: local pieces, over DP
 
     def prepare_forward(self) -> None:
-        """Before a training/eval step: rank 0's buffers (training, like DDP); stage 3: the root unit (Lightning
-        calls ``training_step``, not ``forward``: root parameters it uses are gathered here, not in a hook)."""
-        if self.module.training:
+        """Before a training/eval step: rank 0's buffers when DDP's forward would broadcast them
+        ([Note: buffer broadcast]); stage 3: the root unit (Lightning calls ``training_step``, not ``forward``:
+        root parameters it uses are gathered here, not in a hook)."""
+        if self._buffers_due():
             self.sync_buffers()
         if self.publisher is not None:  # the root's own parameters: a training_step may use them directly
             self.publisher.wait_for_module(self.module)
         if self.partitions_params:
             self.partitioner.gather(self.partitioner.root)
+
+    def _buffers_due(self) -> bool:
+        """[Note: buffer broadcast] torch's DDP broadcasts rank 0's buffers in a forward only if the previous
+        forward ran with grad enabled outside ``no_sync`` (its ``require_forward_param_sync``, set in
+        ``_post_forward``; True before the first), in train and eval mode alike. So under accumulation the
+        boundary micro-batch keeps the running statistics its rank's previous micro-batch wrote, and the first
+        evaluation forward after a synced step takes rank 0's. The same rule here, decided at the step's
+        start, which sees the same grad mode and ``no_sync`` state as that step's forwards. An evaluation-only
+        engine broadcasts nothing: outside fit there is no DDP wrapper (and ranks may run uneven batches)."""
+        if self.mode is EngineMode.EVAL_ONLY:
+            return False
+        due = self._sync_buffers_next
+        self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
+        return due
 
     def sync_buffers(self) -> None:
         if C.world_size(self.group) > 1 and self.config.broadcast_buffers:
@@ -314,8 +335,10 @@ class ZeroEngine:
 
     def memory_report(self) -> MemoryReport:
         """The tensor bytes this rank holds now, by kind (exact: tests compare them with the floors)."""
+        managed = {id(p) for p in self.params}
+        frozen = [p for p in self.module.parameters() if id(p) not in managed]  # tied ones once
         return measure_model_states(self.params, self.shardeds, self.reducer, self.partitioner,
-                                    self.config.offload_optimizer, self.config.offload_params)
+                                    self.config.offload_optimizer, self.config.offload_params, frozen)
 
     # -- whole-model views: plain functions in full_state.py --------------------------------------------
     def full_master_params(self) -> list[torch.Tensor]:

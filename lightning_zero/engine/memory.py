@@ -95,15 +95,17 @@ def model_state_floor(
 
 
 def measure_model_states(params, shardeds, reducer=None, partitioner=None, offload_optimizer: bool = False,
-                         offload_params: bool = False) -> "MemoryReport":
-    """The tensor bytes one rank holds now: ``params`` (managed parameters), the ShardedOptimizers'
-    masters and state, the reducer's gradient shards, stage 3's unit shards and gathered units."""
+                         offload_params: bool = False, frozen=()) -> "MemoryReport":
+    """The tensor bytes one rank holds now: ``params`` (managed parameters) and ``frozen`` (the module's
+    parameters no optimizer manages: LoRA's base, whole and replicated on every rank at stages 0-2, like
+    DDP's), the ShardedOptimizers' masters and state, the reducer's gradient shards, stage 3's unit shards
+    (frozen parameters are partitioned like the others) and gathered units."""
     def nbytes(ts):  # a DTensor (tensor parallel) counts its local piece: what this rank holds
         return sum(local(t).numel() * t.element_size() for t in ts if t is not None)
 
     part = partitioner
     r = MemoryReport(
-        params=part.shard_bytes() + part.gathered_bytes() if part is not None else nbytes(params),
+        params=part.shard_bytes() + part.gathered_bytes() if part is not None else nbytes(params) + nbytes(frozen),
         grads=nbytes(p.grad for p in params),
         grad_shards=nbytes(reducer.grad_shards) if reducer is not None else 0,
         master=sum(s.master_bytes() for s in shardeds),
@@ -120,7 +122,7 @@ def measure_model_states(params, shardeds, reducer=None, partitioner=None, offlo
 class MemoryReport:
     """Tensor bytes one rank holds right now, by kind."""
 
-    params: int = 0  # trainable parameters as the module sees them (full, or shards in stage 3)
+    params: int = 0  # every parameter (frozen too) as this rank holds it (full, or shards in stage 3)
     grads: int = 0  # full-size gradients in ``param.grad``
     grad_shards: int = 0  # reduced gradient shards (stages 1-3)
     master: int = 0  # fp32 master copies that do not alias the parameters

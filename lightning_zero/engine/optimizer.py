@@ -42,7 +42,10 @@ _SHARDABLE: set[type] = {
     torch.optim.ASGD,
     torch.optim.Rprop,
 }
-# torch's fused implementations run on the CPU: the offloaded step swaps them in.
+# torch's fused implementations run on the CPU: the offloaded step swaps them in (offload_kernel="fused").
+# They are not bit-identical to the default (for-loop) kernel DDP runs: about 1 ulp per step, which Adam's
+# normalization turns into a full +-lr update where the true gradient is zero (a bias whose gradient
+# cancels); offload_kernel="user" keeps the user's kernel for DDP-exact runs.
 _FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
 
@@ -95,14 +98,17 @@ class ShardedOptimizer:
         compute_dtype: Optional[torch.dtype] = None,
         sources: Optional[list[list[torch.Tensor]]] = None,
         separate_masters: bool = False,
+        fused_on_cpu: bool = True,
     ) -> None:
         """``sources`` (stage 3): per bucket and parameter, this rank's fp32 slice to take the master from
         (the parameter itself no longer holds its values then). ``separate_masters``: never alias a
-        parameter (its gathered copy is rounded: quantized publish)."""
+        parameter (its gathered copy is rounded: quantized publish). ``fused_on_cpu``: an offloaded step
+        swaps in torch's fused CPU kernel (``ZeroConfig.offload_kernel="fused"``); False keeps the user's."""
         check_shardable(optimizer, stage)
         self.optimizer = optimizer
         self.stage = stage
         self.offload = offload
+        self._swap_kernel = offload and fused_on_cpu
         # a master may alias its parameter only if the parameter stays fp32 on the compute device
         self._compute_fp32 = compute_dtype in (None, torch.float32)  # else the shards are cast later
         self._may_alias = self._compute_fp32 and not offload and not separate_masters
@@ -120,7 +126,7 @@ class ShardedOptimizer:
         self.tp_group: Optional[object] = None
         self.tp_size = 1
         self._rebind(self._add_masters(buckets, sources))
-        if offload:
+        if self._swap_kernel:
             self._use_fused_cpu_kernels()
         self.reset_step_state()
 
@@ -154,7 +160,7 @@ class ShardedOptimizer:
         self.group_params.append(params)
         type(self.optimizer).add_param_group(
             self.optimizer, {**group, "params": [by_param[id(p)] for p in params if id(p) in by_param]})
-        if self.offload:
+        if self._swap_kernel:
             self._use_fused_cpu_kernels()
 
     def _make_master(self, p: torch.Tensor, spec, pin: bool, src: Optional[torch.Tensor]) -> torch.Tensor:
@@ -202,6 +208,18 @@ class ShardedOptimizer:
     @property
     def uses_fused(self) -> bool:
         return all(g.get("fused") for g in self.optimizer.param_groups)
+
+    def kernel_note(self) -> Optional[str]:
+        """What the offloaded step runs instead of the user's kernel (the setup line says it); None if the
+        kernel is the user's own."""
+        if not self._swap_kernel:
+            return None
+        name = type(self.optimizer).__name__
+        if self.uses_fused:
+            return f"{name} steps with torch's fused CPU kernel (fused=True)"
+        if any(g.get("foreach") for g in self.optimizer.param_groups):
+            return f"{name} steps with torch's foreach kernel (foreach=True)"
+        return None
 
     def check_not_unfrozen(self, names) -> None:
         """One clear error instead of a parameter that silently never trains (DDP would drift instead).
@@ -311,3 +329,13 @@ class ShardedOptimizer:
         """Bytes of fp32 master storage *separate* from the parameters (0 when masters are views)."""
         flat = (m for row in self.masters for m in row)
         return sum(m.numel() * m.element_size() for m, a in zip(flat, self._aliased) if not a)
+
+
+def kernel_swap_line(shardeds: list["ShardedOptimizer"]) -> Optional[str]:
+    """The setup line of an offloaded engine whose step does not run the user's own kernel."""
+    notes = [n for n in (s.kernel_note() for s in shardeds) if n is not None]
+    if not notes:
+        return None
+    return (f"offload_optimizer: {'; '.join(notes)} instead of the default kernel DDP runs: faster on the "
+            "CPU, but not bit-identical to DDP (about 1 ulp per step; Adam turns that into +-lr where the true "
+            "gradient is zero). offload_kernel='user' keeps your optimizer's own kernel (DDP-exact).")

@@ -111,7 +111,8 @@ def shard_optimizers(optimizers, buckets, bucket_opt: list[int], sources, cfg, c
         out.append(ShardedOptimizer(opt, [buckets[i] for i in mine], cfg.stage, cfg.offload_optimizer, compute_dtype,
                                     [sources[i] for i in mine] if sources is not None else None,
                                     # qwZ rounds the gathered parameters: an fp32 master may not alias them
-                                    separate_masters=cfg.quantize_weights and cfg.stage in (1, 2)))
+                                    separate_masters=cfg.quantize_weights and cfg.stage in (1, 2),
+                                    fused_on_cpu=cfg.offload_kernel == "fused"))
     return out
 
 

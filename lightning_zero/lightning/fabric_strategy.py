@@ -54,7 +54,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
 
     Args: as :class:`~lightning_zero.ZeroStrategy` (stage, offload_optimizer, offload_params, bucket_mb,
     reduce_dtype, broadcast_buffers, the stage-3 unit options, start_method, process_group_backend,
-    timeout, grad_reduce); ``precision``: a :class:`ZeroFabricPrecision` (else Fabric's ``precision=`` flag is mapped).
+    timeout, grad_reduce, offload_kernel); ``precision``: a :class:`ZeroFabricPrecision` (else Fabric's ``precision=`` flag is mapped).
     ``tensor_parallel_size``: as the Trainer's (stages 0-2); ``parallelize_fn(module, device_mesh) -> module``
     cuts the model in ``fabric.setup_module`` (e.g. torch's ``parallelize_module`` over
     ``device_mesh["tensor_parallel"]``), as Lightning's Fabric ``ModelParallelStrategy`` does.
@@ -89,6 +89,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         overlap_publish: bool = False,
         quantize_weights: bool = False,
         quantize_grads: bool = False,
+        offload_kernel: str = "fused",
         parallelize_fn: Optional[Callable[[Module, Any], Module]] = None,
         **unknown: Any,
     ) -> None:

@@ -7,8 +7,13 @@ module's parameters. Lightning code that thinks in module parameters is pointed 
 of each group (``ShardedOptimizer.group_params``):
 
 * ``LightningOptimizer`` (what ``self.optimizers()`` returns) subclasses the optimizer's class, so its
-  ``zero_grad`` / ``add_param_group`` would be torch's, bypassing the engine's (installed on the raw
-  optimizer object): the wrappers get the engine's methods too.
+  ``zero_grad`` / ``add_param_group`` would be torch's, run on the wrapper, bypassing the engine's
+  (installed on the raw optimizer object): a GAN's ``opt_d.zero_grad()`` would then keep the discriminator
+  gradient the generator's backward left in the reducer. Lightning rebuilds the wrappers whenever
+  ``strategy.optimizers`` is assigned (``setup_precision_plugin`` after ``setup``, unpickling under spawn),
+  so per-wrapper bindings do not last: :func:`install` gives ``LightningOptimizer`` itself methods that
+  call the wrapped optimizer's own, which every wrapper, however late it is built, reaches first in its MRO
+  (as ``fabric_strategy.install`` does for Fabric's wrapper).
 * ``LightningModule.toggle_optimizer`` / ``untoggle_optimizer`` flip ``requires_grad`` of the module
   parameters of the other optimizers (Lightning's own would flip the masters', which autograd never sees).
 * ``BaseFinetuning`` maps the optimizer's parameters back to module names and filters new parameters
@@ -28,16 +33,31 @@ def raw_optimizer(optimizer):
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+_DELEGATED = ("zero_grad", "add_param_group")
+
+
+def install() -> None:
+    """``zero_grad`` / ``add_param_group`` on any ``LightningOptimizer`` call the wrapped optimizer's (the
+    engine's where it installed them, else torch's own: the same behaviour for every other strategy).
+    Idempotent; class-level, so no rebuild of the wrappers can lose it."""
+    for name in _DELEGATED:
+        if name not in LightningOptimizer.__dict__:
+            setattr(LightningOptimizer, name, _delegate(name))
+
+
+def _delegate(name: str):
+    def method(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._optimizer, name)(*args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
 def bind(strategy, trainer) -> Callable[[], None]:
     """Install the glue after the engine exists; returns the undo for teardown."""
     engine, module = strategy.engine, strategy.lightning_module
     undo: list[Callable[[], None]] = []
-
-    for lo in strategy._lightning_optimizers:
-        for name in ("zero_grad", "add_param_group"):
-            if name in lo.optimizer.__dict__:
-                lo.__dict__[name] = lo.optimizer.__dict__[name]
-                undo.append(lambda lo=lo, name=name: lo.__dict__.pop(name, None))
+    install()
 
     def module_params(opt) -> list:
         return [p for g in engine.sharded_for(raw_optimizer(opt)).group_params for p in g]
