@@ -1,0 +1,333 @@
+"""Several models under one ZeroFabricStrategy: a GAN, a student with its frozen teacher, their checkpoints.
+
+Each model set up gets its own engine; the references are Fabric's own DDP (``Fabric(strategy="ddp")``)
+running the same loops from the same seeds on forked gloo ranks (``tests/dist_utils.run_distributed``,
+one job per topic holding the reference and every ZeRO variant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy
+from torch import nn
+
+from lightning_zero import ZeroFabricStrategy
+from lightning_zero.checkpoint.consolidate import consolidate
+from lightning_zero.engine.config import PRESETS
+from tests.dist_utils import run_distributed
+from tests.lightning_models import uses_sometimes
+from tests.models import VOCAB, batch, make_model, make_optimizer
+
+RTOL, ATOL = 1e-5, 1e-6
+ITERS = 3
+Z, X, HID = 5, 7, 12
+
+
+class Generator(nn.Module):
+    """DCGAN's shape in small: Linear (no bias before BatchNorm, as DCGAN's: its gradient would be rounding
+    noise, which Adam scales up), BatchNorm (running stats: buffers that DDP broadcasts), ReLU, Linear."""
+
+    def __init__(self, bn: bool = True) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(Z, HID, bias=not bn), nn.BatchNorm1d(HID) if bn else nn.Identity(), nn.ReLU(),
+                                 nn.Linear(HID, X))
+
+    def forward(self, z):
+        return self.net(z)
+
+
+class Discriminator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(X, HID), nn.LeakyReLU(0.2), nn.Linear(HID, 1))
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+
+def make_gan(bn: bool = True) -> tuple[Generator, Discriminator]:
+    torch.manual_seed(0)
+    return Generator(bn), Discriminator()
+
+
+def gan_batch(it: int, ranks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(real, noise) of iteration ``it`` for ``ranks`` (one rank's, or several ranks' concatenated)."""
+    ranks = [ranks] if isinstance(ranks, int) else ranks
+    g = [torch.Generator().manual_seed(100 * it + r) for r in ranks]
+    real = torch.cat([torch.randn(6, X, generator=gi) * 0.5 + 1.0 for gi in g])
+    noise = torch.cat([torch.randn(6, Z, generator=gi) for gi in g])
+    return real, noise
+
+
+def _fabric(strategy) -> Fabric:
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=torch.distributed.get_world_size())
+    fabric.launch()
+    return fabric
+
+
+def _state(fabric, *models) -> dict[str, torch.Tensor]:
+    """Every model's state dict (parameters and buffers), whole, under "<i>.<name>"."""
+    gathered = getattr(fabric.strategy, "gathered_params", None)  # stage 3: whole only in there
+    with gathered() if gathered is not None else contextlib.nullcontext():
+        return {f"{i}.{k}": v.detach().clone().float() for i, m in enumerate(models)
+                for k, v in m.state_dict().items()}
+
+
+def _close(a, b, what):
+    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=RTOL, atol=ATOL,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _adam(model):
+    return torch.optim.Adam(model.parameters(), lr=0.02, betas=(0.5, 0.999))
+
+
+# -- the GAN loop, as DCGAN's example writes it ------------------------------------------------------------------
+def gan_loop(fabric, g, d, opt_g, opt_d, rank, iters, start=0, zero_grad="module", ranks=None):
+    """D on real then on detached fakes (the first backward under no_backward_sync, accumulated), clipped,
+    stepped; G through D (its backward also fills D's gradients, dropped by D's zero_grad next time).
+    ``zero_grad``: "module" (``d.zero_grad()``, DCGAN's) or "optimizer" (``opt_d.zero_grad()``).
+    ``ranks``: the ranks whose batches one process trains on (a resharded resume on fewer ranks)."""
+    bce = nn.functional.binary_cross_entropy_with_logits
+    losses = []
+    for it in range(start, start + iters):
+        real, noise = gan_batch(it, rank if ranks is None else ranks)
+        (d if zero_grad == "module" else opt_d).zero_grad()
+        with fabric.no_backward_sync(d):
+            out = d(real)
+            err_real = bce(out, torch.ones_like(out))
+            fabric.backward(err_real)
+        fake = g(noise)
+        out = d(fake.detach())
+        err_fake = bce(out, torch.zeros_like(out))
+        fabric.backward(err_fake)
+        fabric.clip_gradients(d, opt_d, max_norm=0.5)
+        opt_d.step()
+        (g if zero_grad == "module" else opt_g).zero_grad()
+        out = d(fake)
+        err_g = bce(out, torch.ones_like(out))
+        fabric.backward(err_g)
+        opt_g.step()
+        losses += [err_real.item(), err_fake.item(), err_g.item()]
+    return losses
+
+
+def _gan_run(strategy, rank, zero_grad="module", build="setup"):
+    fabric = _fabric(strategy)
+    g, d = make_gan()
+    if build == "setup":
+        g, opt_g = fabric.setup(g, _adam(g))
+        d, opt_d = fabric.setup(d, _adam(d))
+    else:  # setup_module for both, then each optimizer over its set-up model, in one setup_optimizers call
+        g, d = fabric.setup_module(g), fabric.setup_module(d)
+        opt_g, opt_d = fabric.setup_optimizers(_adam(g), _adam(d))
+    losses = gan_loop(fabric, g, d, opt_g, opt_d, rank, ITERS, zero_grad=zero_grad)
+    out = {"losses": losses, "state": _state(fabric, g, d)}
+    if isinstance(fabric.strategy, ZeroFabricStrategy):
+        engines = [fabric.strategy.engine_of(m) for m in (g, d)]
+        out["engines"] = len({id(e) for e in engines}), [e.config.stage for e in engines]
+        fabric.strategy.teardown()
+    return out
+
+
+def _gan_job(rank, world_size):
+    out = {("ddp", z): _gan_run("ddp", rank, zero_grad=z) for z in ("module", "optimizer")}
+    for name in PRESETS:
+        out[name, "module"] = _gan_run(name, rank)
+    for name in ("zero2", "zero3"):
+        out[name, "optimizer"] = _gan_run(name, rank, zero_grad="optimizer")
+    out["zero3 separate", "module"] = _gan_run(ZeroFabricStrategy(stage=3), rank, build="separate")
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_gan_two_models_equal_fabric_ddp():
+    """A generator and a discriminator, each fabric.setup with its own Adam (and both via setup_module +
+    setup_optimizers): at every stage 0-3 (+offload) the per-iteration losses and final weights and
+    BatchNorm statistics equal Fabric DDP's, with ``d.zero_grad()`` (module) and ``opt_d.zero_grad()``,
+    D's gradients accumulated under no_backward_sync(d) and clipped, and G's loss through D."""
+    res = run_distributed(_gan_job, 2)
+    zero = [k for k in res[0] if k[0] != "ddp"]
+    assert len(zero) == len(PRESETS) + 3
+    for rank, r in enumerate(res):
+        for key in zero:
+            ref = r["ddp", key[1]]
+            assert r[key]["engines"][0] == 2, key  # one engine per model
+            _close(r[key]["losses"], ref["losses"], f"rank {rank} {key} losses")
+            assert set(r[key]["state"]) == set(ref["state"])
+            for k, v in ref["state"].items():
+                _close(r[key]["state"][k], v, f"rank {rank} {key} {k}")
+        # it trained, and the two zero_grad patterns are the same loop
+        assert not torch.allclose(r["ddp", "module"]["state"]["1.net.0.weight"], make_gan()[1].net[0].weight)
+        _close(r["ddp", "optimizer"]["losses"], r["ddp", "module"]["losses"], "ddp zero_grad patterns")
+
+
+# -- a student distilled from a frozen teacher set up without an optimizer ------------------------------------
+def _distill_run(strategy, rank, build="setup"):
+    fabric = _fabric(strategy)
+    teacher = make_model(seed=1).requires_grad_(False).eval()
+    original = {k: v.clone() for k, v in teacher.state_dict().items()}
+    if not isinstance(fabric.strategy, ZeroFabricStrategy):
+        teacher = teacher.to(fabric.device)  # DDP refuses a model without trainable parameters
+    else:
+        teacher = fabric.setup(teacher)  # no optimizer: an evaluation engine (stage 3 partitions it)
+    student = make_model(seed=0)
+    if build == "setup":
+        student, opt = fabric.setup(student, make_optimizer(student, "adamw"))
+    else:
+        student = fabric.setup_module(student)
+        opt = fabric.setup_optimizers(make_optimizer(student, "adamw"))
+    losses = []
+    for step in range(ITERS):
+        tokens = batch(step, rank)
+        with torch.no_grad():
+            target = torch.softmax(teacher(tokens[:, :-1]), -1)
+        logits = student(tokens[:, :-1], uses_sometimes(rank, step)).reshape(-1, VOCAB)
+        loss = (nn.functional.cross_entropy(logits, tokens[:, 1:].reshape(-1))
+                + nn.functional.cross_entropy(logits, target.reshape(-1, VOCAB)))  # the data + the teacher
+        fabric.backward(loss)
+        fabric.clip_gradients(student, opt, max_norm=0.1)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out = {"losses": losses, "student": _state(fabric, student)}
+    if isinstance(fabric.strategy, ZeroFabricStrategy):
+        engine = fabric.strategy.engine_of(teacher)
+        out["teacher partitioned"] = engine is not None and engine.partitions_params
+        out["teacher local numel"] = sum(p.untyped_storage().nbytes() // p.element_size() for p in teacher.parameters())
+        fabric.strategy.teardown()  # hands the teacher back whole
+    out["teacher unchanged"] = all(torch.equal(v, original[k]) for k, v in teacher.state_dict().items())
+    return out
+
+
+def _distill_job(rank, world_size):
+    out = {"ddp": _distill_run(DDPStrategy(find_unused_parameters=True), rank)}  # ParityNet has unused ones
+    for stage in range(4):
+        out[f"zero{stage}"] = _distill_run(ZeroFabricStrategy(stage=stage), rank)
+    out["zero3 separate"] = _distill_run(ZeroFabricStrategy(stage=3), rank, build="separate")
+    out["zero3_offload"] = _distill_run("zero3_offload", rank)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_student_with_frozen_teacher_set_up_without_optimizer():
+    """fabric.setup(teacher) (no optimizer, frozen) beside fabric.setup(student, opt): the student's losses
+    and weights equal Fabric DDP's (whose teacher is a plain module: DDP refuses one without trainable
+    parameters) at stages 0-3; at stage 3 the teacher is partitioned, and teardown hands it back unchanged."""
+    res = run_distributed(_distill_job, 2)
+    whole = sum(p.numel() for p in make_model(seed=1).parameters())
+    for rank, r in enumerate(res):
+        ref = r["ddp"]
+        for key in [k for k in r if k != "ddp"]:
+            _close(r[key]["losses"], ref["losses"], f"rank {rank} {key} losses")
+            for k, v in ref["student"].items():
+                _close(r[key]["student"][k], v, f"rank {rank} {key} {k}")
+            assert r[key]["teacher unchanged"], key
+            partitioned = key.startswith("zero3")
+            assert r[key]["teacher partitioned"] == partitioned, key
+            assert (r[key]["teacher local numel"] < whole) == partitioned, key
+        assert not torch.allclose(ref["student"]["0.fc1.weight"], make_model(seed=0).fc1.weight)
+
+
+# -- save both, load into fresh models, continue -----------------------------------------------------------------
+SAVE_AT = 2
+
+
+def _setup_gan(strategy):
+    fabric = _fabric(strategy)
+    g, d = make_gan(bn=False)  # no BatchNorm: one rank on two ranks' batches is then the same step
+    g, opt_g = fabric.setup(g, _adam(g))
+    d, opt_d = fabric.setup(d, _adam(d))
+    return fabric, g, d, opt_g, opt_d
+
+
+def _gan_ckpt_job(rank, world_size, root):
+    out = {}
+    ckpt = os.path.join(root, "gan.ckpt")
+    fabric, g, d, opt_g, opt_d = _setup_gan("zero2")
+    gan_loop(fabric, g, d, opt_g, opt_d, rank, SAVE_AT)
+    out["at save"] = _state(fabric, g, d)
+    fabric.save(ckpt, {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": SAVE_AT})
+    full = fabric.load(ckpt)  # no state: every model's full weights and optimizers, under the saved keys
+    out["full"] = {k: (v if k in ("g", "d", "step") else sorted(v["state"])) for k, v in full.items()}
+    out["after"] = gan_loop(fabric, g, d, opt_g, opt_d, rank, 2, start=SAVE_AT)
+    out["uninterrupted"] = _state(fabric, g, d)
+    fabric.strategy.teardown()
+
+    # fresh models at another stage, loaded together, continue as the uninterrupted run
+    fabric, g, d, opt_g, opt_d = _setup_gan(ZeroFabricStrategy(stage=3))
+    state = {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": 0}
+    out["remainder"] = fabric.load(ckpt, state)
+    out["resumed"] = gan_loop(fabric, g, d, opt_g, opt_d, rank, 2, start=state["step"])
+    out["resumed state"] = _state(fabric, g, d)
+    fabric.strategy.teardown()
+    return out
+
+
+def _gan_reshard_job(rank, world_size, root):
+    """One rank, stage 1, resuming the 2-rank stage-2 checkpoint on both ranks' batches at once."""
+    fabric, g, d, opt_g, opt_d = _setup_gan(ZeroFabricStrategy(stage=1))
+    state = {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": 0}
+    fabric.load(os.path.join(root, "gan.ckpt"), state)
+    gan_loop(fabric, g, d, opt_g, opt_d, rank, 2, start=state["step"], ranks=[0, 1])
+    out = {"state": _state(fabric, g, d)}
+    fabric.strategy.teardown()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_save_both_models_load_into_fresh_ones_and_continue(tmp_path):
+    """fabric.save(path, {"g", "d", "opt_g", "opt_d", "step"}) writes one directory holding each model's
+    sharded checkpoint; fabric.load into fresh models (stage 2 -> 3, and 2 ranks -> 1 at stage 1) continues
+    exactly as the uninterrupted run; each model's directory consolidates on its own."""
+    res = run_distributed(_gan_ckpt_job, 2, str(tmp_path))
+    ckpt = tmp_path / "gan.ckpt"
+    assert sorted(os.listdir(ckpt / "models")) == ["d", "g"]
+    for rank, r in enumerate(res):
+        assert r["remainder"] == {}
+        assert sorted(r["full"]) == ["d", "g", "opt_d", "opt_g", "step"] and r["full"]["step"] == SAVE_AT
+        assert r["full"]["opt_g"] and r["full"]["opt_d"]
+        for i, key in enumerate(("g", "d")):
+            for k, v in r["full"][key].items():
+                torch.testing.assert_close(v, r["at save"][f"{i}.{k}"], rtol=0, atol=0, msg=f"{key}.{k}")
+        _close(r["resumed"], r["after"], f"rank {rank} resumed losses")
+        for k, v in r["uninterrupted"].items():
+            _close(r["resumed state"][k], v, f"rank {rank} resumed {k}")
+    consolidate(ckpt / "models" / "d", tmp_path / "d.pt")
+    for k, v in torch.load(tmp_path / "d.pt").items():
+        torch.testing.assert_close(v, res[0]["at save"][f"1.{k}"], rtol=0, atol=0, msg=f"consolidated d.{k}")
+    one = run_distributed(_gan_reshard_job, 1, str(tmp_path))[0]
+    for k, v in res[0]["uninterrupted"].items():
+        _close(one["state"][k], v, f"1-rank resume {k}")
+
+
+# -- bad input -----------------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_several_models_bad_input_names_what_is_allowed(tmp_path):
+    fabric = Fabric(strategy=ZeroFabricStrategy(stage=2), accelerator="cpu", devices=1)
+    fabric.launch()
+    g, d = make_gan()
+    g, opt_g = fabric.setup(g, _adam(g))
+    with pytest.raises(ValueError, match="shares 3 parameter.*Allowed: models with disjoint parameters"):
+        fabric.setup(nn.Sequential(g.module.net[0], nn.ReLU(), g.module.net[3]))
+    with pytest.raises(ValueError, match="holds parameters of no single model set up"):
+        fabric.setup_optimizers(_adam(d))
+    d, opt_d = fabric.setup(d, _adam(d))
+    with pytest.raises(RuntimeError, match="2 models set up.*Allowed: fabric.strategy.engine_of"):
+        fabric.strategy.engine
+    with pytest.raises(ValueError, match="not an optimizer of this model"):
+        fabric.clip_gradients(g, opt_d, max_norm=1.0)
+    with pytest.raises(ValueError, match=r"state\['opt_d'\] is the optimizer of a model that is not in the state"):
+        fabric.save(tmp_path / "x.ckpt", {"g": g, "opt_g": opt_g, "opt_d": opt_d})
+    fabric.save(tmp_path / "gd.ckpt", {"g": g, "d": d})
+    with pytest.raises(ValueError, match=r"holds 2 models \(g, d\). Allowed: fabric.load\(path, \{'g': ..., 'd'"):
+        fabric.load_raw(tmp_path / "gd.ckpt", g)
+    with pytest.raises(KeyError, match="'opt_g' that does not exist"):
+        fabric.load(tmp_path / "gd.ckpt", {"g": g, "d": d, "opt_g": opt_g})
+    assert fabric.load(tmp_path / "gd.ckpt", {"g": g, "opt_g": opt_g}, strict=False) == {}
+    fabric.strategy.teardown()
