@@ -64,8 +64,9 @@ def gan_batch(it: int, ranks) -> tuple[torch.Tensor, torch.Tensor]:
     return real, noise
 
 
-def _fabric(strategy) -> Fabric:
-    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=torch.distributed.get_world_size())
+def _fabric(strategy, precision="32-true") -> Fabric:
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=torch.distributed.get_world_size(),
+                    precision=precision)
     fabric.launch()
     return fabric
 
@@ -117,8 +118,8 @@ def gan_loop(fabric, g, d, opt_g, opt_d, rank, iters, start=0, zero_grad="module
     return losses
 
 
-def _gan_run(strategy, rank, zero_grad="module", build="setup"):
-    fabric = _fabric(strategy)
+def _gan_run(strategy, rank, zero_grad="module", build="setup", precision="32-true"):
+    fabric = _fabric(strategy, precision)
     g, d = make_gan()
     if build == "setup":
         g, opt_g = fabric.setup(g, _adam(g))
@@ -126,12 +127,14 @@ def _gan_run(strategy, rank, zero_grad="module", build="setup"):
     else:  # setup_module for both, then each optimizer over its set-up model, in one setup_optimizers call
         g, d = fabric.setup_module(g), fabric.setup_module(d)
         opt_g, opt_d = fabric.setup_optimizers(_adam(g), _adam(d))
+    dtypes = {p.dtype for m in (g, d) for p in m.parameters()}
     losses = gan_loop(fabric, g, d, opt_g, opt_d, rank, ITERS, zero_grad=zero_grad)
-    out = {"losses": losses, "state": _state(fabric, g, d)}
+    out = {"losses": losses, "state": _state(fabric, g, d), "dtypes": dtypes}
     if isinstance(fabric.strategy, ZeroFabricStrategy):
         engines = [fabric.strategy.engine_of(m) for m in (g, d)]
         out["engines"] = len({id(e) for e in engines}), [e.config.stage for e in engines]
         fabric.strategy.teardown()
+        out["after teardown"] = _state(fabric, g, d)  # both handed back whole (stage 3), fp32
     return out
 
 
@@ -142,6 +145,7 @@ def _gan_job(rank, world_size):
     for name in ("zero2", "zero3"):
         out[name, "optimizer"] = _gan_run(name, rank, zero_grad="optimizer")
     out["zero3 separate", "module"] = _gan_run(ZeroFabricStrategy(stage=3), rank, build="separate")
+    out["bf16"] = _gan_run("zero3", rank, precision="bf16-mixed")  # each module's own input casts
     return out
 
 
@@ -152,7 +156,7 @@ def test_gan_two_models_equal_fabric_ddp():
     BatchNorm statistics equal Fabric DDP's, with ``d.zero_grad()`` (module) and ``opt_d.zero_grad()``,
     D's gradients accumulated under no_backward_sync(d) and clipped, and G's loss through D."""
     res = run_distributed(_gan_job, 2)
-    zero = [k for k in res[0] if k[0] != "ddp"]
+    zero = [k for k in res[0] if k[0] != "ddp" and k != "bf16"]
     assert len(zero) == len(PRESETS) + 3
     for rank, r in enumerate(res):
         for key in zero:
@@ -162,6 +166,11 @@ def test_gan_two_models_equal_fabric_ddp():
             assert set(r[key]["state"]) == set(ref["state"])
             for k, v in ref["state"].items():
                 _close(r[key]["state"][k], v, f"rank {rank} {key} {k}")
+                torch.testing.assert_close(r[key]["after teardown"][k], r[key]["state"][k], rtol=0, atol=0)
+        bf16, ref = r["bf16"], torch.tensor(r["ddp", "module"]["losses"])
+        assert bf16["dtypes"] == {torch.bfloat16}  # both modules themselves in bf16, fp32 masters
+        rel = ((torch.tensor(bf16["losses"]) - ref).abs() / ref.abs()).max().item()
+        assert rel < 3e-2, f"bf16: max relative loss gap {rel:.4f} to fp32 DDP"
         # it trained, and the two zero_grad patterns are the same loop
         assert not torch.allclose(r["ddp", "module"]["state"]["1.net.0.weight"], make_gan()[1].net[0].weight)
         _close(r["ddp", "optimizer"]["losses"], r["ddp", "module"]["losses"], "ddp zero_grad patterns")
