@@ -92,13 +92,15 @@ def _adam(model):
 def gan_loop(fabric, g, d, opt_g, opt_d, rank, iters, start=0, zero_grad="module", ranks=None):
     """D on real then on detached fakes (the first backward under no_backward_sync, accumulated), clipped,
     stepped; G through D (its backward also fills D's gradients, dropped by D's zero_grad next time).
-    ``zero_grad``: "module" (``d.zero_grad()``, DCGAN's) or "optimizer" (``opt_d.zero_grad()``).
-    ``ranks``: the ranks whose batches one process trains on (a resharded resume on fewer ranks)."""
+    ``zero_grad``: "module" (``d.zero_grad()``, DCGAN's), "optimizer" (``opt_d.zero_grad()``) or "frozen d"
+    (module zero_grad, and D's parameters frozen for G's step, as CycleGAN's ``set_requires_grad(D, False)``:
+    D's engine is in that backward without a gradient). ``ranks``: the ranks whose batches one process
+    trains on (a resharded resume on fewer ranks)."""
     bce = nn.functional.binary_cross_entropy_with_logits
     losses = []
     for it in range(start, start + iters):
         real, noise = gan_batch(it, rank if ranks is None else ranks)
-        (d if zero_grad == "module" else opt_d).zero_grad()
+        (opt_d if zero_grad == "optimizer" else d).zero_grad()
         with fabric.no_backward_sync(d):
             out = d(real)
             err_real = bce(out, torch.ones_like(out))
@@ -109,11 +111,13 @@ def gan_loop(fabric, g, d, opt_g, opt_d, rank, iters, start=0, zero_grad="module
         fabric.backward(err_fake)
         fabric.clip_gradients(d, opt_d, max_norm=0.5)
         opt_d.step()
-        (g if zero_grad == "module" else opt_g).zero_grad()
+        (opt_g if zero_grad == "optimizer" else g).zero_grad()
+        d.requires_grad_(zero_grad != "frozen d")
         out = d(fake)
         err_g = bce(out, torch.ones_like(out))
         fabric.backward(err_g)
         opt_g.step()
+        d.requires_grad_(True)
         losses += [err_real.item(), err_fake.item(), err_g.item()]
     return losses
 
@@ -139,11 +143,13 @@ def _gan_run(strategy, rank, zero_grad="module", build="setup", precision="32-tr
 
 
 def _gan_job(rank, world_size):
-    out = {("ddp", z): _gan_run("ddp", rank, zero_grad=z) for z in ("module", "optimizer")}
+    out = {("ddp", z): _gan_run("ddp", rank, zero_grad=z) for z in ("module", "optimizer", "frozen d")}
     for name in PRESETS:
         out[name, "module"] = _gan_run(name, rank)
     for name in ("zero2", "zero3"):
         out[name, "optimizer"] = _gan_run(name, rank, zero_grad="optimizer")
+    for name in ("zero1", "zero3", "zero3_offload"):
+        out[name, "frozen d"] = _gan_run(name, rank, zero_grad="frozen d")
     out["zero3 separate", "module"] = _gan_run(ZeroFabricStrategy(stage=3), rank, build="separate")
     out["bf16"] = _gan_run("zero3", rank, precision="bf16-mixed")  # each module's own input casts
     return out
@@ -153,11 +159,12 @@ def _gan_job(rank, world_size):
 def test_gan_two_models_equal_fabric_ddp():
     """A generator and a discriminator, each fabric.setup with its own Adam (and both via setup_module +
     setup_optimizers): at every stage 0-3 (+offload) the per-iteration losses and final weights and
-    BatchNorm statistics equal Fabric DDP's, with ``d.zero_grad()`` (module) and ``opt_d.zero_grad()``,
-    D's gradients accumulated under no_backward_sync(d) and clipped, and G's loss through D."""
+    BatchNorm statistics equal Fabric DDP's, with ``d.zero_grad()`` (module), ``opt_d.zero_grad()`` and D
+    frozen for G's step, D's gradients accumulated under no_backward_sync(d) and clipped, and G's loss
+    through D; teardown hands both back whole."""
     res = run_distributed(_gan_job, 2)
     zero = [k for k in res[0] if k[0] != "ddp" and k != "bf16"]
-    assert len(zero) == len(PRESETS) + 3
+    assert len(zero) == len(PRESETS) + 6
     for rank, r in enumerate(res):
         for key in zero:
             ref = r["ddp", key[1]]
@@ -174,6 +181,8 @@ def test_gan_two_models_equal_fabric_ddp():
         # it trained, and the two zero_grad patterns are the same loop
         assert not torch.allclose(r["ddp", "module"]["state"]["1.net.0.weight"], make_gan()[1].net[0].weight)
         _close(r["ddp", "optimizer"]["losses"], r["ddp", "module"]["losses"], "ddp zero_grad patterns")
+        # freezing D for G's step changes nothing either (D's gradients from it were dropped anyway)
+        _close(r["ddp", "frozen d"]["losses"], r["ddp", "module"]["losses"], "ddp frozen d")
 
 
 # -- a student distilled from a frozen teacher set up without an optimizer ------------------------------------
