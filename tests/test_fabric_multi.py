@@ -252,6 +252,57 @@ def test_student_with_frozen_teacher_set_up_without_optimizer():
         assert not torch.allclose(ref["student"]["0.fc1.weight"], make_model(seed=0).fc1.weight)
 
 
+def _critic_run(strategy, rank):
+    """G trained through a frozen critic set up without an optimizer (a reward model, a perceptual loss):
+    the loss flows through the critic's units in every backward, none of its parameters gets a gradient."""
+    fabric = _fabric(strategy)
+    g, critic = make_gan(bn=False)
+    critic.requires_grad_(False)
+    if isinstance(fabric.strategy, ZeroFabricStrategy):
+        critic = fabric.setup(critic)
+    g, opt = fabric.setup(g, _adam(g))
+    losses, held = [], []
+    for it in range(ITERS):
+        _, noise = gan_batch(it, rank)
+        loss = -critic(g(noise)).mean()
+        fabric.backward(loss)
+        engine = fabric.strategy.engine_of(critic) if isinstance(fabric.strategy, ZeroFabricStrategy) else None
+        if engine is not None and engine.partitions_params:
+            held.append(engine.partitioner.gathered_bytes())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out = {"losses": losses, "g": _state(fabric, g), "held after backward": held}
+    if isinstance(fabric.strategy, ZeroFabricStrategy):
+        engine = fabric.strategy.engine_of(critic)
+        # each backward's end seen: the unit order recorded once (it would grow at every forward otherwise)
+        out["critic order"] = engine.partitioner.order_state.name if engine is not None else None
+        fabric.strategy.teardown()
+    return out
+
+
+def _critic_job(rank, world_size):
+    out = {"ddp": _critic_run("ddp", rank)}
+    for name in ("zero1", "zero3"):
+        out[name] = _critic_run(name, rank)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_generator_through_frozen_critic_without_optimizer():
+    """The loss of G goes through a frozen critic set up without an optimizer: G equals Fabric DDP's
+    (a plain critic there), and at stage 3 the critic's units gathered for each backward are released at
+    its end (no gradient of the critic's engine fires to end it)."""
+    res = run_distributed(_critic_job, 2)
+    for rank, r in enumerate(res):
+        for key in ("zero1", "zero3"):
+            _close(r[key]["losses"], r["ddp"]["losses"], f"rank {rank} {key} losses")
+            for k, v in r["ddp"]["g"].items():
+                _close(r[key]["g"][k], v, f"rank {rank} {key} {k}")
+        assert r["zero3"]["held after backward"] == [0] * ITERS
+        assert r["zero3"]["critic order"] == "RECORDED" and r["zero1"]["critic order"] is None
+
+
 # -- save both, load into fresh models, continue -----------------------------------------------------------------
 SAVE_AT = 2
 
