@@ -8,6 +8,7 @@ one job per topic holding the reference and every ZeRO variant).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import pytest
@@ -335,6 +336,28 @@ def _gan_ckpt_job(rank, world_size, root):
     out["resumed"] = gan_loop(fabric, g, d, opt_g, opt_d, rank, 2, start=state["step"])
     out["resumed state"] = _state(fabric, g, d)
     fabric.strategy.teardown()
+
+    # a student with its teacher set up without an optimizer (stage 3: an evaluation engine's unit shards;
+    # stage 2: no engine, whole tensors), saved together and loaded into fresh ones at the other stage
+    for save_stage, load_stage in ((3, 2), (2, 3)):
+        path = os.path.join(root, f"distill{save_stage}.ckpt")
+        fabric = _fabric(ZeroFabricStrategy(stage=save_stage))
+        teacher = fabric.setup(make_model(seed=1).requires_grad_(False))
+        student = make_model(seed=0)
+        student, opt = fabric.setup(student, make_optimizer(student, "adamw"))
+        fabric.backward(nn.functional.cross_entropy(student(batch(0, rank)[:, :-1]).reshape(-1, VOCAB),
+                                                    batch(0, rank)[:, 1:].reshape(-1)))
+        opt.step()
+        saved = _state(fabric, student, teacher)
+        fabric.save(path, {"student": student, "teacher": teacher, "opt": opt})
+        fabric.strategy.teardown()
+        fabric = _fabric(ZeroFabricStrategy(stage=load_stage))
+        teacher = fabric.setup(make_model(seed=2).requires_grad_(False))
+        student = make_model(seed=3)
+        student, opt = fabric.setup(student, make_optimizer(student, "adamw"))
+        fabric.load(path, {"student": student, "teacher": teacher, "opt": opt})
+        out[f"distill {save_stage}->{load_stage}"] = saved, _state(fabric, student, teacher)
+        fabric.strategy.teardown()
     return out
 
 
@@ -367,6 +390,13 @@ def test_save_both_models_load_into_fresh_ones_and_continue(tmp_path):
         _close(r["resumed"], r["after"], f"rank {rank} resumed losses")
         for k, v in r["uninterrupted"].items():
             _close(r["resumed state"][k], v, f"rank {rank} resumed {k}")
+        for what in ("distill 3->2", "distill 2->3"):
+            saved, loaded = r[what]
+            assert set(saved) == set(loaded)
+            for k, v in saved.items():
+                torch.testing.assert_close(loaded[k], v, rtol=0, atol=0, msg=f"{what} {k}")
+    with pytest.raises(ValueError, match=r"holds 2 models \(g, d\).*lightning-zero consolidate .*models/<key>"):
+        consolidate(ckpt, tmp_path / "gan.pt")  # the whole directory: which model? Each consolidates alone
     consolidate(ckpt / "models" / "d", tmp_path / "d.pt")
     for k, v in torch.load(tmp_path / "d.pt").items():
         torch.testing.assert_close(v, res[0]["at save"][f"1.{k}"], rtol=0, atol=0, msg=f"consolidated d.{k}")
@@ -399,4 +429,14 @@ def test_several_models_bad_input_names_what_is_allowed(tmp_path):
     with pytest.raises(KeyError, match="'opt_g' that does not exist"):
         fabric.load(tmp_path / "gd.ckpt", {"g": g, "d": d, "opt_g": opt_g})
     assert fabric.load(tmp_path / "gd.ckpt", {"g": g, "opt_g": opt_g}, strict=False) == {}
+    # the manifest is untrusted: a directory outside the checkpoint's models/ folder is refused before any read
+    manifest = json.loads((tmp_path / "gd.ckpt" / "zero_checkpoint.json").read_text())
+    manifest["models"]["g"]["dir"] = "../gd.ckpt/models/g"
+    (tmp_path / "gd.ckpt" / "zero_checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"the entry of model 'g' is .*allowed: \{'dir': 'models/<plain name>'"):
+        fabric.load(tmp_path / "gd.ckpt", {"g": g, "d": d})
+    fabric.save(tmp_path / "g.ckpt", {"g": g, "opt_g": opt_g})  # one model: the ordinary directory
+    with pytest.raises(KeyError, match="'d' that does not exist"):
+        fabric.load(tmp_path / "g.ckpt", {"g": g, "d": d, "opt_g": opt_g})
+    assert fabric.load(tmp_path / "g.ckpt", {"g": g, "d": d, "opt_g": opt_g}, strict=False) == {}
     fabric.strategy.teardown()

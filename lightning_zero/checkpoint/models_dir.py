@@ -30,11 +30,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..engine.collectives import barrier as _barrier, rank as _rank
-from .files import INFO_FILE, META_FILE, is_checkpoint_dir, read_info
+from .files import INFO_FILE, META_FILE, MODELS_FORMAT, is_checkpoint_dir, read_info
 from .format import atomic_checkpoint_dir, write_checkpoint_files
 from .sharded_state import sharded_model_state, sharded_optimizer_state
 
-MODELS_FORMAT, MODELS_VERSION = "lightning_zero.models", 1
+MODELS_VERSION = 1
 MODELS_DIR = "models"
 _PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 _PathLike = Union[str, Path]
