@@ -13,6 +13,12 @@ state sits under the Trainer's key (``ZeroPrecision``) and every other entry is 
 resumes under the Trainer (weights, optimizer state, loss scale; the Trainer's loop counters start at 0)
 and a Trainer checkpoint loads under Fabric (its loops, epoch, ... come back as the remainder), each at
 any world size and stage. Single files (Fabric DDP, ``torch.save``) load too, into the engine.
+
+Several models in the state (``{"g": g, "d": d, "opt_g": ..., "opt_d": ..., "step": 5}``) are written as
+one directory holding each model's own such directory with its optimizers (``checkpoint/models_dir.py``),
+the other entries in the top ``meta.pt``; each model reshards on load and consolidates on its own. One
+model keeps the single directory above, unchanged. ``fabric.load`` restores the models and optimizers
+requested, by key (strict: each must be in the checkpoint), at any world size and stage.
 """
 
 from __future__ import annotations

@@ -10,7 +10,18 @@ reduce(-scatter) gradients during backward, ``fabric.no_backward_sync`` is the e
 model on the meta device (materialized unit by unit, already sharded) and ``fabric.save`` /
 ``fabric.load`` write and read the Trainer's sharded checkpoint directories (``fabric_checkpoint.py``).
 
-``tensor_parallel_size=T`` (stages 0-2): ``fabric.launch()`` builds the ("data_parallel",
+Several models (a GAN's generator and discriminator, a student and its frozen teacher): each
+``fabric.setup(model_i, opt_i, ...)`` (or ``setup_module`` + ``setup_optimizers``) gives that model its
+own engine over its own optimizers; a model set up without an optimizer gets an evaluation engine at
+stage 3 (partitioned; stages 0-2: none, its weights broadcast from rank 0). ``fabric.backward(loss)``
+needs no routing: each engine's gradient hooks reduce its own buckets in whichever backward reaches them
+(a generator loss through the discriminator reduces both), ``optimizer.step()`` goes to the engine that
+shards that optimizer, ``model.zero_grad()`` / ``fabric.no_backward_sync(model)`` /
+``fabric.clip_gradients(model, opt)`` to that model's engine; ``fabric.strategy.engine_of(model)`` is one
+model's engine (``fabric.strategy.engine`` while there is one). Parameters may not be shared between
+models (two engines would shard the same tensor). Teardown hands every model back whole.
+
+``tensor_parallel_size=T`` (stages 0-2, one model): ``fabric.launch()`` builds the ("data_parallel",
 "tensor_parallel") mesh, ``fabric.strategy.device_mesh``; the model is cut by ``parallelize_fn(module,
 device_mesh)`` in ``fabric.setup_module`` (Fabric's ModelParallelStrategy convention: then create the
 optimizer over the cut module and ``fabric.setup_optimizers`` it), or by the user before ``fabric.setup``.
