@@ -35,8 +35,8 @@ class Generator(nn.Module):
 
     def __init__(self, bn: bool = True) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(Z, HID, bias=not bn), nn.BatchNorm1d(HID) if bn else nn.Identity(), nn.ReLU(),
-                                 nn.Linear(HID, X))
+        norm = nn.BatchNorm1d(HID) if bn else nn.Identity()
+        self.net = nn.Sequential(nn.Linear(Z, HID, bias=not bn), norm, nn.ReLU(), nn.Linear(HID, X))
 
     def forward(self, z):
         return self.net(z)

@@ -200,7 +200,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         and handed back whole to the training engine when its optimizer comes."""
         model = self._adopt(module)
         module = model.module
-        if self.stage == 3 and (self.tensor_parallel is None or has_meta_params(module)):
+        if self.stage == 3:  # (tensor parallelism is stages 0-2)
             self._build(model, None)
         elif self.tensor_parallel is not None:  # TP ranks hold different pieces: over the DP dim only
             self.tensor_parallel.sync_module_states(module)
@@ -277,9 +277,9 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
             model.engine = None
 
     def zero_grad_module(self, module: Module, set_to_none: bool = True) -> None:
-        """``model.zero_grad()`` on Fabric's wrapper (see :func:`install`): its engine's gradient shards are cleared with
-        the parameters' ``.grad`` -- a GAN's discriminator, whose gradients the generator's backward also
-        fills, would otherwise step on them later."""
+        """``model.zero_grad()`` on Fabric's wrapper (see :func:`install`): the engine's gradient shards are
+        cleared with the parameters' ``.grad`` -- a GAN's discriminator, whose gradients the generator's
+        backward also fills, would otherwise step on them later."""
         Module.zero_grad(module, set_to_none)  # parameters no optimizer holds, as torch does
         model = self._model_of(module)
         if model is not None and model.engine is not None:
