@@ -17,7 +17,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 from torch import nn
 
-from lightning_zero import ZeroFabricStrategy
+from lightning_zero import ZeroFabricPrecision, ZeroFabricStrategy
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.engine.config import PRESETS
 from tests.dist_utils import run_distributed
@@ -66,8 +66,10 @@ def gan_batch(it: int, ranks) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fabric(strategy, precision="32-true") -> Fabric:
+    """``precision``: a flag, or a precision plugin (``ZeroFabricPrecision("16-mixed", ...)``)."""
+    plugin = not isinstance(precision, str)
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=torch.distributed.get_world_size(),
-                    precision=precision)
+                    precision=None if plugin else precision, plugins=[precision] if plugin else None)
     fabric.launch()
     return fabric
 
@@ -138,6 +140,7 @@ def _gan_run(strategy, rank, zero_grad="module", build="setup", precision="32-tr
     if isinstance(fabric.strategy, ZeroFabricStrategy):
         engines = [fabric.strategy.engine_of(m) for m in (g, d)]
         out["engines"] = len({id(e) for e in engines}), [e.config.stage for e in engines]
+        out["loss scale"] = fabric.strategy.precision.loss_scale
         fabric.strategy.teardown()
         out["after teardown"] = _state(fabric, g, d)  # both handed back whole (stage 3), fp32
     return out
@@ -153,6 +156,9 @@ def _gan_job(rank, world_size):
         out[name, "frozen d"] = _gan_run(name, rank, zero_grad="frozen d")
     out["zero3 separate", "module"] = _gan_run(ZeroFabricStrategy(stage=3), rank, build="separate")
     out["bf16"] = _gan_run("zero3", rank, precision="bf16-mixed")  # each module's own input casts
+    # fp16: one dynamic loss scaler for both engines, updated at every optimizer.step() (Fabric's GradScaler)
+    out["fp16"] = _gan_run("zero2", rank, precision=ZeroFabricPrecision("16-mixed", initial_scale_power=8,
+                                                                        loss_scale_window=2))
     return out
 
 
@@ -164,7 +170,7 @@ def test_gan_two_models_equal_fabric_ddp():
     frozen for G's step, D's gradients accumulated under no_backward_sync(d) and clipped, and G's loss
     through D; teardown hands both back whole."""
     res = run_distributed(_gan_job, 2)
-    zero = [k for k in res[0] if k[0] != "ddp" and k != "bf16"]
+    zero = [k for k in res[0] if k[0] != "ddp" and k not in ("bf16", "fp16")]
     assert len(zero) == len(PRESETS) + 6
     for rank, r in enumerate(res):
         for key in zero:
@@ -175,10 +181,13 @@ def test_gan_two_models_equal_fabric_ddp():
             for k, v in ref["state"].items():
                 _close(r[key]["state"][k], v, f"rank {rank} {key} {k}")
                 torch.testing.assert_close(r[key]["after teardown"][k], r[key]["state"][k], rtol=0, atol=0)
-        bf16, ref = r["bf16"], torch.tensor(r["ddp", "module"]["losses"])
-        assert bf16["dtypes"] == {torch.bfloat16}  # both modules themselves in bf16, fp32 masters
-        rel = ((torch.tensor(bf16["losses"]) - ref).abs() / ref.abs()).max().item()
-        assert rel < 3e-2, f"bf16: max relative loss gap {rel:.4f} to fp32 DDP"
+        ref = torch.tensor(r["ddp", "module"]["losses"])
+        for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            assert r[key]["dtypes"] == {dtype}  # both modules themselves in half precision, fp32 masters
+            rel = ((torch.tensor(r[key]["losses"]) - ref).abs() / ref.abs()).max().item()
+            assert rel < 3e-2, f"{key}: max relative loss gap {rel:.4f} to fp32 DDP"
+        # 2 steps per iteration, the scale doubling every 2 steps without overflow: 2**8 * 2**ITERS
+        assert r["fp16"]["loss scale"] == 2.0 ** (8 + ITERS)
         # it trained, and the two zero_grad patterns are the same loop
         assert not torch.allclose(r["ddp", "module"]["state"]["1.net.0.weight"], make_gan()[1].net[0].weight)
         _close(r["ddp", "optimizer"]["losses"], r["ddp", "module"]["losses"], "ddp zero_grad patterns")
