@@ -56,12 +56,15 @@ def make_gan(bn: bool = True) -> tuple[Generator, Discriminator]:
     return Generator(bn), Discriminator()
 
 
-def gan_batch(it: int, ranks) -> tuple[torch.Tensor, torch.Tensor]:
-    """(real, noise) of iteration ``it`` for ``ranks`` (one rank's, or several ranks' concatenated)."""
+def gan_batch(it: int, ranks, part=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(real, noise) of iteration ``it`` for ``ranks`` (one rank's, or several ranks' concatenated);
+    ``part=(i, n)``: the i-th of n equal pieces of it (a resharded resume on more ranks)."""
     ranks = [ranks] if isinstance(ranks, int) else ranks
     g = [torch.Generator().manual_seed(100 * it + r) for r in ranks]
     real = torch.cat([torch.randn(6, X, generator=gi) * 0.5 + 1.0 for gi in g])
     noise = torch.cat([torch.randn(6, Z, generator=gi) for gi in g])
+    if part is not None:
+        real, noise = real.chunk(part[1])[part[0]], noise.chunk(part[1])[part[0]]
     return real, noise
 
 
@@ -92,17 +95,17 @@ def _adam(model):
 
 
 # -- the GAN loop, as DCGAN's example writes it ------------------------------------------------------------------
-def gan_loop(fabric, g, d, opt_g, opt_d, rank, iters, start=0, zero_grad="module", ranks=None):
+def gan_loop(fabric, g, d, opt_g, opt_d, rank, iters, start=0, zero_grad="module", ranks=None, part=None):
     """D on real then on detached fakes (the first backward under no_backward_sync, accumulated), clipped,
     stepped; G through D (its backward also fills D's gradients, dropped by D's zero_grad next time).
     ``zero_grad``: "module" (``d.zero_grad()``, DCGAN's), "optimizer" (``opt_d.zero_grad()``) or "frozen d"
     (module zero_grad, and D's parameters frozen for G's step, as CycleGAN's ``set_requires_grad(D, False)``:
-    D's engine is in that backward without a gradient). ``ranks``: the ranks whose batches one process
-    trains on (a resharded resume on fewer ranks)."""
+    D's engine is in that backward without a gradient). ``ranks``, ``part``: the batch of a resharded
+    resume (:func:`gan_batch`)."""
     bce = nn.functional.binary_cross_entropy_with_logits
     losses = []
     for it in range(start, start + iters):
-        real, noise = gan_batch(it, rank if ranks is None else ranks)
+        real, noise = gan_batch(it, rank if ranks is None else ranks, part)
         (opt_d if zero_grad == "optimizer" else d).zero_grad()
         with fabric.no_backward_sync(d):
             out = d(real)
@@ -233,12 +236,41 @@ def _distill_run(strategy, rank, build="setup"):
     return out
 
 
+def _gpt2_distill_run(strategy, rank):
+    """HF GPT-2 (built from configs): a 32-wide frozen teacher set up without an optimizer, a 16-wide student."""
+    from tests import zoo_models as Z
+
+    fabric = _fabric(strategy)
+    torch.manual_seed(1)
+    teacher = Z.gpt2(width=32).requires_grad_(False).eval()
+    teacher = fabric.setup(teacher) if isinstance(fabric.strategy, ZeroFabricStrategy) else teacher
+    torch.manual_seed(0)
+    student = Z.gpt2(width=16)
+    student, opt = fabric.setup(student, torch.optim.AdamW(student.parameters(), lr=0.01))
+    losses = []
+    for step in range(ITERS):
+        ids = Z._tokens(step, rank)
+        with torch.no_grad():
+            target = torch.softmax(teacher(input_ids=ids).logits, -1)
+        out = student(input_ids=ids, labels=ids)
+        loss = out.loss + nn.functional.cross_entropy(out.logits.reshape(-1, Z.VOCAB), target.reshape(-1, Z.VOCAB))
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out = {"losses": losses, "student": _state(fabric, student)}
+    if isinstance(fabric.strategy, ZeroFabricStrategy):
+        fabric.strategy.teardown()
+    return out
+
+
 def _distill_job(rank, world_size):
     out = {"ddp": _distill_run(DDPStrategy(find_unused_parameters=True), rank)}  # ParityNet has unused ones
     for stage in range(4):
         out[f"zero{stage}"] = _distill_run(ZeroFabricStrategy(stage=stage), rank)
     out["zero3 separate"] = _distill_run(ZeroFabricStrategy(stage=3), rank, build="separate")
     out["zero3_offload"] = _distill_run("zero3_offload", rank)
+    out["gpt2"] = {name: _gpt2_distill_run(name, rank) for name in ("ddp", "zero2", "zero3")}
     return out
 
 
@@ -246,10 +278,16 @@ def _distill_job(rank, world_size):
 def test_student_with_frozen_teacher_set_up_without_optimizer():
     """fabric.setup(teacher) (no optimizer, frozen) beside fabric.setup(student, opt): the student's losses
     and weights equal Fabric DDP's (whose teacher is a plain module: DDP refuses one without trainable
-    parameters) at stages 0-3; at stage 3 the teacher is partitioned, and teardown hands it back unchanged."""
+    parameters) at stages 0-3, also for HF GPT-2 teacher and student; at stage 3 the teacher is
+    partitioned, and teardown hands it back unchanged."""
     res = run_distributed(_distill_job, 2)
     whole = sum(p.numel() for p in make_model(seed=1).parameters())
     for rank, r in enumerate(res):
+        gpt2 = r.pop("gpt2")
+        for name in ("zero2", "zero3"):
+            _close(gpt2[name]["losses"], gpt2["ddp"]["losses"], f"rank {rank} gpt2 {name} losses")
+            for k, v in gpt2["ddp"]["student"].items():
+                _close(gpt2[name]["student"][k], v, f"rank {rank} gpt2 {name} {k}")
         ref = r["ddp"]
         for key in [k for k in r if k != "ddp"]:
             _close(r[key]["losses"], ref["losses"], f"rank {rank} {key} losses")
@@ -371,11 +409,13 @@ def _gan_ckpt_job(rank, world_size, root):
 
 
 def _gan_reshard_job(rank, world_size, root):
-    """One rank, stage 1, resuming the 2-rank stage-2 checkpoint on both ranks' batches at once."""
-    fabric, g, d, opt_g, opt_d = _setup_gan(ZeroFabricStrategy(stage=1))
+    """The 2-rank stage-2 checkpoint resumed on one rank (stage 1: both ranks' batches at once) or on four
+    (stage 3: each 2-rank batch split in two; the mean of the four losses is the same average)."""
+    fabric, g, d, opt_g, opt_d = _setup_gan(ZeroFabricStrategy(stage=1 if world_size == 1 else 3))
     state = {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": 0}
     fabric.load(os.path.join(root, "gan.ckpt"), state)
-    gan_loop(fabric, g, d, opt_g, opt_d, rank, 2, start=state["step"], ranks=[0, 1])
+    where = dict(ranks=[0, 1]) if world_size == 1 else dict(ranks=rank // 2, part=(rank % 2, 2))
+    gan_loop(fabric, g, d, opt_g, opt_d, rank, 2, start=state["step"], **where)
     out = {"state": _state(fabric, g, d)}
     fabric.strategy.teardown()
     return out
@@ -384,8 +424,9 @@ def _gan_reshard_job(rank, world_size, root):
 @pytest.mark.timeout(300)
 def test_save_both_models_load_into_fresh_ones_and_continue(tmp_path):
     """fabric.save(path, {"g", "d", "opt_g", "opt_d", "step"}) writes one directory holding each model's
-    sharded checkpoint; fabric.load into fresh models (stage 2 -> 3, and 2 ranks -> 1 at stage 1) continues
-    exactly as the uninterrupted run; each model's directory consolidates on its own."""
+    sharded checkpoint; fabric.load into fresh models (stage 2 -> 3; 2 ranks -> 1 at stage 1 and -> 4 at
+    stage 3) continues exactly as the uninterrupted run; each model's directory consolidates on its own;
+    a teacher (with or without an engine) is saved and loaded beside its student."""
     res = run_distributed(_gan_ckpt_job, 2, str(tmp_path))
     ckpt = tmp_path / "gan.ckpt"
     assert sorted(os.listdir(ckpt / "models")) == ["d", "g"]
@@ -409,9 +450,10 @@ def test_save_both_models_load_into_fresh_ones_and_continue(tmp_path):
     consolidate(ckpt / "models" / "d", tmp_path / "d.pt")
     for k, v in torch.load(tmp_path / "d.pt").items():
         torch.testing.assert_close(v, res[0]["at save"][f"1.{k}"], rtol=0, atol=0, msg=f"consolidated d.{k}")
-    one = run_distributed(_gan_reshard_job, 1, str(tmp_path))[0]
-    for k, v in res[0]["uninterrupted"].items():
-        _close(one["state"][k], v, f"1-rank resume {k}")
+    for world in (1, 4):
+        for rank, r in enumerate(run_distributed(_gan_reshard_job, world, str(tmp_path))):
+            for k, v in res[0]["uninterrupted"].items():
+                _close(r["state"][k], v, f"{world}-rank resume, rank {rank}: {k}")
 
 
 # -- bad input -----------------------------------------------------------------------------------------------------
