@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 FORMAT, VERSION = "lightning_zero.dcp", 1
+MODELS_FORMAT = "lightning_zero.models"  # several models' directories in one (models_dir.py)
 INFO_FILE, META_FILE, DCP_METADATA = "zero_checkpoint.json", "meta.pt", ".metadata"
 _TMP, _OLD = ".zero-tmp", ".zero-old"
 _PathLike = Union[str, os.PathLike]
@@ -92,6 +93,12 @@ def read_info(path: _PathLike) -> dict:
     if not isinstance(info, dict):
         raise ValueError(f"Corrupt checkpoint {str(path)!r}: {INFO_FILE} holds a {type(info).__name__}, "
                          "not a json object.")
+    if info.get("format") == MODELS_FORMAT:
+        keys = list(info["models"]) if isinstance(info.get("models"), dict) else []
+        raise ValueError(f"{str(path)!r} holds {len(keys)} models ({', '.join(map(str, keys))}), each an ordinary "
+                         f"checkpoint directory under its 'models/' folder. Allowed: fabric.load(path, {{...}}) under "
+                         f"ZeroFabricStrategy, or one model's directory (e.g. `lightning-zero consolidate "
+                         f"{str(path / 'models')}/<key> OUT`).")
     if info.get("format") != FORMAT or not isinstance(info.get("version"), int) or info["version"] > VERSION:
         raise ValueError(f"{str(path)!r}: unsupported checkpoint format {info.get('format')!r} "
                          f"version {info.get('version')!r} (this release reads {FORMAT} <= {VERSION}).")

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 
 from . import collectives as C
 from .activations import ActivationMemory, activation_memory
@@ -142,6 +143,10 @@ class ZeroEngine:
                 mode="int8" if cfg.quantize_grads else C.grad_reduce_mode(cfg.grad_reduce, reduce_group),
             )
             PG.install_optimizer_methods(self)
+        self._backward_ends = 0  # how many backwards this engine has ended (_backward_begins)
+        self._end_queued = False
+        if self.partitions_params:
+            self.partitioner.on_backward = self._backward_begins
         self.last_step_skipped = False
         self._sync_buffers_next = True  # DDP's require_forward_param_sync (see _buffers_due)
         self._traffic = StepTraffic(group)  # comm_report(): the collectives of the last step
@@ -165,8 +170,23 @@ class ZeroEngine:
         return self.activations.context() if self.activations is not None else contextlib.nullcontext()
 
     def _end_of_backward(self) -> None:
+        self._backward_ends += 1
+        self._end_queued = False
         self.partitioner.end_of_backward()
         self.releaser.reset()
+
+    def _backward_begins(self) -> None:
+        """Stage 3, a unit's backward begins: when no parameter of this engine gets a gradient in it (all
+        frozen for now: a GAN's discriminator under the generator's loss; an evaluation engine the loss flows
+        through) the reducer's callback never comes, so this one ends it (units released, order reset)."""
+        if not self._end_queued:
+            self._end_queued, ends = True, self._backward_ends
+            Variable._execution_engine.queue_callback(lambda: self._end_if_not_ended(ends))
+
+    def _end_if_not_ended(self, ends: int) -> None:
+        self._end_queued = False
+        if self._backward_ends == ends and not (self.reducer is not None and self.reducer.in_backward):
+            self._end_of_backward()  # else the reducer ended it, or its callback (queued after this) will
 
     def ensure_published(self) -> None:
         """Stages 1-2 with ``overlap_publish``: complete the parameter all-gathers of the last step now

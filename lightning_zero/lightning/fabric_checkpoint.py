@@ -13,6 +13,12 @@ state sits under the Trainer's key (``ZeroPrecision``) and every other entry is 
 resumes under the Trainer (weights, optimizer state, loss scale; the Trainer's loop counters start at 0)
 and a Trainer checkpoint loads under Fabric (its loops, epoch, ... come back as the remainder), each at
 any world size and stage. Single files (Fabric DDP, ``torch.save``) load too, into the engine.
+
+Several models in the state (``{"g": g, "d": d, "opt_g": ..., "opt_d": ..., "step": 5}``) are written as
+one directory holding each model's own such directory with its optimizers (``checkpoint/models_dir.py``),
+the other entries in the top ``meta.pt``; each model reshards on load and consolidates on its own. One
+model keeps the single directory above, unchanged. ``fabric.load`` restores the models and optimizers
+requested, by key (strict: each must be in the checkpoint), at any world size and stage.
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from ..checkpoint.files import META_FILE
 from ..checkpoint.format import (load_model_state, load_optimizer_state, read_info, read_meta,
                                  resolve_checkpoint_dir, save_checkpoint_dir, sharded_model_state,
                                  sharded_optimizer_state)
+from ..checkpoint.models_dir import (SavedModel, is_models_checkpoint, model_checkpoint, read_models_manifest,
+                                     save_models_checkpoint)
 from .lightning_io import load_as_lightning_checkpoint
 from .precision import ZeroPrecision
 
@@ -36,27 +45,26 @@ _PRECISION_KEY = ZeroPrecision.__qualname__  # where the Trainer keeps (and rest
 
 
 class ZeroFabricCheckpointMixin:
-    """``save_checkpoint`` / ``load_checkpoint`` of :class:`ZeroFabricStrategy` (expects ``self.engine``)."""
+    """``save_checkpoint`` / ``load_checkpoint`` of :class:`ZeroFabricStrategy` (expects its ``_model_of(module)``
+    and its precision plugin's ``engine_for(optimizer)``)."""
 
-    def _split_state(self, state: dict) -> tuple[Optional[tuple[str, Module]], list[tuple[str, Optimizer]], dict]:
+    def _split_state(self, state: dict) -> tuple[list[tuple[str, Module]], list[tuple[str, Optimizer]], dict]:
         modules = [(k, v) for k, v in state.items() if isinstance(v, Module)]
         optimizers = [(k, v) for k, v in state.items() if isinstance(v, Optimizer)]
-        if len(modules) > 1:
-            raise ValueError(f"ZeroFabricStrategy checkpoints hold one model; the state has {len(modules)} "
-                             f"({', '.join(k for k, _ in modules)}). Allowed: one nn.Module entry.")
         others = {k: v for k, v in state.items() if not isinstance(v, (Module, Optimizer))}
-        return (modules[0] if modules else None), optimizers, others
+        return modules, optimizers, others
 
     def _engine_of(self, module: Module):
-        engine = getattr(self, "engine", None)
-        return engine if engine is not None and engine.module is module else None
+        model = self._model_of(module)
+        return model.engine if model is not None else None
 
-    def _optimizer_index(self, engine, optimizer: Optimizer, key: str) -> int:
-        for k, opt in enumerate(engine.optimizers if engine is not None and engine.sharded is not None else []):
-            if opt is optimizer:
-                return k
-        raise ValueError(f"state[{key!r}] is not an optimizer set up with this model. Allowed: the optimizers "
-                         "returned by fabric.setup(model, optimizer, ...).")
+    def _optimizer_engine(self, optimizer: Optimizer, key) -> tuple[Any, int]:
+        """The engine sharding ``optimizer`` and the optimizer's index in it."""
+        engine = self.precision.engine_for(optimizer)
+        if engine is None:
+            raise ValueError(f"state[{key!r}] is not an optimizer set up with a model of this Fabric. Allowed: the "
+                             "optimizers returned by fabric.setup(model, optimizer, ...).")
+        return engine, next(k for k, opt in enumerate(engine.optimizers) if opt is optimizer)
 
     # -- save -------------------------------------------------------------------------------------------
     def save_checkpoint(self, path, state: dict, storage_options: Optional[Any] = None,
@@ -65,32 +73,56 @@ class ZeroFabricCheckpointMixin:
             raise ValueError("ZeroFabricStrategy writes sharded checkpoint directories, every tensor from every "
                              "rank: fabric.save(..., filter=...) and storage_options are not supported. Allowed: "
                              "fabric.save(path, state); consolidate afterwards with `lightning-zero consolidate`.")
-        model, optimizers, others = self._split_state(state)
-        if model is None:
+        modules, optimizers, others = self._split_state(state)
+        if not modules:
             raise ValueError("fabric.save under ZeroFabricStrategy needs the model in the state (the directory is "
                              "written from its shards), e.g. fabric.save(path, {'model': model, 'optimizer': opt}).")
-        key, module = model
-        engine = self._engine_of(module)
-        order = sorted(optimizers, key=lambda kv: self._optimizer_index(engine, kv[1], kv[0]))
-        if order and len(order) != len(engine.optimizers):
-            raise ValueError(f"The state holds {len(order)} of the model's {len(engine.optimizers)} optimizers. "
-                             "Allowed: all of them (one checkpoint restores them together) or none.")
+        saved = self._saved_models(modules, optimizers)
         meta = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in others.items()}
         added = [k for k, v in (("pytorch-lightning_version", lightning.__version__), ("lr_schedulers", []))
                  if meta.setdefault(k, v) is v]
         if _PRECISION_KEY not in meta:
             meta[_PRECISION_KEY] = self.precision.state_dict()
             added.append(_PRECISION_KEY)
-        meta[_FABRIC_KEY] = {"module": key, "optimizers": [k for k, _ in order], "added": added}
-        opt_states = [sharded_optimizer_state(engine, opt) for _, opt in order] or None
-        save_checkpoint_dir(Path(self.broadcast(str(path))), sharded_model_state(module, engine), module, engine,
+        path = Path(self.broadcast(str(path)))
+        if len(saved) > 1:  # one directory per model inside one atomic directory (checkpoint/models_dir.py)
+            meta[_FABRIC_KEY] = {"added": added}
+            save_models_checkpoint(path, saved, meta, barrier=self.barrier)
+            return
+        (one,) = saved  # one model: the Trainer's own directory, as before
+        meta[_FABRIC_KEY] = {"module": one.key, "optimizers": [k for k, _ in one.optimizers], "added": added}
+        opt_states = [sharded_optimizer_state(one.engine, opt) for _, opt in one.optimizers] or None
+        save_checkpoint_dir(path, sharded_model_state(one.module, one.engine), one.module, one.engine,
                             opt_states, meta, barrier=self.barrier)
+
+    def _saved_models(self, modules, optimizers) -> list[SavedModel]:
+        """Each model of the state with its optimizers (all of them, in the engine's order, or none)."""
+        owner = {k: self._optimizer_engine(opt, k) for k, opt in optimizers}
+        saved, claimed = [], set()
+        for key, module in modules:
+            engine = self._engine_of(module)
+            mine = sorted(((k, opt) for k, opt in optimizers if engine is not None and owner[k][0] is engine),
+                          key=lambda kv: owner[kv[0]][1])
+            if mine and len(mine) != len(engine.optimizers):
+                raise ValueError(f"The state holds {len(mine)} of the {len(engine.optimizers)} optimizers of "
+                                 f"state[{key!r}]. Allowed: all of them (one checkpoint restores them together) "
+                                 "or none.")
+            claimed.update(k for k, _ in mine)
+            saved.append(SavedModel(key, module, engine, mine))
+        stray = [k for k, _ in optimizers if k not in claimed]
+        if stray:
+            raise ValueError(f"state[{stray[0]!r}] is the optimizer of a model that is not in the state. Allowed: "
+                             "each optimizer saved with its model, e.g. {'g': g, 'd': d, 'opt_g': opt_g, 'opt_d': "
+                             "opt_d}.")
+        return saved
 
     # -- load -------------------------------------------------------------------------------------------
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None) -> dict:
         path = resolve_checkpoint_dir(self.broadcast(str(path)))
         if not path.is_dir():
             return self._load_file(path, state, strict, weights_only)
+        if is_models_checkpoint(path):
+            return self._load_models(path, state, strict, weights_only)
         if not state:  # the whole checkpoint, consolidated (full fp32 weights), under the saved names
             full = load_as_lightning_checkpoint(path, weights_only)
             names = full.pop(_FABRIC_KEY, None) or {}
@@ -111,9 +143,8 @@ class ZeroFabricCheckpointMixin:
         def load_module(module, _key):
             load_model_state(path, module, self._engine_of(module), strict, info)
 
-        def load_optimizer(opt, key, module):
-            engine = self._engine_of(module) if module is not None else getattr(self, "engine", None)
-            index = self._optimizer_index(engine, opt, key)
+        def load_optimizer(opt, key):
+            engine, index = self._optimizer_engine(opt, key)
             if index >= len(opt_meta):
                 if strict:
                     raise KeyError(f"Checkpoint {str(path)!r} holds no state for optimizer {index} (state[{key!r}]):"
@@ -125,15 +156,64 @@ class ZeroFabricCheckpointMixin:
             load_module(state, None)
             return {}
         if isinstance(state, Optimizer):
-            load_optimizer(state, "optimizer", None)
+            load_optimizer(state, "optimizer")
             return {}
-        remainder = self._restore(state, meta, strict, load_module, load_optimizer)
+        modules = [k for k, v in state.items() if isinstance(v, Module)]
+        # one model requested: the checkpoint's one model, whatever its key (a Trainer's has none); several:
+        # by key, the others are not in this checkpoint
+        holds = lambda k: (len(modules) == 1 or k == names.get("module")) if k in modules else True  # noqa: E731
+        remainder = self._restore(state, meta, strict, load_module, load_optimizer, holds)
+        if precision_state is not None:
+            self.precision.load_state_dict(precision_state)
+        return remainder
+
+    def _load_models(self, path: Path, state, strict: bool, weights_only: Optional[bool]) -> dict:
+        """A directory of several models (checkpoint/models_dir.py): each model and optimizer from its model's
+        directory, resharded; the other entries from the top ``meta.pt``."""
+        manifest = read_models_manifest(path)
+        models = manifest["models"]
+        meta = read_meta(path, weights_only)
+        names = meta.pop(_FABRIC_KEY, None) or {}
+        precision_state = meta.pop(_PRECISION_KEY, None) if state else None
+        for k in names.get("added", []):
+            meta.pop(k, None)
+        if not state:  # everything, consolidated: each model's full state dict and optimizers under their keys
+            for key, entry in models.items():
+                full = load_as_lightning_checkpoint(model_checkpoint(path, manifest, key)[0], weights_only)
+                meta[key] = full["state_dict"]
+                meta.update(zip(entry["optimizers"], full.get("optimizer_states") or []))
+            return meta
+        if isinstance(state, (Module, Optimizer)):
+            raise ValueError(f"Checkpoint {str(path)!r} holds {len(models)} models ({', '.join(models)}). Allowed: "
+                             f"fabric.load(path, {{{', '.join(repr(k) + ': ...' for k in models)}}}).")
+        saved_opts = {k: (mk, i) for mk, entry in models.items() for i, k in enumerate(entry["optimizers"])}
+
+        def load_module(module, key):
+            sub, info = model_checkpoint(path, manifest, key)
+            load_model_state(sub, module, self._engine_of(module), strict, info)
+
+        def load_optimizer(opt, key):
+            engine, index = self._optimizer_engine(opt, key)
+            model_key, saved_index = saved_opts[key]
+            if index != saved_index:
+                raise ValueError(f"state[{key!r}] is optimizer {index} of its model; it was saved as optimizer "
+                                 f"{saved_index} of state[{model_key!r}]. Allowed: set up each model's optimizers "
+                                 "in the order they were saved.")
+            sub, info = model_checkpoint(path, manifest, model_key)
+            opt_meta = read_meta(sub, weights_only).get("optimizer_states") or []
+            if saved_index >= len(opt_meta):
+                raise ValueError(f"Corrupt checkpoint {str(sub)!r}: its {META_FILE} holds no param groups for "
+                                 f"optimizer {saved_index} (state[{key!r}]).")
+            load_optimizer_state(sub, engine, opt_meta[saved_index], info, index=saved_index)
+
+        remainder = self._restore(state, meta, strict, load_module, load_optimizer,
+                                  lambda k: k in models or k in saved_opts)
         if precision_state is not None:
             self.precision.load_state_dict(precision_state)
         return remainder
 
     def _load_file(self, path: Path, state, strict: bool, weights_only: Optional[bool]) -> dict:
-        """A single file (Fabric's DDP, ``torch.save``): full tensors, into the engine's masters and shards."""
+        """A single file (Fabric's DDP, ``torch.save``): full tensors, into the engines' masters and shards."""
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         if not state:
             return checkpoint
@@ -143,34 +223,34 @@ class ZeroFabricCheckpointMixin:
             engine = self._engine_of(module)
             (engine.load_full_state_dict if engine is not None else module.load_state_dict)(sd, strict=strict)
 
-        def load_optimizer(opt, key, module):
-            engine = self._engine_of(module) if module is not None else getattr(self, "engine", None)
-            self._optimizer_index(engine, opt, key)
+        def load_optimizer(opt, key):
+            engine, _ = self._optimizer_engine(opt, key)
             engine.load_optimizer_state_dict(checkpoint if key is None else checkpoint.pop(key), opt)
 
         if isinstance(state, Module):
             load_module(state, None)
             return {}
         if isinstance(state, Optimizer):
-            load_optimizer(state, None, None)
+            load_optimizer(state, None)
             return {}
-        return self._restore(state, checkpoint, strict, load_module, load_optimizer, modules_in_checkpoint=False)
+        return self._restore(state, checkpoint, strict, load_module, load_optimizer, lambda k: k in checkpoint)
 
     def _restore(self, state: dict, checkpoint: dict, strict: bool, load_module, load_optimizer,
-                 modules_in_checkpoint: bool = True) -> dict:
+                 holds: Callable[[str], bool]) -> dict:
         """Fabric's rules (``Strategy.load_checkpoint``): every requested entry must exist when ``strict``,
-        objects are restored in place, plain values replaced in ``state``; what is left is returned."""
-        model, optimizers, others = self._split_state(state)
-        keyed = [] if modules_in_checkpoint else [k for k, _ in ([model] if model else []) + optimizers]
-        missing = [k for k in list(others) + keyed if k not in checkpoint]
+        objects are restored in place, plain values replaced in ``state``; what is left is returned.
+        ``holds(key)``: whether the checkpoint has that model or optimizer."""
+        modules, optimizers, others = self._split_state(state)
+        missing = [k for k in others if k not in checkpoint] + [k for k, _ in modules + optimizers if not holds(k)]
         if strict and missing:
             raise KeyError(f"The requested state contains a key {missing[0]!r} that does not exist in the loaded "
                            "checkpoint. To disable strict loading, set `strict=False`.")
-        if model is not None and (modules_in_checkpoint or model[0] in checkpoint):
-            load_module(model[1], model[0])
+        for key, module in modules:
+            if holds(key):
+                load_module(module, key)
         for key, opt in optimizers:
-            if modules_in_checkpoint or key in checkpoint:
-                load_optimizer(opt, key, model[1] if model is not None else None)
+            if holds(key):
+                load_optimizer(opt, key)
         for key, obj in others.items():
             if key not in checkpoint:
                 continue

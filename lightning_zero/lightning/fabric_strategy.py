@@ -10,7 +10,18 @@ reduce(-scatter) gradients during backward, ``fabric.no_backward_sync`` is the e
 model on the meta device (materialized unit by unit, already sharded) and ``fabric.save`` /
 ``fabric.load`` write and read the Trainer's sharded checkpoint directories (``fabric_checkpoint.py``).
 
-``tensor_parallel_size=T`` (stages 0-2): ``fabric.launch()`` builds the ("data_parallel",
+Several models (a GAN's generator and discriminator, a student and its frozen teacher): each
+``fabric.setup(model_i, opt_i, ...)`` (or ``setup_module`` + ``setup_optimizers``) gives that model its
+own engine over its own optimizers; a model set up without an optimizer gets an evaluation engine at
+stage 3 (partitioned; stages 0-2: none, its weights broadcast from rank 0). ``fabric.backward(loss)``
+needs no routing: each engine's gradient hooks reduce its own buckets in whichever backward reaches them
+(a generator loss through the discriminator reduces both), ``optimizer.step()`` goes to the engine that
+shards that optimizer, ``model.zero_grad()`` / ``fabric.no_backward_sync(model)`` /
+``fabric.clip_gradients(model, opt)`` to that model's engine; ``fabric.strategy.engine_of(model)`` is one
+model's engine (``fabric.strategy.engine`` while there is one). Parameters may not be shared between
+models (two engines would shard the same tensor). Teardown hands every model back whole.
+
+``tensor_parallel_size=T`` (stages 0-2, one model): ``fabric.launch()`` builds the ("data_parallel",
 "tensor_parallel") mesh, ``fabric.strategy.device_mesh``; the model is cut by ``parallelize_fn(module,
 device_mesh)`` in ``fabric.setup_module`` (Fabric's ModelParallelStrategy convention: then create the
 optimizer over the cut module and ``fabric.setup_optimizers`` it), or by the user before ``fabric.setup``.
@@ -113,9 +124,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
             timeout=timeout, start_method=start_method,
         )
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
-        self.engine: Optional[ZeroEngine] = None
-        self._module: Optional[Module] = None  # the one model this strategy set up
-        self._handles: list = []
+        self._models: list[_SetUpModel] = []  # in setup order, each with its own engine
 
     @property
     def stage(self) -> int:
@@ -154,9 +163,30 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
             return  # the engine materializes it shard by shard on the root device
         module.to(self.root_device)
 
-    # -- setup -----------------------------------------------------------------------------------------
+    # -- setup: one engine per model ------------------------------------------------------------------
+    @property
+    def engine(self) -> Optional[ZeroEngine]:
+        """The engine of the one model set up (None before any); with several models: :meth:`engine_of`."""
+        if len(self._models) > 1:
+            raise RuntimeError(f"ZeroFabricStrategy has {len(self._models)} models set up, each with its own "
+                               "engine. Allowed: fabric.strategy.engine_of(model).")
+        return self._models[0].engine if self._models else None
+
+    def engine_of(self, module: Module) -> Optional[ZeroEngine]:
+        """The engine of ``module`` (or of its Fabric wrapper); None for a model set up without one."""
+        model = self._model_of(module)
+        if model is None:
+            raise ValueError(f"{type(module).__name__} is not a model set up under this Fabric. Allowed: a model "
+                             "returned by fabric.setup(...) / fabric.setup_module(...).")
+        return model.engine
+
+    def _model_of(self, module: Module) -> Optional["_SetUpModel"]:
+        module = getattr(module, "_forward_module", module)  # Fabric's wrapper -> the module itself
+        return next((m for m in self._models if m.module is module), None)
+
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler=None):
-        module = self._adopt(module)
+        model = self._adopt(module)
+        module = model.module
         if self._parallelize_fn is not None:  # its new (DTensor) parameters are in no optimizer made before
             mine = {id(p) for p in module.parameters()}
             if any(id(p) not in mine for opt in optimizers for g in opt.param_groups for p in g["params"]):
@@ -165,15 +195,18 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
                                    "fabric.setup_module(model), then the optimizer over model.parameters() and "
                                    "fabric.setup_optimizers(optimizer); or cut the model yourself "
                                    "(fabric.strategy.device_mesh) before creating the optimizer.")
-        self._build(optimizers)
+        self._build(model, optimizers)
         return module, optimizers, scheduler
 
     def setup_module(self, module: Module) -> Module:
-        """No wrapper. The engine is built once the optimizers are known (``setup_optimizers``); a stage-3
-        model on the meta device is materialized now, sharded (its optimizer needs real parameters)."""
-        module = self._adopt(module)
-        if self.stage == 3 and has_meta_params(module):
-            self._build(None)
+        """No wrapper. The training engine is built once the optimizers are known (``setup_optimizers``). At
+        stage 3 the model is partitioned now by an evaluation engine (a frozen teacher set up without an
+        optimizer stays so; a meta model is materialized, sharded, for its optimizer needs real parameters)
+        and handed back whole to the training engine when its optimizer comes."""
+        model = self._adopt(module)
+        module = model.module
+        if self.stage == 3:  # (tensor parallelism is stages 0-2)
+            self._build(model, None)
         elif self.tensor_parallel is not None:  # TP ranks hold different pieces: over the DP dim only
             self.tensor_parallel.sync_module_states(module)
         elif collectives.world_size() > 1:  # every rank starts from rank 0's weights, as DDP's wrap does
@@ -182,47 +215,93 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self._module is None:
+        if not self._models:
             raise RuntimeError("Set up the model first: fabric.setup_module(model), then "
                                "fabric.setup_optimizers(optimizer); or fabric.setup(model, optimizer).")
-        if self.engine is not None and self.engine.sharded is not None:
-            raise RuntimeError("ZeroFabricStrategy shards the optimizers of its model together, in one call. "
-                               "Allowed: fabric.setup(model, opt1, opt2, ...) for several optimizers.")
-        if self.engine is not None:  # the evaluation engine of a meta-built model: whole again, then sharded
-            self._release()
-            self.engine.remove(hand_back=True)
-        self._build([optimizer])
+        model = self._owner_of(optimizer)
+        if model.engine is not None and model.engine.sharded is not None:
+            raise RuntimeError("ZeroFabricStrategy shards the optimizers of one model together, in one call. "
+                               "Allowed: fabric.setup(model, opt1, opt2, ...) for several optimizers of a model.")
+        self._build(model, [optimizer])
         return optimizer
 
-    def _adopt(self, module: Module) -> Module:
-        if self._module is not None and self._module is not module:
-            raise ValueError("ZeroFabricStrategy sets up one model (one engine shards it and its optimizers). "
-                             "Allowed: one fabric.setup(model, ...) call; put several networks in one nn.Module.")
-        if self._module is None and self._parallelize_fn is not None:
+    def _owner_of(self, optimizer: Optimizer) -> "_SetUpModel":
+        """The model set up whose parameters ``optimizer`` holds (a stage-3 model's are still its own
+        Parameter objects, partitioned)."""
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for model in self._models:
+            if ids and ids <= {id(p) for p in model.module.parameters()}:
+                return model
+        raise ValueError(f"The {type(optimizer).__name__} passed to fabric.setup_optimizers holds parameters of no "
+                         f"single model set up ({len(self._models)} so far). Allowed: an optimizer over the "
+                         "parameters of one model set up with fabric.setup_module(model).")
+
+    def _adopt(self, module: Module) -> "_SetUpModel":
+        model = self._model_of(module)
+        if model is not None:
+            if model.engine is not None and model.engine.sharded is not None:
+                raise ValueError(f"This {type(module).__name__} is already set up with its optimizer(s). Allowed: "
+                                 "one fabric.setup(model, opt1, opt2, ...) per model.")
+            return model
+        if self._models and self.tensor_parallel is not None:
+            raise ValueError("ZeroFabricStrategy(tensor_parallel_size=T) sets up one model. Allowed: several "
+                             "models without tensor parallelism, or one nn.Module holding them.")
+        new = {id(p): n for n, p in module.named_parameters()}
+        for other in self._models:
+            shared = [new[id(p)] for p in other.module.parameters() if id(p) in new]
+            if shared:  # two engines would each shard, step and publish the same tensor
+                raise ValueError(f"The {type(module).__name__} set up shares {len(shared)} parameter(s) "
+                                 f"({', '.join(shared[:5])}) with a {type(other.module).__name__} set up before. "
+                                 "Allowed: models with disjoint parameters (each gets its own engine), or one "
+                                 "nn.Module holding both, set up once with one optimizer per part.")
+        if self._parallelize_fn is not None:
             module = self._parallelize_fn(module, self.device_mesh)
             if not isinstance(module, Module):
                 raise TypeError(f"parallelize_fn must return the nn.Module it cut; got {type(module).__name__}.")
-        self._module = module
-        return module
+        model = _SetUpModel(module)
+        self._models.append(model)
+        return model
 
-    def _build(self, optimizers: Optional[list[Optimizer]]) -> None:
-        module = self._module
-        self.engine = engine = build_engine(module, optimizers, self.zero_config, self.precision, self.root_device,
-                                            device_mesh=self._device_mesh)
+    def _build(self, model: "_SetUpModel", optimizers: Optional[list[Optimizer]]) -> None:
+        if model.engine is not None:  # the evaluation engine of a stage-3 model: whole again, then rebuilt
+            self._release(model)
+        module = model.module
+        model.engine = engine = build_engine(module, optimizers, self.zero_config, self.precision,
+                                             self.root_device, device_mesh=self._device_mesh)
         # Fabric calls the module, not a training_step: rank 0's buffers and (stage 3) the root unit before
         # each forward, as the Trainer strategy does around its steps
-        self._handles = [module.register_forward_pre_hook(lambda *_: engine.prepare_forward())]
+        model.handles = [module.register_forward_pre_hook(lambda *_: engine.prepare_forward())]
 
-    def _release(self) -> None:
-        for h in self._handles:
+    def _release(self, model: "_SetUpModel", hand_back: bool = True) -> None:
+        for h in model.handles:
             h.remove()
-        self._handles = []
+        model.handles = []
+        if model.engine is not None:
+            self.precision.detach(model.engine)
+            model.engine.remove(hand_back=hand_back)
+            model.engine = None
 
-    def _training_engine(self, what: str) -> ZeroEngine:
-        if self.engine is None or self.engine.sharded is None:
+    def zero_grad_module(self, module: Module, set_to_none: bool = True) -> None:
+        """``model.zero_grad()`` on Fabric's wrapper (see :func:`install`): the engine's gradient shards are
+        cleared with the parameters' ``.grad`` -- a GAN's discriminator, whose gradients the generator's
+        backward also fills, would otherwise step on them later."""
+        Module.zero_grad(module, set_to_none)  # parameters no optimizer holds, as torch does
+        model = self._model_of(module)
+        if model is not None and model.engine is not None:
+            model.engine.zero_grad()
+
+    def _training_engine(self, what: str, module: Optional[Module] = None,
+                         optimizer: Optional[Optimizer] = None) -> ZeroEngine:
+        """The training engine of ``module`` (or of the one sharding ``optimizer``), with one clear error."""
+        engine = (self.precision.engine_for(optimizer) if module is None
+                  else getattr(self._model_of(module), "engine", None))
+        if engine is None or engine.sharded is None:
             raise RuntimeError(f"{what} under ZeroFabricStrategy needs the model and optimizer set up: "
                                "fabric.setup(model, optimizer).")
-        return self.engine
+        if optimizer is not None and all(s.optimizer is not optimizer for s in engine.shardeds):
+            raise ValueError(f"{what}: the {type(optimizer).__name__} is not an optimizer of this model. Allowed: "
+                             "the model and an optimizer returned by the same fabric.setup(model, optimizer).")
+        return engine
 
     # -- gradients -------------------------------------------------------------------------------------
     def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int],
@@ -231,7 +310,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         if float(norm_type) != 2.0:
             raise ValueError(f"ZeroFabricStrategy clips by the global 2-norm only; got norm_type={norm_type!r}. "
                              "Allowed: norm_type=2.")
-        engine = self._training_engine("fabric.clip_gradients")
+        engine = self._training_engine("fabric.clip_gradients", module, optimizer)
         total = engine.clip_grad_norm_(max_norm, optimizer)
         # with a loss scaler an overflow is expected and the step is skipped on every rank instead
         if error_if_nonfinite and engine.loss_scaler is None and not torch.isfinite(total):
@@ -240,30 +319,43 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         return total
 
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
-        self._training_engine("fabric.clip_gradients").clip_grad_value_(clip_val, optimizer)
+        self._training_engine("fabric.clip_gradients", module, optimizer).clip_grad_value_(clip_val, optimizer)
 
     def get_optimizer_state(self, optimizer: Optimizer) -> dict:
         """``optimizer.state_dict()``: the full state, consolidated from the shards (collective)."""
-        return self._training_engine("optimizer.state_dict()").optimizer_state_dict(optimizer)
+        return self._training_engine("optimizer.state_dict()", None, optimizer).optimizer_state_dict(optimizer)
 
     @contextlib.contextmanager
-    def gathered_params(self):
-        """Full parameters for a block of code (stage 3; no-op below): ``generate()``, export, inspection."""
-        with self.engine.gathered_params() if self.engine is not None else nullcontext():
+    def gathered_params(self, module: Optional[Module] = None):
+        """Full parameters for a block of code (stage 3; no-op below): ``generate()``, export, inspection.
+        ``module``: that model's only (default: every model set up)."""
+        chosen = self._models if module is None else [self._model_of(module)]
+        with contextlib.ExitStack() as stack:
+            for model in chosen:
+                if model is not None and model.engine is not None:
+                    stack.enter_context(model.engine.gathered_params())
             yield
 
     def teardown(self) -> None:
-        self._release()
-        if self.engine is not None:
-            self.engine.remove(hand_back=True)
-            self.engine = None
-        self._module = None
+        for model in self._models:  # every model handed back whole (stage 3), in fp32
+            self._release(model)
+        self._models = []
         self.precision.attach(None)
         super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         register_presets(cls, strategy_registry, what="ZeRO (Fabric)")
+
+
+class _SetUpModel:
+    """A model set up under the strategy: its module, its engine (None until one is built: stages 0-2
+    without an optimizer) and the forward pre-hook that prepares each forward."""
+
+    def __init__(self, module: Module) -> None:
+        self.module = module
+        self.engine: Optional[ZeroEngine] = None
+        self.handles: list = []
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
@@ -276,8 +368,9 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         if not enabled:
             return nullcontext()
-        engine = self._strategy.engine
-        if engine is None or engine.reducer is None or engine.module is not module:
+        model = self._strategy._model_of(module)
+        engine = model.engine if model is not None else None
+        if engine is None or engine.reducer is None:
             raise TypeError("fabric.no_backward_sync(model) under ZeroFabricStrategy needs the model set up with "
                             "its optimizer: fabric.setup(model, optimizer).")
         return engine.no_sync()
@@ -293,6 +386,26 @@ def install() -> None:
     for name in ("zero_grad", "add_param_group"):
         if name not in _FabricOptimizer.__dict__:
             setattr(_FabricOptimizer, name, _delegate(name))
+    _install_module_zero_grad()
+
+
+def _install_module_zero_grad() -> None:
+    """``model.zero_grad()`` on Fabric's module wrapper reaches the engine under ZeroFabricStrategy
+    (:meth:`ZeroFabricStrategy.zero_grad_module`): torch's would clear ``param.grad`` only, not the reduced
+    gradient shards a backward left in the engine. torch's own ``Module.zero_grad`` for every other strategy."""
+    from lightning.fabric.wrappers import _FabricModule
+
+    if "zero_grad" in _FabricModule.__dict__:
+        return
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        strategy = self.__dict__.get("_strategy")
+        if isinstance(strategy, ZeroFabricStrategy):
+            strategy.zero_grad_module(self._forward_module, set_to_none)
+        else:
+            Module.zero_grad(self, set_to_none)
+
+    _FabricModule.zero_grad = zero_grad
 
 
 def _delegate(name: str):

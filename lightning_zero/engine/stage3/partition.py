@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -87,6 +87,9 @@ class ParamPartitioner:
         self.prefetches = 0
         self._handles: list[Any] = []
         self._recompute_gathered: set[int] = set()  # units a recompute gathered (activations.py)
+        # called as a unit's backward begins: the engine makes sure this backward's end releases what it
+        # gathers even when none of its own parameters gets a gradient (engine._backward_begins)
+        self.on_backward: Optional[Callable[[], None]] = None
         self._shard_all()
         self._install_hooks()
 
@@ -303,6 +306,8 @@ class ParamPartitioner:
         return hook
 
     def _pre_backward(self, u: Unit) -> None:
+        if self.on_backward is not None:
+            self.on_backward()
         self.gather(u)
         if self.order_state is OrderState.VERIFIED and self.prefetch and u.index in self._order:
             i = len(self._order) - 1 - self._order[::-1].index(u.index)
