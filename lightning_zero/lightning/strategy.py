@@ -52,6 +52,11 @@ def _check_pipeline_options(options: dict) -> None:
                          f"world size) with them, or none of them.")
 
 
+def _whole(module: torch.nn.Module) -> bool:
+    """Every parameter has its full storage (a stage-3 engine that did not hand the module back has not)."""
+    return all(p.untyped_storage().nbytes() >= p.numel() * p.element_size() for p in module.parameters())
+
+
 class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
     """ZeRO data parallelism for Lightning.
 
@@ -357,8 +362,19 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
                 # the next fit sets up. Memory: the masters and optimizer shards DDP would also hold.
                 self._trained_engine = self.engine
             self.engine = None
-        self._failed = False
+        failed, self._failed = self._failed, False
         self.precision_plugin.attach(None)
+        module = self.lightning_module
+        if module is not None and (has_meta_params(module) or (failed and not _whole(module))):
+            # a stage-3 setup that stopped before every unit had its values (or a failed run whose engine
+            # kept its shards): nothing to move to the CPU -- meta tensors cannot be copied -- and the error
+            # that stopped the run must stay the one the user sees
+            module.__dict__["cpu"] = lambda: module
+            try:
+                super().teardown()
+            finally:
+                module.__dict__.pop("cpu", None)
+            return
         super().teardown()
 
     def on_exception(self, exception: BaseException) -> None:

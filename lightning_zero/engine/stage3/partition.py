@@ -95,9 +95,7 @@ class ParamPartitioner:
     def _shard_all(self) -> None:
         """Cut this rank's slices (fp32 for now: masters are taken from them) and free the full params."""
         if has_meta_params(self.module):  # shard-as-you-build: never hold the whole model
-            by_module = {id(u.module): u for u in self.units[:-1]}
-            materialize(self.module, [u.module for u in self.units[:-1]], self.device, self.init_group,
-                        lambda m: self._shard_unit(by_module[id(m)]))
+            materialize(self.module, self.units[:-1], self.device, self.init_group, self._shard_unit)
             self._shard_unit(self.root)
             return
         for u in self.units:
