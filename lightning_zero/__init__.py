@@ -21,6 +21,7 @@ from .engine import (
     register_shardable_optimizer,
 )
 from .engine.stage3.join import RankDivergenceError
+from .engine.stage3.pretrained import load_pretrained
 from .lightning import ZeroPrecision, ZeroStrategy
 from .lightning.fabric_precision import ZeroFabricPrecision
 from .lightning.fabric_strategy import ZeroFabricStrategy
@@ -80,6 +81,7 @@ __all__ = [
     "__version__",
     "estimate_model_states",
     "from_deepspeed_config",
+    "load_pretrained",
     "model_state_floor",
     "register_shardable_optimizer",
     "tune",
