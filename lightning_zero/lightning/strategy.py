@@ -19,6 +19,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from ..engine import ZeroEngine
 from ..engine.stage3.deferred_init import has_meta_params
+from ..engine.stage3.pretrained import load_pretrained, outermost_hf_model
 from ..engine.engine_state import EngineMode
 from .callback_checks import check_callbacks, weight_readers
 from .checkpoint_strategy import ZeroCheckpointMixin
@@ -92,6 +93,10 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
             pipeline_chunks: given ``pipeline_parallel_size=P``, the constructor returns a ``ZeroPipelineStrategy``
             (``lightning/pipeline_strategy.py``): P pipeline stages, ZeRO 0-2 over each stage's replicas.
             None (the default) is no pipeline; the other pipeline options then are an error.
+        load_weights_from: a ``save_pretrained`` directory (safetensors, sharded or not; ``pytorch_model.bin``) or
+            a state-dict file whose weights the LightningModule's HF model gets at the first setup. At stage 3,
+            with the model built in ``configure_model`` (meta device, e.g. ``AutoModel.from_config``), each rank
+            reads only the slices it keeps; no rank holds the model (engine/stage3/pretrained.py).
         tensor_parallel_size: tensor parallelism (stages 0-2): a 2-D ``DeviceMesh`` (N // T, T) with dims
             ("data_parallel", "tensor_parallel"), ``strategy.device_mesh`` and ``self.device_mesh`` in
             ``LightningModule.configure_model``, where the model is cut with torch's ``parallelize_module``
@@ -144,6 +149,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         quantize_weights: bool = False,
         quantize_grads: bool = False,
         tensor_parallel_size: Optional[int] = None,
+        load_weights_from: Optional[str] = None,
         # pipeline parallelism: a number builds ZeroPipelineStrategy instead (see __new__); None = no pipeline
         pipeline_parallel_size: Optional[int] = None,
         **pipeline_options: Any,
@@ -165,6 +171,8 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         self._trained_engine: Optional[ZeroEngine] = None  # see [Note: the trained state outlives fit]
         self._failed = False
         self.memory_summary = memory_summary
+        self.load_weights_from = load_weights_from
+        self._weights_loaded = False
         self._memory_reported = False
         self.memory_table: Optional[str] = None  # global rank 0: the table printed by this fit
 
@@ -193,6 +201,9 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model_to_device()
+        if self.load_weights_from is not None and not self._weights_loaded:  # once: a later fit keeps training
+            load_pretrained(outermost_hf_model(self.lightning_module), self.load_weights_from)
+            self._weights_loaded = True
         precision = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
             check_callbacks(trainer.callbacks, self.stage, precision.compute_dtype, self.checkpoint_format)

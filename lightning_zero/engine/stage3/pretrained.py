@@ -27,7 +27,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from .deferred_init import _allocate_own, has_meta_params, hf_owners
+from .deferred_init import _allocate_own, has_meta_params, hf_owners, is_hf_model
 from .pretrained_source import LoadStats, PretrainedSource
 
 _log = logging.getLogger("lightning_zero.engine")
@@ -51,12 +51,36 @@ def load_pretrained(module: nn.Module, path: _PathLike) -> nn.Module:
     if any(p.untyped_storage().nbytes() < p.numel() * p.element_size() for p in module.parameters()):
         raise RuntimeError("load_pretrained: this module is already partitioned by a stage-3 engine. Allowed: call "
                            "it in configure_model (the model built on the meta device), before the strategy's setup.")
+    module.__dict__.pop(_MARK, None)  # marked while on meta, given storage since (to_empty): loaded now
     with torch.no_grad():
         for p, key in names.params.values():
             p.copy_(source.read(key).view(p.shape))
         for (m, attr), key in names.buffers.items():
             m._buffers[attr].copy_(source.read(key))
     return module
+
+
+def outermost_hf_model(root: nn.Module) -> nn.Module:
+    """The one HF model in ``root`` (``root`` itself, or the one submodule no HF model contains)."""
+    if is_hf_model(root):
+        return root
+    found: list[tuple[str, nn.Module]] = []
+
+    def walk(prefix: str, m: nn.Module) -> None:
+        for name, child in m.named_children():
+            if is_hf_model(child):
+                found.append((prefix + name, child))
+            else:
+                walk(f"{prefix}{name}.", child)
+
+    walk("", root)
+    if len(found) != 1:
+        raise ValueError(
+            f"load_weights_from needs exactly one Hugging Face model in {type(root).__name__}; found "
+            f"{len(found)}{': ' + ', '.join(n for n, _ in found) if found else ''}. Allowed: a LightningModule "
+            "holding one HF model (built in configure_model), or lightning_zero.load_pretrained(submodule, DIR) "
+            "in configure_model for each.")
+    return found[0][1]
 
 
 class CheckpointNames:
