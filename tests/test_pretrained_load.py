@@ -278,3 +278,35 @@ def test_recipe_pretrained_streams_into_stage3_shards(tmp_path):
         assert got["peak"] is not None and got["peak"] < got["full"]
         for k, v in ref.items():
             assert torch.equal(got["state"][k], v), k
+
+
+# -- Fabric: init_module(empty_init=True) + load_pretrained ---------------------------------------------------
+def _fabric_job(rank, world_size, path, config, cls):
+    from lightning.fabric import Fabric
+
+    from lightning_zero import ZeroFabricStrategy
+
+    torch.set_num_threads(1)
+    fabric = Fabric(strategy=ZeroFabricStrategy(stage=3), accelerator="cpu", devices=world_size)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = cls(config)
+    meta = all(p.is_meta for p in model.parameters())
+    load_pretrained(model, path)
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with pytest.raises(RuntimeError, match="already partitioned by a stage-3 engine. Allowed: call it in configure_model"):
+        load_pretrained(model, path)
+    stats = fabric.strategy.engine.partitioner.load_stats
+    with fabric.strategy.gathered_params():
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fabric.strategy.teardown()
+    return {"meta": meta, "state": state, "peak": stats.peak_bytes}
+
+
+@pytest.mark.timeout(120)
+def test_fabric_empty_init_loads_streamed_weights(tmp_path):
+    path, config, ref = _save(tmp_path, "t5", "sharded")
+    for res in run_distributed(_fabric_job, 2, path, config, type(ZOO["t5"][0]())):
+        assert res["meta"] and res["peak"] > 0
+        for k, v in ref.items():
+            assert torch.equal(res["state"][k], v), k

@@ -39,6 +39,10 @@ def load_pretrained(module: nn.Module, path: _PathLike) -> nn.Module:
     """Weights from a ``save_pretrained`` directory (safetensors, sharded or not; ``pytorch_model.bin``) or a
     state-dict file into ``module``. On the meta device (stage 3, in ``configure_model``): read at
     partitioning, each rank its own slices. Otherwise: loaded now, in place. Returns ``module``."""
+    if any(not p.is_meta and p.untyped_storage().nbytes() < p.numel() * p.element_size()
+           for p in module.parameters()):
+        raise RuntimeError("load_pretrained: this module is already partitioned by a stage-3 engine. Allowed: call "
+                           "it in configure_model (the model built on the meta device), before the strategy's setup.")
     source = path if isinstance(path, PretrainedSource) else PretrainedSource(path)
     names = checkpoint_names(module, source)
     if has_meta_params(module):
@@ -48,9 +52,6 @@ def load_pretrained(module: nn.Module, path: _PathLike) -> nn.Module:
                              "or one with all its values.")
         module.__dict__[_MARK] = (source, names)
         return module
-    if any(p.untyped_storage().nbytes() < p.numel() * p.element_size() for p in module.parameters()):
-        raise RuntimeError("load_pretrained: this module is already partitioned by a stage-3 engine. Allowed: call "
-                           "it in configure_model (the model built on the meta device), before the strategy's setup.")
     module.__dict__.pop(_MARK, None)  # marked while on meta, given storage since (to_empty): loaded now
     with torch.no_grad():
         for p, key in names.params.values():
