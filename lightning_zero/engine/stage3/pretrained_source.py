@@ -6,8 +6,9 @@ A stage-3 rank owns a contiguous slice ``[lo, hi)`` of every *flattened* paramet
 ``ShardSpec``). For a tensor of shape ``(d0, d1, ...)`` that slice lies in rows ``lo // R .. ceil(hi / R)`` of
 its first dimension (``R = d1 * d2 * ...``): those rows are read -- safetensors' ``get_slice`` reads only the
 requested rows from the file, a ``torch.load(mmap=True)`` state dict only touches their pages -- and cut to
-the slice. So loading holds at most this rank's shards plus one parameter's rows in flight, never the model
-(``LoadStats`` counts it; tests/test_pretrained_load.py checks the bound).
+the slice, in blocks of at most ``READ_BLOCK_BYTES`` (1 MiB, or one row). So loading holds this rank's shards
+plus one block in flight, never the model (``LoadStats`` counts it; tests/test_pretrained_load.py checks the
+bound).
 
 Sources, as ``from_pretrained`` finds them in a directory: ``model.safetensors``,
 ``model.safetensors.index.json`` (sharded), ``pytorch_model.bin`` / ``pytorch_model.bin.index.json``; or one
@@ -95,15 +96,25 @@ class PretrainedSource:
         handle = self._handle(self._files[name])
         shape = handle.shape(name)
         if len(shape) == 0:
-            rows, first = handle.rows(name, None, None), 0
-        else:
-            row = max(1, int(torch.Size(shape[1:]).numel()))
-            r0, r1 = lo // row, -(-hi // row)
-            rows, first = handle.rows(name, r0, r1), r0 * row
+            self._copy(handle.rows(name, None, None).reshape(-1), out)
+            return
+        row = max(1, int(torch.Size(shape[1:]).numel()))
+        # in blocks of rows: in flight at most READ_BLOCK_BYTES (or one row), not this rank's whole slice
+        block = max(1, self.READ_BLOCK_BYTES // (row * max(1, self.dtype(name).itemsize)))
+        r, done = lo // row, 0
+        while done < hi - lo:
+            rows = handle.rows(name, r, min(r + block, -(-hi // row))).reshape(-1)
+            start = lo + done - r * row
+            n = min(rows.numel() - start, hi - lo - done)
+            self._copy(rows, out[done: done + n], start)
+            done, r = done + n, r + block
+
+    READ_BLOCK_BYTES = 2**20
+
+    def _copy(self, rows: torch.Tensor, out: torch.Tensor, start: int = 0) -> None:
         held = rows.numel() * rows.element_size()
         self.stats.hold(held)
-        out.copy_(rows.reshape(-1)[lo - first: hi - first])
-        del rows
+        out.copy_(rows[start: start + out.numel()])
         self.stats.drop(held)
 
     def read(self, name: str) -> torch.Tensor:
