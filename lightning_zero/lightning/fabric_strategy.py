@@ -37,7 +37,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from ..engine import ZeroEngine, collectives
-from ..engine.stage3.deferred_init import has_meta_params
+from ..engine.stage3.deferred_init import has_meta_params, meta_init
 from .fabric_checkpoint import ZeroFabricCheckpointMixin
 from .fabric_precision import ZeroFabricPrecision
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
@@ -141,7 +141,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         """Stage 3 with ``empty_init=True``: the model is built on the meta device and materialized by the
         engine unit by unit, already sharded, with the values of an eager build from the same seed."""
         if self.stage == 3 and empty_init:
-            return torch.device("meta")
+            return meta_init()
         return super().module_init_context(empty_init)
 
     def module_to_device(self, module: Module) -> None:

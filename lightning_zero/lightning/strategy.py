@@ -18,7 +18,7 @@ import torch
 from torch.distributed.constants import default_pg_timeout
 
 from ..engine import ZeroEngine
-from ..engine.stage3.deferred_init import has_meta_params
+from ..engine.stage3.deferred_init import has_meta_params, meta_init
 from ..engine.stage3.pretrained import load_pretrained, outermost_hf_model
 from ..engine.engine_state import EngineMode
 from .callback_checks import check_callbacks, weight_readers
@@ -325,7 +325,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         the engine then materializes the model unit by unit, already sharded, with the same values as an
         eager build from the same seed (``reset_parameters`` in registration order)."""
         if self.stage == 3 and empty_init:
-            with torch.device("meta"):
+            with meta_init():
                 yield
         else:
             with super().tensor_init_context(empty_init):
@@ -336,7 +336,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         """Stage 3: modules built in ``configure_model`` go to the meta device and are materialized
         unit by unit, already sharded, when the engine is created (no rank ever holds the whole model)."""
         if self.stage == 3:
-            with torch.device("meta"):
+            with meta_init():
                 yield
         else:
             yield

@@ -22,10 +22,11 @@ one unit are ever whole at the same time. Where the values come from:
   second pass gives each unit its values by replaying just its own writes from the noted states. A write
   through a tied parameter by a module that did not own it yet (``lm_head`` before ``tie_weights``) goes
   to scratch, as in eager construction it went to the module's own, later discarded, tensor.
-  Exact (bit for bit the eager CPU model) when every random draw of construction happens in
-  ``reset_parameters`` or ``_init_weights``; a constructor that draws by itself (GPT-2's ``Conv1D``:
-  ``nn.init.normal_`` in ``__init__``, no ``reset_parameters``) cannot be replayed, so what follows it
-  in the stream is shifted: same distributions, other numbers (tests/test_hf_deferred_init.py).
+  A constructor that draws by itself, without ``reset_parameters`` (GPT-2's ``Conv1D``: ``nn.init.normal_``
+  in ``__init__``), is replayed from what ``meta_init()`` -- the context the strategies build in -- noted of
+  its in-place ops on its parameters. So the values are the eager CPU model's bit for bit, and the generator
+  ends where eager construction left it. Built under a plain ``torch.device("meta")`` instead, such a draw
+  is not known: what follows it in the stream is shifted (same distributions, other numbers).
   Values are computed on the CPU (the generator an eager build uses) and then moved to the device.
 
 A module with meta parameters and neither ``reset_parameters`` nor an HF model above it is refused
@@ -35,16 +36,47 @@ first) is refused after its unit, by name.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import contextlib
+import itertools
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import collectives as C
 
 _WAYS_OUT = ("Allowed: build the model eagerly (outside configure_model / with init_module(empty_init=False)), "
              "add reset_parameters() to these modules, or load pretrained weights into the meta model "
              "(ZeroStrategy(stage=3, load_weights_from=DIR) / lightning_zero.load_pretrained).")
+
+
+_OPS = "_zero_init_ops"  # on a meta Parameter: the in-place ops its constructor ran, (seq, op, args, kwargs)
+
+
+class _ConstructionRecorder(TorchDispatchMode):
+    """Notes the in-place ops run on meta parameters while a model is built (``nn.init.normal_`` in a
+    constructor), so that deferred init can replay the draws of a module without ``reset_parameters``."""
+
+    seq = itertools.count()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        # an op reading another tensor (copy_ from a meta source) has no value to replay: left to the NaN check
+        if (isinstance(target, nn.Parameter) and target.is_meta and func._schema.is_mutable
+                and func._schema.name.endswith("_")
+                and not any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values()))):
+            target.__dict__.setdefault(_OPS, []).append((next(self.seq), func, tuple(args[1:]), dict(kwargs)))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_init() -> Iterator[None]:
+    """Build on the meta device (what ``configure_model`` / ``init_module(empty_init=True)`` enter at stage 3),
+    noting what constructors do to their parameters."""
+    with torch.device("meta"), _ConstructionRecorder():
+        yield
 
 
 def has_meta_params(module: nn.Module) -> bool:
@@ -176,6 +208,8 @@ class _HFReplay:
         for m in self.modules:
             for p in m.parameters(recurse=False):
                 self.first_holder.setdefault(id(p), id(m))
+        # what constructors did to their parameters on meta (meta_init); read now: storage swaps drop it
+        self.recorded = {id(p): p.__dict__.get(_OPS) for m in self.modules for p in m.parameters(recurse=False)}
         self.events = self._eager_order()
 
     def _eager_order(self) -> list[tuple[str, nn.Module]]:
@@ -191,6 +225,8 @@ class _HFReplay:
             seen.add(id(m))
             if any(True for _ in m.parameters(recurse=False)) and hasattr(m, "reset_parameters"):
                 events.append(("reset", m))
+            elif any(self.recorded.get(id(p)) for p in m.parameters(recurse=False)):
+                events.append(("ops", m))  # its constructor's own draws (GPT-2's Conv1D), as recorded
             for child in m.children():
                 construct(child)
             if is_hf_model(m):  # its post_init: _init_weights over its subtree, children first
@@ -212,6 +248,10 @@ class _HFReplay:
         try:
             if kind == "reset":
                 m.reset_parameters()
+            elif kind == "ops":
+                ops = sorted(op + (p,) for p in m.parameters(recurse=False) for op in self.recorded.get(id(p)) or ())
+                for _, func, args, kwargs, p in ops:
+                    func(p.data, *args, **kwargs)
             else:
                 self.owners[id(m)]._init_weights(m)
         finally:
