@@ -228,3 +228,18 @@ def test_module_without_init_single_process_error_is_not_masked():
     trainer = Trainer(strategy=ZeroStrategy(stage=3), **trainer_kwargs(devices=1, max_steps=1))
     with pytest.raises(ValueError, match=r"neither on: net\.1 \(Scale\).*load_weights_from"):
         trainer.fit(NoInit())
+
+
+def test_fabric_module_without_init_fails_with_the_clear_error():
+    fabric = Fabric(strategy=ZeroFabricStrategy(stage=3), accelerator="cpu", devices=1)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        net = nn.Sequential(nn.Linear(4, 4), Scale())
+    with pytest.raises(ValueError, match=r"neither on: 1 \(Scale\).*Allowed: build the model eagerly"):
+        fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert fabric.strategy.engine is None
+    with fabric.init_module(empty_init=True):  # the corrected model is the one set up next
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    net, opt = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    assert fabric.strategy.engine is not None and fabric.strategy.engine.module is net.module
+    fabric.strategy.teardown()

@@ -43,12 +43,13 @@ def _save(root, name: str, kind: str):
     elif kind == "bin":  # every key, the tied aliases too, as older transformers wrote it
         model.config.save_pretrained(path)
         torch.save(model.state_dict(), path / "pytorch_model.bin")
-    else:  # one consolidated state dict (lightning-zero consolidate writes this), not a directory
+    else:  # one consolidated state dict of a LightningModule holding the model as ``self.model`` (what
+        # lightning-zero consolidate writes), not a directory
         path = root / f"{name}_consolidated.pt"
-        torch.save({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, path)
+        torch.save({f"model.{k}": v for k, v in model.state_dict().items() if k != "lm_head.weight"}, path)
     if kind == "file":
         ref = type(model)(model.config)
-        ref.load_state_dict(torch.load(path), strict=False)
+        ref.load_state_dict({k[len("model."):]: v for k, v in torch.load(path).items()}, strict=False)
         ref.tie_weights()
     else:
         ref = type(model).from_pretrained(path)
@@ -178,7 +179,7 @@ def _meta(name):
 
 def test_checkpoint_that_does_not_fit_is_refused_by_name(tmp_path):
     path, _, _ = _save(tmp_path, "gpt2", "file")
-    state = torch.load(path)
+    state = {k[len("model."):]: v for k, v in torch.load(path).items()}
     del state["transformer.h.1.mlp.c_fc.weight"]
     state["transformer.ln_f.weight"] = torch.ones(7)
     torch.save(state, tmp_path / "broken.pt")

@@ -202,8 +202,13 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
 
     def _build(self, optimizers: Optional[list[Optimizer]]) -> None:
         module = self._module
-        self.engine = engine = build_engine(module, optimizers, self.zero_config, self.precision, self.root_device,
-                                            device_mesh=self._device_mesh)
+        try:
+            engine = build_engine(module, optimizers, self.zero_config, self.precision, self.root_device,
+                                  device_mesh=self._device_mesh)
+        except BaseException:
+            self._module = None  # a failed setup adopts nothing: a corrected model can be set up next
+            raise
+        self.engine = engine
         # Fabric calls the module, not a training_step: rank 0's buffers and (stage 3) the root unit before
         # each forward, as the Trainer strategy does around its steps
         self._handles = [module.register_forward_pre_hook(lambda *_: engine.prepare_forward())]

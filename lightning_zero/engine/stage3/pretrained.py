@@ -95,12 +95,15 @@ class CheckpointNames:
 def checkpoint_names(module: nn.Module, source: PretrainedSource) -> CheckpointNames:
     prefix = getattr(module, "base_model_prefix", "") or ""
     keys = set(source.keys())
+    # a whole LightningModule's state dict (lightning-zero consolidate) names the HF model by its attribute
+    outer = _outer_prefix(module, keys)
 
     def find(name: str) -> Optional[str]:
         for cand in (name, f"{prefix}.{name}" if prefix else None,
                      name[len(prefix) + 1:] if prefix and name.startswith(prefix + ".") else None):
-            if cand is not None and cand in keys:
-                return cand
+            for full in ((cand, outer + cand) if outer else (cand,)):
+                if cand is not None and full in keys:
+                    return full
         return None
 
     out = CheckpointNames()
@@ -138,6 +141,17 @@ def checkpoint_names(module: nn.Module, source: PretrainedSource) -> CheckpointN
         _log.warning("load_pretrained: %d checkpoint tensor(s) not in %s, skipped (as from_pretrained does): %s",
                      len(unexpected), type(module).__name__, ", ".join(sorted(unexpected)[:8]))
     return out
+
+
+def _outer_prefix(module: nn.Module, keys: set[str]) -> str:
+    """``"model."`` when the checkpoint holds this module under one attribute of an outer module, else ``""``."""
+    names = [n for n, _ in module.named_parameters()]
+    if not names or any(n in keys for n in names):
+        return ""
+    first = names[0]
+    cands = {k[: -len(first)] for k in keys if k.endswith("." + first)}
+    best = max(cands, key=lambda c: sum(c + n in keys for n in names), default="")
+    return best if best.count(".") == 1 else ""
 
 
 def marked(root: nn.Module) -> list[tuple[nn.Module, PretrainedSource, CheckpointNames]]:
