@@ -161,12 +161,14 @@ def _fit(tmp_path, name, path, tag, how, strategy):
 @pytest.mark.parametrize("name,how", [("t5", "load_weights_from"), ("gpt2", "load_pretrained")])
 def test_trainer_fine_tune_from_streamed_weights_equals_ddp_from_pretrained(tmp_path, name, how):
     path, _, _ = _save(tmp_path, name, "sharded")
-    strategy = ZeroStrategy(stage=3, start_method="fork", load_weights_from=path if how == "load_weights_from" else None)
+    knob = path if how == "load_weights_from" else None
+    strategy = ZeroStrategy(stage=3, start_method="fork", load_weights_from=knob)
     zero = _fit(tmp_path, name, path, "zero", how, strategy)
     assert zero[0]["meta"] is True
     ddp = _fit(tmp_path, name, path, "ddp", "eager", DDPStrategy(start_method="fork", find_unused_parameters=True))
     for r in range(2):
-        torch.testing.assert_close(torch.tensor(zero[r]["losses"]), torch.tensor(ddp[r]["losses"]), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(torch.tensor(zero[r]["losses"]), torch.tensor(ddp[r]["losses"]),
+                                   rtol=RTOL, atol=ATOL)
     for k, v in ddp[0]["final"].items():
         torch.testing.assert_close(zero[0]["final"][k], v, rtol=RTOL, atol=ATOL, msg=lambda m: f"{k}: {m}")
 
@@ -234,7 +236,8 @@ class HeadOnTop(pl.LightningModule):
 def test_meta_parameters_outside_the_checkpoint_are_refused(tmp_path):
     path, _, _ = _save(tmp_path, "gpt2", "single")
     trainer = Trainer(strategy=ZeroStrategy(stage=3, load_weights_from=path), **trainer_kwargs(devices=1, max_steps=1))
-    with pytest.raises(ValueError, match=r"head\.weight, head\.bias are outside the module\(s\) given to load_pretrained"):
+    outside = r"head\.weight, head\.bias are outside the module\(s\) given to load_pretrained"
+    with pytest.raises(ValueError, match=outside):
         trainer.fit(HeadOnTop(path))
 
 
@@ -299,7 +302,7 @@ def _fabric_job(rank, world_size, path, config, cls):
     meta = all(p.is_meta for p in model.parameters())
     load_pretrained(model, path)
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    with pytest.raises(RuntimeError, match="already partitioned by a stage-3 engine. Allowed: call it in configure_model"):
+    with pytest.raises(RuntimeError, match="already partitioned by a stage-3 engine. Allowed: call it in configure"):
         load_pretrained(model, path)
     stats = fabric.strategy.engine.partitioner.load_stats
     with fabric.strategy.gathered_params():
@@ -315,3 +318,20 @@ def test_fabric_empty_init_loads_streamed_weights(tmp_path):
         assert res["meta"] and res["peak"] > 0
         for k, v in ref.items():
             assert torch.equal(res["state"][k], v), k
+
+
+class _Seen(pl.Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.state = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
+
+
+def test_load_weights_from_below_stage3_loads_in_place(tmp_path):
+    """Stages 0-2 (the model built eagerly, randomly initialized): the knob overwrites it with the checkpoint."""
+    path, _, ref = _save(tmp_path, "gpt2", "sharded")
+    module = FineTune("gpt2", path, str(tmp_path), "z2", how="built")
+    module.model = module.cls(module.config)  # random weights
+    seen = _Seen()
+    Trainer(strategy=ZeroStrategy(stage=2, load_weights_from=path), callbacks=[seen],
+            **trainer_kwargs(devices=1, max_steps=1)).fit(module)
+    for k, v in ref.items():
+        assert torch.equal(seen.state[k], v), k
