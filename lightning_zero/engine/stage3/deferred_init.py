@@ -27,7 +27,9 @@ one unit are ever whole at the same time. Where the values come from:
   its in-place ops on its parameters. So the values are the eager CPU model's bit for bit, and the generator
   ends where eager construction left it. Built under a plain ``torch.device("meta")`` instead, such a draw
   is not known: what follows it in the stream is shifted (same distributions, other numbers).
-  Values are computed on the CPU (the generator an eager build uses) and then moved to the device.
+  Values are computed on the CPU (the generator an eager build uses) and then moved to the device. An
+  ``_init_weights(m)`` may write parameters of ``m``'s children (GPT-2's attention rescales ``c_proj``), which
+  works when they are in ``m``'s unit or the root unit -- the case for units at block granularity.
 
 A module with meta parameters and neither ``reset_parameters`` nor an HF model above it is refused
 before anything is allocated; a parameter or floating buffer that no init wrote (it is filled with NaN
