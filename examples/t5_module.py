@@ -30,11 +30,12 @@ import torch.distributed as dist  # noqa: E402
 from torchmetrics.classification import MulticlassAccuracy  # noqa: E402
 from torchmetrics.text import CHRFScore, SacreBLEUScore  # noqa: E402
 from torchmetrics.text.rouge import ROUGEScore  # noqa: E402
-from transformers import T5Config, T5ForConditionalGeneration  # noqa: E402
+from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration  # noqa: E402
 
 from t5_samples import append_jsonl, gather_rows, markdown_table, write_jsonl  # noqa: E402
 from t5_tokenizer import bytes_tokenizer, check_vocab_matches, tokenizer_vocab  # noqa: E402
 
+from lightning_zero import load_pretrained  # noqa: E402
 from lightning_zero.tools.t5_dims import T5_PRESETS  # noqa: E402,F401  (one table for recipe and estimator)
 
 
@@ -57,11 +58,6 @@ def make_t5_config(preset: str = "t5_tiny", tokenizer: Any = None, **overrides: 
     return T5Config(**cfg)
 
 
-def load_local_t5(path: str) -> T5ForConditionalGeneration:
-    p = check_local_model_dir(path)
-    return T5ForConditionalGeneration.from_pretrained(str(p), local_files_only=True)
-
-
 def check_local_model_dir(path: str) -> Path:
     p = Path(path).expanduser()
     if not (p.is_dir() and (p / "config.json").is_file()):
@@ -72,6 +68,15 @@ def check_local_model_dir(path: str) -> Path:
             "with AutoTokenizer (the run uses the directory's own tokenizer) "
             "(or copy a HF cache snapshot dir), then pass pretrained='/some/dir'.")
     return p
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _to_cpu(model: T5ForConditionalGeneration) -> None:
+    model.to_empty(device="cpu")  # storage, no values; every module gets its own tensors ...
+    model.tie_weights()  # ... so the embeddings are tied again
 
 
 def _world_size() -> int:
@@ -99,8 +104,16 @@ class T5FineTuner(L.LightningModule):
             self.model = T5ForConditionalGeneration(T5Config(**model_config))
             check_vocab_matches(self.tokenizer, self.model.config.vocab_size, "the checkpoint's model_config")
         elif pretrained:
-            self.model = load_local_t5(pretrained)
-            check_vocab_matches(self.tokenizer, self.model.config.vocab_size, f"model.pretrained={pretrained}")
+            # on the meta device (nothing allocated, no init): under ZeRO-3 each rank then reads only the slices it
+            # keeps from the checkpoint (lightning_zero.load_pretrained); other strategies: filled in configure_model
+            self._pretrained = str(check_local_model_dir(pretrained))
+            config = T5Config.from_pretrained(self._pretrained, local_files_only=True)
+            check_vocab_matches(self.tokenizer, config.vocab_size, f"model.pretrained={pretrained}")
+            with torch.device("meta"):
+                self.model = T5ForConditionalGeneration(config)
+            load_pretrained(self.model, self._pretrained)
+            if (Path(self._pretrained) / "generation_config.json").is_file():  # as from_pretrained reads it
+                self.model.generation_config = GenerationConfig.from_pretrained(self._pretrained)
         else:
             config = make_t5_config(preset, self.tokenizer, dropout_rate=dropout_rate, **config_overrides)
             self.model = T5ForConditionalGeneration(config)
@@ -114,7 +127,6 @@ class T5FineTuner(L.LightningModule):
         gc.decoder_start_token_id = self.model.config.decoder_start_token_id
         if gc.decoder_start_token_id is None:
             gc.decoder_start_token_id = self.model.config.decoder_start_token_id = tok.pad_token_id
-
         vocab = self.model.config.vocab_size
         self.val_acc = MulticlassAccuracy(num_classes=vocab, ignore_index=-100, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=vocab, ignore_index=-100, average="micro")
@@ -123,6 +135,20 @@ class T5FineTuner(L.LightningModule):
         self.rouge = ROUGEScore(rouge_keys=("rougeL",))  # rougeLsum/stemmer would need nltk
         self._generated = False
         self._rows: list[dict] = []  # samples (validation) or predictions (test) of this rank
+
+    def configure_model(self) -> None:
+        """``model.pretrained`` under a strategy that does not partition a meta model (DDP, ZeRO 0-2): the
+        weights are read now, whole, on every rank."""
+        if _on_meta(self.model) and getattr(self.trainer.strategy, "stage", None) != 3:
+            _to_cpu(self.model)
+            load_pretrained(self.model, self._pretrained)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        # the main process of a fork/spawn fit never ran configure_model: its meta model takes the weights
+        # rank 0 sends back (Lightning loads them into this module) once it has storage
+        if _on_meta(self.model):
+            _to_cpu(self.model)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def forward(self, **batch: torch.Tensor) -> Any:
         return self.model(**batch)

@@ -51,7 +51,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from ..engine import ZeroEngine, collectives
-from ..engine.stage3.deferred_init import has_meta_params
+from ..engine.stage3.deferred_init import has_meta_params, meta_init
 from .fabric_checkpoint import ZeroFabricCheckpointMixin
 from .fabric_precision import ZeroFabricPrecision
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
@@ -155,7 +155,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         """Stage 3 with ``empty_init=True``: the model is built on the meta device and materialized by the
         engine unit by unit, already sharded, with the values of an eager build from the same seed."""
         if self.stage == 3 and empty_init:
-            return torch.device("meta")
+            return meta_init()
         return super().module_init_context(empty_init)
 
     def module_to_device(self, module: Module) -> None:
@@ -266,8 +266,14 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         if model.engine is not None:  # the evaluation engine of a stage-3 model: whole again, then rebuilt
             self._release(model)
         module = model.module
-        model.engine = engine = build_engine(module, optimizers, self.zero_config, self.precision,
-                                             self.root_device, device_mesh=self._device_mesh)
+        try:
+            engine = build_engine(module, optimizers, self.zero_config, self.precision, self.root_device,
+                                  device_mesh=self._device_mesh)
+        except BaseException:
+            if model in self._models:  # a failed setup adopts nothing: a corrected model can be set up next
+                self._models.remove(model)
+            raise
+        model.engine = engine
         # Fabric calls the module, not a training_step: rank 0's buffers and (stage 3) the root unit before
         # each forward, as the Trainer strategy does around its steps
         model.handles = [module.register_forward_pre_hook(lambda *_: engine.prepare_forward())]

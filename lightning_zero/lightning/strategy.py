@@ -18,7 +18,8 @@ import torch
 from torch.distributed.constants import default_pg_timeout
 
 from ..engine import ZeroEngine
-from ..engine.stage3.deferred_init import has_meta_params
+from ..engine.stage3.deferred_init import has_meta_params, meta_init
+from ..engine.stage3.pretrained import load_pretrained, outermost_hf_model
 from ..engine.engine_state import EngineMode
 from .callback_checks import check_callbacks, check_no_lightning_finder, weight_readers
 from .checkpoint_strategy import ZeroCheckpointMixin
@@ -53,6 +54,11 @@ def _check_pipeline_options(options: dict) -> None:
         raise ValueError(f"{', '.join(sorted(options))} configure pipeline parallelism, which is off "
                          f"(pipeline_parallel_size=None). Allowed: pipeline_parallel_size=P (an int dividing the "
                          f"world size) with them, or none of them.")
+
+
+def _whole(module: torch.nn.Module) -> bool:
+    """Every parameter has its full storage (a stage-3 engine that did not hand the module back has not)."""
+    return all(p.untyped_storage().nbytes() >= p.numel() * p.element_size() for p in module.parameters())
 
 
 class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
@@ -93,6 +99,10 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
             pipeline_chunks: given ``pipeline_parallel_size=P``, the constructor returns a ``ZeroPipelineStrategy``
             (``lightning/pipeline_strategy.py``): P pipeline stages, ZeRO 0-2 over each stage's replicas.
             None (the default) is no pipeline; the other pipeline options then are an error.
+        load_weights_from: a ``save_pretrained`` directory (safetensors, sharded or not; ``pytorch_model.bin``) or
+            a state-dict file whose weights the LightningModule's HF model gets at the first setup. At stage 3,
+            with the model built in ``configure_model`` (meta device, e.g. ``AutoModel.from_config``), each rank
+            reads only the slices it keeps; no rank holds the model (engine/stage3/pretrained.py).
         tensor_parallel_size: tensor parallelism (stages 0-2): a 2-D ``DeviceMesh`` (N // T, T) with dims
             ("data_parallel", "tensor_parallel"), ``strategy.device_mesh`` and ``self.device_mesh`` in
             ``LightningModule.configure_model``, where the model is cut with torch's ``parallelize_module``
@@ -146,6 +156,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         quantize_grads: bool = False,
         offload_kernel: str = "fused",
         tensor_parallel_size: Optional[int] = None,
+        load_weights_from: Optional[str] = None,
         # pipeline parallelism: a number builds ZeroPipelineStrategy instead (see __new__); None = no pipeline
         pipeline_parallel_size: Optional[int] = None,
         **pipeline_options: Any,
@@ -165,6 +176,8 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         self._trained_engine: Optional[ZeroEngine] = None  # see [Note: the trained state outlives fit]
         self._failed = False
         self.memory_summary = memory_summary
+        self.load_weights_from = load_weights_from
+        self._weights_loaded = False
         self._memory_reported = False
         self.memory_table: Optional[str] = None  # global rank 0: the table printed by this fit
 
@@ -193,6 +206,9 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model_to_device()
+        if self.load_weights_from is not None and not self._weights_loaded:  # once: a later fit keeps training
+            load_pretrained(outermost_hf_model(self.lightning_module), self.load_weights_from)
+            self._weights_loaded = True
         precision = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
             check_callbacks(trainer.callbacks, self.stage, precision.compute_dtype, self.checkpoint_format)
@@ -317,7 +333,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         the engine then materializes the model unit by unit, already sharded, with the same values as an
         eager build from the same seed (``reset_parameters`` in registration order)."""
         if self.stage == 3 and empty_init:
-            with torch.device("meta"):
+            with meta_init():
                 yield
         else:
             with super().tensor_init_context(empty_init):
@@ -328,7 +344,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         """Stage 3: modules built in ``configure_model`` go to the meta device and are materialized
         unit by unit, already sharded, when the engine is created (no rank ever holds the whole model)."""
         if self.stage == 3:
-            with torch.device("meta"):
+            with meta_init():
                 yield
         else:
             yield
@@ -365,8 +381,19 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
                 # the next fit sets up. Memory: the masters and optimizer shards DDP would also hold.
                 self._trained_engine = self.engine
             self.engine = None
-        self._failed = False
+        failed, self._failed = self._failed, False
         self.precision_plugin.attach(None)
+        module = self.lightning_module
+        if module is not None and (has_meta_params(module) or (failed and not _whole(module))):
+            # a stage-3 setup that stopped before every unit had its values (or a failed run whose engine
+            # kept its shards): nothing to move to the CPU -- meta tensors cannot be copied -- and the error
+            # that stopped the run must stay the one the user sees
+            module.__dict__["cpu"] = lambda: module
+            try:
+                super().teardown()
+            finally:
+                module.__dict__.pop("cpu", None)
+            return
         super().teardown()
 
     def on_exception(self, exception: BaseException) -> None:

@@ -42,6 +42,7 @@ from .. import collectives as C
 from ..activations import recomputing
 from .. import quantize as Q
 from .deferred_init import has_meta_params, materialize
+from .pretrained import fill_shards, marked
 from .guard import ReleasedParamGuard
 from .lifecycle import OrderCheck, OrderState, UnitState
 from .join import RankDivergenceError, agreed_unit, announce, serve_until_all_joined  # noqa: F401 (re-export)
@@ -83,6 +84,7 @@ class ParamPartitioner:
         self._pos = 0
         self._gathered_depth = 0  # nesting of gathered() blocks: > 0 holds every unit UNSHARDED
         self.peak_gathered_bytes = 0
+        self.load_stats = None  # pretrained weights read into the shards: the bytes held (pretrained_source.py)
         self._held = 0
         self.prefetches = 0
         self._handles: list[Any] = []
@@ -97,10 +99,11 @@ class ParamPartitioner:
     @torch.no_grad()
     def _shard_all(self) -> None:
         """Cut this rank's slices (fp32 for now: masters are taken from them) and free the full params."""
+        if has_meta_params(self.module) and marked(self.module):  # each rank reads its own slices
+            self.load_stats = fill_shards(self.module, self.units, self.device, self._install_shard)
+            return
         if has_meta_params(self.module):  # shard-as-you-build: never hold the whole model
-            by_module = {id(u.module): u for u in self.units[:-1]}
-            materialize(self.module, [u.module for u in self.units[:-1]], self.device, self.init_group,
-                        lambda m: self._shard_unit(by_module[id(m)]))
+            materialize(self.module, self.units[:-1], self.device, self.init_group, self._shard_unit)
             self._shard_unit(self.root)
             return
         for u in self.units:
@@ -112,14 +115,23 @@ class ParamPartitioner:
             return
         full = [p.detach().float() for p in u.params]
         packed = u.layout.pack_rank_major(full, torch.float32)
-        chunk = packed.view(self.world_size, -1)[self.rank].clone()
-        if self.offload:
+        self._install_shard(u, packed.view(self.world_size, -1)[self.rank].clone())
+
+    def _install_shard(self, u: Unit, chunk: torch.Tensor) -> None:
+        """``chunk``: this rank's fp32 slices of the unit, rank-major; the parameters keep no storage."""
+        if not self.offload:
+            chunk = chunk.to(self.device)
+        else:
             chunk = chunk.cpu().pin_memory() if torch.cuda.is_available() else chunk.cpu()
         u.shard = chunk
         for p in u.params:
             # own storage of exactly the param's size, so releasing frees exactly it
             dtype = self.compute_dtype if (self.compute_dtype and p.is_floating_point()) else p.dtype
-            p.data = torch.empty(p.shape, dtype=dtype, device=self.device)
+            empty = torch.empty(p.shape, dtype=dtype, device=self.device)
+            if p.is_meta:  # read from a checkpoint: never had values (keep the Parameter object: optimizers hold it)
+                torch.utils.swap_tensors(p, nn.Parameter(empty, p.requires_grad))
+            else:
+                p.data = empty
             p.data.untyped_storage().resize_(0)
         u.nbytes_full = [p.numel() * p.element_size() for p in u.params]
 
