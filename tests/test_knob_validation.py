@@ -14,6 +14,7 @@ import inspect
 import math
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,6 +130,9 @@ TRAINER = {
     "checkpoint_format": Knob(["sharded", "full"], [(v, r"Unknown checkpoint_format .*Allowed: 'sharded', 'full'")
                                                     for v in ("dcp", ["full"])]),
     "memory_summary": Knob([True, False], [(v, r"memory_summary must be True or False") for v in ("no", 1, None)]),
+    "load_weights_from": Knob([None, str(Path(__file__).parent)],
+                              [(v, r"load_weights_from=.*no such directory or file\. Allowed: None, a save_pretrained")
+                               for v in ("/no/such/dir", 3, ["a"])]),
     "tensor_parallel_size": Knob([None, 1, 2], [(0, TP), (2.0, TP), (True, TP),
                                                 (2, r"Allowed stages with tensor parallelism: 0, 1, 2", dict(stage=3)),
                                                 (2, r"tensor_parallel_size cannot be combined with shard_group_size",

@@ -61,6 +61,18 @@ def _whole(module: torch.nn.Module) -> bool:
     return all(p.untyped_storage().nbytes() >= p.numel() * p.element_size() for p in module.parameters())
 
 
+def _checked_weights_path(path: Any) -> Optional[str]:
+    """``load_weights_from``: None, or a path that exists (a save_pretrained directory or a state-dict file)."""
+    import os
+
+    if path is None:
+        return None
+    if not isinstance(path, (str, os.PathLike)) or not os.path.exists(path):
+        raise ValueError(f"load_weights_from={path!r}: no such directory or file. Allowed: None, a save_pretrained "
+                         "directory (safetensors, sharded or not; pytorch_model.bin) or a state-dict file.")
+    return os.fspath(path)
+
+
 class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
     """ZeRO data parallelism for Lightning.
 
@@ -176,7 +188,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         self._trained_engine: Optional[ZeroEngine] = None  # see [Note: the trained state outlives fit]
         self._failed = False
         self.memory_summary = memory_summary
-        self.load_weights_from = load_weights_from
+        self.load_weights_from = _checked_weights_path(load_weights_from)
         self._weights_loaded = False
         self._memory_reported = False
         self.memory_table: Optional[str] = None  # global rank 0: the table printed by this fit
