@@ -91,19 +91,15 @@ def _register_lightning() -> None:
     batch_size_finder.install()  # Tuner.scale_batch_size under ZeroStrategy: the error names ZeroBatchSizeFinder
 
 
-def _register_pytorch_lightning() -> None:
-    from .lightning._pl_compat import register_pytorch_lightning
-
-    register_pytorch_lightning()  # the separate pytorch_lightning registry
-
-
 # [Note: names registered when Lightning is there]
 # Lightning has no entry points for strategies: the names must be in its registry before a Trainer or Fabric
 # resolves ``strategy="zero3"``. Importing Lightning here would make every import of the engine, the checkpoint
-# reader or the CLI pay for Lightning (and pytorch_lightning, and through them transformers). So the names are
-# registered now if the distribution is already imported, else right after it is (a finder that runs the
-# registration once the distribution's own ``__init__`` has finished) -- either import order works.
-_DISTRIBUTIONS = {"lightning": _register_lightning, "pytorch_lightning": _register_pytorch_lightning}
+# reader or the CLI pay for Lightning (and through it transformers). So the names are registered now if
+# ``lightning`` is already imported, else right after it is (a finder that runs the registration once the
+# distribution's own ``__init__`` has finished) -- either import order works. Only the ``lightning`` distribution
+# is supported: ``pytorch_lightning`` (a second copy of the same code with its own classes and registry) gets no
+# names; use ``import lightning.pytorch as pl``.
+_DISTRIBUTIONS = {"lightning": _register_lightning}
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
@@ -137,7 +133,7 @@ class _ThenRegister(importlib.abc.Loader):
 
 
 def _register() -> None:
-    # the finder first: registering one distribution may import the other
+    # the finder first: the registration may import what triggers it
     if not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport())
     for name, register in _DISTRIBUTIONS.items():

@@ -327,28 +327,11 @@ def test_package_exports():
     assert importlib.import_module("lightning_zero.precision").ZeroPrecision is lightning_zero.ZeroPrecision
 
 
-def test_pytorch_lightning_registry_trains():
+def test_pytorch_lightning_distribution_gets_no_names():
+    """Only the ``lightning`` distribution is supported (README): the separate ``pytorch_lightning`` copy has its
+    own classes, so half-registered adapters there trained with checks silently missing. It gets no names."""
     pl = pytest.importorskip("pytorch_lightning")
-    from torch.utils.data import DataLoader, TensorDataset
-
-    class Tiny(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(4, 1)
-
-        def training_step(self, b, i):
-            return torch.nn.functional.mse_loss(self.net(b[0]), b[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    assert "zero3_offload" in pl.strategies.StrategyRegistry
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero2", max_steps=2, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4))
-    assert type(trainer.strategy).__name__ == "ZeroStrategy" and trainer.strategy.stage == 2
-    assert isinstance(trainer.strategy, pl.strategies.DDPStrategy)
-    assert trainer.global_step == 2
+    assert not [n for n in pl.strategies.StrategyRegistry.available_strategies() if n.startswith("zero")]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -138,9 +138,9 @@ def report(strategy, trainer) -> Optional[str]:
         return None
     ddp = ddp_numbers(engine, ranks)
     table = format_table(engine.config, len(ranks), ranks, ddp)
-    from ._distribution import lightning_import
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-    lightning_import("utilities.rank_zero", "rank_zero_info")(table)
+    rank_zero_info(table)
     values: dict[str, Any] = metrics(ranks, ddp)
     for logger in trainer.loggers:
         logger.log_metrics(values, step=trainer.global_step)

@@ -14,7 +14,6 @@ shard layout (``ShardSpec.shard_len``: what this rank stores, padding excluded).
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 _COLUMN = "Params per Device"  # Lightning's spelling: RichModelSummary lays out a column of this name
 
@@ -72,8 +71,3 @@ def install() -> None:
     from lightning.pytorch.utilities.model_summary import model_summary as summary_module
 
     _wrap(callback_module, summary_module)
-    if importlib.util.find_spec("pytorch_lightning") is not None:
-        from pytorch_lightning.callbacks import model_summary as pl_callback_module
-        from pytorch_lightning.utilities.model_summary import model_summary as pl_summary_module
-
-        _wrap(pl_callback_module, pl_summary_module)

@@ -54,14 +54,12 @@ import numbers
 from typing import Any, Generator, Optional
 
 import torch
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size, virtual_stages
 from .pipeline_checkpoint import PipelineCheckpointMixin
 from .pipeline_chunks import chunk_optimizers, sync_hyperparameters
-from ._distribution import lightning_import
 from .strategy import TrainerFn, ZeroStrategy
-
-_MultiProcessingLauncher = lightning_import("strategies.launchers", "_MultiProcessingLauncher")
 _TRAINED_ELSEWHERE = "_lightning_zero_pipeline_trained_elsewhere"
 
 

@@ -21,16 +21,14 @@ import contextlib
 from typing import Any, Callable, Generator, Optional, Union
 
 import torch
+from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
 
 from ..engine import DynamicLossScaler, StaticLossScaler
 from ..engine.engine_state import EngineMode, StepCounters
-from ._distribution import lightning_import
 from .optimizers import raw_optimizer
-
-Precision = lightning_import("plugins.precision", "Precision")
 
 _ALIASES = {
     "32-true": "32-true", "32": "32-true", 32: "32-true",

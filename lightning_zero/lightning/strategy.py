@@ -26,20 +26,22 @@ from .checkpoint_strategy import ZeroCheckpointMixin
 from .memory_summary import report as memory_report
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
 from .optimizers import bind as bind_optimizers
-from ._distribution import lightning_import, sibling
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.environments import ClusterEnvironment
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.ddp import _sync_module_states
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from .precision import ZeroPrecision
 from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
                          register_presets, zero_config)
 
-MixedPrecision, Precision = lightning_import("plugins.precision", "MixedPrecision", "Precision")
-DDPStrategy = lightning_import("strategies", "DDPStrategy")
-TrainerFn = lightning_import("trainer.states", "TrainerFn")
-_sync_module_states = lightning_import("strategies.ddp", "_sync_module_states")
-_SubprocessScriptLauncher = lightning_import("strategies.launchers", "_SubprocessScriptLauncher")
-_LIGHTNING_TYPES = dict(accelerator=lightning_import("accelerators", "Accelerator"),  # the knob -> its class
-                        cluster_environment=lightning_import("plugins.environments", "ClusterEnvironment"),
-                        checkpoint_io=lightning_import("plugins.io", "CheckpointIO"))
-rank_zero_info = lightning_import("utilities.rank_zero", "rank_zero_info")
-ZeroPrecision = sibling("precision").ZeroPrecision
+_LIGHTNING_TYPES = dict(accelerator=Accelerator, cluster_environment=ClusterEnvironment,  # the knob -> its class
+                        checkpoint_io=CheckpointIO)
 
 
 _PIPELINE_OPTIONS = ("pipeline_microbatches", "pipeline_schedule", "pipeline_max_imbalance", "pipeline_chunks")
@@ -130,9 +132,6 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         if kwargs.get("pipeline_parallel_size") is not None and cls.__name__ == "ZeroStrategy":
             from .pipeline_strategy import ZeroPipelineStrategy
 
-            if not issubclass(ZeroPipelineStrategy, cls):
-                raise NotImplementedError("pipeline_parallel_size is available for lightning.pytorch's Trainer only "
-                                          "(not the pytorch_lightning distribution).")
             cls = ZeroPipelineStrategy
         return super().__new__(cls)
 
