@@ -27,7 +27,7 @@ from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_te
 from .optimizers import bind as bind_optimizers
 from ._distribution import lightning_import, sibling
 from .zero_setup import (as_zero_precision, build_engine, check_start_method, external_launcher,
-                         register_presets, zero_config)
+                         init_attempt_group, register_presets, zero_config)
 
 MixedPrecision, Precision = lightning_import("plugins.precision", "MixedPrecision", "Precision")
 DDPStrategy = lightning_import("strategies", "DDPStrategy")
@@ -235,6 +235,10 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
 
         module.lr_scheduler_step = lr_scheduler_step  # instance attribute; removed at teardown
         self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
+
+    def setup_distributed(self) -> None:
+        init_attempt_group(self)  # torchrun restarts: see [Note: torchrun restarts]
+        super().setup_distributed()
 
     # -- tensor parallelism: device_mesh and the sampler split in TensorParallelMixin ------------------
     def setup_environment(self) -> None:
