@@ -21,6 +21,7 @@ from ..engine import ZeroEngine
 from ..engine.stage3.deferred_init import has_meta_params
 from ..engine.engine_state import EngineMode
 from .callback_checks import check_callbacks, weight_readers
+from .even_inputs import check_even_inputs
 from .checkpoint_strategy import ZeroCheckpointMixin
 from .memory_summary import report as memory_report
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
@@ -331,8 +332,18 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self._check_even_inputs(batch_idx)
         if self.lightning_module.trainer.global_step >= 1:  # gradients and optimizer state exist now
             self._report_memory()
+
+    def _check_even_inputs(self, batch_idx: int) -> None:
+        """Different batch counts per rank: one clear error on every rank at the epoch's first batch instead of
+        a hang ([Note: uneven training inputs], even_inputs.py)."""
+        trainer = self.lightning_module.trainer
+        key = (id(trainer), trainer.current_epoch)
+        if getattr(self, "_even_checked", None) != key:
+            self._even_checked = key
+            check_even_inputs(self, batch_idx)
 
     def _report_memory(self) -> None:
         """The model-state table (ZeRO beside DDP) on global rank 0 and the ``zero/*`` metrics, once per fit."""
