@@ -81,3 +81,44 @@ def test_a_killed_worker_restarts_and_ends_as_an_uninterrupted_run(tmp_path, tmp
         for k, v in reference[r]["weights"].items():
             torch.testing.assert_close(restarted[r]["weights"][k], v, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"rank {r} {k}: restarted vs uninterrupted: {m}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("late", [0, 1, 3])
+def test_the_attempt_token_ignores_a_dead_attempts_keys(late):
+    """Four ranks on one store that already holds a finished attempt's keys (its asks, answers and acks):
+    whichever rank arrives late, all agree on one token that is not the old attempt's."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_zero.engine.elastic import agree_attempt_token
+
+    timeout = datetime.timedelta(seconds=30)
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout)
+
+    def attempt(world, delayed):
+        tokens = {}
+
+        def rank(r):
+            if r == delayed:
+                time.sleep(0.3)  # rank 0 has long read this rank's stale ask by now
+            client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+            tokens[r] = agree_attempt_token(client, r, world, timeout)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(40)
+        return tokens
+
+    old = attempt(4, None)  # attempt 0: leaves its keys in the store
+    assert len(set(old.values())) == 1 and len(old) == 4
+    new = attempt(4, late)
+    assert len(new) == 4 and len(set(new.values())) == 1, new
+    assert set(new.values()) != set(old.values())
+    del server
