@@ -1,8 +1,8 @@
 """``ZeroStrategy(tensor_parallel_size=T)``: the 2-D mesh, the data split and the refused combinations.
 
 The strategy builds ``init_device_mesh(device, (N // T, T), mesh_dim_names=("data_parallel",
-"tensor_parallel"))`` (once per process: ``engine/groups.py`` ``device_mesh``) once the processes exist (``setup_environment``, as Lightning's ModelParallelStrategy
-does) and sets it as ``LightningModule.device_mesh`` before ``configure_model``, where the user cuts the
+"tensor_parallel"))`` once the processes exist (``setup_environment``, as Lightning's ModelParallelStrategy
+does; made once per process, ``engine/groups.py`` ``device_mesh``) and sets it as ``LightningModule.device_mesh`` before ``configure_model``, where the user cuts the
 model with ``parallelize_module(..., self.device_mesh["tensor_parallel"], plan)``. The engine gets the
 mesh (``engine/tensor_parallel.py``: ZeRO over the data-parallel dim, norms over both). The sampler splits
 by the data-parallel rank only: the T ranks of one tensor-parallel group must see the same batch.
