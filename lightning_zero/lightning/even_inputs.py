@@ -11,11 +11,12 @@ user's own sampler, ``use_distributed_sampler=False`` or per-rank datasets.
 Training does not join (unlike evaluation, ``engine/stage3/join.py``): a finished rank would have to
 mirror every collective of the others' steps (the reduce-scatters of zero gradients, the norm and
 overflow all-reduces, the parameter all-gathers, stage 3's gathers in the recorded unit order) and every
-rank would pay a per-step "still training?" all-reduce to know when to stop. So the lengths are compared instead: at the first
-batch of every epoch each rank contributes the batches it will run this epoch -- its loader's length
-(``trainer.num_training_batches``, after ``limit_train_batches``) less the batches already done,
-capped by what ``max_steps`` still needs (``accumulate_grad_batches`` batches per step) -- in one
-all-gather of one float per rank (Lightning's collective, not counted in the engine's ``comm_report``).
+rank would pay a per-step "still training?" all-reduce to know when to stop. So the lengths are
+compared instead: at the first batch of every epoch each rank contributes the batches it will run this
+epoch -- its loader's length (``trainer.num_training_batches``, after ``limit_train_batches``) less the
+batches already done, capped by what ``max_steps`` still needs (``accumulate_grad_batches`` batches per
+step) -- and that length, in one all-gather of two floats per rank (Lightning's collective, as DDP's
+sampler checks use, not counted in the engine's ``comm_report``: it is no part of a step).
 Different counts raise :class:`UnevenInputsError` on every rank, naming each rank's count.
 
 Unknown lengths (an IterableDataset without ``__len__``: ``inf``, capped by ``max_steps`` like any other)
