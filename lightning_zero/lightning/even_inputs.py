@@ -15,8 +15,8 @@ rank would pay a per-step "still training?" all-reduce to know when to stop. So 
 compared instead: at the first batch of every epoch each rank contributes the batches it will run this
 epoch -- its loader's length (``trainer.num_training_batches``, after ``limit_train_batches``) less the
 batches already done, capped by what ``max_steps`` still needs (``accumulate_grad_batches`` batches per
-step) -- and that length, in one all-gather of two floats per rank (Lightning's collective, as DDP's
-sampler checks use, not counted in the engine's ``comm_report``: it is no part of a step).
+step) -- and that length, in one all-gather of two floats per rank (the strategy's Lightning collective, like
+Lightning's own ``has_len_all_ranks``; not counted in the engine's ``comm_report``: no part of a step).
 Different counts raise :class:`UnevenInputsError` on every rank, naming each rank's count.
 
 Unknown lengths (an IterableDataset without ``__len__``: ``inf``, capped by ``max_steps`` like any other)
