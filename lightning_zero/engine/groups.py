@@ -10,7 +10,9 @@ engine's group gets the *same* name, hence the same ``PrefixStore(f"{name}/", de
 store still holds the destroyed group's rendezvous keys (gloo's full-mesh addresses, NCCL's unique id):
 a rank that arrives first reads its peers' *old* entries and connects to listeners that are gone, so
 it hangs or fails in ``connectFullMesh`` while its peers, which found the fresh keys, wait for it
-elsewhere (2/10 runs at 2 ranks, every run at 4). Hence: one group per (default group, set of ranks),
+elsewhere (2/10 runs at 2 ranks, every run at 4). The same holds across torchrun restart attempts, which
+share one store: there the default group's own store is per attempt ([Note: torchrun restarts],
+engine/elastic.py), and every group here derives its store from it. Hence: one group per (default group, set of ranks),
 made on first use and handed to every later engine; nothing here destroys it per engine. It goes away
 with the default group: ``destroy_process_group()`` destroys every group, and a cached group that is no
 longer registered (or belongs to an earlier default group) is made afresh under the new one.
@@ -26,6 +28,7 @@ from .collectives import name_group
 
 _GROUPS: dict[tuple, tuple[Any, Any]] = {}  # (id(default pg), ranks) -> (default pg, group)
 _HYBRID: dict[tuple, tuple[Any, tuple]] = {}  # (id(default pg), shard group size) -> (default pg, groups)
+_MESHES: dict[tuple, tuple[Any, Any]] = {}  # (id(default pg), device type, shape, names) -> (default pg, mesh)
 
 
 def _registered(group: Any) -> bool:
@@ -55,8 +58,27 @@ def reduce_scatter_group(group: Optional[Any] = None) -> Any:
 
 
 def cached_groups() -> int:
-    """How many groups this process holds (for tests: later engines must not add any)."""
-    return len(_GROUPS) + len(_HYBRID)
+    """How many groups and meshes this process holds (for tests: later engines must not add any)."""
+    return len(_GROUPS) + len(_HYBRID) + len(_MESHES)
+
+
+def device_mesh(device_type: str, shape: tuple, names: Optional[tuple] = None) -> Any:
+    """``init_device_mesh(device_type, shape, mesh_dim_names=names)`` made once per (default group, layout):
+    each call of torch's makes a new group per mesh dimension (sockets and threads that live as long as the
+    default group; ~30 file descriptors per 2-D gloo mesh at 2 ranks), and a Trainer builds its mesh in
+    every ``setup_environment``. Collective over the world the first time, as init_device_mesh is."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    default = dist.distributed_c10d._get_default_group()
+    key = (id(default), device_type, tuple(shape), tuple(names) if names else None)
+    hit = _MESHES.get(key)
+    if hit is not None and hit[0] is default and all(_registered(hit[1].get_group(d)) for d in range(hit[1].ndim)):
+        return hit[1]
+    for k in [k for k, (pg, _) in _MESHES.items() if pg is not default]:
+        del _MESHES[k]  # an earlier default group's: destroyed with it
+    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names) if names else None)
+    _MESHES[key] = (default, mesh)
+    return mesh
 
 
 class HybridGroups:

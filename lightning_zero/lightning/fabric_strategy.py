@@ -56,7 +56,7 @@ from .fabric_checkpoint import ZeroFabricCheckpointMixin
 from .fabric_precision import ZeroFabricPrecision
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
 from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
-                         register_presets, zero_config)
+                         init_attempt_group, register_presets, zero_config)
 
 
 class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStrategy):
@@ -146,6 +146,10 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
     def _configure_launcher(self) -> None:  # torchrun / SLURM made the processes: start none (zero_setup.py)
         if not external_launcher(self, _SubprocessScriptLauncher, rank_zero_info):
             super()._configure_launcher()
+
+    def _setup_distributed(self) -> None:
+        init_attempt_group(self)  # torchrun restarts: see [Note: torchrun restarts] (engine/elastic.py)
+        super()._setup_distributed()
 
     def setup_environment(self) -> None:
         super().setup_environment()

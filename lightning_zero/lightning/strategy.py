@@ -22,6 +22,7 @@ from ..engine.stage3.deferred_init import has_meta_params, meta_init
 from ..engine.stage3.pretrained import load_pretrained, outermost_hf_model
 from ..engine.engine_state import EngineMode
 from .callback_checks import check_callbacks, check_no_lightning_finder, weight_readers
+from .even_inputs import check_even_inputs
 from .checkpoint_strategy import ZeroCheckpointMixin
 from .memory_summary import report as memory_report
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
@@ -38,7 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .precision import ZeroPrecision
 from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
-                         register_presets, zero_config)
+                         init_attempt_group, register_presets, zero_config)
 
 _LIGHTNING_TYPES = dict(accelerator=Accelerator, cluster_environment=ClusterEnvironment,  # the knob -> its class
                         checkpoint_io=CheckpointIO)
@@ -268,6 +269,10 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         module.lr_scheduler_step = lr_scheduler_step  # instance attribute; removed at teardown
         self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
 
+    def setup_distributed(self) -> None:
+        init_attempt_group(self)  # torchrun restarts: see [Note: torchrun restarts]
+        super().setup_distributed()
+
     # -- tensor parallelism: device_mesh and the sampler split in TensorParallelMixin ------------------
     def setup_environment(self) -> None:
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -362,8 +367,18 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        self._check_even_inputs(batch_idx)
         if self.lightning_module.trainer.global_step >= 1:  # gradients and optimizer state exist now
             self._report_memory()
+
+    def _check_even_inputs(self, batch_idx: int) -> None:
+        """Different batch counts per rank: one clear error on every rank at the epoch's first batch instead of
+        a hang ([Note: uneven training inputs], even_inputs.py)."""
+        trainer = self.lightning_module.trainer
+        key = (id(trainer), trainer.current_epoch)
+        if getattr(self, "_even_checked", None) != key:
+            self._even_checked = key
+            check_even_inputs(self, batch_idx)
 
     def _report_memory(self) -> None:
         """The model-state table (ZeRO beside DDP) on global rank 0 and the ``zero/*`` metrics, once per fit."""

@@ -2,7 +2,7 @@
 
 The strategy builds ``init_device_mesh(device, (N // T, T), mesh_dim_names=("data_parallel",
 "tensor_parallel"))`` once the processes exist (``setup_environment``, as Lightning's ModelParallelStrategy
-does) and sets it as ``LightningModule.device_mesh`` before ``configure_model``, where the user cuts the
+does; made once per process, ``engine/groups.py`` ``device_mesh``) and sets it as ``LightningModule.device_mesh`` before ``configure_model``, where the user cuts the
 model with ``parallelize_module(..., self.device_mesh["tensor_parallel"], plan)``. The engine gets the
 mesh (``engine/tensor_parallel.py``: ZeRO over the data-parallel dim, norms over both). The sampler splits
 by the data-parallel rank only: the T ranks of one tensor-parallel group must see the same batch.
@@ -17,6 +17,7 @@ import torch
 
 from ..engine import tensor_parallel as TP
 from ..engine.config import _is_int
+from ..engine.groups import device_mesh
 
 
 def check_tensor_parallel_args(kwargs: dict) -> None:
@@ -52,14 +53,12 @@ class TensorParallelLayout:
 
     def build(self, world_size: int, device: torch.device) -> Any:
         """The 2-D mesh (collective: every rank calls it, after the process group exists)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         if world_size % self.size:
             allowed = ", ".join(str(t) for t in range(1, world_size + 1) if world_size % t == 0)
             raise ValueError(f"tensor_parallel_size={self.size} does not divide the world of {world_size} rank(s). "
                              f"Allowed: {allowed}.")
-        self.mesh = init_device_mesh(device.type, (world_size // self.size, self.size),
-                                     mesh_dim_names=(TP.DP, TP.TP))
+        # made once per process (engine/groups.py): a mesh per setup_environment leaked its groups' fds
+        self.mesh = device_mesh(device.type, (world_size // self.size, self.size), (TP.DP, TP.TP))
         return self.mesh
 
     @property

@@ -17,6 +17,7 @@ import torch
 
 from ..engine import ZeroConfig, ZeroEngine
 from ..engine.config import PRESETS
+from ..engine.elastic import init_attempt_default_group
 from ..engine.stage3.unit_policy import choose_unit_modules
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -136,3 +137,11 @@ def register_presets(cls: type, registry, what: str = "ZeRO") -> None:
         for suffix, method in _LAUNCH_VARIANTS:
             registry.register(name + suffix, cls, description=f"{what} {kw} with start_method '{method}'",
                               override=True, start_method=method, **kw)
+
+
+def init_attempt_group(strategy) -> None:
+    """Under torchrun, the default group on a store prefix of this restart attempt's own ([Note: torchrun
+    restarts], engine/elastic.py); Lightning's ``setup_distributed`` then finds it made. Elsewhere a no-op."""
+    device = strategy.root_device
+    init_attempt_default_group(strategy._get_process_group_backend(), strategy._timeout,
+                               device_id=device if device.type != "cpu" else None)

@@ -48,23 +48,5 @@ def main(out: str, strategy: str, kill_step: int, world_size: int = 2) -> dict:
     return weights
 
 
-def init_default_group() -> None:
-    """The default group under a prefix of this attempt's own: torchelastic keeps one store for the whole
-    job and torch names the default group the same in every attempt, so a restarted worker could read the
-    killed attempt's rendezvous keys (see [Note: torchrun restarts] in lightning_zero/engine/groups.py).
-    Lightning uses a group that already exists."""
-    import datetime
-
-    import torch.distributed as dist
-
-    env = os.environ
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                          timeout=datetime.timedelta(seconds=60))
-    store = dist.PrefixStore(f"attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-    dist.init_process_group("gloo", store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
-                            timeout=datetime.timedelta(seconds=60))
-
-
-if __name__ == "__main__":
-    init_default_group()
+if __name__ == "__main__":  # Lightning makes the default group from torchrun's environment, as for any user
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
