@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from ..checkpoint.format import (load_model_state, load_optimizer_state, read_info, read_meta,
                                  resolve_checkpoint_dir, save_checkpoint_dir, sharded_model_state,
                                  sharded_optimizer_state)
+from ..checkpoint.trust import trusted
 from .lightning_io import load_as_lightning_checkpoint
 from .precision import ZeroPrecision
 
@@ -91,8 +92,9 @@ class ZeroFabricCheckpointMixin:
         path = resolve_checkpoint_dir(self.broadcast(str(path)))
         if not path.is_dir():
             return self._load_file(path, state, strict, weights_only)
+        trust = trusted(getattr(self, "trust_checkpoint", False), weights_only)
         if not state:  # the whole checkpoint, consolidated (full fp32 weights), under the saved names
-            full = load_as_lightning_checkpoint(path, weights_only)
+            full = load_as_lightning_checkpoint(path, trust_checkpoint=trust)
             names = full.pop(_FABRIC_KEY, None) or {}
             for k in names.get("added", []):
                 full.pop(k, None)
@@ -100,8 +102,8 @@ class ZeroFabricCheckpointMixin:
                 full[names["module"]] = full.pop("state_dict")
                 full.update(zip(names["optimizers"], full.pop("optimizer_states", None) or []))
             return full
-        info = read_info(path)
-        meta = read_meta(path, weights_only)
+        info = read_info(path, trust)
+        meta = read_meta(path, trust_checkpoint=trust)
         names = meta.pop(_FABRIC_KEY, None) or {}
         precision_state = meta.pop(_PRECISION_KEY, None)
         opt_meta = meta.pop("optimizer_states", None) or []
@@ -109,7 +111,7 @@ class ZeroFabricCheckpointMixin:
             meta.pop(k, None)
 
         def load_module(module, _key):
-            load_model_state(path, module, self._engine_of(module), strict, info)
+            load_model_state(path, module, self._engine_of(module), strict, info, trust_checkpoint=trust)
 
         def load_optimizer(opt, key, module):
             engine = self._engine_of(module) if module is not None else getattr(self, "engine", None)
@@ -119,7 +121,7 @@ class ZeroFabricCheckpointMixin:
                     raise KeyError(f"Checkpoint {str(path)!r} holds no state for optimizer {index} (state[{key!r}]):"
                                    " it was saved without it. Load with strict=False to skip it.")
                 return
-            load_optimizer_state(path, engine, opt_meta[index], info, index=index)
+            load_optimizer_state(path, engine, opt_meta[index], info, index=index, trust_checkpoint=trust)
 
         if isinstance(state, Module):  # fabric.load_raw(dir, model)
             load_module(state, None)
