@@ -18,12 +18,11 @@ import torch
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroConfig, ZeroEngine
 from lightning_zero import checkpoint as ck
-from lightning_zero.checkpoint import integrity
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.tools.cli import main as cli_main
 from tests.ckpt_models import make_tied, train
 from tests.models import make_optimizer
-from tests.test_checkpoint_trust import _as_pipeline
+from tests.test_checkpoint_trust import _as_pipeline, crc32
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,8 +48,8 @@ def _copy(src: Path, name: str) -> Path:
 def _legacy(path: Path, edit=lambda info: None) -> None:
     """The json as a build without checksums wrote it, then ``edit``ed."""
     info = json.loads((path / ck.INFO_FILE).read_text())
-    info.pop(integrity.SEAL_KEY)
-    info.pop(integrity.FILES_KEY)
+    info.pop("info_crc32")
+    info.pop("files")
     edit(info)
     (path / ck.INFO_FILE).write_text(json.dumps(info))
 
@@ -69,11 +68,11 @@ def _reads(path: Path, tmp_path: Path, match: str, capsys) -> None:
 
 def test_every_file_is_listed_with_size_and_crc32(saved):
     info = json.loads((saved / ck.INFO_FILE).read_text())
-    files = info[integrity.FILES_KEY]
+    files = info["files"]
     assert sorted(files) == sorted(n for n in os.listdir(saved) if n != ck.INFO_FILE)
     assert {ck.META_FILE, ck.DCP_METADATA, "__0_0.distcp"} <= set(files)
     for name, d in files.items():
-        assert d["size"] == os.path.getsize(saved / name) and d["crc32"] == integrity.file_crc32(saved / name)
+        assert d["size"] == os.path.getsize(saved / name) and d["crc32"] == crc32((saved / name).read_bytes())
 
 
 @pytest.mark.parametrize("victim", ["__0_0.distcp", ck.DCP_METADATA, ck.META_FILE])

@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,6 @@ from torch.distributed.checkpoint import FileSystemReader
 import lightning_zero  # noqa: F401  (installs the Lightning loaders)
 from lightning_zero import ZeroStrategy
 from lightning_zero import checkpoint as ck
-from lightning_zero.checkpoint import integrity
 from lightning_zero.checkpoint.consolidate import consolidate, full_model_state
 from lightning_zero.checkpoint.pipeline_dir import consolidate_pipeline_checkpoint
 from lightning_zero.lightning.fabric_strategy import ZeroFabricStrategy
@@ -45,12 +45,21 @@ class Payload:
         return (open, (self.marker, "w"))
 
 
+def crc32(data: bytes) -> str:
+    return f"{zlib.crc32(data):08x}"
+
+
 def reseal(path: Path) -> None:
-    """List every file again with its true size and CRC-32 and seal the json: a deliberate edit."""
+    """List every file again with its true size and CRC-32 and seal the json (written here from the format's
+    description, not with the package's code): a deliberate edit by someone who knows the format."""
     info = json.loads((path / ck.INFO_FILE).read_text())
-    info.pop(integrity.SEAL_KEY, None)
-    info[integrity.FILES_KEY] = integrity.describe_files(path, info[integrity.FILES_KEY])
-    (path / ck.INFO_FILE).write_text(json.dumps(integrity.seal(info)))
+    if "files" not in info:  # a build without checksums
+        return
+    info.pop("info_crc32", None)
+    info["files"] = {n: {"size": os.path.getsize(path / n), "crc32": crc32((path / n).read_bytes())}
+                     for n in info["files"]}
+    info["info_crc32"] = crc32(json.dumps(info, sort_keys=True, separators=(",", ":")).encode())
+    (path / ck.INFO_FILE).write_text(json.dumps(info))
 
 
 @pytest.fixture(scope="module")

@@ -87,8 +87,8 @@ def verify(directory: _PathLike, info: dict, info_file: str) -> None:
         try:
             st = os.stat(file)
         except FileNotFoundError:
-            raise ValueError(f"{where}: {name} is missing (listed in {info_file}). Load an earlier checkpoint.") \
-                from None
+            raise FileNotFoundError(f"Incomplete or corrupt checkpoint {str(directory)!r}: {name} is missing (listed "
+                                    f"in {info_file}). Load an earlier checkpoint.") from None
         if st.st_size != want["size"]:
             raise ValueError(f"{where}: {name} is truncated or altered: {st.st_size} bytes, the save wrote "
                              f"{want['size']}. Load an earlier checkpoint.")
