@@ -190,3 +190,38 @@ def test_a_pipeline_manifest_names_only_its_own_stage_directories(lightning_dir,
             consolidate_pipeline_checkpoint(path)
         assert cli_main(["consolidate", str(path), str(tmp_path / "o.pt")]) == 2
         assert not (tmp_path / "o.pt").exists()
+
+
+class HparamsModule(TiedParityModule):
+    def __init__(self, out: str, extra=None) -> None:
+        super().__init__(out)
+        self.save_hyperparameters("out", "extra")
+
+
+def _fit_hparams(tmp_path, extra, name):
+    kw = trainer_kwargs(devices=1, max_steps=2, enable_checkpointing=True)
+    Trainer(strategy=ZeroStrategy(stage=2), callbacks=[ModelCheckpoint(dirpath=tmp_path / name, save_last=True)],
+            **kw).fit(HparamsModule(str(tmp_path), extra))
+    return tmp_path / name / "last.ckpt"
+
+
+def test_what_a_lightning_checkpoint_legitimately_holds_loads_by_default_and_the_rest_by_opt_in(tmp_path):
+    import argparse
+
+    transformers = pytest.importorskip("transformers")
+    path = _fit_hparams(tmp_path, {"root": Path("/data/x"), "args": argparse.Namespace(lr=0.5)}, "plain")
+    loaded = HparamsModule.load_from_checkpoint(path)  # Lightning's defaults
+    assert loaded.hparams.extra["root"] == Path("/data/x") and loaded.hparams.extra["args"].lr == 0.5
+    _fit(path, tmp_path)  # resume with the default strategy
+    # an object outside the allow-list (a transformers config among the hparams): refused, then opted in
+    path = _fit_hparams(tmp_path, transformers.GPT2Config(n_layer=1), "hf")
+    with pytest.raises(ValueError, match=rf"Refusing to load .*hf/last\.ckpt/meta\.pt.*GPT2Config.*{OPT_IN}"):
+        HparamsModule.load_from_checkpoint(path)
+    with pytest.raises(ValueError, match=r"Refusing to load"):
+        _fit(path, tmp_path)
+    assert HparamsModule.load_from_checkpoint(path, weights_only=False).hparams.extra.n_layer == 1
+    _fit(path, tmp_path, trust_checkpoint=True)
+    assert cli_main(["consolidate", str(path), str(tmp_path / "hf.ckpt"), "--lightning", "--quiet"]) == 2
+    assert cli_main(["consolidate", str(path), str(tmp_path / "hf.ckpt"), "--lightning", "--quiet",
+                     "--trust-checkpoint"]) == 0
+    assert torch.load(tmp_path / "hf.ckpt", weights_only=False)["hyper_parameters"]["extra"].n_layer == 1

@@ -28,6 +28,7 @@ import contextvars
 import os
 import pathlib
 import pickle
+import re
 from pathlib import Path
 from typing import Any, Iterator, Union
 
@@ -76,9 +77,9 @@ def load_pickled(file: _PathLike, trust_checkpoint: bool = False) -> Any:
         text = str(err)
         if "weights_only" not in text and "Weights only" not in text:
             raise
-        first = text.split("\n\n")[1] if "\n\n" in text else text  # torch's line naming the global
-        raise refusal(file, f"it holds an object the restricted unpickler does not admit ({first.strip()[:300]})"
-                      ) from None
+        found = re.search(r"GLOBAL ([\w.]+)", text)  # torch's line naming the refused global
+        what = f"global {found.group(1)}" if found else text.strip().splitlines()[-1][:300]
+        raise refusal(file, f"it holds an object the restricted unpickler does not admit ({what})") from None
 
 
 # -- DCP .metadata -------------------------------------------------------------------------------------------
