@@ -19,6 +19,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.checkpoint import FileSystemReader
 
 import lightning_zero  # noqa: F401  (installs the Lightning loaders)
@@ -95,6 +96,8 @@ def test_crafted_meta_pt_runs_in_no_reader(lightning_dir, tmp_path, capsys):
     readers = {
         "engine load": lambda: ck.load_checkpoint_dir(path, TiedParityModule(str(tmp_path))),
         "Trainer resume": lambda: _fit(path, tmp_path),
+        "DDP resume from the directory": lambda: Trainer(strategy=DDPStrategy(), **trainer_kwargs(devices=1, max_steps=3)
+                                                         ).fit(TiedParityModule(str(tmp_path)), ckpt_path=str(path)),
         "load_from_checkpoint": lambda: TiedParityModule.load_from_checkpoint(path, out=str(tmp_path)),
         "Fabric load": lambda: Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(stage=2)).load(path),
         "pipeline strategy": lambda: ZeroStrategy(pipeline_parallel_size=2).load_checkpoint(_as_pipeline(path)),
