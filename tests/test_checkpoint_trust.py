@@ -68,8 +68,13 @@ def lightning_dir(tmp_path_factory):
     """A Trainer's sharded checkpoint (ZeRO-2, 2 steps, one process)."""
     out = tmp_path_factory.mktemp("trust")
     kw = trainer_kwargs(devices=1, max_steps=2, enable_checkpointing=True)
+    env = dict(os.environ)  # module scope: set up before conftest's per-test hygiene takes its snapshot
     Trainer(strategy=ZeroStrategy(stage=2), callbacks=[ModelCheckpoint(dirpath=out / "ck", save_last=True)],
             **kw).fit(TiedParityModule(str(out)))
+    os.environ.clear()
+    os.environ.update(env)  # Lightning's exported MASTER_PORT, LOCAL_RANK, ... would make later forked ranks hang
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return out / "ck" / "last.ckpt"
 
 

@@ -122,9 +122,10 @@ def write_checkpoint_files(directory: Path, model_state: Mapping[str, torch.Tens
         if opt_states:
             meta["optimizer_states"] = [{k: v for k, v in st.items() if k != "state"} for st in opt_states]
         torch.save(meta, directory / META_FILE)
+    files = integrity.describe_written(directory, INFO_FILE, process_group)  # collective: each rank its own files
+    if _rank(process_group) == 0:
         info = _info(model_state, module, engine, state_kinds, process_group)
-        # listed once complete: dcp.save returns on the coordinator after every rank's data and .metadata
-        info[integrity.FILES_KEY] = integrity.describe_files(directory, integrity.written_files(directory, INFO_FILE))
+        info[integrity.FILES_KEY] = files
         if more_kinds:
             info["more_optimizer_states"] = more_kinds  # optimizers 1, 2, ... (0 is "optimizer_state")
         (directory / INFO_FILE).write_text(json.dumps(integrity.seal(info), indent=1))

@@ -8,8 +8,8 @@ on one core, against 0.6-0.9 GB/s for blake2b / sha256) and catches what happens
 truncated copy, a disk full half-way, flipped bits. It is not a signature: whoever can rewrite a file can
 rewrite the json too (see docs/security.md); what keeps such a file from running code is ``trust.py``.
 
-The writer lists files after they are complete (DCP's ``save`` returns on the coordinator once every rank's
-data and ``.metadata`` are written). Readers verify before any tensor is read; a directory verified once
+The writer lists files after they are complete, hashed in parallel: each rank the DCP files it wrote, the
+first rank ``.metadata`` and ``meta.pt``. Readers verify before any tensor is read; a directory verified once
 in a process is not hashed again while its files' size and mtime are unchanged (the Trainer reads the json
 three times per resume). Checkpoints written before checksums existed have no ``files`` entry and load
 as before, unverified.
@@ -21,7 +21,7 @@ import json
 import os
 import zlib
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 from .trust import confined
 
@@ -53,6 +53,29 @@ def describe_files(directory: _PathLike, names) -> dict[str, dict]:
 def written_files(directory: _PathLike, exclude: str) -> list[str]:
     """Every regular file directly in ``directory`` but ``exclude`` (the json being written)."""
     return sorted(e.name for e in os.scandir(directory) if e.is_file(follow_symlinks=False) and e.name != exclude)
+
+
+def describe_written(directory: _PathLike, exclude: str, group=None) -> Optional[dict[str, dict]]:
+    """:func:`describe_files` of every file a save wrote into ``directory``, hashed in parallel: each rank of
+    ``group`` the DCP files it wrote itself (``__<rank>_*``, complete once its ``dcp.save`` returns), the
+    group's first rank what is left (``.metadata``, ``meta.pt``, any file of another name). Collective over
+    ``group``; the dict on its first rank, None elsewhere."""
+    import torch.distributed as dist
+
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    me = dist.get_rank(group) if multi else 0
+    names = written_files(directory, exclude)
+    mine = describe_files(directory, [n for n in names if n.startswith(f"__{me}_") and n.endswith(".distcp")])
+    every = [mine]
+    if multi:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+    if me != 0:
+        return None
+    found = {n: d for part in every for n, d in part.items()}
+    names = written_files(directory, exclude)  # after the gather: every rank's files are complete
+    found.update(describe_files(directory, [n for n in names if n not in found]))
+    return dict(sorted(found.items()))
 
 
 def _canonical(info: dict) -> bytes:
