@@ -10,7 +10,8 @@ A checkpoint is a directory::
                                callbacks, epoch, global_step, version, hparams, precision/loss-scaler
                                state) plus the optimizer's param_groups keyed by parameter *name*
       zero_checkpoint.json     format version, world size, stage, every tensor's name/shape/dtype/layout,
-                               tied-weight aliases, which optimizer state each parameter has
+                               tied-weight aliases, which optimizer state each parameter has, every other
+                               file's size and CRC-32 (integrity.py), sealed with its own CRC-32
 
 Every managed parameter (and every per-element optimizer state tensor) is stored *flattened*: on stages
 1-3 as a DTensor ``Shard(0)`` of the 1-D parameter over a 1-D mesh of the default group -- exactly the

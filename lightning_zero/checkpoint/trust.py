@@ -53,15 +53,8 @@ def refusal(file: _PathLike, what: str) -> UntrustedCheckpointError:
 
 
 # -- meta.pt ---------------------------------------------------------------------------------------------------
-def _attribute_dict():
-    try:
-        from lightning.fabric.utilities.data import AttributeDict
-    except ImportError:  # checkpoint/ needs no Lightning; without it, no Lightning hparams either
-        return []
-    return [AttributeDict]
-
-
-# constructing these runs no code of the file's choosing: paths and plain namespaces of hparams
+# constructing these runs no code of the file's choosing: paths and plain namespaces of hparams (Lightning
+# itself stores hparams as a plain dict, so no Lightning class is needed; checkpoint/ imports no Lightning)
 META_SAFE_GLOBALS: list = [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath,
                            pathlib.PureWindowsPath, argparse.Namespace]
 
@@ -71,7 +64,7 @@ def load_pickled(file: _PathLike, trust_checkpoint: bool = False) -> Any:
     if trusted(trust_checkpoint):
         return torch.load(file, map_location="cpu", weights_only=False)
     try:
-        with torch.serialization.safe_globals(META_SAFE_GLOBALS + _attribute_dict()):
+        with torch.serialization.safe_globals(META_SAFE_GLOBALS):
             return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         text = str(err)
