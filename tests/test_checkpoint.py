@@ -158,7 +158,8 @@ def test_directory_layout_and_crash_during_save(saved):
     for path in saved["paths"].values():  # no temporary or previous directory left behind
         assert not os.path.exists(path + ck._TMP) and not os.path.exists(path + ck._OLD)
     crash = saved["crash"]
-    assert crash["tmp_left"], "the simulated crash happened after the temporary directory existed"
+    # the dying save wrote into the temporary directory (so it existed); its failure removed it
+    assert not crash["tmp_left"], "a failed save leaves no partial .zero-tmp behind"
     assert crash["step"] == 4 and crash["same"], "the previous checkpoint survived the crash intact"
     assert not crash["tmp_after"] and crash["step_after"] == 5
 
@@ -294,7 +295,7 @@ def test_incomplete_or_corrupt_directory_is_a_clear_error(saved, tmp_path):
     shutil.copytree(src, broken)
     shard = next(broken.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(ValueError, match=r"incomplete or corrupt"):
+    with pytest.raises(ValueError, match=r"distcp is truncated or altered"):
         ck.load_model_state(broken, make_tied())
     (broken / ck.INFO_FILE).write_text("{not json")
     with pytest.raises(ValueError, match=r"Corrupt checkpoint .*not valid json"):

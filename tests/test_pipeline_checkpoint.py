@@ -135,7 +135,8 @@ def test_p2_dp2_checkpoint_is_sharded_and_resumes_at_dp2_and_dp1(tmp_path):
     _close_sd(merged, ref_dp1_sd)
     # the save that died while writing put the complete copy back under its name and left it as it was
     _close_sd(consolidate_pipeline_checkpoint(mid), ref_mid)
-    assert (tmp_path / "mid.zero-tmp").is_dir() and not (tmp_path / "mid.zero-old").exists()
+    # ... and removed its own partial temporary on the way out
+    assert not (tmp_path / "mid.zero-tmp").exists() and not (tmp_path / "mid.zero-old").exists()
 
 
 def test_not_a_pipeline_checkpoint_or_an_old_format_is_one_clear_error(tmp_path):

@@ -152,3 +152,29 @@ def test_export_hf_loads_strictly_and_a_wrong_prefix_is_an_error(trained, tmp_pa
     assert cli_main(["export", str(trained["dir"]), str(tmp_path / "bad"), "--hf", "--config", str(cfg),
                      "--prefix", "model.", "--quiet"]) == 2
     assert "shape mismatch: transformer.wte.weight: checkpoint (61, 16), model (61, 8)" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_load_from_checkpoint_with_lightnings_defaults_and_every_map_location(trained, tmp_path):
+    from lightning_zero.lightning.lightning_io import load_as_lightning_checkpoint
+
+    # Lightning's defaults: its own map_location callable (None, "leave it", for a CPU tensor), weights_only=None
+    _assert_equal(GPTModule.load_from_checkpoint(trained["dir"]).state_dict(), trained["weights"])
+    for ml in ("cpu", torch.device("cpu"), {"cuda:0": "cpu"}, {"cpu": "cpu"}, lambda s, loc: s, lambda s, loc: None):
+        _assert_equal(GPTModule.load_from_checkpoint(trained["dir"], map_location=ml).state_dict(), trained["weights"])
+    # each form places every tensor where torch.load places the same tensors of the consolidated file
+    out = tmp_path / "model.ckpt"
+    assert cli_main(["consolidate", str(trained["dir"]), str(out), "--lightning", "--quiet"]) == 0
+    forms = [None, "cpu", "meta", torch.device("meta"), {"cpu": "meta"}, {"cuda:0": "meta"},
+             lambda s, loc: None, lambda s, loc: torch.UntypedStorage(s.nbytes(), device="meta")]
+    for ml in forms:
+        got = load_as_lightning_checkpoint(trained["dir"], optimizer=False, map_location=ml)["state_dict"]
+        want = torch.load(out, map_location=ml)["state_dict"]
+        assert sorted(got) == sorted(want)
+        assert {k: v.device for k, v in got.items()} == {k: v.device for k, v in want.items()}, ml
+        if want["model.lm_head.weight"].device.type == "cpu":
+            _assert_equal(got, want)
+        tied = [got["model.lm_head.weight"], got["model.transformer.wte.weight"]]
+        assert tied[0] is tied[1] or tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()
+    with pytest.raises(TypeError, match="map_location=3; allowed: None, a device string"):
+        load_as_lightning_checkpoint(trained["dir"], optimizer=False, map_location=3)

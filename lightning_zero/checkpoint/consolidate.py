@@ -34,21 +34,22 @@ _STREAM_BATCH_BYTES = 8 * 2**20  # one DCP read per batch: few reads, peak memor
 
 
 def consolidate(ckpt_dir: _PathLike, out_path: _PathLike, dtype: torch.dtype = torch.float32,
-                progress: _Progress = None) -> dict:
+                progress: _Progress = None, trust_checkpoint: bool = False) -> dict:
     """Write the full model state dict (floating tensors in ``dtype``) loadable with ``strict=True``.
 
     ``out_path`` ending in ``.safetensors`` is written in safetensors format, streamed in small batches
     (peak memory: about the largest tensor); anything else with ``torch.save`` (peak: the weights).
     Optimizer state is never read. Tied weights are re-emitted under every alias. ``progress(nbytes)`` is
-    called as tensors are read. Returns {"tensors": n, "bytes": weights}.
+    called as tensors are read. The directory is verified first (checksums, the json against DCP's
+    metadata: ``files.read_info``), as the Trainer's load does. Returns {"tensors": n, "bytes": weights}.
     """
     path, out = resolve_checkpoint_dir(ckpt_dir), Path(out_path)
-    info = read_info(path)
+    info = read_info(path, trust_checkpoint)
     if out.suffix == ".safetensors":
         order = [n for n in info["order"] if n in info["tensors"] or n in info["aliases"]]
-        return write_safetensors(out, path, info, {n: n for n in order}, dtype, progress)
+        return write_safetensors(out, path, info, {n: n for n in order}, dtype, progress, trust_checkpoint)
     with atomic_output(out) as tmp:
-        sd = full_model_state(path, info, dtype, progress)
+        sd = full_model_state(path, info, dtype, progress, trust_checkpoint)
         torch.save(sd, tmp)
     return {"tensors": len(sd), "bytes": sum(t.numel() * t.element_size() for n, t in sd.items()
                                              if n not in info["aliases"])}
@@ -86,15 +87,15 @@ def stored_nbytes(info: dict, dtype: Optional[torch.dtype] = torch.float32) -> i
 
 
 def iter_stored_tensors(path: Path, info: dict, names: Sequence[str], dtype: Optional[torch.dtype] = torch.float32,
-                        progress: _Progress = None, batch_bytes: int = _STREAM_BATCH_BYTES
-                        ) -> Iterator[tuple[str, torch.Tensor]]:
+                        progress: _Progress = None, batch_bytes: int = _STREAM_BATCH_BYTES,
+                        trust_checkpoint: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) for the stored ``names`` (no aliases), in order, read in batches of about
     ``batch_bytes`` (one DCP read each, in this process only: no collective)."""
     spec = info["tensors"]
     batch: dict[str, torch.Tensor] = {}
 
     def flush():
-        _dcp_load({"model": batch}, path, no_dist=True)
+        _dcp_load({"model": batch}, path, no_dist=True, trust_checkpoint=trust_checkpoint)
         for n, t in batch.items():
             if progress is not None:
                 progress(t.numel() * t.element_size())
@@ -113,16 +114,17 @@ def iter_stored_tensors(path: Path, info: dict, names: Sequence[str], dtype: Opt
 
 
 def full_model_state(path: Path, info: dict, dtype: Optional[torch.dtype] = torch.float32,
-                     progress: _Progress = None) -> dict:
+                     progress: _Progress = None, trust_checkpoint: bool = False) -> dict:
     """Every tensor of the checkpoint whole, under every name (aliases too), in module order; floating
     tensors in ``dtype`` (None: as saved). Reads in this process only (no collective)."""
     spec, aliases = info["tensors"], info["aliases"]
-    loaded = dict(iter_stored_tensors(path, info, list(spec), dtype, progress, batch_bytes=2**62))
+    loaded = dict(iter_stored_tensors(path, info, list(spec), dtype, progress, batch_bytes=2**62,
+                                      trust_checkpoint=trust_checkpoint))
     return {n: loaded[aliases.get(n, n)] for n in info["order"] if n in spec or n in aliases}
 
 
 def write_safetensors(out: Path, path: Path, info: dict, names: Mapping[str, str], dtype: Optional[torch.dtype],
-                      progress: _Progress = None) -> dict:
+                      progress: _Progress = None, trust_checkpoint: bool = False) -> dict:
     """``out`` in safetensors format, streamed: ``names`` maps each name written to its checkpoint name (an
     alias or a stored tensor), in the order written. Returns {"tensors": n, "bytes": data written}."""
     spec, aliases = info["tensors"], info["aliases"]
@@ -141,14 +143,16 @@ def write_safetensors(out: Path, path: Path, info: dict, names: Mapping[str, str
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         written = 0
-        for (new, stored), (_, t) in zip(src.items(), _each(path, info, list(src.values()), dtype, progress)):
+        for (new, stored), (_, t) in zip(src.items(), _each(path, info, list(src.values()), dtype, progress,
+                                                                     trust_checkpoint)):
             if t.numel():
                 f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             written += t.numel() * t.element_size()
     return {"tensors": len(src), "bytes": written}
 
 
-def _each(path: Path, info: dict, stored: list[str], dtype, progress: _Progress) -> Iterator[tuple[str, torch.Tensor]]:
+def _each(path: Path, info: dict, stored: list[str], dtype, progress: _Progress,
+          trust_checkpoint: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """``stored`` names in order, repeats allowed (batches hold distinct names)."""
     i = 0
     while i < len(stored):
@@ -156,5 +160,5 @@ def _each(path: Path, info: dict, stored: list[str], dtype, progress: _Progress)
         while j < len(stored) and stored[j] not in seen:
             seen.add(stored[j])
             j += 1
-        yield from iter_stored_tensors(path, info, stored[i:j], dtype, progress)
+        yield from iter_stored_tensors(path, info, stored[i:j], dtype, progress, trust_checkpoint=trust_checkpoint)
         i = j

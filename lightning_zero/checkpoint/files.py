@@ -5,25 +5,29 @@ Design note
 -----------
 ``X`` is only ever created by renaming a finished temporary ``X.zero-tmp`` (or, after an interrupted save,
 its complete previous copy ``X.zero-old``), so a directory that exists under its final name is complete.
-Readers check what they rely on -- every key and type of ``zero_checkpoint.json``, a readable ``meta.pt``,
-the list of optimizer state against the tensors DCP stored -- before any tensor is touched.
+Readers check what they rely on -- the json's seal and every listed file's size and CRC-32
+(``integrity.py``), every key and type of ``zero_checkpoint.json``, its tensors against the ones DCP's
+``.metadata`` stored (read with the restricted unpickler of ``trust.py``), a readable ``meta.pt``, the list
+of optimizer state -- before any tensor is touched.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import torch
-import torch.distributed.checkpoint as dcp
+
+from . import integrity
+from .trust import UntrustedCheckpointError, load_pickled, read_dcp_metadata, storage_files, trusted
 
 FORMAT, VERSION = "lightning_zero.dcp", 1
 MODELS_FORMAT = "lightning_zero.models"  # several models' directories in one (models_dir.py)
+PIPELINE_FORMAT = "lightning_zero.pipeline"  # pipeline_dir.py's manifest
 INFO_FILE, META_FILE, DCP_METADATA = "zero_checkpoint.json", "meta.pt", ".metadata"
 _TMP, _OLD = ".zero-tmp", ".zero-old"
 _PathLike = Union[str, os.PathLike]
@@ -71,8 +75,9 @@ def is_checkpoint_dir(path: _PathLike) -> bool:
     return Path(path).is_dir() and (Path(path) / INFO_FILE).is_file()
 
 
-def read_info(path: _PathLike) -> dict:
-    """The checkpoint's json, after checking that the directory is complete. Clear errors otherwise."""
+def read_info(path: _PathLike, trust_checkpoint: bool = False) -> dict:
+    """The checkpoint's json, after checking that the directory is complete, unaltered (checksums) and that
+    the json agrees with the tensors DCP stored. Clear errors otherwise."""
     path = Path(path)
     if not path.exists():
         hint = ""
@@ -99,15 +104,50 @@ def read_info(path: _PathLike) -> dict:
                          f"checkpoint directory under its 'models/' folder. Allowed: fabric.load(path, {{...}}) under "
                          f"ZeroFabricStrategy, or one model's directory (e.g. `lightning-zero consolidate "
                          f"{str(path / 'models')}/<key> OUT`).")
+    if info.get("format") == PIPELINE_FORMAT:
+        raise ValueError(f"{str(path)!r} is a pipeline checkpoint (one sharded directory per stage, written by "
+                         "ZeroStrategy(pipeline_parallel_size=P) / PipelineZero.save). Allowed: resume it with "
+                         "ZeroStrategy(pipeline_parallel_size=P), or `lightning-zero consolidate DIR OUT.pt` for "
+                         "the uncut model's state dict.")
     if info.get("format") != FORMAT or not isinstance(info.get("version"), int) or info["version"] > VERSION:
         raise ValueError(f"{str(path)!r}: unsupported checkpoint format {info.get('format')!r} "
                          f"version {info.get('version')!r} (this release reads {FORMAT} <= {VERSION}).")
+    integrity.verify(path, info, INFO_FILE)
     _check_info(info, path / INFO_FILE)
     for name in (DCP_METADATA, META_FILE):
         if not (path / name).is_file():
             raise FileNotFoundError(
                 f"Incomplete or corrupt checkpoint {str(path)!r}: {name} is missing.")
+    integrity.check_listed(path, info, [DCP_METADATA, META_FILE], INFO_FILE, "the loader")
+    _check_stored(path, info, read_dcp_metadata(path, trust_checkpoint))
     return info
+
+
+def _check_stored(path: Path, info: dict, md) -> None:
+    """The json's tensors are exactly DCP's "model" entries, with the stored shape and dtype: a name dropped
+    from the json would otherwise be a silently partial consolidation, an edited shape a raw DCP error."""
+    where = f"Corrupt checkpoint {str(path)!r}"
+    integrity.check_listed(path, info, storage_files(md), INFO_FILE, f"{DCP_METADATA}")
+    stored = {k[len("model."):]: v for k, v in md.state_dict_metadata.items() if k.startswith("model.")}
+    spec = info["tensors"]
+    unlisted = sorted(set(stored) - set(spec))
+    absent = sorted(set(spec) - set(stored))
+    wrong = []
+    for n in sorted(set(spec) & set(stored)):
+        d, m = spec[n], stored[n]
+        want = [int(torch.Size(d["shape"]).numel())] if d["flat"] else list(d["shape"])
+        if list(m.size) != want or m.properties.dtype != getattr(torch, d["dtype"]):
+            wrong.append(f"{n}: {INFO_FILE} {want} {d['dtype']}, stored {list(m.size)} "
+                         f"{str(m.properties.dtype).replace('torch.', '')}")
+    bad_alias = sorted(a for a, c in info["aliases"].items() if c not in spec)
+    bad_order = sorted(n for n in info["order"] if n not in spec and n not in info["aliases"])
+    problems = [f"{what}: {v[:10]}" for what, v in (
+        (f"stored but not listed in {INFO_FILE}", unlisted), (f"listed in {INFO_FILE} but not stored", absent),
+        ("shape or dtype differ", wrong), ("aliases of unknown tensors", bad_alias),
+        ("'order' names unknown tensors", bad_order)) if v]
+    if problems:
+        raise ValueError(f"{where}: {INFO_FILE} does not match the tensors in {DCP_METADATA} -- "
+                         + "; ".join(problems) + ". Nothing was read; load an earlier checkpoint.")
 
 
 _INFO_KEYS = {"world_size": int, "tensors": dict, "aliases": dict, "order": list, "optimizer_state": (dict, type(None))}
@@ -121,7 +161,7 @@ def _check_info(info: dict, file: Path) -> None:
     tensors = info.get("tensors") if isinstance(info.get("tensors"), dict) else {}
     for name, d in tensors.items():
         bad = [k for k, t in _TENSOR_KEYS.items() if not isinstance(d, dict) or not isinstance(d.get(k), t)]
-        if bad or not hasattr(torch, d["dtype"]) or not all(isinstance(n, int) and n >= 0 for n in d["shape"]):
+        if bad or not isinstance(getattr(torch, d["dtype"], None), torch.dtype) or not all(isinstance(n, int) and n >= 0 for n in d["shape"]):
             problems.append(f"the entry of tensor {name!r} is not {{'shape': [ints], 'dtype': a torch dtype, "
                             f"'flat': bool}} (got {d!r})")
             break
@@ -139,17 +179,14 @@ def _kind(t) -> str:
     return " or ".join({"dict": "json object", "list": "json list", "int": "integer"}.get(n, n) for n in names)
 
 
-def read_meta(path: _PathLike, weights_only: Optional[bool] = None) -> dict:
-    """The checkpoint's ``meta.pt`` (Lightning's loops, callbacks, hparams, ...). Clear error if unreadable."""
+def read_meta(path: _PathLike, weights_only: Optional[bool] = None, trust_checkpoint: bool = False) -> dict:
+    """The checkpoint's ``meta.pt`` (Lightning's loops, callbacks, hparams, ...), read restricted (see
+    ``trust.py``) unless trusted. Clear error if unreadable."""
     file = Path(path) / META_FILE
     try:
-        meta = torch.load(file, map_location="cpu", weights_only=weights_only)
-    except FileNotFoundError:
+        meta = load_pickled(file, trusted(trust_checkpoint, weights_only))
+    except (FileNotFoundError, UntrustedCheckpointError):
         raise
-    except pickle.UnpicklingError as err:
-        if "weights_only" in str(err) or "Weights only" in str(err):
-            raise  # not corrupt: an object weights_only=True refuses (torch's message says what to do)
-        raise ValueError(f"Corrupt checkpoint {str(path)!r}: {META_FILE} cannot be read ({err}).") from err
     except Exception as err:  # a truncated zip archive, a failed unpickle, ...
         raise ValueError(f"Corrupt checkpoint {str(path)!r}: {META_FILE} cannot be read ({type(err).__name__}: "
                          f"{err}). Load an earlier checkpoint.") from err
@@ -158,15 +195,14 @@ def read_meta(path: _PathLike, weights_only: Optional[bool] = None) -> dict:
     return meta
 
 
-
 def check_state_entries(path: Path, kinds: Mapping[str, list], managed: Mapping[str, Any],
-                        optim_key: str = "optim") -> None:
+                        optim_key: str = "optim", trust_checkpoint: bool = False) -> None:
     """The json's list of which parameter has optimizer state must match the tensors DCP stored (under
     ``optim_key``: one per optimizer): a missing entry would otherwise drop that parameter's moments
     without a word."""
     stored: dict[str, set] = {}
     prefix = f"{optim_key}.state."
-    for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+    for key in read_dcp_metadata(path, trust_checkpoint).state_dict_metadata:
         if key.startswith(prefix):
             name, _, state_key = key[len(prefix):].rpartition(".")
             stored.setdefault(name, set()).add(state_key)

@@ -10,7 +10,8 @@ A checkpoint is a directory::
                                callbacks, epoch, global_step, version, hparams, precision/loss-scaler
                                state) plus the optimizer's param_groups keyed by parameter *name*
       zero_checkpoint.json     format version, world size, stage, every tensor's name/shape/dtype/layout,
-                               tied-weight aliases, which optimizer state each parameter has
+                               tied-weight aliases, which optimizer state each parameter has, every other
+                               file's size and CRC-32 (integrity.py), sealed with its own CRC-32
 
 Every managed parameter (and every per-element optimizer state tensor) is stored *flattened*: on stages
 1-3 as a DTensor ``Shard(0)`` of the 1-D parameter over a 1-D mesh of the default group -- exactly the
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
@@ -44,7 +46,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..engine.collectives import barrier as _barrier, rank as _rank
-from . import tp_state as TS
+from . import integrity, tp_state as TS, trust as TR
+from .trust import ConfinedReader, UntrustedCheckpointError, read_dcp_metadata
 from .sharded_state import _canonical, _flat, _managed, sharded_model_state, sharded_optimizer_state  # noqa: F401
 from .files import (  # noqa: F401  (the on-disk names are part of this module's API)
     _OLD, _TMP, DCP_METADATA, FORMAT, INFO_FILE, META_FILE, VERSION, _remove, check_state_entries,
@@ -83,7 +86,13 @@ def atomic_checkpoint_dir(path: _PathLike, barrier: Callable[[], None] = _barrie
         tidy_checkpoint_dir(path.parent)  # what crashed saves left behind
         tmp.mkdir(parents=True)
     barrier()
-    yield tmp
+    try:
+        yield tmp
+    except BaseException:
+        # a failed write (a full disk, a rank's error) must not leave its partial copy behind; the directory
+        # is shared, so whichever rank fails removes it (the next save's tidy-up would, but may never come)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     barrier()
     if _rank() == 0:
         if os.path.lexists(path):  # a name that exists is complete, so the old copy (if any) is redundant
@@ -114,10 +123,13 @@ def write_checkpoint_files(directory: Path, model_state: Mapping[str, torch.Tens
         if opt_states:
             meta["optimizer_states"] = [{k: v for k, v in st.items() if k != "state"} for st in opt_states]
         torch.save(meta, directory / META_FILE)
+    files = integrity.describe_written(directory, INFO_FILE, process_group)  # collective: each rank its own files
+    if _rank(process_group) == 0:
         info = _info(model_state, module, engine, state_kinds, process_group)
+        info[integrity.FILES_KEY] = files
         if more_kinds:
             info["more_optimizer_states"] = more_kinds  # optimizers 1, 2, ... (0 is "optimizer_state")
-        (directory / INFO_FILE).write_text(json.dumps(info, indent=1))
+        (directory / INFO_FILE).write_text(json.dumps(integrity.seal(info), indent=1))
 
 
 def _optim_key(index: int) -> str:
@@ -167,7 +179,9 @@ def _info(model_state, module, engine, state_kinds, group=None) -> dict:
 
 
 # -- read / validate ----------------------------------------------------------------------------------------
-def _dcp_load(state: dict, path: Path, no_dist: Optional[bool] = None, process_group=None) -> None:
+def _dcp_load(state: dict, path: Path, no_dist: Optional[bool] = None, process_group=None,
+              trust_checkpoint: bool = False) -> None:
+    """``dcp.load`` through DCP's own reader, handed the metadata the restricted unpickler read (trust.py)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     if no_dist is None:
@@ -175,7 +189,10 @@ def _dcp_load(state: dict, path: Path, no_dist: Optional[bool] = None, process_g
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(state, checkpoint_id=path, no_dist=no_dist, process_group=process_group)
+            dcp.load(state, storage_reader=ConfinedReader(path, read_dcp_metadata(path, trust_checkpoint)),
+                     no_dist=no_dist, process_group=process_group)
+    except UntrustedCheckpointError:
+        raise
     except (Exception, CheckpointException) as err:  # DCP wraps per-rank failures; name the broken checkpoint
         raise ValueError(f"Reading the tensors of checkpoint {str(path)!r} failed; the directory is incomplete "
                          f"or corrupt, or does not match the model: {err}") from err
@@ -202,7 +219,7 @@ def check_compatible(info: dict, module: nn.Module, strict: bool = True, engine=
 # -- load into a module / engine ------------------------------------------------------------------------------
 @torch.no_grad()
 def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bool = True,
-                     info: Optional[dict] = None, process_group=None) -> None:
+                     info: Optional[dict] = None, process_group=None, trust_checkpoint: bool = False) -> None:
     """Load the model tensors into the engine's masters (in place, resharded) and the module's other tensors.
 
     Without an engine (evaluation, or a plain model in one process) every tensor lands in the module.
@@ -210,7 +227,7 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
     group is initialized; works without one.
     """
     path = Path(path) if info is not None else resolve_checkpoint_dir(path)
-    info = info or read_info(path)
+    info = info or read_info(path, trust_checkpoint)
     names = check_compatible(info, module, strict, engine)
     managed = _managed(engine)
     canonical, _ = _canonical(module)
@@ -236,7 +253,7 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
             t = torch.empty(dest.numel(), dtype=dest.dtype, device=dest.device)
             after.append(lambda dest=dest, t=t: dest.copy_(t.view_as(dest)))
         targets[n] = t if flat and not dest.is_contiguous() else (dest.view(-1) if flat else dest)
-    _dcp_load({"model": targets}, path, process_group=process_group)
+    _dcp_load({"model": targets}, path, process_group=process_group, trust_checkpoint=trust_checkpoint)
     for fn in after:
         fn()
     if engine is not None:
@@ -245,11 +262,11 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
 
 @torch.no_grad()
 def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], info: Optional[dict] = None,
-                         index: int = 0, process_group=None) -> None:
+                         index: int = 0, process_group=None, trust_checkpoint: bool = False) -> None:
     """Load the state of the engine's optimizer ``index`` (moments resharded in place) and its
     hyper-parameters by parameter name."""
     path = Path(path) if info is not None else resolve_checkpoint_dir(path)
-    info = info or read_info(path)
+    info = info or read_info(path, trust_checkpoint)
     more = info.get("more_optimizer_states") or []
     kinds = info.get("optimizer_state") if index == 0 else more[index - 1] if index - 1 < len(more) else None
     if kinds is None:
@@ -271,7 +288,7 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
             f"the checkpoint's {[len(s['params']) for s in saved_groups]}; only in the checkpoint: "
             f"{sorted(in_ckpt - in_opt)[:20]}, only in the optimizer: {sorted(in_opt - in_ckpt)[:20]}."
         )
-    check_state_entries(path, kinds, managed, _optim_key(index))
+    check_state_entries(path, kinds, managed, _optim_key(index), trust_checkpoint)
     _init_state(opt, [managed[n][0] for n in kinds if n in managed])
     targets: dict[str, dict[str, torch.Tensor]] = {}
     natural = TS.needs_natural_load(engine, info)
@@ -294,7 +311,8 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
                 after.append(copy)
             else:
                 targets[n][k] = _flat(st[k], spec, process_group)
-    _dcp_load({_optim_key(index): {"state": targets}}, path, process_group=process_group)
+    _dcp_load({_optim_key(index): {"state": targets}}, path, process_group=process_group,
+              trust_checkpoint=trust_checkpoint)
     for copy in after:
         copy()
     for m in list(opt.state):  # a parameter that had no state when saved has none now
@@ -336,20 +354,24 @@ def _init_state(opt: torch.optim.Optimizer, masters: list[torch.Tensor]) -> None
 
 
 def load_checkpoint_dir(path: _PathLike, module: nn.Module, engine=None, load_optimizer: bool = True,
-                        strict: bool = True, weights_only: Optional[bool] = None, process_group=None) -> dict:
+                        strict: bool = True, weights_only: Optional[bool] = None, process_group=None,
+                        trust_checkpoint: bool = False) -> dict:
     """Engine-level load: model (and optimizer state when ``load_optimizer`` and an engine is given).
     ``process_group``: the group the engine shards over, when not the world (a pipeline stage's).
+    ``trust_checkpoint``: read its pickles unrestricted (a trusted checkpoint of an older build; trust.py).
 
     Returns the metadata dict (Lightning's loops/epoch/... plus whatever the saver passed)."""
     path = resolve_checkpoint_dir(path)
-    info = read_info(path)
-    meta = read_meta(path, weights_only)
-    load_model_state(path, module, engine, strict, info, process_group)
+    trust = TR.trusted(trust_checkpoint, weights_only)
+    info = read_info(path, trust)
+    meta = read_meta(path, trust_checkpoint=trust)
+    load_model_state(path, module, engine, strict, info, process_group, trust)
     if load_optimizer and engine is not None:
         saved = meta.get("optimizer_states") or [{}]
         check_optimizer_count(path, len(saved), len(engine.optimizers))
         for k in range(len(engine.optimizers)):
-            load_optimizer_state(path, engine, saved[k], info, index=k, process_group=process_group)
+            load_optimizer_state(path, engine, saved[k], info, index=k, process_group=process_group,
+                                 trust_checkpoint=trust)
         scaler = getattr(engine, "loss_scaler", None)
         if scaler is not None and "loss_scaler" in meta:
             scaler.load_state_dict(meta["loss_scaler"])

@@ -31,6 +31,7 @@ import torch
 
 from ..engine.collectives import barrier as _barrier, rank as _rank
 from .files import INFO_FILE, META_FILE, MODELS_FORMAT, is_checkpoint_dir, read_info
+from .trust import confined
 from .format import atomic_checkpoint_dir, write_checkpoint_files
 from .sharded_state import sharded_model_state, sharded_optimizer_state
 
@@ -121,7 +122,7 @@ def read_models_manifest(path: _PathLike) -> dict:
     return manifest
 
 
-def model_checkpoint(path: _PathLike, manifest: dict, key: str) -> tuple[Path, dict]:
-    """The directory of the model saved under ``key`` and its json (read and checked)."""
-    d = Path(path) / manifest["models"][key]["dir"]
-    return d, read_info(d)
+def model_checkpoint(path: _PathLike, manifest: dict, key: str, trust_checkpoint: bool = False) -> tuple[Path, dict]:
+    """The directory of the model saved under ``key`` (confined to ``path``) and its json (read and checked)."""
+    d = confined(path, manifest["models"][key]["dir"], f"the directory of model {key!r}")
+    return d, read_info(d, trust_checkpoint)

@@ -32,11 +32,13 @@ import torch.distributed as dist
 from ..engine.collectives import rank as _rank
 from ..engine.engine_state import EngineMode
 from ..engine.pipeline_checkpoint import source_names
+from . import integrity
 from .consolidate import atomic_output, full_model_state
-from .files import INFO_FILE, META_FILE, read_info, resolve_checkpoint_dir
+from .files import FORMAT, INFO_FILE, META_FILE, PIPELINE_FORMAT, read_info, resolve_checkpoint_dir
 from .format import atomic_checkpoint_dir, engine_checkpoint_state, load_checkpoint_dir, write_checkpoint_files
+from .trust import confined
 
-PIPELINE_FORMAT, PIPELINE_VERSION = "lightning_zero.pipeline", 2
+PIPELINE_VERSION = 2
 STAGE_DIR = "stage{}"
 _PathLike = Union[str, Path]
 
@@ -65,7 +67,10 @@ def save_pipeline_checkpoint(pipe: Any, path: _PathLike, metadata: Optional[dict
                         "zero_stage": pipe.engine.config.stage,
                         "stages": {str(i): stages[i] for i in sorted(stages)}}
             torch.save(dict(metadata or {}), tmp / META_FILE)
-            (tmp / INFO_FILE).write_text(json.dumps(manifest, indent=1))
+            # the stages' json files are written (the gather above follows them); each lists its own files
+            listed = [META_FILE] + [f"{e['dir']}/{INFO_FILE}" for e in stages.values()]
+            manifest[integrity.FILES_KEY] = integrity.describe_files(tmp, listed)
+            (tmp / INFO_FILE).write_text(json.dumps(integrity.seal(manifest), indent=1))
     return path
 
 
@@ -78,7 +83,7 @@ def _gather_over_pipeline(mine: dict, pp_group: Any) -> dict:
     return {i: entry for part in every for i, entry in part.items()}
 
 
-def load_pipeline_checkpoint(pipe: Any, path: _PathLike) -> dict:
+def load_pipeline_checkpoint(pipe: Any, path: _PathLike, trust_checkpoint: bool = False) -> dict:
     """This rank's chunks from ``path`` (saved at any data-parallel size and ZeRO stage 0-2); an
     evaluation-only pipeline takes the weights only. Returns the manifest."""
     path = resolve_checkpoint_dir(path)
@@ -91,8 +96,8 @@ def load_pipeline_checkpoint(pipe: Any, path: _PathLike) -> dict:
                          f"or consolidate it (`lightning-zero consolidate`) and load the uncut model's state dict.")
     for module, engine, index in zip(pipe.modules, pipe.engines, pipe.stage_indices):
         train = engine.mode is EngineMode.TRAIN
-        load_checkpoint_dir(path / manifest["stages"][str(index)]["dir"], module, engine, load_optimizer=train,
-                            weights_only=False, process_group=pipe.layout.dp_group)
+        load_checkpoint_dir(stage_dir(path, manifest, index), module, engine, load_optimizer=train,
+                            process_group=pipe.layout.dp_group, trust_checkpoint=trust_checkpoint)
     pipe.restart_accumulation()
     return manifest
 
@@ -105,44 +110,86 @@ def is_pipeline_checkpoint(path: _PathLike) -> bool:
         return False
 
 
+_MANIFEST_KEYS = {"num_stages": int, "pipeline_parallel_size": int, "chunks": int, "stages": dict}
+
+
 def read_manifest(path: _PathLike) -> dict:
-    """The manifest of a pipeline checkpoint, with one clear error for anything else."""
+    """The manifest of a pipeline checkpoint (checked: its keys, its seal and files, every stage directory
+    inside the checkpoint), with one clear error for anything else."""
     path = Path(path)
     if not is_pipeline_checkpoint(path):
-        raise ValueError(f"{str(path)!r} is not a pipeline checkpoint directory (no {INFO_FILE} with format "
-                         f"{PIPELINE_FORMAT!r}). Allowed: a directory written by PipelineZero.save or by "
-                         f"trainer.save_checkpoint with pipeline_parallel_size.")
+        plain = _format_of(path) == FORMAT
+        raise ValueError(f"{str(path)!r} is not a pipeline checkpoint directory" + (
+            " but a ZeroStrategy checkpoint without pipeline parallelism. Allowed: resume it with ZeroStrategy "
+            "without pipeline_parallel_size (any world size and stage), or consolidate it (`lightning-zero "
+            "consolidate`) and load the uncut model's state dict." if plain else
+            f" (no {INFO_FILE} with format {PIPELINE_FORMAT!r}). Allowed: a directory written by PipelineZero.save "
+            "or by trainer.save_checkpoint with pipeline_parallel_size."))
     manifest = json.loads((path / INFO_FILE).read_text())
     if manifest.get("version") != PIPELINE_VERSION:
         raise ValueError(f"{str(path)!r} is a pipeline checkpoint of format version {manifest.get('version')!r} "
                          f"(version 1: full per-stage .pt files from a development build); this release reads "
                          f"version {PIPELINE_VERSION} (sharded DCP directories per stage). Allowed: a checkpoint "
                          f"saved by this release.")
-    missing = [str(i) for i in range(manifest["num_stages"]) if str(i) not in manifest["stages"]]
+    where = f"Corrupt pipeline checkpoint {str(path)!r}"
+    integrity.verify(path, manifest, INFO_FILE)
+    bad = [f"{k!r} {'is missing' if k not in manifest else 'has the wrong type'}" for k, t in _MANIFEST_KEYS.items()
+           if not isinstance(manifest.get(k), t) or isinstance(manifest.get(k), bool)]
+    if bad:
+        raise ValueError(f"{where}: its {INFO_FILE} is malformed: {'; '.join(bad)}. Required: "
+                         + ", ".join(f"{k} ({t.__name__})" for k, t in _MANIFEST_KEYS.items()) + ".")
+    stages = manifest["stages"]
+    missing = [str(i) for i in range(manifest["num_stages"]) if not isinstance(stages.get(str(i)), dict)]
     if missing or not (path / META_FILE).is_file():
-        raise ValueError(f"Corrupt pipeline checkpoint {str(path)!r}: " + (
+        raise ValueError(f"{where}: " + (
             f"the manifest lists no directory for stage(s) {missing}." if missing else f"{META_FILE} is missing."))
+    for i in range(manifest["num_stages"]):
+        entry = stages[str(i)]
+        if not isinstance(entry.get("source_names"), dict):
+            raise ValueError(f"{where}: the manifest entry of stage {i} has no 'source_names' mapping.")
+        stage_dir(path, manifest, i)
+    integrity.check_listed(path, manifest, [META_FILE] + [f"{stages[str(i)]['dir']}/{INFO_FILE}"
+                                                          for i in range(manifest["num_stages"])],
+                           INFO_FILE, "the loader")
     return manifest
 
 
-def consolidate_pipeline_checkpoint(path: _PathLike, dtype: Optional[torch.dtype] = None) -> dict:
+def stage_dir(path: Path, manifest: dict, index: int) -> Path:
+    """Stage ``index``'s directory, confined to the checkpoint (a manifest may name only its own stages)."""
+    return confined(path, manifest["stages"][str(index)].get("dir"), f"stage {index}'s directory")
+
+
+def _format_of(path: Path) -> Any:
+    try:
+        return json.loads((path / INFO_FILE).read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def consolidate_pipeline_checkpoint(path: _PathLike, dtype: Optional[torch.dtype] = None,
+                                    trust_checkpoint: bool = False) -> dict:
     """One state dict of the whole model under the uncut model's names, read from every stage's directory
     in this process (no process group); floating tensors cast to ``dtype`` when given."""
     path = resolve_checkpoint_dir(path)
     manifest = read_manifest(path)
     out: dict = {}
     for i in range(manifest["num_stages"]):
-        entry = manifest["stages"][str(i)]
-        stage_dir = path / entry["dir"]
-        for name, value in full_model_state(stage_dir, read_info(stage_dir), dtype).items():
+        entry, where = manifest["stages"][str(i)], stage_dir(path, manifest, i)
+        stage = full_model_state(where, read_info(where, trust_checkpoint), dtype, trust_checkpoint=trust_checkpoint)
+        unnamed = sorted(n for n in stage if n not in entry["source_names"])
+        if unnamed:
+            raise ValueError(f"Corrupt pipeline checkpoint {str(path)!r}: the manifest gives no uncut-model name for "
+                             f"stage {i}'s tensors {unnamed[:10]}.")
+        for name, value in stage.items():
             out[entry["source_names"][name]] = value
     return out
 
 
-def write_consolidated(path: _PathLike, out: _PathLike, dtype: torch.dtype = torch.float32) -> dict:
+def write_consolidated(path: _PathLike, out: _PathLike, dtype: torch.dtype = torch.float32,
+                       trust_checkpoint: bool = False) -> dict:
     """:func:`consolidate_pipeline_checkpoint` written to ``out`` (``.safetensors``: safetensors, else
     ``torch.save``), atomically. Returns {"tensors": n, "bytes": weights}."""
-    sd = consolidate_pipeline_checkpoint(path, dtype)
+    sd = consolidate_pipeline_checkpoint(path, dtype, trust_checkpoint)
     out = Path(out)
     with atomic_output(out) as tmp:
         if out.suffix == ".safetensors":

@@ -11,6 +11,7 @@ from ..engine.engine_state import EngineMode
 from ..checkpoint.format import (_IMPL_KEYS, _OLD, _TMP, _remove, check_optimizer_count, load_model_state,
                          load_optimizer_state, read_info, read_meta, resolve_checkpoint_dir, save_checkpoint_dir,
                          sharded_model_state, sharded_optimizer_state)
+from ..checkpoint.trust import trusted
 
 # -- Lightning glue ----------------------------------------------------------------------------------------------
 _LOADED_KEY = "lightning_zero_checkpoint_dir"
@@ -26,6 +27,8 @@ class ZeroCheckpointMixin:
     """
 
     checkpoint_format = "sharded"
+    trust_checkpoint = False  # read checkpoints' pickles unrestricted (docs/security.md)
+    _zero_trust = False  # this load's decision: trust_checkpoint, or Lightning's weights_only=False
 
     @property
     def _zero_sharded(self) -> bool:
@@ -116,15 +119,17 @@ class ZeroCheckpointMixin:
         path = resolve_checkpoint_dir(self.broadcast(str(checkpoint_path)))
         if not path.is_dir():
             return super().load_checkpoint(path, weights_only=weights_only)
-        read_info(path)
-        meta = read_meta(path, weights_only)
+        self._zero_trust = trusted(self.trust_checkpoint, weights_only)
+        read_info(path, self._zero_trust)
+        meta = read_meta(path, trust_checkpoint=self._zero_trust)
         meta[_LOADED_KEY] = str(path)
         return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         engine = self._zero_engine
         if _LOADED_KEY in checkpoint:
-            load_model_state(checkpoint[_LOADED_KEY], self.lightning_module, engine, strict)
+            load_model_state(checkpoint[_LOADED_KEY], self.lightning_module, engine, strict,
+                             trust_checkpoint=self._zero_trust)
             return
         if engine is not None:  # a single file loaded after setup: into the module, masters and shards
             engine.load_full_state_dict(checkpoint["state_dict"], strict=strict)
@@ -151,6 +156,7 @@ class ZeroCheckpointMixin:
         for k, (opt, state) in enumerate(zip(engine.optimizers, states)):
             if _LOADED_KEY in checkpoint:
                 self._add_saved_param_groups(opt, state["param_groups"])
-                load_optimizer_state(checkpoint[_LOADED_KEY], engine, state, index=k)
+                load_optimizer_state(checkpoint[_LOADED_KEY], engine, state, index=k,
+                                     trust_checkpoint=self._zero_trust)
             else:  # a full (consolidated) state from any world size
                 engine.load_optimizer_state_dict(state, opt)

@@ -37,6 +37,7 @@ from ..checkpoint.format import (load_model_state, load_optimizer_state, read_in
                                  sharded_optimizer_state)
 from ..checkpoint.models_dir import (SavedModel, is_models_checkpoint, model_checkpoint, read_models_manifest,
                                      save_models_checkpoint)
+from ..checkpoint.trust import trusted
 from .lightning_io import load_as_lightning_checkpoint
 from .precision import ZeroPrecision
 
@@ -121,10 +122,11 @@ class ZeroFabricCheckpointMixin:
         path = resolve_checkpoint_dir(self.broadcast(str(path)))
         if not path.is_dir():
             return self._load_file(path, state, strict, weights_only)
+        trust = trusted(getattr(self, "trust_checkpoint", False), weights_only)
         if is_models_checkpoint(path):
-            return self._load_models(path, state, strict, weights_only)
+            return self._load_models(path, state, strict, trust)
         if not state:  # the whole checkpoint, consolidated (full fp32 weights), under the saved names
-            full = load_as_lightning_checkpoint(path, weights_only)
+            full = load_as_lightning_checkpoint(path, trust_checkpoint=trust)
             names = full.pop(_FABRIC_KEY, None) or {}
             for k in names.get("added", []):
                 full.pop(k, None)
@@ -132,8 +134,8 @@ class ZeroFabricCheckpointMixin:
                 full[names["module"]] = full.pop("state_dict")
                 full.update(zip(names["optimizers"], full.pop("optimizer_states", None) or []))
             return full
-        info = read_info(path)
-        meta = read_meta(path, weights_only)
+        info = read_info(path, trust)
+        meta = read_meta(path, trust_checkpoint=trust)
         names = meta.pop(_FABRIC_KEY, None) or {}
         precision_state = meta.pop(_PRECISION_KEY, None)
         opt_meta = meta.pop("optimizer_states", None) or []
@@ -141,7 +143,7 @@ class ZeroFabricCheckpointMixin:
             meta.pop(k, None)
 
         def load_module(module, _key):
-            load_model_state(path, module, self._engine_of(module), strict, info)
+            load_model_state(path, module, self._engine_of(module), strict, info, trust_checkpoint=trust)
 
         def load_optimizer(opt, key):
             engine, index = self._optimizer_engine(opt, key)
@@ -150,7 +152,7 @@ class ZeroFabricCheckpointMixin:
                     raise KeyError(f"Checkpoint {str(path)!r} holds no state for optimizer {index} (state[{key!r}]):"
                                    " it was saved without it. Load with strict=False to skip it.")
                 return
-            load_optimizer_state(path, engine, opt_meta[index], info, index=index)
+            load_optimizer_state(path, engine, opt_meta[index], info, index=index, trust_checkpoint=trust)
 
         if isinstance(state, Module):  # fabric.load_raw(dir, model)
             load_module(state, None)
@@ -167,19 +169,20 @@ class ZeroFabricCheckpointMixin:
             self.precision.load_state_dict(precision_state)
         return remainder
 
-    def _load_models(self, path: Path, state, strict: bool, weights_only: Optional[bool]) -> dict:
+    def _load_models(self, path: Path, state, strict: bool, trust: bool) -> dict:
         """A directory of several models (checkpoint/models_dir.py): each model and optimizer from its model's
         directory, resharded; the other entries from the top ``meta.pt``."""
         manifest = read_models_manifest(path)
         models = manifest["models"]
-        meta = read_meta(path, weights_only)
+        meta = read_meta(path, trust_checkpoint=trust)
         names = meta.pop(_FABRIC_KEY, None) or {}
         precision_state = meta.pop(_PRECISION_KEY, None) if state else None
         for k in names.get("added", []):
             meta.pop(k, None)
         if not state:  # everything, consolidated: each model's full state dict and optimizers under their keys
             for key, entry in models.items():
-                full = load_as_lightning_checkpoint(model_checkpoint(path, manifest, key)[0], weights_only)
+                full = load_as_lightning_checkpoint(model_checkpoint(path, manifest, key, trust)[0],
+                                                    trust_checkpoint=trust)
                 meta[key] = full["state_dict"]
                 meta.update(zip(entry["optimizers"], full.get("optimizer_states") or []))
             return meta
@@ -189,8 +192,8 @@ class ZeroFabricCheckpointMixin:
         saved_opts = {k: (mk, i) for mk, entry in models.items() for i, k in enumerate(entry["optimizers"])}
 
         def load_module(module, key):
-            sub, info = model_checkpoint(path, manifest, key)
-            load_model_state(sub, module, self._engine_of(module), strict, info)
+            sub, info = model_checkpoint(path, manifest, key, trust)
+            load_model_state(sub, module, self._engine_of(module), strict, info, trust_checkpoint=trust)
 
         def load_optimizer(opt, key):
             engine, index = self._optimizer_engine(opt, key)
@@ -199,12 +202,12 @@ class ZeroFabricCheckpointMixin:
                 raise ValueError(f"state[{key!r}] is optimizer {index} of its model; it was saved as optimizer "
                                  f"{saved_index} of state[{model_key!r}]. Allowed: set up each model's optimizers "
                                  "in the order they were saved.")
-            sub, info = model_checkpoint(path, manifest, model_key)
-            opt_meta = read_meta(sub, weights_only).get("optimizer_states") or []
+            sub, info = model_checkpoint(path, manifest, model_key, trust)
+            opt_meta = read_meta(sub, trust_checkpoint=trust).get("optimizer_states") or []
             if saved_index >= len(opt_meta):
                 raise ValueError(f"Corrupt checkpoint {str(sub)!r}: its {META_FILE} holds no param groups for "
                                  f"optimizer {saved_index} (state[{key!r}]).")
-            load_optimizer_state(sub, engine, opt_meta[saved_index], info, index=saved_index)
+            load_optimizer_state(sub, engine, opt_meta[saved_index], info, index=saved_index, trust_checkpoint=trust)
 
         remainder = self._restore(state, meta, strict, load_module, load_optimizer,
                                   lambda k: k in models or k in saved_opts)

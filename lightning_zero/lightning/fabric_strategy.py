@@ -102,6 +102,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         quantize_grads: bool = False,
         offload_kernel: str = "fused",
         parallelize_fn: Optional[Callable[[Module, Any], Module]] = None,
+        trust_checkpoint: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:  # Fabric's DDPStrategy forwards extra kwargs to DistributedDataParallel; there is none here
@@ -118,6 +119,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
             raise ValueError("parallelize_fn needs tensor_parallel_size=T (it is called with the 2-D device mesh). "
                              "Allowed: ZeroFabricStrategy(tensor_parallel_size=T, parallelize_fn=...).")
         self._parallelize_fn = parallelize_fn
+        self.trust_checkpoint = bool(trust_checkpoint)  # as ZeroStrategy's (docs/security.md)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,

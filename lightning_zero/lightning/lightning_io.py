@@ -9,7 +9,9 @@ wraps them; each wrapper acts on lightning_zero directories only and leaves ever
   through): a sharded directory is consolidated on the fly -- full fp32 weights and the optimizer state
   keyed by position, as a plain optimizer saves it -- so ``Trainer(strategy="ddp").fit(ckpt_path=DIR)``
   resumes from a ZeRO run (each rank reads the whole directory, no collective, as it would read a file).
-* ``saving.pl_load`` (``LightningModule.load_from_checkpoint(DIR)``): the same consolidation, weights only.
+* ``saving.pl_load`` (``LightningModule.load_from_checkpoint(DIR)``): the same consolidation, weights only,
+  placed by ``map_location`` as ``torch.load`` places a tensor saved on the CPU (Lightning's default is a
+  callable that returns None for it: "leave it where it is").
 * ``ModelCheckpoint._find_last_checkpoints`` (``ckpt_path="last"``): when a save was interrupted between
   its two renames, ``last.ckpt`` is missing and its complete previous copy is ``last.ckpt.zero-old``;
   that copy is offered instead, so a resume does not silently start again from step 0.
@@ -18,7 +20,6 @@ wraps them; each wrapper acts on lightning_zero directories only and leaves ever
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import re
 from pathlib import Path
@@ -29,37 +30,42 @@ import torch
 from ..checkpoint.files import META_FILE
 from ..checkpoint.format import _OLD, INFO_FILE, _dcp_load, _optim_key, is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir
 from ..checkpoint.consolidate import full_model_state
+from ..checkpoint.trust import read_dcp_metadata, trusted
 
 
 def load_as_lightning_checkpoint(path, weights_only: Optional[bool] = None, optimizer: bool = True,
-                                 dtype: Optional[torch.dtype] = None, progress=None) -> dict[str, Any]:
+                                 dtype: Optional[torch.dtype] = None, progress=None, map_location: Any = None,
+                                 trust_checkpoint: bool = False) -> dict[str, Any]:
     """A sharded directory as the dict Lightning's DDP would have saved: full ``state_dict`` (floating
     tensors in ``dtype``; None: as saved, the fp32 masters) and position-keyed ``optimizer_states``; the
     loops, callbacks, schedulers, hparams, ``pytorch-lightning_version`` as saved. ``optimizer=False``: the
-    weights-only checkpoint ``ModelCheckpoint(save_weights_only=True)`` writes (no optimizer state read)."""
+    weights-only checkpoint ``ModelCheckpoint(save_weights_only=True)`` writes (no optimizer state read).
+    ``map_location``: any form ``torch.load`` takes (see :func:`apply_map_location`). Its pickles are read
+    restricted unless ``trust_checkpoint`` or ``weights_only=False`` (checkpoint/trust.py)."""
     path = resolve_checkpoint_dir(path)
-    info = read_info(path)
-    checkpoint = read_meta(path, weights_only)
-    checkpoint["state_dict"] = full_model_state(path, info, dtype=dtype, progress=progress)
+    trust = trusted(trust_checkpoint, weights_only)
+    info = read_info(path, trust)
+    checkpoint = read_meta(path, trust_checkpoint=trust)
+    checkpoint["state_dict"] = full_model_state(path, info, dtype=dtype, progress=progress, trust_checkpoint=trust)
     saved = checkpoint.get("optimizer_states")
     if not optimizer:
         for key in ("optimizer_states", "lr_schedulers"):  # as Lightning's own weights-only dump
             checkpoint.pop(key, None)
     elif info["optimizer_state"] is not None and saved:
-        checkpoint["optimizer_states"] = [_positional_optimizer_state(path, info, opt_meta, k)
+        checkpoint["optimizer_states"] = [_positional_optimizer_state(path, info, opt_meta, k, trust)
                                           for k, opt_meta in enumerate(saved)]
-    return checkpoint
+    return apply_map_location(checkpoint, map_location)
 
 
 def write_lightning_checkpoint(ckpt_dir, out, optimizer: bool = False, dtype: Optional[torch.dtype] = torch.float32,
-                               progress=None) -> dict[str, Any]:
+                               progress=None, trust_checkpoint: bool = False) -> dict[str, Any]:
     """``lightning-zero consolidate DIR OUT --lightning``: the directory as one Lightning checkpoint file
     that ``LightningModule.load_from_checkpoint`` and (with ``optimizer=True``) any strategy's
     ``fit(ckpt_path=...)`` accept. Returns {"tensors", "bytes", "optimizer"}."""
     from ..checkpoint.consolidate import atomic_output
 
-    checkpoint = load_as_lightning_checkpoint(ckpt_dir, weights_only=False, optimizer=optimizer, dtype=dtype,
-                                              progress=progress)
+    checkpoint = load_as_lightning_checkpoint(ckpt_dir, optimizer=optimizer, dtype=dtype, progress=progress,
+                                              trust_checkpoint=trust_checkpoint)
     if "pytorch-lightning_version" not in checkpoint:
         raise ValueError(f"{str(ckpt_dir)!r} was not saved by a Lightning Trainer (its {META_FILE} has no "
                          "'pytorch-lightning_version'): write a plain state dict with `lightning-zero consolidate "
@@ -72,13 +78,12 @@ def write_lightning_checkpoint(ckpt_dir, out, optimizer: bool = False, dtype: Op
             "optimizer": "optimizer_states" in checkpoint}
 
 
-def _positional_optimizer_state(path: Path, info: dict, opt_meta: dict, index: int = 0) -> dict:
+def _positional_optimizer_state(path: Path, info: dict, opt_meta: dict, index: int = 0,
+                                trust_checkpoint: bool = False) -> dict:
     """Optimizer ``index``'s name-keyed flat shards -> torch's ``Optimizer.state_dict()`` layout (state by
     position, tensors shaped like the parameter). Positions follow the saved groups, i.e. the user's order of
     trainable parameters; each optimizer numbers its own parameters from 0, as torch does."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = read_dcp_metadata(path, trust_checkpoint).state_dict_metadata
     more = info.get("more_optimizer_states") or []
     kinds = (info["optimizer_state"] if index == 0 else more[index - 1] if index - 1 < len(more) else None) or {}
     key = _optim_key(index)
@@ -90,7 +95,7 @@ def _positional_optimizer_state(path: Path, info: dict, opt_meta: dict, index: i
                                   dtype=stored[f"{key}.state.{n}.{k}"].properties.dtype) for k in keys}
                for n, keys in kinds.items()}
     if targets:
-        _dcp_load({key: {"state": targets}}, path, no_dist=True)
+        _dcp_load({key: {"state": targets}}, path, no_dist=True, trust_checkpoint=trust_checkpoint)
     state, groups, pos = {}, [], 0
     layout = opt_meta.get("layout") or [g["params"] for g in opt_meta["param_groups"]]
     for g, names in zip(opt_meta["param_groups"], layout):
@@ -121,7 +126,9 @@ def _wrap_torch_checkpoint_io(TorchCheckpointIO) -> None:
     @functools.wraps(original)
     def load_checkpoint(self, path, *args, **kwargs):
         if isinstance(path, (str, os.PathLike)) and _is_ours(path):
-            return load_as_lightning_checkpoint(path, kwargs.get("weights_only", args[1] if len(args) > 1 else None))
+            map_location = kwargs.get("map_location", args[0] if args else None)
+            weights_only = kwargs.get("weights_only", args[1] if len(args) > 1 else None)
+            return load_as_lightning_checkpoint(path, weights_only, map_location=map_location)
         return original(self, path, *args, **kwargs)
 
     load_checkpoint._lightning_zero = True
@@ -138,10 +145,7 @@ def _wrap_pl_load(saving) -> None:
     @functools.wraps(original)
     def pl_load(path_or_url, map_location=None, weights_only=None):
         if isinstance(path_or_url, (str, os.PathLike)) and _is_ours(path_or_url):
-            checkpoint = load_as_lightning_checkpoint(path_or_url, weights_only, optimizer=False)
-            if map_location is not None:  # the state dict is read on the CPU; move it as torch.load would
-                checkpoint["state_dict"] = {k: _to(v, map_location) for k, v in checkpoint["state_dict"].items()}
-            return checkpoint
+            return load_as_lightning_checkpoint(path_or_url, weights_only, optimizer=False, map_location=map_location)
         if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
             raise IsADirectoryError(f"{str(path_or_url)!r} is a directory but not a complete lightning_zero "
                                     f"checkpoint ({INFO_FILE} is missing); a lightning_zero directory converts with "
@@ -152,12 +156,47 @@ def _wrap_pl_load(saving) -> None:
     saving.pl_load = pl_load
 
 
-def _to(t: torch.Tensor, map_location) -> torch.Tensor:
-    if callable(map_location):
-        return map_location(t, "cpu")
+def apply_map_location(obj: Any, map_location: Any) -> Any:
+    """Every tensor in ``obj`` (read on the CPU) placed as ``torch.load(..., map_location)`` places a tensor
+    saved on the CPU: None leaves it; a string or ``torch.device`` moves it there; a dict maps the location
+    "cpu" (absent: stays); a callable gets ``(storage, "cpu")`` and returns a storage, or None for "leave
+    it" (Lightning's default). Tensors shared under several names (tied weights) stay shared."""
+    if map_location is None:
+        return obj
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def walk(x: Any) -> Any:
+        if torch.is_tensor(x):
+            if id(x) not in memo:
+                memo[id(x)] = (x, _placed(x, map_location))
+            return memo[id(x)][1]
+        if isinstance(x, dict):
+            return type(x)((k, walk(v)) for k, v in x.items())
+        if type(x) in (list, tuple):
+            return type(x)(walk(v) for v in x)
+        return x
+
+    return walk(obj)
+
+
+def _placed(t: torch.Tensor, map_location: Any) -> torch.Tensor:
+    if isinstance(map_location, (str, torch.device)):
+        return t.to(map_location)
     if isinstance(map_location, dict):
         return t.to(map_location.get("cpu", "cpu"))
-    return t.to(map_location)
+    if not callable(map_location):
+        raise TypeError(f"map_location={map_location!r}; allowed: None, a device string, a torch.device, a dict of "
+                        "locations or a callable(storage, location) -> storage or None (as torch.load).")
+    storage = map_location(t.untyped_storage(), "cpu")
+    if storage is None:
+        return t
+    if torch.is_tensor(storage):  # a callable written for tensors
+        return storage
+    if isinstance(storage, torch.TypedStorage):
+        storage = storage.untyped()
+    if not isinstance(storage, torch.UntypedStorage):
+        raise TypeError(f"map_location returned a {type(storage).__name__}; allowed: a storage or None (as torch.load).")
+    return torch.empty(0, dtype=t.dtype, device=storage.device).set_(storage, t.storage_offset(), t.size(), t.stride())
 
 
 def _wrap_find_last_checkpoints(ModelCheckpoint) -> None:
@@ -184,7 +223,7 @@ def _wrap_find_last_checkpoints(ModelCheckpoint) -> None:
 
 
 def install() -> None:
-    """Wrap both copies of Lightning: ``lightning`` and, when installed, ``pytorch_lightning``."""
+    """Wrap Lightning's loaders (the ``lightning`` distribution; ``pytorch_lightning`` is not supported)."""
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.core import saving
@@ -192,12 +231,3 @@ def install() -> None:
     _wrap_torch_checkpoint_io(TorchCheckpointIO)
     _wrap_find_last_checkpoints(ModelCheckpoint)
     _wrap_pl_load(saving)
-    if importlib.util.find_spec("pytorch_lightning") is not None and importlib.util.find_spec("lightning_fabric"):
-        from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO as FabricTorchCheckpointIO
-        from pytorch_lightning.callbacks import ModelCheckpoint as PLModelCheckpoint
-
-        from pytorch_lightning.core import saving as pl_saving
-
-        _wrap_torch_checkpoint_io(FabricTorchCheckpointIO)
-        _wrap_find_last_checkpoints(PLModelCheckpoint)
-        _wrap_pl_load(pl_saving)

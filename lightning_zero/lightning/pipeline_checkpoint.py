@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional
 
 from ..checkpoint.files import read_meta, resolve_checkpoint_dir
 from ..checkpoint.pipeline_dir import load_pipeline_checkpoint, read_manifest, save_pipeline_checkpoint
+from ..checkpoint.trust import trusted
 
 _LOADED_KEY = "lightning_zero_pipeline_dir"
 
@@ -46,14 +47,16 @@ class PipelineCheckpointMixin:
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = resolve_checkpoint_dir(self.broadcast(str(checkpoint_path)))
         read_manifest(path)  # one clear error for anything that is not a pipeline checkpoint
-        meta = read_meta(path, weights_only=False)  # Lightning's own objects (loops, callbacks)
+        self._zero_trust = trusted(getattr(self, "trust_checkpoint", False), weights_only)
+        meta = read_meta(path, trust_checkpoint=self._zero_trust)  # loops, callbacks: restricted unless trusted
         meta["optimizer_states"] = [{}]  # in the stage directories; Lightning checks the key exists
         meta[_LOADED_KEY] = str(path)
         return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self._stale = False
-        load_pipeline_checkpoint(self._forward_pipe, checkpoint[_LOADED_KEY])  # model + optimizer, any DP size
+        load_pipeline_checkpoint(self._forward_pipe, checkpoint[_LOADED_KEY],  # model + optimizer, any DP size
+                                 trust_checkpoint=getattr(self, "_zero_trust", False))
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded with the model above

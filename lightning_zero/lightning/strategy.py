@@ -94,6 +94,9 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         checkpoint_format: "sharded" (default: a torch.distributed.checkpoint directory per checkpoint,
             each rank writing its shards; reshards on load) or "full" (Lightning's single file with
             consolidated fp32 weights and optimizer state). Both load at any world size and stage.
+        trust_checkpoint: read the pickles of the checkpoints this strategy loads unrestricted (a trusted
+            checkpoint of an earlier build, or hparams holding other objects); default False: nothing in a
+            checkpoint runs code when read (docs/security.md). ``weights_only=False`` opts in for one load.
         shard_group_size: hybrid sharding (stages 1-3): shard within groups of this many consecutive ranks
             (e.g. the GPUs of one node) and replicate across the groups, so parameter all-gathers and
             reduce-scatters stay inside a node and only one all-reduce per gradient bucket and step
@@ -158,6 +161,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: str = "popen",
         checkpoint_format: str = "sharded",
+        trust_checkpoint: bool = False,
         shard_group_size: Optional[int] = None,
         memory_summary: bool = True,
         activation_checkpointing: Optional[Any] = None,
@@ -177,6 +181,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
         check_strategy_knobs("ZeroStrategy", locals(), _LIGHTNING_TYPES)  # and the strategy's own
         self.checkpoint_format = checkpoint_format
+        self.trust_checkpoint = bool(trust_checkpoint)
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config,  # None without TP
                                                        checkpoint_format)
         super().__init__(

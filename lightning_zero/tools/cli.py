@@ -2,7 +2,8 @@
 ``from-deepspeed``.
 
     lightning-zero consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--lightning [--optimizer]] [--quiet]
-    lightning-zero export CKPT_DIR OUTDIR --hf [--prefix model.] [--config DIR_or_config.json]
+                               [--trust-checkpoint]
+    lightning-zero export CKPT_DIR OUTDIR --hf [--prefix model.] [--config DIR_or_config.json] [--trust-checkpoint]
     lightning-zero estimate --model t5_large --ranks 8 --precision bf16-mixed --batch-size 8 --device-memory 24
     lightning-zero estimate --params 1.5e9 --ranks 16 --nodes 2 --optimizer sgd
     lightning-zero estimate --params 1.5e9 --ranks 8 --pipeline-parallel-size 2 --microbatches 8
@@ -35,15 +36,17 @@ def _consolidate(args: argparse.Namespace) -> int:
     dtype = getattr(torch, _DTYPES[args.dtype])
     if is_pipeline_checkpoint(resolve_checkpoint_dir(args.ckpt_dir)):
         return _consolidate_pipeline(args, dtype)
-    total = stored_nbytes(read_info(resolve_checkpoint_dir(args.ckpt_dir)), dtype)
+    # the Trainer's checks (checksums, the json against DCP's metadata) before anything is written
+    total = stored_nbytes(read_info(resolve_checkpoint_dir(args.ckpt_dir), args.trust_checkpoint), dtype)
     with byte_progress(total, "consolidate", args.quiet) as progress:
         if args.lightning:
             from ..lightning.lightning_io import write_lightning_checkpoint
 
             info = write_lightning_checkpoint(args.ckpt_dir, args.out, optimizer=args.optimizer, dtype=dtype,
-                                              progress=progress)
+                                              progress=progress, trust_checkpoint=args.trust_checkpoint)
         else:
-            info = consolidate(args.ckpt_dir, args.out, dtype=dtype, progress=progress)
+            info = consolidate(args.ckpt_dir, args.out, dtype=dtype, progress=progress,
+                               trust_checkpoint=args.trust_checkpoint)
     what = " (Lightning checkpoint" + (", with optimizer state)" if info.get("optimizer") else ", weights only)") \
         if args.lightning else ""
     print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.out}{what}")
@@ -59,7 +62,7 @@ def _consolidate_pipeline(args: argparse.Namespace, dtype) -> int:
         raise ValueError("--lightning is not available for a pipeline checkpoint: its weights consolidate under "
                          "the uncut model's names, not the LightningModule's stage modules. Allowed: a plain "
                          "state dict (OUT .pt or .safetensors) that loads into the uncut model with strict=True.")
-    info = write_consolidated(resolve_checkpoint_dir(args.ckpt_dir), args.out, dtype)
+    info = write_consolidated(resolve_checkpoint_dir(args.ckpt_dir), args.out, dtype, args.trust_checkpoint)
     print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.out} (pipeline "
           f"checkpoint: every stage's weights under the uncut model's names)")
     return 0
@@ -73,7 +76,7 @@ def _export(args: argparse.Namespace) -> int:
     if not args.hf:
         raise ValueError("export needs a target format; allowed: --hf (a transformers save_pretrained directory).")
     res = export_hf(args.ckpt_dir, args.out_dir, prefix=args.prefix, config=args.config,
-                    dtype=getattr(torch, _DTYPES[args.dtype]), quiet=args.quiet)
+                    dtype=getattr(torch, _DTYPES[args.dtype]), quiet=args.quiet, trust_checkpoint=args.trust_checkpoint)
     print(f"wrote {res['tensors']} tensors ({res['bytes'] / 2**20:.1f} MiB) of {res['class']} (prefix "
           f"{res['prefix']!r}) to {res['out']}: {res['class']}.from_pretrained({res['out']!r})")
     return 0
@@ -95,7 +98,14 @@ def _add_export(sub) -> None:
                    "config among the checkpoint's hyper-parameters")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of floating tensors")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_trust(p)
     p.set_defaults(func=_export)
+
+
+def _add_trust(p) -> None:
+    p.add_argument("--trust-checkpoint", action="store_true", help="read the checkpoint's pickles (meta.pt, DCP's "
+                   ".metadata) unrestricted, which can run code from the file: only for a checkpoint you trust "
+                   "that the default restricted reader refuses (docs/security.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", action="store_true", help="with --lightning: include the optimizer and LR "
                    "scheduler states, so Trainer(strategy='ddp').fit(ckpt_path=OUT) resumes the run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_trust(p)
     p.set_defaults(func=_consolidate)
     _add_export(sub)
     _add_estimate(sub)

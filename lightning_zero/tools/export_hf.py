@@ -25,7 +25,8 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint.consolidate import stored_nbytes, write_safetensors
-from ..checkpoint.files import read_info, read_meta, resolve_checkpoint_dir
+from ..checkpoint.files import META_FILE, read_info, read_meta, resolve_checkpoint_dir
+from ..checkpoint.trust import UntrustedCheckpointError
 
 _WEIGHTS = "model.safetensors"
 
@@ -54,6 +55,14 @@ def load_config(config: Optional[str], meta: dict) -> Any:
         raise ValueError(f"The checkpoint's hyper-parameters hold {what}; pass --config DIR_or_config.json "
                          "(the config.json the model was built from).")
     return found[0]
+
+
+def _meta(path: Path, trust_checkpoint: bool) -> dict:
+    try:
+        return read_meta(path, trust_checkpoint=trust_checkpoint)
+    except UntrustedCheckpointError as err:  # e.g. a PretrainedConfig object among the hparams
+        raise UntrustedCheckpointError(f"{err} Or pass --config (the model's config.json): then {META_FILE} is "
+                                       "not read at all.") from None
 
 
 _AUTO_HEADS = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel")
@@ -120,14 +129,15 @@ def _match(cls, cfg, names: list[str], info: dict, prefix: Optional[str]) -> tup
 
 
 def export_hf(ckpt_dir: str, out_dir: str, prefix: Optional[str] = None, config: Optional[str] = None,
-              dtype: torch.dtype = torch.float32, quiet: bool = False) -> dict:
+              dtype: torch.dtype = torch.float32, quiet: bool = False, trust_checkpoint: bool = False) -> dict:
     """Write ``out_dir`` (model.safetensors + config.json); raise ValueError listing every missing or
-    unexpected key (under the prefix) before anything is written."""
+    unexpected key (under the prefix) before anything is written. The checkpoint's ``meta.pt`` is read
+    only without ``config``, restricted unless ``trust_checkpoint`` (checkpoint/trust.py)."""
     from .progress import byte_progress
 
     path = resolve_checkpoint_dir(ckpt_dir)
-    info = read_info(path)
-    cfg = load_config(config, read_meta(path, weights_only=False))
+    info = read_info(path, trust_checkpoint)
+    cfg = load_config(config, {} if config is not None else _meta(path, trust_checkpoint))
     names = [n for n in info["order"] if n in info["tensors"] or n in info["aliases"]]
     tried = []
     for cls in _model_classes(cfg):
@@ -148,7 +158,7 @@ def export_hf(ckpt_dir: str, out_dir: str, prefix: Optional[str] = None, config:
     sources = {info["aliases"].get(n, n) for n in written.values()}
     total = sum(stored_nbytes({"tensors": {n: info["tensors"][n]}}, dtype) for n in sources)
     with byte_progress(total, f"export {out.name}", quiet) as progress:
-        res = write_safetensors(out / _WEIGHTS, path, info, written, dtype, progress)
+        res = write_safetensors(out / _WEIGHTS, path, info, written, dtype, progress, trust_checkpoint)
     cfg.architectures = [cls.__name__]  # what AutoModel...from_pretrained and from_pretrained(OUTDIR) build
     if dtype != torch.float32:
         cfg.dtype = str(dtype).removeprefix("torch.")
