@@ -117,6 +117,7 @@ _COMMON = {  # the strategy knobs both strategies have (zero_setup.check_strateg
     "process_group_backend": Knob([None, "gloo"], [(3, BACKEND), ("", BACKEND)]),
     "timeout": Knob([None, timedelta(minutes=5)], [(60, TIMEOUT), (timedelta(0), TIMEOUT), ("30m", TIMEOUT)]),
     "start_method": Knob(["popen", "spawn", "fork", "forkserver"], [("thread", START), (None, START)]),
+    "trust_checkpoint": Knob([True, False], [(v, r"trust_checkpoint must be True or False") for v in ("no", 1, None)]),
 }
 
 # -- ZeroStrategy's own knobs ----------------------------------------------------------------------------------------

@@ -64,8 +64,9 @@ def check_strategy_knobs(owner: str, knobs: dict, instance_of: dict) -> None:
     fmt = knobs.get("checkpoint_format", "sharded")
     if not isinstance(fmt, str) or fmt not in CHECKPOINT_FORMATS:
         raise ValueError(f"Unknown checkpoint_format {fmt!r}. Allowed: {', '.join(map(repr, CHECKPOINT_FORMATS))}.")
-    if not isinstance(knobs.get("memory_summary", True), bool):
-        raise ValueError(f"memory_summary must be True or False; got {knobs['memory_summary']!r}.")
+    for flag in ("memory_summary", "trust_checkpoint"):
+        if not isinstance(knobs.get(flag, False), bool):
+            raise ValueError(f"{flag} must be True or False; got {knobs[flag]!r}.")
     fn = knobs.get("parallelize_fn")
     if fn is not None and not callable(fn):
         raise ValueError(f"parallelize_fn must be None or a callable (module, device_mesh) -> module; got {fn!r}.")
