@@ -28,7 +28,6 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
 from . import collectives as C
 from .activations import ActivationMemory, activation_memory
@@ -41,9 +40,11 @@ from .groups import HybridGroups, check_shard_group_size, hybrid_groups, reduce_
 from .optimizer import ShardedOptimizer, kernel_swap_line
 from .publish import PublishQueue, publish_masters
 from .comm_report import CommReport, StepTraffic
+from .bucket_table import BucketMaker, BucketTable
+from .plan import ShardingPlan
 from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
-from .stage3.setup import setup_stage3
+from .stage3.setup import PartitionedParams, stage3_config
 from . import param_groups as PG
 from . import tensor_parallel as TP
 
@@ -77,6 +78,7 @@ class ZeroEngine:
         (engine/tensor_parallel.py; stages 0-2; instead of ``group``).
         """
         self.config = cfg = config or ZeroConfig()
+        self.plan = plan = ShardingPlan.of(cfg)  # what the stage means, read below ([Note: sharding plan])
         self.module = module
         self.optimizers = PG.as_optimizer_list(optimizer)
         self.optimizer = self.optimizers[0] if self.optimizers else None
@@ -92,7 +94,7 @@ class ZeroEngine:
         # hybrid sharding: shards, gathers and norms live in the shard group, gradient shards are all-reduced
         # across the replicate group; ``group`` (the world) keeps the broadcasts. Stage 0 shards nothing.
         check_shard_group_size(cfg.shard_group_size, C.world_size(group))
-        hybrid = hybrid_groups(cfg.shard_group_size, group) if cfg.stage >= 1 else HybridGroups(group)
+        hybrid = hybrid_groups(cfg.shard_group_size, group) if plan.shards_optimizer_state else HybridGroups(group)
         self.shard_group, self.replicate_group = hybrid.shard, hybrid.replicate
         self.world_size = C.world_size(self.shard_group)  # the ranks a parameter is sharded over
         self.rank = C.rank(self.shard_group)
@@ -100,53 +102,48 @@ class ZeroEngine:
         self.params = [p for ps in per_opt for p in ps]
         if not has_meta_params(module):  # a meta model is broadcast unit by unit as it is built
             self.sync_module_states()
-        mixed = compute_dtype is not None and compute_dtype != torch.float32
-        self.partitioner: Optional[ParamPartitioner] = None
-        sources = None
+        train = self.mode is EngineMode.TRAIN
+        self._partitioned: Optional[PartitionedParams] = None
         reduce_group = self.shard_group
-        if cfg.stage == 3:
-            cfg = self.config = setup_stage3(self, per_opt, device)
-            sources = self._sources
-            if self.world_size > 1 and self.mode is EngineMode.TRAIN:  # see setup_stage3: its own group
+        if plan.shards_params:
+            cfg = self.config = stage3_config(cfg, len(self.optimizers))
+            self._partitioned = PartitionedParams(module, cfg, self.world_size, self.rank, compute_dtype, device,
+                                                  self.shard_group, group, eval_only=not train)
+            if self.world_size > 1 and train:  # reduce-scatters interleave with gathers differently per rank:
+                # their own group, made once per process ([Note: why a group is never re-created])
                 reduce_group = (hybrid.reduce_scatter if hybrid.reduce_scatter is not None
                                 else reduce_scatter_group(group))
-        else:
-            self.buckets, self._bucket_opt, _, _ = PG.build_optimizer_buckets(self, per_opt)
-        self._sources = sources
+        self._maker = BucketMaker(self.world_size, self.rank, cfg.bucket_bytes, plan.shards_optimizer_state,
+                                  self._partitioned.units if self._partitioned is not None else None)
+        self.table: BucketTable = self._maker.table(module, per_opt)
         # masters are cut from the fp32 values before the module drops to the compute dtype
         self.shardeds: list[ShardedOptimizer] = PG.shard_optimizers(
-            self.optimizers, self.buckets, self._bucket_opt, sources, cfg, compute_dtype)
+            self.optimizers, self.table, plan, cfg, compute_dtype, self.tensor_parallel)
         self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
         swap = kernel_swap_line(self.shardeds)
         if swap is not None and C.rank() == 0:
             _log.info(swap)
-        if self.tensor_parallel is not None:  # the gradient norm also sums over the TP group
-            for s in self.shardeds:
-                s.tp_group, s.tp_size = self.tensor_parallel.tp_group, self.tensor_parallel.tp_size
-        if mixed:
+        if compute_dtype is not None and compute_dtype != torch.float32:
             module.to(compute_dtype)  # params (released ones too) and floating buffers, like module.half()
-            if self.partitions_params and self.mode is EngineMode.TRAIN:
+            if self._partitioned is not None and train:
                 self.partitioner.cast_shards(compute_dtype)
-                # the shards are new tensors now: point publish_params at them, not at the fp32 originals
-                self._sources = [[dict(zip(map(id, u.params), u.local_views()))[id(p)] for p in b.params]
-                                 for b, u in zip(self.buckets, self._bucket_unit)]
+                self.table.repoint_sources()  # new shard tensors: publish into them, not the fp32 originals
         self.reducer: Optional[GradReducer] = None
         # stages 1-2: the publish all-gather overlaps the next forward (publish.py)
-        self.publisher = (PublishQueue(module) if cfg.stage in (1, 2) and cfg.overlap_publish
-                          and self.mode is EngineMode.TRAIN else None)
-        if self.mode is EngineMode.TRAIN:
+        self.publisher = PublishQueue(module) if plan.overlap_publish and train else None
+        if train:
+            part = self._partitioned
             self.reducer = GradReducer(
-                self.buckets, cfg.stage, cfg.reduce_dtype, reduce_group,
-                on_bucket_complete=self.releaser.bucket_complete if self.partitions_params else None,
-                on_end_of_backward=self._end_of_backward if self.partitions_params else self.ensure_published,
+                list(self.table.buckets), plan, cfg.reduce_dtype, reduce_group,
+                on_bucket_complete=part.bucket_complete if part is not None else None,
+                on_end_of_backward=part.end_of_backward if part is not None else self.ensure_published,
                 host_grads=cfg.offload_optimizer, replicate_group=self.replicate_group,
                 mode="int8" if cfg.quantize_grads else C.grad_reduce_mode(cfg.grad_reduce, reduce_group),
             )
-            PG.install_optimizer_methods(self)
-        self._backward_ends = 0  # how many backwards this engine has ended (_backward_begins)
-        self._end_queued = False
-        if self.partitions_params:
-            self.partitioner.on_backward = self._backward_begins
+            PG.install_optimizer_methods(self.optimizers, self.add_param_group, self.zero_grad)
+        if self._partitioned is not None:
+            self._partitioned.release_by_buckets(
+                self.table, lambda: self.reducer is not None and self.reducer.in_backward)
         self.last_step_skipped = False
         self._sync_buffers_next = True  # DDP's require_forward_param_sync (see _buffers_due)
         self._traffic = StepTraffic(group)  # comm_report(): the collectives of the last step
@@ -158,7 +155,17 @@ class ZeroEngine:
     @property
     def partitions_params(self) -> bool:
         """Parameters live as stage-3 unit shards (until the module is handed back whole)."""
-        return self.partitioner is not None
+        return self._partitioned is not None
+
+    @property
+    def partitioner(self) -> Optional[ParamPartitioner]:
+        """Stage 3's :class:`~.stage3.partition.ParamPartitioner` while the module is partitioned, else None."""
+        return self._partitioned.partitioner if self._partitioned is not None else None
+
+    @property
+    def buckets(self) -> list:
+        """Every gradient bucket in launch order (the bucket table's, shared with the reducer)."""
+        return self.table.buckets
 
     @property
     def skipped_steps(self) -> int:  # a view of self.counters, which checkpoints read and write
@@ -168,25 +175,6 @@ class ZeroEngine:
         """Where a training step's saved activations go (host memory with ``offload_activations``); the root
         module's forward enters it by itself, Lightning's ``training_step`` through the strategy."""
         return self.activations.context() if self.activations is not None else contextlib.nullcontext()
-
-    def _end_of_backward(self) -> None:
-        self._backward_ends += 1
-        self._end_queued = False
-        self.partitioner.end_of_backward()
-        self.releaser.reset()
-
-    def _backward_begins(self) -> None:
-        """Stage 3, a unit's backward begins: when no parameter of this engine gets a gradient in it (all
-        frozen for now: a GAN's discriminator under the generator's loss; an evaluation engine the loss flows
-        through) the reducer's callback never comes, so this one ends it (units released, order reset)."""
-        if not self._end_queued:
-            self._end_queued, ends = True, self._backward_ends
-            Variable._execution_engine.queue_callback(lambda: self._end_if_not_ended(ends))
-
-    def _end_if_not_ended(self, ends: int) -> None:
-        self._end_queued = False
-        if self._backward_ends == ends and not (self.reducer is not None and self.reducer.in_backward):
-            self._end_of_backward()  # else the reducer ended it, or its callback (queued after this) will
 
     def ensure_published(self) -> None:
         """Stages 1-2 with ``overlap_publish``: complete the parameter all-gathers of the last step now
@@ -219,6 +207,10 @@ class ZeroEngine:
         self.ensure_published()  # whole-model views read (or write) what a pending publish writes
         return [(row, b) for s in (self.shardeds if shardeds is None else shardeds)
                 for row, b in zip(s.masters, s.buckets)]
+
+    def _select(self, optimizer=None) -> list[ShardedOptimizer]:
+        """The ShardedOptimizers a call concerns: all of them (``None``) or ``optimizer``'s."""
+        return list(self.shardeds) if optimizer is None else [self.sharded_for(optimizer)]
 
     def sharded_for(self, optimizer) -> ShardedOptimizer:
         for s in self.shardeds:
@@ -277,19 +269,31 @@ class ZeroEngine:
     def finalize_grads(self, optimizer=None) -> None:
         """Complete reductions and point the masters' ``.grad`` at this rank's reduced gradients."""
         self.ensure_published()  # before the step writes masters that may alias the parameters
-        for s in PG.select(self, optimizer):
+        for s in self._select(optimizer):
             if s.grads_final:
                 continue
             if s.frozen_at_setup:
                 s.check_not_unfrozen(lambda: PG.param_names(self.module))
             s.take_reduced_grads(self.reducer)
 
+    def shard_sq_norms(self, optimizer=None) -> list[torch.Tensor]:
+        """Per sharded optimizer, the squared norm of its whole gradient (its shards summed over the shard
+        group: replicas hold the same ones), cached for the step. Collective."""
+        out = []
+        for s in self._select(optimizer):
+            self.finalize_grads(s.optimizer)
+            out.append(s.global_sq_norm(self.shard_group, self.params[0].device if self.params else None))
+        return out
+
+    def set_grad_sq_norm(self, total: torch.Tensor) -> None:
+        """This step's squared gradient norm is ``total`` (a pipeline's, over every stage): clipping and the
+        overflow check of :meth:`step` read it; the first optimizer holds it, the others zero."""
+        for k, s in enumerate(self.shardeds):
+            s.sq_norm = (total if k == 0 else torch.zeros(())).to(s.sq_norm.device, s.sq_norm.dtype)
+
     def _global_sq_norm(self, optimizer=None) -> torch.Tensor:
         total = None
-        for s in PG.select(self, optimizer):
-            self.finalize_grads(s.optimizer)
-            # replicas hold the same shards: the squares sum over the shard group only
-            sq = s.global_sq_norm(self.shard_group, self.params[0].device if self.params else None)
+        for sq in self.shard_sq_norms(optimizer):
             total = sq if total is None else total + sq.to(total.device)
         return total if total is not None else torch.zeros(())
 
@@ -301,12 +305,12 @@ class ZeroEngine:
         """Clip by the global norm; the multiply is fused with unscaling in :meth:`step`."""
         total = self.global_grad_norm(optimizer)
         coef = min(1.0, float(max_norm) / (float(total) + 1e-6)) if math.isfinite(total) else None
-        for s in PG.select(self, optimizer):
+        for s in self._select(optimizer):
             s.clip_coef = coef
         return total
 
     def clip_grad_value_(self, clip_value: float, optimizer=None) -> None:
-        for s in PG.select(self, optimizer):
+        for s in self._select(optimizer):
             s.clip_value = float(clip_value)
 
     def step(self, optimizer=None) -> bool:
@@ -324,7 +328,7 @@ class ZeroEngine:
         skip = self.loss_scaler.update(overflow) if self.loss_scaler is not None else self.counters.record(overflow)
         self.last_step_skipped = skip
         if not skip:
-            for s in PG.select(self, optimizer):
+            for s in self._select(optimizer):
                 s.scale_grads(inv_scale * (s.clip_coef if s.clip_coef is not None else 1.0))
                 if s.clip_value is not None:
                     s.clamp_grads(s.clip_value)
@@ -335,17 +339,37 @@ class ZeroEngine:
         return not skip
 
     def publish_params(self, optimizer=None) -> None:
-        """Copy the updated masters into the module's parameters (all-gather in stages 1-2; publish.py)."""
-        publish_masters(self, optimizer)
+        """Copy the updated masters into the module's parameters, as the plan publishes (publish.py)."""
+        cfg = self.config
+        publish_masters(self.master_rows(self._select(optimizer)), self.plan, self.table, self.partitioner,
+                        self.publisher, self.shard_group, cfg.offload_optimizer, cfg.quantize_weights)
 
     def zero_grad(self, optimizer=None) -> None:
         if self.mode is EngineMode.EVAL_ONLY:
             return
-        chosen = PG.select(self, optimizer)
+        chosen = self._select(optimizer)
         self.reducer.clear(None if optimizer is None else [b.index for s in chosen for b in s.buckets])
         for s in chosen:
             s.clear_grads()
             s.reset_step_state()
+
+    @torch.no_grad()
+    def add_param_group(self, optimizer, group: dict) -> None:
+        """``optimizer.add_param_group(group)`` after setup (installed on the user's optimizer): new buckets
+        for the group's module parameters, masters cut from their current values (param_groups.py). Every
+        rank makes the same call, as under DDP, so the new collectives line up."""
+        params, new_params = PG.new_group_params(self.module, self.shardeds, group)
+        if self.reducer.in_backward:
+            raise RuntimeError("add_param_group cannot run during backward; call it between optimizer steps.")
+        k = self.optimizers.index(optimizer)
+        rows = self._maker.rows(new_params, k)
+        new = self.table.add(rows)
+        self.params.extend(new_params)
+        if self._partitioned is not None:
+            self._partitioned.add_rows(rows)
+        self.reducer.add_buckets(new)
+        self.shardeds[k].add_group({**group, "params": params}, new,
+                                   [r.sources for r in rows] if self.plan.shards_params else None)
 
     # -- accounting -----------------------------------------------------------------------------------
     def comm_report(self) -> CommReport:
@@ -364,7 +388,7 @@ class ZeroEngine:
     def full_master_params(self) -> list[torch.Tensor]:
         """fp32 full value of every managed parameter on every rank, in :attr:`bucket_params` order (what
         checkpoints and the module handed back take, not the module's rounded copies). Collective."""
-        return FS.full_master_params(self.master_rows(), self.config.stage, self.shard_group)
+        return FS.full_master_params(self.master_rows(), self.plan.shards_optimizer_state, self.shard_group)
 
     def restore_fp32_module(self) -> None:
         """Hand the module back whole, in fp32, with the master values (end of training). Stage 3
@@ -379,7 +403,7 @@ class ZeroEngine:
         FS.unpartition(self.module, self.partitioner, masters)
         if self.mode is EngineMode.TRAIN:
             self.reducer.remove_hooks()
-        self.partitioner = None
+        self._partitioned = None
 
     def load_masters_from_module(self) -> None:
         """Cut each master from the module's whole parameter (after training, the module handed back may
@@ -430,15 +454,15 @@ class ZeroEngine:
             self.activations.remove()
             self.activations = None
         if self.partitions_params:
-            self.releaser.remove()
+            self._partitioned.remove()
             if hand_back:
                 self._unpartition()
             else:
                 self.partitioner.remove_hooks()
-                self.partitioner = None
+                self._partitioned = None
         if self.mode is EngineMode.TRAIN:
             self.reducer.remove_hooks()
-            PG.remove_optimizer_methods(self)
+            PG.remove_optimizer_methods(self.optimizers)
         if self.publisher is not None:
             self.publisher.remove(wait=hand_back)
             self.publisher = None
