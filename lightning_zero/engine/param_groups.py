@@ -19,10 +19,15 @@ under DDP), so the new collectives line up.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
-from .optimizer import ShardedOptimizer
+from . import collectives as C
+from .optimizer import ShardedOptimizer, kernel_swap_line
+
+_log = logging.getLogger("lightning_zero.engine")
 
 
 def as_optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
@@ -84,6 +89,9 @@ def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None) -> li
                                     fused_on_cpu=cfg.offload_kernel == "fused",
                                     tp_group=tp.tp_group if tp is not None else None,
                                     tp_size=tp.tp_size if tp is not None else 1))
+    swap = kernel_swap_line(out)
+    if swap is not None and C.rank() == 0:
+        _log.info(swap)
     return out
 
 
@@ -132,3 +140,39 @@ def new_group_params(module: nn.Module, shardeds: list[ShardedOptimizer], group)
     # At stage 3 they already live in their units' shards: the new per-unit buckets are sourced from the
     # current (compute-dtype) shard, so masters start from the values in use (BucketMaker.rows).
     return params, [p for p in module.parameters() if id(p) in ids]
+
+
+class OptimizerSet:
+    """The engine's optimizers, each with its :class:`ShardedOptimizer` over its own rows of one bucket
+    table (``maker``: how new parameters become rows), and the managed parameters in master order."""
+
+    def __init__(self, optimizers, per_opt: list[list[nn.Parameter]], table, maker, shardeds) -> None:
+        self.optimizers, self.table, self._maker, self.shardeds = optimizers, table, maker, shardeds
+        self.params = [p for ps in per_opt for p in ps]
+
+    def select(self, optimizer=None) -> list[ShardedOptimizer]:
+        """The ShardedOptimizers a call concerns: all of them (``None``) or ``optimizer``'s."""
+        return list(self.shardeds) if optimizer is None else [self.sharded_for(optimizer)]
+
+    def sharded_for(self, optimizer) -> ShardedOptimizer:
+        for s in self.shardeds:
+            if s.optimizer is optimizer:
+                return s
+        raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this engine shards.")
+
+    @torch.no_grad()
+    def add_param_group(self, optimizer, group, module: nn.Module, reducer, partitioned) -> None:
+        """``optimizer.add_param_group(group)`` after setup: the new rows reach the table, the reducer, the
+        stage-3 releaser (``partitioned``, else None) and that optimizer's shards (see the module docstring)."""
+        params, new_params = new_group_params(module, self.shardeds, group)
+        if reducer.in_backward:
+            raise RuntimeError("add_param_group cannot run during backward; call it between optimizer steps.")
+        k = self.optimizers.index(optimizer)
+        rows = self._maker.rows(new_params, k)
+        new = self.table.add(rows)
+        self.params.extend(new_params)
+        if partitioned is not None:
+            partitioned.add_rows(rows)
+        reducer.add_buckets(new)
+        self.shardeds[k].add_group({**group, "params": params}, new,
+                                   [r.sources for r in rows] if self._maker.units is not None else None)

@@ -7,15 +7,17 @@ it what it needs (the module, groups, the bucket table); nothing here writes int
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 
 from ..config import ZeroConfig
+from ..groups import reduce_scatter_group
 from .deferred_init import compute_device
 from .lifecycle import OrderCheck
 from .partition import ParamPartitioner
@@ -53,6 +55,12 @@ class PartitionedParams:
         self._backward_ends = 0  # how many backwards have ended (_backward_begins)
         self._end_queued = False
 
+    @staticmethod
+    def reduce_group(hybrid: Any, group: Any) -> Any:
+        """Reduce-scatters get their own group: they interleave with gathers differently per rank. Made once
+        per process and shared by later engines ([Note: why a group is never re-created] in groups.py)."""
+        return hybrid.reduce_scatter if hybrid.reduce_scatter is not None else reduce_scatter_group(group)
+
     def release_by_buckets(self, table, in_reduction: Callable[[], bool]) -> None:
         """Release each unit as soon as its backward is over: its gradient buckets of ``table`` complete (see
         release.py for units with frozen parameters). ``in_reduction``: the reducer is inside a backward."""
@@ -86,6 +94,12 @@ class PartitionedParams:
         self._end_queued = False
         if self._backward_ends == ends and not self._in_reduction():
             self.end_of_backward()  # else the reducer ended it, or its callback (queued after this) will
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit gathered for a block of code (no autograd: the gathered values are read, not trained)."""
+        with torch.no_grad(), self.partitioner.gathered():
+            yield
 
     def remove(self) -> None:
         """Hooks off (the caller un-partitions the module first when it hands it back)."""
