@@ -196,7 +196,8 @@ def test_reducer_launches_in_bucket_order_whatever_order_gradients_complete():
             events.append(("launch", b.index))
             super()._launch(b)
 
-    reducer = Recording(buckets, ShardingPlan.for_stage(1), reduce_dtype=None, on_bucket_complete=lambda i: events.append(("done", i)))
+    reducer = Recording(buckets, ShardingPlan.for_stage(1), reduce_dtype=None,
+                        on_bucket_complete=lambda i: events.append(("done", i)))
     x = torch.randn(5, 4)
     assert reducer.phase is BackwardPhase.IDLE
     model(x).sum().backward()
