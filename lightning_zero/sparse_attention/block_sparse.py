@@ -1,0 +1,178 @@
+"""Block-sparse attention in plain PyTorch: each query block gathers its key blocks into one batched matmul.
+
+[Note: rows grouped by width] A layout row (one query block of one head) sees ``c`` key blocks; padding
+every row to the widest would make a Longformer's global row (it sees all ``n / block`` blocks) cost every
+row O(n). Rows are therefore grouped by ``ceil(log2(c))``: each group is one gather + matmul + softmax +
+matmul with at most twice the blocks it needs, at most ``log2(n / block) + 1`` groups, so the scores and
+everything autograd saves are O(n * blocks per row * block) per head (the global rows add O(globals * n)).
+The gathered slots past a row's ``c`` are masked.
+
+Masked scores are filled with the dtype's most negative finite value (what HF's eager attention adds), not
+-inf: a query that sees nothing (a padded query in a padded block) then averages its slots instead of
+producing NaN, whose gradient would poison every parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RelativeBias:
+    """An attention bias that depends only on ``key position - query position`` (T5's relative bias).
+
+    ``table[h, offset + (k - q)]`` is head ``h``'s bias; ``(H, 2 n - 1)`` values instead of ``(H, n, n)``,
+    gathered per block like the keys.
+    """
+
+    table: torch.Tensor  # (H, L)
+    offset: int
+
+
+@dataclass(frozen=True)
+class _Group:
+    rows: torch.Tensor  # (R,) flat row ids h * nb + i
+    heads: torch.Tensor  # (R,)
+    qblock: torch.Tensor  # (R,)
+    cols: torch.Tensor  # (R, kmax) key block per slot (0 where padded)
+    valid: torch.Tensor  # (R, kmax)
+
+
+@dataclass(frozen=True)
+class SparsePlan:
+    """The gather indices of one layout (cached per sequence length by ``SparseSelfAttention``)."""
+
+    num_heads: int
+    num_blocks: int
+    block: int
+    groups: tuple
+    inverse: torch.Tensor  # position of flat row r in the concatenated group outputs
+
+    def to(self, device: torch.device) -> "SparsePlan":
+        if self.inverse.device == device:
+            return self
+        return SparsePlan(self.num_heads, self.num_blocks, self.block,
+                          tuple(_Group(*(t.to(device) for t in (g.rows, g.heads, g.qblock, g.cols, g.valid)))
+                                for g in self.groups), self.inverse.to(device))
+
+    def blocks_per_row(self) -> float:
+        return float(sum(g.valid.sum() for g in self.groups)) / (self.num_heads * self.num_blocks)
+
+
+def check_layout(layout: torch.Tensor, causal: bool = False) -> None:
+    """Refuse a layout under which some query sees no key (its softmax would have nothing to normalise)."""
+    if layout.dim() != 3 or layout.shape[1] != layout.shape[2]:
+        raise ValueError(f"layout of shape {tuple(layout.shape)}: expected (heads, blocks, blocks).")
+    layout = layout.bool()
+    if causal:
+        # the first query of block i sees keys <= its own position: blocks 0..i only
+        layout = layout & torch.ones_like(layout[0]).tril()
+    empty = (~layout.any(-1)).nonzero()
+    if len(empty):
+        h, i = (int(x) for x in empty[0])
+        why = " at or before the diagonal (causal)" if causal else ""
+        raise ValueError(f"the layout leaves {len(empty)} query block row(s) empty, first head {h} block {i}: "
+                         f"every row needs at least one key block{why}; add a local window "
+                         "(num_local_blocks / num_sliding_window_blocks) or global blocks.")
+
+
+def make_plan(layout: torch.Tensor, block: int, causal: bool = False) -> SparsePlan:
+    check_layout(layout, causal)
+    layout = layout.bool().cpu()
+    H, nb, _ = layout.shape
+    flat = layout.reshape(H * nb, nb)
+    counts = flat.sum(-1)
+    width = torch.ceil(torch.log2(counts.double())).long()
+    groups, order = [], []
+    for w in torch.unique(width).tolist():
+        rows = (width == w).nonzero().flatten()
+        kmax = int(counts[rows].max())
+        # stable sort puts each row's allowed blocks first, in column order
+        cols = torch.sort((~flat[rows]).to(torch.int8), dim=-1, stable=True).indices[:, :kmax]
+        valid = torch.arange(kmax)[None, :] < counts[rows][:, None]
+        groups.append(_Group(rows, rows // nb, rows % nb, torch.where(valid, cols, 0), valid))
+        order.append(rows)
+    inverse = torch.empty(H * nb, dtype=torch.long)
+    inverse[torch.cat(order)] = torch.arange(H * nb)
+    return SparsePlan(H, nb, block, tuple(groups), inverse)
+
+
+def _as_4d(t: torch.Tensor, n: int) -> torch.Tensor:
+    t = t[(None,) * (4 - t.dim())] if t.dim() < 4 else t
+    return t.expand(*t.shape[:2], n, n)
+
+
+def _gather_dense(t: torch.Tensor, g: _Group, nb: int, b: int) -> torch.Tensor:
+    """(Bt, H or 1, n, n) -> (Bt, R, b, kmax * b): the bias / mask entries of the group's blocks."""
+    Bt, Ht = t.shape[:2]
+    blocks = t.reshape(Bt, Ht, nb, b, nb, b).permute(0, 1, 2, 4, 3, 5)  # (Bt, Ht, i, j, b, b)
+    heads = g.heads if Ht > 1 else torch.zeros_like(g.heads)
+    out = blocks[:, heads[:, None], g.qblock[:, None], g.cols]  # (Bt, R, kmax, b, b)
+    return out.permute(0, 1, 3, 2, 4).reshape(Bt, len(g.rows), b, -1)
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SparsePlan, *,
+                           bias: torch.Tensor | RelativeBias | None = None,
+                           key_padding_mask: torch.Tensor | None = None,
+                           attn_mask: torch.Tensor | None = None, causal: bool = False,
+                           scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Attention of ``q, k, v`` (batch, heads, n, head_dim) over the blocks ``plan`` allows.
+
+    ``bias``: added to the scores -- a tensor broadcastable to (batch, heads, n, n) or a ``RelativeBias``;
+    ``key_padding_mask``: (batch, n) bool, True where the key is a real token; ``attn_mask``: bool,
+    broadcastable to (batch, heads, n, n), True where attention is allowed; ``causal``: keys after the
+    query are masked. ``n`` must be ``plan.num_blocks * plan.block`` (``SparseSelfAttention`` pads).
+    """
+    B, H, n, d = q.shape
+    nb, b = plan.num_blocks, plan.block
+    if n != nb * b or H != plan.num_heads:
+        raise ValueError(f"q has {H} heads x {n} tokens but the plan was made for {plan.num_heads} heads x "
+                         f"{nb * b} tokens ({nb} blocks of {b}).")
+    plan = plan.to(q.device)
+    scale = d ** -0.5 if scale is None else scale
+    neg = torch.finfo(q.dtype if q.dtype.is_floating_point else torch.float32).min
+    qf = q.reshape(B, H * nb, b, d)
+    kf = k.reshape(B, H * nb, b, d)
+    vf = v.reshape(B, H * nb, b, d)
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(torch.bool).reshape(B, nb, b)
+    if bias is not None and not isinstance(bias, RelativeBias):
+        bias = _as_4d(bias, n)
+    if attn_mask is not None:
+        attn_mask = _as_4d(attn_mask.to(torch.bool), n)
+    pos = torch.arange(b, device=q.device)
+    outs = []
+    for g in plan.groups:
+        R, kmax = g.cols.shape
+        key_rows = g.heads[:, None] * nb + g.cols  # (R, kmax) flat key block ids
+        qg = qf[:, g.rows]  # (B, R, b, d)
+        kg = kf[:, key_rows].reshape(B, R, kmax * b, d)
+        vg = vf[:, key_rows].reshape(B, R, kmax * b, d)
+        scores = torch.matmul(qg, kg.transpose(-1, -2))  # (B, R, b, kmax * b)
+        if scale != 1.0:
+            scores = scores * scale
+        qpos = g.qblock[:, None] * b + pos  # (R, b)
+        kpos = (g.cols[:, :, None] * b + pos).reshape(R, kmax * b)  # (R, kmax * b)
+        if isinstance(bias, RelativeBias):
+            rel = kpos[:, None, :] - qpos[:, :, None] + bias.offset  # (R, b, kmax * b)
+            table = bias.table
+            scores = scores + table[g.heads[:, None, None] if table.shape[0] > 1 else 0, rel].to(scores.dtype)
+        elif bias is not None:
+            scores = scores + _gather_dense(bias, g, nb, b).to(scores.dtype)
+        allowed = g.valid.repeat_interleave(b, dim=1)[:, None, :]  # (R, 1, kmax * b)
+        if causal:
+            allowed = allowed & (kpos[:, None, :] <= qpos[:, :, None])
+        allowed = allowed.unsqueeze(0)  # (1, R, b | 1, kmax * b)
+        if key_padding_mask is not None:
+            kp = key_padding_mask[:, g.cols].reshape(B, R, 1, kmax * b)
+            allowed = allowed & kp
+        if attn_mask is not None:
+            allowed = allowed & _gather_dense(attn_mask, g, nb, b)
+        scores = scores.masked_fill(~allowed, neg)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        if dropout_p > 0.0:
+            probs = torch.nn.functional.dropout(probs, p=dropout_p)
+        outs.append(torch.matmul(probs, vg))  # (B, R, b, d)
+    out = torch.cat(outs, dim=1)[:, plan.inverse]
+    return out.reshape(B, H, n, d)
