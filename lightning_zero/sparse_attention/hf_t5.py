@@ -91,14 +91,17 @@ def _encoder_mask_hook(module, args, kwargs):
 
 
 def sparsify_t5_encoder(model: Any, sparsity_config: SparsityConfig | None = None, *, layout: str = "bslongformer",
-                        block: int = 16, pad_to_block: bool = True, **options: Any) -> Any:
+                        block: int = 16, pad_to_block: bool = True, options: dict | None = None,
+                        **more_options: Any) -> Any:
     """Make every self-attention of ``model``'s T5 encoder block-sparse, in place; returns ``model``.
 
     ``model``: ``T5ForConditionalGeneration``, ``T5Model``, ``T5EncoderModel`` or a ``T5Stack`` encoder.
     Give a ``SparsityConfig`` or a ``layout`` name (dense, fixed, variable, bigbird, bslongformer, local) with
     ``block`` and the layout's own options (``num_sliding_window_blocks=3``, ...); ``num_heads`` comes from
-    the model. Calling it again replaces the layout.
+    the model (``options={...}``, the recipe's ``model.sparse.options``, and keywords merge). Calling it again
+    replaces the layout.
     """
+    options = {**(options or {}), **more_options}
     from transformers.models.t5.modeling_t5 import T5Attention, T5Stack
 
     encoder = model if isinstance(model, T5Stack) else getattr(model, "encoder", None)
