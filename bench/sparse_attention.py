@@ -51,11 +51,11 @@ def saved_bytes(fn) -> tuple[int, object]:
 
 
 def case(kind: str, n: int, args) -> tuple[float, int]:
-    H, d = args.heads, args.head_dim
+    H, d, dev = args.heads, args.head_dim, torch.device(args.device)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, H, n, d, generator=g).requires_grad_() for _ in range(3))
-    w = torch.randn(1, H, n, d, generator=g)
-    table = torch.randn(H, 2 * n - 1, generator=g).requires_grad_()
+    q, k, v = (torch.randn(1, H, n, d, generator=g).to(dev).requires_grad_() for _ in range(3))
+    w = torch.randn(1, H, n, d, generator=g).to(dev)
+    table = torch.randn(H, 2 * n - 1, generator=g).to(dev).requires_grad_()
     if kind == "sparse":
         att = SparseSelfAttention(make_sparsity_config(args.layout, H, args.block, **args.options))
         att.plan(att.padded_length(n))  # the layout is made once per length, outside the timing
@@ -67,7 +67,7 @@ def case(kind: str, n: int, args) -> tuple[float, int]:
         extra = H * n * n * 4
 
         def fwd():
-            rel = torch.arange(n)[None, :] - torch.arange(n)[:, None] + n - 1
+            rel = torch.arange(n, device=dev)[None, :] - torch.arange(n, device=dev)[:, None] + n - 1
             return F.scaled_dot_product_attention(q, k, v, attn_mask=table[:, rel][None], scale=1.0)
     else:
         extra = 0
@@ -75,9 +75,12 @@ def case(kind: str, n: int, args) -> tuple[float, int]:
         def fwd():
             return F.scaled_dot_product_attention(q, k, v, scale=1.0)
 
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
     def step():
         out = fwd()
         (out * w).sum().backward()
+        sync()
 
     nbytes, out = saved_bytes(fwd)
     del out
@@ -109,12 +112,14 @@ def main(argv=None):
     p.add_argument("--cap-gib", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--verify", action="store_true", help="run sparse at its predicted longest length")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (bench/gpu_check.sh part 6)")
     args = p.parse_args(argv)
     args.options = {k: int(v) for k, v in (o.split("=", 1) for o in args.option)}
     torch.set_num_threads(args.threads)
     cap = args.cap_gib * 2 ** 30
     print(f"# heads {args.heads}, head dim {args.head_dim}, batch 1, fp32, layout {args.layout} block {args.block} "
-          f"{args.options or ''}; torch {torch.__version__}, {args.threads} threads; cap {args.cap_gib:g} GiB")
+          f"{args.options or ''}; torch {torch.__version__}, {args.device}, {args.threads} threads; "
+          f"cap {args.cap_gib:g} GiB")
     print("| tokens | sdpa ms | sdpa MiB | sdpa+bias ms | sdpa+bias MiB | sparse ms | sparse MiB | sparse / sdpa+bias time |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     res: dict = {k: {} for k in ("sdpa", "sdpa+bias", "sparse")}

@@ -296,3 +296,65 @@ def test_import_loads_no_lightning_and_no_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def _causal_lms():
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return {
+        "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=H, n_positions=128,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+        "llama": LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=H, num_key_value_heads=2,
+                                              max_position_embeddings=128)),
+    }
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_swapped_causal_lm_equals_stock_at_dense_layout(arch):
+    from lightning_zero.sparse_attention import sparsify_causal_lm
+
+    stock = _causal_lms()[arch]
+    sparse = sparsify_causal_lm(copy.deepcopy(stock), layout="dense", block=16)
+    assert list(sparse.state_dict()) == list(stock.state_dict())
+    assert sparse.config._attn_implementation == stock.config._attn_implementation  # what save_pretrained sees
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(2, 96, (2, 45), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 38:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    a = stock(input_ids=ids, attention_mask=mask, labels=labels)
+    b = sparse(input_ids=ids, attention_mask=mask, labels=labels)
+    keep = mask.bool()[..., None]
+    _close(b.logits * keep, a.logits * keep)
+    _close(b.loss, a.loss)
+    a.loss.backward()
+    b.loss.backward()
+    for (name, p), q in zip(stock.named_parameters(), sparse.parameters()):
+        _close_grad(q.grad, p.grad)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_swapped_causal_lm_equals_stock_with_the_layout_as_mask_and_decodes_alike(arch):
+    from lightning_zero.sparse_attention import sparsify_causal_lm
+
+    stock = _causal_lms()[arch]
+    cfg = FixedSparsityConfig(H, block=4, num_local_blocks=2, attention="unidirectional")
+    sparse = sparsify_causal_lm(copy.deepcopy(stock), cfg)
+    n = 40
+    ids = torch.randint(2, 96, (2, n), generator=torch.Generator().manual_seed(6))
+    allowed = _dense_mask(cfg.make_layout(n)[:1], 4, n, causal=True).expand(2, 1, n, n)
+    a = stock(input_ids=ids, attention_mask=allowed).logits
+    b = sparse(input_ids=ids).logits
+    _close(b, a)
+    w = torch.randn(a.shape)
+    (a * w).sum().backward()
+    (b * w).sum().backward()
+    for (name, p), q in zip(stock.named_parameters(), sparse.parameters()):
+        _close_grad(q.grad, p.grad)
+    # the decode step (queries fewer than the cached keys) attends as the square kernel does
+    with torch.no_grad():
+        past = sparse(input_ids=ids[:, :33], use_cache=True).cache
+        step = sparse(input_ids=ids[:, 33:36], cache=past, use_cache=True).logits
+        _close(step, b[:, 33:36])
