@@ -139,9 +139,12 @@ def main(argv=None):
     dl = sorted(res["sdpa+bias"])
     n_sparse = longest(sl, [res["sparse"][n][1] for n in sl], cap, 1)
     n_dense = longest(dl, [res["sdpa+bias"][n][1] for n in dl], cap, 2) if len(dl) >= 3 else None
+    fl = sorted(res["sdpa"])
+    n_flash = longest(fl, [res["sdpa"][n][1] for n in fl], cap, 1)
     print(f"\nlongest sequence under {args.cap_gib:g} GiB of attention activations (fitted): "
           f"sdpa+bias {n_dense}, sparse {n_sparse}"
-          + (f" ({n_sparse / n_dense:.1f}x)" if n_sparse and n_dense else ""))
+          + (f" ({n_sparse / n_dense:.1f}x)" if n_sparse and n_dense else "")
+          + f"; sdpa without a bias (fused kernel, O(n) saved, O(n^2) time) {n_flash}")
     if args.verify and n_sparse:
         n = n_sparse // args.block * args.block
         args.reps = 1
