@@ -146,9 +146,10 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     for g in plan.groups:
         R, kmax = g.cols.shape
         key_rows = g.heads[:, None] * nb + g.cols  # (R, kmax) flat key block ids
-        qg = qf[:, g.rows]  # (B, R, b, d)
-        kg = kf[:, key_rows].reshape(B, R, kmax * b, d)
-        vg = vf[:, key_rows].reshape(B, R, kmax * b, d)
+        # index_select, not advanced indexing: its backward is index_add_ (linear), not a sorted index_put_
+        qg = qf.index_select(1, g.rows)  # (B, R, b, d)
+        kg = kf.index_select(1, key_rows.flatten()).reshape(B, R, kmax * b, d)
+        vg = vf.index_select(1, key_rows.flatten()).reshape(B, R, kmax * b, d)
         scores = torch.matmul(qg, kg.transpose(-1, -2))  # (B, R, b, kmax * b)
         if scale != 1.0:
             scores = scores * scale
@@ -157,7 +158,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         if isinstance(bias, RelativeBias):
             rel = kpos[:, None, :] - qpos[:, :, None] + bias.offset  # (R, b, kmax * b)
             table = bias.table
-            scores = scores + table[g.heads[:, None, None] if table.shape[0] > 1 else 0, rel].to(scores.dtype)
+            if table.shape[0] > 1:
+                rel = rel + g.heads[:, None, None] * table.shape[1]
+            scores = scores + table.reshape(-1).index_select(0, rel.flatten()).view(rel.shape).to(scores.dtype)
         elif bias is not None:
             scores = scores + _gather_dense(bias, g, nb, b).to(scores.dtype)
         allowed = g.valid.repeat_interleave(b, dim=1)[:, None, :]  # (R, 1, kmax * b)
@@ -174,5 +177,5 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         if dropout_p > 0.0:
             probs = torch.nn.functional.dropout(probs, p=dropout_p)
         outs.append(torch.matmul(probs, vg))  # (B, R, b, d)
-    out = torch.cat(outs, dim=1)[:, plan.inverse]
+    out = torch.cat(outs, dim=1).index_select(1, plan.inverse)
     return out.reshape(B, H, n, d)
