@@ -118,7 +118,7 @@ def test_every_layout_equals_dense_attention_with_its_mask(name, extras):
     leaves = [q, k, v] + ([bias_arg.table if isinstance(bias_arg, RelativeBias) else bias_arg] if bias_arg is not None
                           else [])
     for a, b in zip(_grads(out, leaves, w), _grads(ref, leaves, w)):
-        _close(a, b)
+        _close_grad(a, b)
 
 
 def _t5(**kw):
@@ -358,3 +358,24 @@ def test_swapped_causal_lm_equals_stock_with_the_layout_as_mask_and_decodes_alik
         past = sparse(input_ids=ids[:, :33], use_cache=True).cache
         step = sparse(input_ids=ids[:, 33:36], cache=past, use_cache=True).logits
         _close(step, b[:, 33:36])
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_the_custom_backward_passes_gradcheck(dropout):
+    """The re-gathering backward against finite differences in float64 (bias table and dense bias too);
+    with dropout the same mask is drawn at every evaluation (the RNG reseeded)."""
+    cfg = BigBirdSparsityConfig(2, block=4, num_random_blocks=1, different_layout_per_head=True)
+    att = SparseSelfAttention(cfg, causal=True)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 14, 3, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3))
+    table = torch.randn(2, 2 * 16 - 1, generator=g, dtype=torch.float64).requires_grad_()
+    dense = torch.randn(1, 2, 14, 14, generator=g, dtype=torch.float64).requires_grad_()
+    kp = torch.ones(1, 14, dtype=torch.bool)
+    kp[0, 12:] = False
+
+    def fn(q, k, v, table, dense):
+        torch.manual_seed(0)
+        rel = att(q, k, v, bias=RelativeBias(table, 15), key_padding_mask=kp, dropout_p=dropout)
+        return rel[:, :, :12], att(q, k, v, bias=dense, dropout_p=dropout)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, table, dense), fast_mode=True)

@@ -98,6 +98,81 @@ def make_plan(layout: torch.Tensor, block: int, causal: bool = False) -> SparseP
     return SparsePlan(H, nb, block, tuple(groups), inverse)
 
 
+def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    lead = t.dim() - len(shape)
+    if lead:
+        t = t.sum(dim=tuple(range(lead)))
+    dims = tuple(i for i, size in enumerate(shape) if size == 1 and t.shape[i] != 1)
+    return t.sum(dim=dims, keepdim=True) if dims else t
+
+
+class _GroupAttention(torch.autograd.Function):
+    """One group's gather + scores + softmax + weighted sum, saving q, k, v and the probabilities only.
+
+    [Note: backward re-gathers] Autograd would save the gathered key and value blocks, each key block copied
+    once per row that sees it (blocks per row x the size of k and v); this backward gathers them again from the
+    saved k and v, so what stays alive for backward is q, k, v, the probabilities and the mask.
+    """
+
+    @staticmethod
+    def forward(ctx, qf, kf, vf, rows, key_rows, bias_g, allowed, scale, dropout_p):
+        B, _, b, d = qf.shape
+        R = rows.numel()
+        qg, kg, vg = _gather(qf, kf, vf, rows, key_rows)
+        scores = torch.matmul(qg, kg.transpose(-1, -2))  # (B, R, b, kmax * b)
+        if scale != 1.0:
+            scores = scores * scale
+        if bias_g is not None:
+            scores = scores + bias_g.to(scores.dtype)
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        # half precision: the softmax in fp32 (float64 stays float64)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(vf.dtype)
+        del scores
+        drop = None
+        used = probs
+        if dropout_p > 0.0:
+            drop = torch.rand(probs.shape, device=probs.device) >= dropout_p
+            used = probs * drop / (1.0 - dropout_p)
+        out = torch.matmul(used, vg)  # (B, R, b, d)
+        ctx.save_for_backward(qf, kf, vf, rows, key_rows, allowed, probs, drop)
+        ctx.scale, ctx.dropout_p = scale, dropout_p
+        ctx.bias_meta = None if bias_g is None else (bias_g.shape, bias_g.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qf, kf, vf, rows, key_rows, allowed, probs, drop = ctx.saved_tensors
+        B, _, b, d = qf.shape
+        qg, kg, vg = _gather(qf, kf, vf, rows, key_rows)
+        used = probs if drop is None else probs * drop / (1.0 - ctx.dropout_p)
+        dvg = torch.matmul(used.transpose(-1, -2), dout)  # (B, R, kmax * b, d)
+        dp = torch.matmul(dout, vg.transpose(-1, -2))  # (B, R, b, kmax * b)
+        if drop is not None:
+            dp = dp * drop / (1.0 - ctx.dropout_p)
+        acc = torch.promote_types(probs.dtype, torch.float32)
+        p32, dp = probs.to(acc), dp.to(acc)
+        ds = (p32 * (dp - (dp * p32).sum(-1, keepdim=True))).masked_fill(~allowed, 0.0)
+        dbias = None
+        if ctx.bias_meta is not None and ctx.needs_input_grad[5]:
+            dbias = _sum_to(ds, ctx.bias_meta[0]).to(ctx.bias_meta[1])
+        ds = ds.to(qf.dtype)
+        if ctx.scale != 1.0:
+            ds = ds * ctx.scale
+        dq = torch.zeros_like(qf).index_add_(1, rows, torch.matmul(ds, kg))
+        dk = torch.zeros_like(kf).index_add_(1, key_rows, torch.matmul(ds.transpose(-1, -2), qg).reshape(B, -1, b, d))
+        dv = torch.zeros_like(vf).index_add_(1, key_rows, dvg.reshape(B, -1, b, d))
+        return dq, dk, dv, None, None, dbias, None, None, None
+
+
+def _gather(qf, kf, vf, rows, key_rows):
+    """The group's query blocks and its rows' key / value blocks (index_select: its backward would be
+    index_add_, linear, where advanced indexing's is a sorted index_put_)."""
+    B, _, b, d = qf.shape
+    R = rows.numel()
+    return (qf.index_select(1, rows), kf.index_select(1, key_rows).reshape(B, R, -1, d),
+            vf.index_select(1, key_rows).reshape(B, R, -1, d))
+
+
 def _as_4d(t: torch.Tensor, n: int) -> torch.Tensor:
     t = t[(None,) * (4 - t.dim())] if t.dim() < 4 else t
     return t.expand(*t.shape[:2], n, n)
@@ -131,7 +206,6 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
                          f"{nb * b} tokens ({nb} blocks of {b}).")
     plan = plan.to(q.device)
     scale = d ** -0.5 if scale is None else scale
-    neg = torch.finfo(q.dtype if q.dtype.is_floating_point else torch.float32).min
     qf = q.reshape(B, H * nb, b, d)
     kf = k.reshape(B, H * nb, b, d)
     vf = v.reshape(B, H * nb, b, d)
@@ -145,37 +219,26 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     outs = []
     for g in plan.groups:
         R, kmax = g.cols.shape
-        key_rows = g.heads[:, None] * nb + g.cols  # (R, kmax) flat key block ids
-        # index_select, not advanced indexing: its backward is index_add_ (linear), not a sorted index_put_
-        qg = qf.index_select(1, g.rows)  # (B, R, b, d)
-        kg = kf.index_select(1, key_rows.flatten()).reshape(B, R, kmax * b, d)
-        vg = vf.index_select(1, key_rows.flatten()).reshape(B, R, kmax * b, d)
-        scores = torch.matmul(qg, kg.transpose(-1, -2))  # (B, R, b, kmax * b)
-        if scale != 1.0:
-            scores = scores * scale
+        key_rows = (g.heads[:, None] * nb + g.cols).flatten()  # flat key block ids, kmax per row
         qpos = g.qblock[:, None] * b + pos  # (R, b)
         kpos = (g.cols[:, :, None] * b + pos).reshape(R, kmax * b)  # (R, kmax * b)
+        bias_g = None
         if isinstance(bias, RelativeBias):
             rel = kpos[:, None, :] - qpos[:, :, None] + bias.offset  # (R, b, kmax * b)
             table = bias.table
             if table.shape[0] > 1:
                 rel = rel + g.heads[:, None, None] * table.shape[1]
-            scores = scores + table.reshape(-1).index_select(0, rel.flatten()).view(rel.shape).to(scores.dtype)
+            bias_g = table.reshape(-1).index_select(0, rel.flatten()).view(rel.shape)
         elif bias is not None:
-            scores = scores + _gather_dense(bias, g, nb, b).to(scores.dtype)
+            bias_g = _gather_dense(bias, g, nb, b)
         allowed = g.valid.repeat_interleave(b, dim=1)[:, None, :]  # (R, 1, kmax * b)
         if causal:
             allowed = allowed & (kpos[:, None, :] <= qpos[:, :, None])
         allowed = allowed.unsqueeze(0)  # (1, R, b | 1, kmax * b)
         if key_padding_mask is not None:
-            kp = key_padding_mask[:, g.cols].reshape(B, R, 1, kmax * b)
-            allowed = allowed & kp
+            allowed = allowed & key_padding_mask[:, g.cols].reshape(B, R, 1, kmax * b)
         if attn_mask is not None:
             allowed = allowed & _gather_dense(attn_mask, g, nb, b)
-        scores = scores.masked_fill(~allowed, neg)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        if dropout_p > 0.0:
-            probs = torch.nn.functional.dropout(probs, p=dropout_p)
-        outs.append(torch.matmul(probs, vg))  # (B, R, b, d)
+        outs.append(_GroupAttention.apply(qf, kf, vf, g.rows, key_rows, bias_g, allowed, scale, dropout_p))
     out = torch.cat(outs, dim=1).index_select(1, plan.inverse)
     return out.reshape(B, H, n, d)
