@@ -120,7 +120,8 @@ def main(argv=None):
     print(f"# heads {args.heads}, head dim {args.head_dim}, batch 1, fp32, layout {args.layout} block {args.block} "
           f"{args.options or ''}; torch {torch.__version__}, {args.device}, {args.threads} threads; "
           f"cap {args.cap_gib:g} GiB")
-    print("| tokens | sdpa ms | sdpa MiB | sdpa+bias ms | sdpa+bias MiB | sparse ms | sparse MiB | sparse / sdpa+bias time |")
+    print("| tokens | sdpa ms | sdpa MiB | sdpa+bias ms | sdpa+bias MiB | sparse ms | sparse MiB "
+          "| sparse / sdpa+bias time |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     res: dict = {k: {} for k in ("sdpa", "sdpa+bias", "sparse")}
     for n in args.lengths:

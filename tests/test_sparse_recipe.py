@@ -12,7 +12,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from tests.test_hydra_recipe import _compose, pairs_file  # noqa: E402,F401  (the fixture)
+from tests.test_hydra_recipe import _compose, pairs_file  # noqa: E402,F401  (pairs_file: the fixture, reused)
 
 SPARSE = ["model.attention=sparse", "model.sparse.block=4", "model.sparse.layout=bslongformer",
           "+model.sparse.options.num_sliding_window_blocks=3"]

@@ -14,6 +14,7 @@ from lightning_zero.sparse_attention.layouts import (LAYOUTS, BigBirdSparsityCon
                                                       VariableSparsityConfig, make_sparsity_config)
 
 __all__ = ["SparseSelfAttention", "RelativeBias", "SparsePlan", "block_sparse_attention", "check_layout",
-           "make_plan", "sparsify_causal_lm", "SparseT5Attention", "is_sparse", "sparsify_t5_encoder", "LAYOUTS", "SparsityConfig",
+           "make_plan", "sparsify_causal_lm", "SparseT5Attention", "is_sparse", "sparsify_t5_encoder", "LAYOUTS",
+           "SparsityConfig",
            "DenseSparsityConfig", "FixedSparsityConfig", "VariableSparsityConfig", "BigBirdSparsityConfig",
            "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig", "make_sparsity_config"]

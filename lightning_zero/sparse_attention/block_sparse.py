@@ -116,8 +116,6 @@ class _GroupAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qf, kf, vf, rows, key_rows, bias_g, allowed, scale, dropout_p):
-        B, _, b, d = qf.shape
-        R = rows.numel()
         qg, kg, vg = _gather(qf, kf, vf, rows, key_rows)
         scores = torch.matmul(qg, kg.transpose(-1, -2))  # (B, R, b, kmax * b)
         if scale != 1.0:
@@ -228,7 +226,9 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
             table = bias.table
             if table.shape[0] > 1:
                 rel = rel + g.heads[:, None, None] * table.shape[1]
-            bias_g = table.reshape(-1).index_select(0, rel.flatten()).view(rel.shape)
+            # int32: the index is saved for the table's gradient, as large as the scores
+            idx = rel.flatten().to(torch.int32 if table.numel() < 2 ** 31 else torch.int64)
+            bias_g = table.reshape(-1).index_select(0, idx).view(rel.shape)
         elif bias is not None:
             bias_g = _gather_dense(bias, g, nb, b)
         allowed = g.valid.repeat_interleave(b, dim=1)[:, None, :]  # (R, 1, kmax * b)
