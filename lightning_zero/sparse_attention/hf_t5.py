@@ -8,7 +8,7 @@ class loads; a run that trained sparse swaps again after loading.
 
 [Note: the bias and the mask stay O(n)] Stock T5 builds a (1, H, n, n) position bias in the first layer and
 hands it to the others, and a (B, 1, n, n) padding mask. Here the first layer computes its bias per relative
-distance, a (H, 2n - 1) table (``RelativeBias``) that every layer gathers per block, and a forward pre-hook on
+distance, a (H, 2n - 1) table that every layer gathers per block (``RelativeBias``), and a forward pre-hook on
 the encoder passes the padding mask as (B, 1, 1, n), which HF's mask builder returns as-is.
 
 transformers is imported inside the functions only: the package imports neither Lightning nor transformers.
@@ -26,13 +26,16 @@ from lightning_zero.sparse_attention.layouts import SparsityConfig, make_sparsit
 _HOOK_ATTR = "_lz_sparse_mask_hook"
 
 
-def _relative_table(attn: Any, n: int) -> RelativeBias:
-    """T5's bias at every relative distance -(n-1) .. n-1 (the encoder's bidirectional buckets)."""
+def _relative_table(attn: Any, n: int) -> torch.Tensor:
+    """T5's bias at every relative distance -(n-1) .. n-1 (the encoder's bidirectional buckets), (H, 2n - 1).
+
+    Handed to the next layers as this plain tensor, not a ``RelativeBias``: HF's gradient checkpointing (also
+    with ``use_reentrant=True``) then sees it as an input and its gradient flows back to the first layer."""
     rel = torch.arange(-(n - 1), n, device=attn.relative_attention_bias.weight.device)
     buckets = attn._relative_position_bucket(rel, bidirectional=not attn.is_decoder,
                                              num_buckets=attn.relative_attention_num_buckets,
                                              max_distance=attn.relative_attention_max_distance)
-    return RelativeBias(attn.relative_attention_bias(buckets).t(), n - 1)  # (H, 2n - 1)
+    return attn.relative_attention_bias(buckets).t()
 
 
 def _key_padding(mask: torch.Tensor | None, dtype: torch.dtype):
@@ -62,8 +65,11 @@ class SparseT5Attention(torch.nn.Module):
         q, k, v = (lin(hidden_states).view(shape).transpose(1, 2) for lin in (self.q, self.k, self.v))
         if position_bias is None and self.has_relative_attention_bias:
             position_bias = _relative_table(self, self.sparse.padded_length(n))
+        bias = position_bias
+        if isinstance(bias, torch.Tensor) and bias.dim() == 2:  # the first layer's table
+            bias = RelativeBias(bias, (bias.shape[1] - 1) // 2)
         key_padding_mask, attn_mask = _key_padding(mask, q.dtype)
-        out = self.sparse(q, k, v, bias=position_bias, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+        out = self.sparse(q, k, v, bias=bias, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
                           scale=1.0, dropout_p=self.dropout if self.training else 0.0)
         out = self.o(out.transpose(1, 2).reshape(B, n, -1))
         return out, position_bias, None
