@@ -27,7 +27,8 @@ class SparseSelfAttention(torch.nn.Module):
         self.causal = getattr(sparsity_config, "attention", "bidirectional") == "unidirectional" \
             if causal is None else bool(causal)
         self.pad_to_block = pad_to_block
-        self._plans: dict[int, SparsePlan] = {}
+        self._plans: dict[tuple, SparsePlan] = {}
+        self._layouts: dict[int, torch.Tensor] = {}
 
     @property
     def block(self) -> int:
@@ -42,14 +43,23 @@ class SparseSelfAttention(torch.nn.Module):
                              f"{f' or {lo}' if lo else ''}, or pad_to_block=True.")
         return -(-n // b) * b
 
-    def plan(self, n: int) -> SparsePlan:
-        """The gather plan of a padded length ``n`` (made once, checked for empty rows when made)."""
-        if n not in self._plans:
-            self._plans[n] = make_plan(self.sparsity_config.make_layout(n), self.block, self.causal)
-        return self._plans[n]
+    def plan(self, n: int, device: torch.device | str = "cpu") -> SparsePlan:
+        """The gather plan of a padded length ``n`` on ``device`` (made once per length and device, checked for
+        empty rows when made)."""
+        key = (n, torch.device(device))
+        if key not in self._plans:
+            cpu = (n, torch.device("cpu"))
+            if cpu not in self._plans:
+                self._plans[cpu] = make_plan(self.layout(n), self.block, self.causal)
+            self._plans[key] = self._plans[cpu].to(key[1])
+        return self._plans[key]
 
     def layout(self, n: int) -> torch.Tensor:
-        return self.sparsity_config.make_layout(self.padded_length(n))
+        """The block layout (heads, blocks, blocks) of length ``n`` padded to the block, made once per length."""
+        m = self.padded_length(n)
+        if m not in self._layouts:
+            self._layouts[m] = self.sparsity_config.make_layout(m)
+        return self._layouts[m]
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                 bias: torch.Tensor | RelativeBias | None = None, key_padding_mask: torch.Tensor | None = None,
@@ -73,7 +83,7 @@ class SparseSelfAttention(torch.nn.Module):
                 bias = _pad_square(bias, n, pad)
             if attn_mask is not None:
                 attn_mask = _pad_square(attn_mask.to(torch.bool), n, pad)
-        out = block_sparse_attention(query, key, value, self.plan(m), bias=bias,
+        out = block_sparse_attention(query, key, value, self.plan(m, query.device), bias=bias,
                                      key_padding_mask=key_padding_mask, attn_mask=attn_mask, causal=self.causal,
                                      scale=scale, dropout_p=dropout_p if self.training else 0.0)
         return out[:, :, :n] if pad else out

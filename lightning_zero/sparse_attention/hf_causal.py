@@ -56,8 +56,7 @@ def block_sparse_attention_forward(module: torch.nn.Module, query: torch.Tensor,
         out = sparse(query, key, value, key_padding_mask=kp, attn_mask=keep if kp is None else None,
                      scale=scaling, dropout_p=dropout)
     else:  # [Note: the decode step]
-        m = sparse.padded_length(k_len)
-        layout = sparse.sparsity_config.make_layout(m)
+        layout = sparse.layout(k_len)
         b = sparse.block
         qpos = torch.arange(k_len - q_len, k_len)
         allowed = layout[:, qpos // b].repeat_interleave(b, dim=-1)[..., :k_len]  # (H, q, k)
