@@ -382,3 +382,27 @@ def test_the_custom_backward_passes_gradcheck(dropout):
         return rel[:, :, :12], att(q, k, v, bias=dense, dropout_p=dropout)
 
     assert torch.autograd.gradcheck(fn, (q, k, v, table, dense), fast_mode=True)
+
+
+def test_rows_in_chunks_compute_the_same(monkeypatch):
+    """A group's rows walked in chunks (the working-set bound) give the unchunked result and gradients."""
+    from lightning_zero.sparse_attention import block_sparse
+
+    cfg = BSLongformerSparsityConfig(H, block=8, num_sliding_window_blocks=3, global_block_indices=[0, 6])
+    q, k, v = _qkv(2, 76, seed=8)
+    table = torch.randn(H, 2 * 80 - 1).requires_grad_()
+    kp = torch.ones(2, 76, dtype=torch.bool)
+    kp[1, 60:] = False
+    w = torch.randn(2, H, 76, D) * kp[:, None, :, None]
+
+    def run():
+        out = SparseSelfAttention(cfg)(q, k, v, bias=RelativeBias(table, 79), key_padding_mask=kp)
+        return (out,) + _grads(out, (q, k, v, table), w)
+
+    whole = run()
+    # 2 rows per chunk at 4 key blocks per row: (k and v) x batch 2 x 4 blocks x 8 tokens x D x 4 bytes, twice
+    monkeypatch.setattr(block_sparse, "GATHER_CHUNK_BYTES", 2 * (2 * 2 * 4 * 8 * D * 4))
+    chunks = list(block_sparse._row_chunks(q.reshape(2, -1, 8, D), torch.arange(10), torch.zeros(40, dtype=torch.long)))
+    assert [c[1].tolist() for c in chunks] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    for a, b in zip(run(), whole):
+        _close_grad(a, b)

@@ -106,64 +106,102 @@ def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return t.sum(dim=dims, keepdim=True) if dims else t
 
 
+# The gathered key/value blocks of this many bytes at most exist at a time: a group's rows are computed in
+# chunks, so one layer's working set stays bounded however long the sequence ([Note: backward re-gathers]).
+GATHER_CHUNK_BYTES = 64 << 20
+
+
+def _row_chunks(qf: torch.Tensor, rows: torch.Tensor, key_rows: torch.Tensor):
+    B, _, b, d = qf.shape
+    R = rows.numel()
+    per_row = 2 * B * (key_rows.numel() // R) * b * d * qf.element_size()  # k and v blocks of one row
+    step = max(1, GATHER_CHUNK_BYTES // per_row)
+    kr = key_rows.view(R, -1)
+    for lo in range(0, R, step):
+        yield slice(lo, min(lo + step, R)), rows[lo:lo + step], kr[lo:lo + step].flatten()
+
+
+def _rows_of(t: torch.Tensor | None, sl: slice, row_dim: int):
+    return None if t is None else t[(slice(None),) * row_dim + (sl,)]
+
+
 class _GroupAttention(torch.autograd.Function):
     """One group's gather + scores + softmax + weighted sum, saving q, k, v and the probabilities only.
 
     [Note: backward re-gathers] Autograd would save the gathered key and value blocks, each key block copied
     once per row that sees it (blocks per row x the size of k and v); this backward gathers them again from the
-    saved k and v, so what stays alive for backward is q, k, v, the probabilities and the mask.
+    saved k and v, so what stays alive for backward is q, k, v, the probabilities and the mask. Forward and
+    backward walk the rows in chunks of ``GATHER_CHUNK_BYTES`` of gathered blocks, which bounds the transient
+    working set too.
     """
 
     @staticmethod
     def forward(ctx, qf, kf, vf, rows, key_rows, bias_g, allowed, scale, dropout_p):
-        qg, kg, vg = _gather(qf, kf, vf, rows, key_rows)
-        scores = torch.matmul(qg, kg.transpose(-1, -2))  # (B, R, b, kmax * b)
-        if scale != 1.0:
-            scores = scores * scale
-        if bias_g is not None:
-            scores = scores + bias_g.to(scores.dtype)
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        # half precision: the softmax in fp32 (float64 stays float64)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(vf.dtype)
-        del scores
-        drop = None
-        used = probs
-        if dropout_p > 0.0:
-            drop = torch.rand(probs.shape, device=probs.device) >= dropout_p
-            used = probs * drop / (1.0 - dropout_p)
-        out = torch.matmul(used, vg)  # (B, R, b, d)
+        bias_dim = None if bias_g is None else bias_g.dim() - 3
+        outs, all_probs, drops = [], [], []
+        for sl, r, kr in _row_chunks(qf, rows, key_rows):
+            qg, kg, vg = _gather(qf, kf, vf, r, kr)
+            scores = torch.matmul(qg, kg.transpose(-1, -2))  # (B, rows, b, kmax * b)
+            if scale != 1.0:
+                scores = scores * scale
+            if bias_g is not None:
+                scores = scores + _rows_of(bias_g, sl, bias_dim).to(scores.dtype)
+            scores = scores.masked_fill(~allowed[:, sl], torch.finfo(scores.dtype).min)
+            # half precision: the softmax in fp32 (float64 stays float64)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+            probs = probs.to(vf.dtype)
+            del scores
+            used = probs
+            if dropout_p > 0.0:
+                drop = torch.rand(probs.shape, device=probs.device) >= dropout_p
+                used = probs * drop / (1.0 - dropout_p)
+                drops.append(drop)
+            outs.append(torch.matmul(used, vg))  # (B, rows, b, d)
+            all_probs.append(probs)
+        probs = torch.cat(all_probs, dim=1) if len(all_probs) > 1 else all_probs[0]
+        drop = (torch.cat(drops, dim=1) if len(drops) > 1 else drops[0]) if drops else None
         ctx.save_for_backward(qf, kf, vf, rows, key_rows, allowed, probs, drop)
         ctx.scale, ctx.dropout_p = scale, dropout_p
-        ctx.bias_meta = None if bias_g is None else (bias_g.shape, bias_g.dtype)
-        return out
+        ctx.bias_meta = None if bias_g is None else (bias_g.shape, bias_g.dtype, bias_dim)
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
     @staticmethod
     def backward(ctx, dout):
         qf, kf, vf, rows, key_rows, allowed, probs, drop = ctx.saved_tensors
         B, _, b, d = qf.shape
-        qg, kg, vg = _gather(qf, kf, vf, rows, key_rows)
-        used = probs if drop is None else probs * drop / (1.0 - ctx.dropout_p)
-        dvg = torch.matmul(used.transpose(-1, -2), dout)  # (B, R, kmax * b, d)
-        dp = torch.matmul(dout, vg.transpose(-1, -2))  # (B, R, b, kmax * b)
-        if drop is not None:
-            dp = dp * drop / (1.0 - ctx.dropout_p)
-        acc = torch.promote_types(probs.dtype, torch.float32)
-        p32, dp = probs.to(acc), dp.to(acc)
-        ds = (p32 * (dp - (dp * p32).sum(-1, keepdim=True))).masked_fill(~allowed, 0.0)
-        dbias = None
-        if ctx.bias_meta is not None and ctx.needs_input_grad[5]:
-            dbias = _sum_to(ds, ctx.bias_meta[0]).to(ctx.bias_meta[1])
-        ds = ds.to(qf.dtype)
-        if ctx.scale != 1.0:
-            ds = ds * ctx.scale
-        dq = torch.zeros_like(qf).index_add_(1, rows, torch.matmul(ds, kg))
-        dk = torch.zeros_like(kf).index_add_(1, key_rows, torch.matmul(ds.transpose(-1, -2), qg).reshape(B, -1, b, d))
-        dv = torch.zeros_like(vf).index_add_(1, key_rows, dvg.reshape(B, -1, b, d))
-        return dq, dk, dv, None, None, dbias, None, None, None
+        want_bias = ctx.bias_meta is not None and ctx.needs_input_grad[5]
+        dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+        dbias = []
+        for sl, r, kr in _row_chunks(qf, rows, key_rows):
+            qg, kg, vg = _gather(qf, kf, vf, r, kr)
+            p, do, keep = probs[:, sl], dout[:, sl], _rows_of(drop, sl, 1)
+            used = p if keep is None else p * keep / (1.0 - ctx.dropout_p)
+            dvg = torch.matmul(used.transpose(-1, -2), do)  # (B, rows, kmax * b, d)
+            dp = torch.matmul(do, vg.transpose(-1, -2))  # (B, rows, b, kmax * b)
+            if keep is not None:
+                dp = dp * keep / (1.0 - ctx.dropout_p)
+            acc = torch.promote_types(p.dtype, torch.float32)
+            p32, dp = p.to(acc), dp.to(acc)
+            ds = (p32 * (dp - (dp * p32).sum(-1, keepdim=True))).masked_fill(~allowed[:, sl], 0.0)
+            if want_bias:
+                shape, dtype, row_dim = ctx.bias_meta
+                chunk_shape = list(shape)
+                chunk_shape[row_dim] = r.numel()
+                dbias.append(_sum_to(ds, torch.Size(chunk_shape)).to(dtype))
+            ds = ds.to(qf.dtype)
+            if ctx.scale != 1.0:
+                ds = ds * ctx.scale
+            dq.index_add_(1, r, torch.matmul(ds, kg))
+            dk.index_add_(1, kr, torch.matmul(ds.transpose(-1, -2), qg).reshape(B, -1, b, d))
+            dv.index_add_(1, kr, dvg.reshape(B, -1, b, d))
+        db = None
+        if want_bias:
+            db = torch.cat(dbias, dim=ctx.bias_meta[2]) if len(dbias) > 1 else dbias[0]
+        return dq, dk, dv, None, None, db, None, None, None
 
 
 def _gather(qf, kf, vf, rows, key_rows):
-    """The group's query blocks and its rows' key / value blocks (index_select: its backward would be
+    """The chunk's query blocks and its rows' key / value blocks (index_select: its backward would be
     index_add_, linear, where advanced indexing's is a sorted index_put_)."""
     B, _, b, d = qf.shape
     R = rows.numel()
