@@ -113,6 +113,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--verify", action="store_true", help="run sparse at its predicted longest length")
     p.add_argument("--device", default="cpu", help="cpu | cuda (bench/gpu_check.sh part 6)")
+    p.add_argument("--kinds", default="sdpa,sdpa+bias,sparse", help="which of sdpa, sdpa+bias, sparse to run")
     args = p.parse_args(argv)
     args.options = {k: int(v) for k, v in (o.split("=", 1) for o in args.option)}
     torch.set_num_threads(args.threads)
@@ -127,6 +128,9 @@ def main(argv=None):
     for n in args.lengths:
         row = [str(n)]
         for kind in res:
+            if kind not in args.kinds.split(","):
+                row += ["-", "-"]
+                continue
             if kind == "sdpa+bias" and args.heads * n * n * 4 * 3 > cap:  # bias, its grad, the gathered copy
                 row += ["over cap", "over cap"]
                 continue
@@ -134,14 +138,15 @@ def main(argv=None):
             res[kind][n] = (t, b)
             row += [f"{t * 1e3:.0f}", f"{b / 2 ** 20:.1f}"]
         dense = res["sdpa+bias"].get(n)
-        row.append(f"{res['sparse'][n][0] / dense[0]:.2f}" if dense else "-")
+        sparse = res["sparse"].get(n)
+        row.append(f"{sparse[0] / dense[0]:.2f}" if dense and sparse else "-")
         print("| " + " | ".join(row) + " |", flush=True)
     sl = sorted(res["sparse"])
     dl = sorted(res["sdpa+bias"])
-    n_sparse = longest(sl, [res["sparse"][n][1] for n in sl], cap, 1)
+    n_sparse = longest(sl, [res["sparse"][n][1] for n in sl], cap, 1) if len(sl) >= 2 else None
     n_dense = longest(dl, [res["sdpa+bias"][n][1] for n in dl], cap, 2) if len(dl) >= 3 else None
     fl = sorted(res["sdpa"])
-    n_flash = longest(fl, [res["sdpa"][n][1] for n in fl], cap, 1)
+    n_flash = longest(fl, [res["sdpa"][n][1] for n in fl], cap, 1) if len(fl) >= 2 else None
     print(f"\nlongest sequence under {args.cap_gib:g} GiB of attention activations (fitted): "
           f"sdpa+bias {n_dense}, sparse {n_sparse}"
           + (f" ({n_sparse / n_dense:.1f}x)" if n_sparse and n_dense else "")
