@@ -76,15 +76,32 @@ class SparseT5Attention(torch.nn.Module):
 
 
 _CLASSES: dict[type, type] = {}
+# The class for transformers' own T5Attention has this module-level name, found by pickle (a spawned worker
+# unpickles the model before anything here ran: the module's __getattr__ builds it then).
+_T5_CLASS_NAME = "SparseT5AttentionForT5Attention"
 
 
 def _sparse_class(base: type) -> type:
     if issubclass(base, SparseT5Attention):
         return base
     if base not in _CLASSES:
-        _CLASSES[base] = type(f"Sparse{base.__name__}", (SparseT5Attention, base),
-                              {"__module__": __name__, "__doc__": SparseT5Attention.__doc__})
+        from transformers.models.t5.modeling_t5 import T5Attention
+
+        name = _T5_CLASS_NAME if base is T5Attention else f"Sparse{base.__name__}"
+        cls = type(name, (SparseT5Attention, base), {"__module__": __name__, "__doc__": SparseT5Attention.__doc__})
+        cls.__qualname__ = name
+        _CLASSES[base] = cls
+        if base is T5Attention:
+            globals()[name] = cls
     return _CLASSES[base]
+
+
+def __getattr__(name: str):
+    if name == _T5_CLASS_NAME:
+        from transformers.models.t5.modeling_t5 import T5Attention
+
+        return _sparse_class(T5Attention)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _encoder_mask_hook(module, args, kwargs):
