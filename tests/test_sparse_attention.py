@@ -409,23 +409,31 @@ def test_rows_in_chunks_compute_the_same(monkeypatch):
 
 
 @pytest.mark.timeout(200)
-def test_a_swapped_t5_unpickles_in_a_fresh_process(tmp_path):
+@pytest.mark.parametrize("arch", ["t5", "gpt2"])
+def test_a_swapped_model_unpickles_in_a_fresh_process(tmp_path, arch):
     """What a spawn launcher does with the model: pickled here, unpickled where nothing was swapped yet."""
     import pickle
 
     from transformers import T5ForConditionalGeneration
 
+    from lightning_zero.sparse_attention import sparsify_causal_lm
+
     torch.manual_seed(0)
-    model = sparsify_t5_encoder(T5ForConditionalGeneration(_t5()), layout="bslongformer", block=8)
-    batch = _batch(40)
+    if arch == "t5":
+        model = sparsify_t5_encoder(T5ForConditionalGeneration(_t5()), layout="bslongformer", block=8)
+        batch, name = _batch(40), "SparseT5AttentionForT5Attention"
+    else:
+        model = sparsify_causal_lm(_causal_lms()["gpt2"], layout="fixed", block=4, num_local_blocks=2)
+        batch, name = {"input_ids": _batch(40)["input_ids"]}, "GPT2Attention"
     torch.save(batch, tmp_path / "batch.pt")
     torch.save(model(**batch).logits, tmp_path / "logits.pt")
     (tmp_path / "model.pkl").write_bytes(pickle.dumps(model))
     code = ("import pickle, sys, torch; d = sys.argv[1]; m = pickle.load(open(d + '/model.pkl', 'rb')); "
             "b = torch.load(d + '/batch.pt'); torch.testing.assert_close(m(**b).logits, torch.load(d + '/logits.pt'), "
-            "rtol=0, atol=0); print(type(m.encoder.block[0].layer[0].SelfAttention).__name__)")
+            "rtol=0, atol=0); print(type(next(x for n, x in m.named_modules() if n.endswith('attn') "
+            "or n.endswith('SelfAttention'))).__name__)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
                          timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "SparseT5AttentionForT5Attention"
+    assert out.stdout.strip().splitlines()[-1] == name

@@ -73,6 +73,15 @@ def _register() -> None:
     AttentionInterface.register(IMPLEMENTATION, block_sparse_attention_forward)
 
 
+class CausalSparseAttention(SparseSelfAttention):
+    """The ``sparse`` child of a swapped GPT-2 / Llama attention: unpickled (a spawned worker), it registers
+    the attention function its parent's config names before any forward needs it."""
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _register()
+
+
 def _self_attention_modules(model: Any) -> list:
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
     from transformers.models.llama.modeling_llama import LlamaAttention
@@ -113,5 +122,5 @@ def sparsify_causal_lm(model: Any, sparsity_config: SparsityConfig | None = None
     for _, mod in found:
         mod.config = copy.copy(mod.config)
         mod.config._attn_implementation = IMPLEMENTATION
-        mod.sparse = SparseSelfAttention(sparsity_config, causal=True, pad_to_block=pad_to_block)
+        mod.sparse = CausalSparseAttention(sparsity_config, causal=True, pad_to_block=pad_to_block)
     return model
