@@ -49,6 +49,8 @@ class ZeroFabricCheckpointMixin:
     """``save_checkpoint`` / ``load_checkpoint`` of :class:`ZeroFabricStrategy` (expects its ``_model_of(module)``
     and its precision plugin's ``engine_for(optimizer)``)."""
 
+    trust_checkpoint = False  # the host's knob (ZeroFabricStrategy's argument; docs/security.md)
+
     def _split_state(self, state: dict) -> tuple[list[tuple[str, Module]], list[tuple[str, Optimizer]], dict]:
         modules = [(k, v) for k, v in state.items() if isinstance(v, Module)]
         optimizers = [(k, v) for k, v in state.items() if isinstance(v, Optimizer)]
@@ -122,7 +124,7 @@ class ZeroFabricCheckpointMixin:
         path = resolve_checkpoint_dir(self.broadcast(str(path)))
         if not path.is_dir():
             return self._load_file(path, state, strict, weights_only)
-        trust = trusted(getattr(self, "trust_checkpoint", False), weights_only)
+        trust = trusted(self.trust_checkpoint, weights_only)
         if is_models_checkpoint(path):
             return self._load_models(path, state, strict, trust)
         if not state:  # the whole checkpoint, consolidated (full fp32 weights), under the saved names

@@ -11,7 +11,7 @@ consolidated (and re-sliced on load), so a run saved on N ranks at one stage res
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Generator, Optional
+from typing import Any, Callable, Generator, Optional
 
 import torch
 
@@ -93,6 +93,9 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         self._weights_loaded = False
         self._memory_reported = False
         self.memory_table: Optional[str] = None  # global rank 0: the table printed by this fit
+        self._even_checked: Optional[tuple] = None  # (trainer, epoch) whose batch counts were compared
+        self._unguard: Optional[Callable[[], None]] = None  # undoes the LR-scheduler guard of this setup
+        self._unbind_optimizers: Optional[Callable[[], None]] = None  # undoes optimizers.bind
 
     @property
     def stage(self) -> int:
@@ -276,7 +279,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         a hang ([Note: uneven training inputs], even_inputs.py)."""
         trainer = self.lightning_module.trainer
         key = (id(trainer), trainer.current_epoch)
-        if getattr(self, "_even_checked", None) != key:
+        if self._even_checked != key:
             self._even_checked = key
             check_even_inputs(self, batch_idx)
 
@@ -292,10 +295,10 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
             self.engine.restore_fp32_module()
 
     def teardown(self) -> None:
-        if getattr(self, "_unguard", None) is not None:
+        if self._unguard is not None:
             self._unguard()
             self._unguard = None
-        if getattr(self, "_unbind_optimizers", None) is not None:
+        if self._unbind_optimizers is not None:
             self._unbind_optimizers()
             self._unbind_optimizers = None
         if self.engine is not None:
