@@ -13,7 +13,7 @@ import torch
 
 from lightning_zero.lightning import compat
 
-_ALL = compat.CANARIES + compat.TORCH_CANARIES
+_ALL = compat.CANARIES + compat.TORCH_CANARIES + compat.TRANSFORMERS_CANARIES
 
 
 @pytest.mark.parametrize("module,name", _ALL, ids=[f"{m}:{n}" for m, n in _ALL])

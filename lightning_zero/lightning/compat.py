@@ -3,13 +3,17 @@
 Design note
 -----------
 Lightning's and torch's underscored names carry no compatibility promise: a release may rename or move
-one. Each is reached here, and only here, through :func:`private` / :func:`private_attr`, which fail
-with :class:`PrivateAPIMoved` naming the name and the installed Lightning and torch versions -- never a
+one. The adapter reaches them through :func:`private` / :func:`private_attr`, which fail with
+:class:`PrivateAPIMoved` naming the name and the installed Lightning and torch versions -- never a
 ``getattr(..., default)`` that would turn a rename into silently different behaviour (e.g. the
-evaluation join of stage 3, which reads the active loop's batch progress). ``tests/test_compat_canaries.py``
-resolves every entry of :data:`CANARIES` (and the engine's torch privates of :data:`TORCH_CANARIES`,
-which ``engine/`` reaches on its own since it imports nothing from this layer), so an upgrade that moves
-one fails there first, with the same message.
+evaluation join of stage 3, which reads the active loop's batch progress). Three kinds are only listed,
+not wrapped, because a move already fails loudly where they are used: the protected ``DDPStrategy``
+members the strategies override or call (``_configure_launcher``, ``_setup_distributed``, ...), the
+class attributes the import-time patches of ``lightning_io.py`` / ``model_summary.py`` read, and the
+names outside this layer (the engine's torch privates, :data:`TORCH_CANARIES`: ``engine/`` imports nothing
+from here; the transformers tables of ``tools/export_hf.py``). ``tests/test_compat_canaries.py`` resolves
+every entry of :data:`CANARIES` and the other tables, so an upgrade that moves one fails there first,
+with the same message.
 """
 
 from __future__ import annotations
@@ -190,3 +194,8 @@ TORCH_CANARIES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
     ("torch.utils._pytree", "tree_map"),
 )
+
+#: transformers privates of tools/export_hf.py (the auto classes' config -> model class tables)
+TRANSFORMERS_CANARIES: tuple[tuple[str, str], ...] = tuple(
+    ("transformers", f"{auto}._model_mapping")
+    for auto in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM", "AutoModel"))
