@@ -13,11 +13,11 @@ import torch
 from lightning_zero import checkpoint as ck
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import collectives as C
-from tests.dist_utils import run_distributed
-from tests.models import batch, loss_fn, make_model, make_optimizer
-from tests.test_stage3 import UNITS
-from tests.test_stage3 import _train as _parity_train
-from tests.zoo_models import ZOO
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
+from tests.helpers.parity import UNITS
+from tests.helpers.parity import train_parity_net as _parity_train
+from tests.helpers.zoo_models import ZOO
 
 STEPS = 3
 
@@ -256,12 +256,12 @@ def test_comm_report_counts_one_step_by_collective_and_group():
 def test_all_to_all_reaches_the_engine_from_hydra_the_strategy_and_fabric():
     from lightning_zero import ZeroStrategy
     from lightning_zero.lightning.fabric_strategy import ZeroFabricStrategy
-    from tests.test_hydra_recipe import _compose  # puts examples/ on sys.path (not a package)
+    from tests.helpers.hydra_recipe import compose_recipe  # puts examples/ on sys.path (not a package)
     from t5_config import build_strategy  # one module object: the recipe's schema is registered once
 
-    hydra = build_strategy(_compose("strategy=zero2", "strategy.grad_reduce=all_to_all"))
+    hydra = build_strategy(compose_recipe("strategy=zero2", "strategy.grad_reduce=all_to_all"))
     assert hydra.zero_config.grad_reduce == "all_to_all"
     assert ZeroStrategy(stage=1, grad_reduce="all_to_all").zero_config.grad_reduce == "all_to_all"
     assert ZeroFabricStrategy(stage=2, grad_reduce="all_to_all").zero_config.grad_reduce == "all_to_all"
     with pytest.raises(ValueError, match="grad_reduce must be one of"):
-        build_strategy(_compose("strategy=zero2", "strategy.grad_reduce=alltoall"))
+        build_strategy(compose_recipe("strategy=zero2", "strategy.grad_reduce=alltoall"))

@@ -17,8 +17,8 @@ from lightning.pytorch.utilities.model_summary import summarize
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.checkpoint.consolidate import consolidate
-from tests.dist_utils import run_distributed
-from tests.lifecycle_harness import LifecycleModule, make_strategy, trainer, whole_params
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lifecycle_harness import LifecycleModule, make_strategy, trainer, whole_params
 
 RTOL, ATOL = 1e-5, 1e-6
 _REFS: dict = {}

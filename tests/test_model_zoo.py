@@ -22,9 +22,10 @@ from torch.utils.data import DataLoader
 
 import lightning_zero  # noqa: F401  (registers the presets)
 from lightning_zero.engine import ZeroConfig, ZeroEngine, model_state_floor
-from tests.dist_utils import run_distributed
-from tests.lightning_models import TokenDataset, _params, trainer_kwargs
-from tests.zoo_models import ZOO
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lightning_models import TokenDataset, _params, trainer_kwargs
+from tests.helpers.zoo_models import ZOO
+from tests.helpers.parity import close as _close
 
 STEPS = 3
 PRESETS = ("zero3", "zero3_offload")
@@ -96,10 +97,6 @@ def results():
     return run_distributed(_zoo, 2, CASES)
 
 
-def _close(a, b, what):
-    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name,preset", CASES, ids=[f"{m}-{p}" for m, p in CASES])
 def test_zoo_matches_ddp(name, preset):
@@ -130,7 +127,7 @@ class _HFModule(pl.LightningModule):
         self.out, self.tag, self.losses, self.units = out, tag, [], None
 
     def setup(self, stage):
-        torch.set_num_threads(1)  # forked ranks (see tests/lightning_models.py)
+        torch.set_num_threads(1)  # forked ranks (see tests/helpers/lightning_models.py)
 
     def train_dataloader(self):
         return DataLoader(TokenDataset(length=32, seq=8), batch_size=2)

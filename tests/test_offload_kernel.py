@@ -18,9 +18,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroFabricStrategy, ZeroStrategy
-from tests.dist_utils import run_distributed
-from tests.models import make_model, make_optimizer
-from tests.zoo_models import ZOO
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.models import make_model, make_optimizer
+from tests.helpers.zoo_models import ZOO
 
 STEPS = 3
 CONFIGS = {

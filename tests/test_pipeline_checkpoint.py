@@ -16,8 +16,9 @@ import torch.distributed.checkpoint as dcp
 from lightning_zero.checkpoint.pipeline_dir import (consolidate_pipeline_checkpoint, load_pipeline_checkpoint,
                                                     read_manifest, save_pipeline_checkpoint)
 from lightning_zero.engine import collectives
-from tests.dist_utils import run_distributed
-from tests.test_pipeline import ATOL, BATCH, CALLS, RTOL, _batch, _model, _named, _pipeline, _reference
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.pipeline_gpt2 import (ATOL, BATCH, CALLS, RTOL, global_batch as _batch, gpt2_model as _model,
+    named_state as _named, make_pipeline as _pipeline, single_process_reference as _reference)
 
 SAVED_AT = 4  # step() calls before the checkpoint: two optimizer steps
 
