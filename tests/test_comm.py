@@ -15,7 +15,7 @@ from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import collectives as C
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
-from tests.helpers.parity import UNITS
+from tests.helpers.parity import UNITS, check_parity
 from tests.helpers.parity import train_parity_net as _parity_train
 from tests.helpers.zoo_models import ZOO
 
@@ -122,15 +122,9 @@ def _a2a_parity_job(rank, world_size, stages):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size,stages", [(2, (1, 2, 3)), (4, (2,))])
 def test_all_to_all_reduction_matches_ddp(world_size, stages):
-    def close(a, b):
-        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-6)
-
     for ref, out in run_distributed(_a2a_parity_job, world_size, stages):
-        for stage, ((losses, norms, params), calls) in out.items():
-            close(losses, ref[0])
-            close(norms, ref[1])
-            for k in ref[2]:
-                close(params[k], ref[2][k])
+        for stage, (run, calls) in out.items():
+            check_parity(run, ref, f"stage {stage}")
             assert calls["all_to_all"] > 0 and "reduce_scatter" not in calls, (stage, calls)
 
 

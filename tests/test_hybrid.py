@@ -19,7 +19,7 @@ from lightning_zero.tools.estimate import estimate_model_states
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
 from tests.helpers.models import memory_mlp as _memory_model
-from tests.helpers.parity import FP32_TIGHT, STEPS, UNITS, close, train_parity_net as _train, use_sometimes as _use
+from tests.helpers.parity import FP32_TIGHT, STEPS, UNITS, check_parity, train_parity_net as _train, use_sometimes as _use
 
 K = 2
 ACCUM, CLIP = 2, 0.5
@@ -70,21 +70,14 @@ def results():
     return run_distributed(_matrix, 4)
 
 
-def _close(a, b):
-    close(a, b, tol=FP32_TIGHT)
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", list(CASES))
 def test_hybrid_matches_ddp(name):
     for rank, (ref, runs) in enumerate(results()):
-        (losses, norms, params), calls, n_buckets, groups = runs[name]
+        run, calls, n_buckets, groups = runs[name]
         # the groups are made by the first engine only ([Note: why a group is never re-created])
         assert groups == runs["zero1"][3] or name == "zero0", {n: r[3] for n, r in runs.items()}
-        _close(losses, ref[0])
-        _close(norms, ref[1])
-        for key in ref[2]:
-            _close(params[key], ref[2][key])
+        check_parity(run, ref, f"{name} rank {rank}", FP32_TIGHT)
         if name == "zero0":
             assert {g for (g, _) in calls} == {"world"} and calls[("world", "all_reduce")] == n_buckets * STEPS
             continue
