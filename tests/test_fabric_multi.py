@@ -233,7 +233,7 @@ def _distill_run(strategy, rank, build="setup"):
 
 def _gpt2_distill_run(strategy, rank):
     """HF GPT-2 (built from configs): a 32-wide frozen teacher set up without an optimizer, a 16-wide student."""
-    from tests import zoo_models as Z
+    from tests.helpers import zoo_models as Z
 
     fabric = _fabric(strategy)
     torch.manual_seed(1)

@@ -57,6 +57,29 @@ def test_no_module_under_tests_imports_a_test_module():
     assert not bad, "move what they share into tests/helpers/ under a public name:\n" + "\n".join(bad)
 
 
+def _exists(module: str) -> bool:
+    path = ROOT.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_every_import_from_tests_names_a_module_that_exists():
+    """An import inside a function (run only on a forked rank) of a moved helper fails only when it runs."""
+    bad = []
+    for path in _python_files():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("tests"):
+                names = [node.module]
+                if node.module == "tests":  # from tests import helpers / from tests import x_models
+                    names = [f"tests.{a.name}" for a in node.names]
+            else:
+                continue
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                    if n.split(".")[0] == "tests" and not _exists(n)]
+    assert not bad, "imports of modules that do not exist:\n" + "\n".join(bad)
+
+
 def test_tests_live_in_test_files_only():
     """A ``def test_`` outside a ``test_*.py`` file is never collected."""
     bad = []
