@@ -62,6 +62,18 @@ class StrategyConf:
 
 
 @dataclass
+class SparseAttentionConf:
+    """``model.attention=sparse``: the encoder's self-attention block-sparse (lightning_zero.sparse_attention)."""
+
+    # dense | fixed | variable | bigbird | bslongformer | local: DeepSpeed's sparsity configs, same options
+    layout: str = "bslongformer"
+    block: int = 16  # tokens per block; lengths that are not a multiple are padded (pad_to_block)
+    pad_to_block: bool = True  # false: a source length that is not a multiple of block is refused
+    # the layout's own options, e.g. {num_sliding_window_blocks: 5, global_block_indices: [0]}
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class ModelConf:
     preset: str = "t5_mini"  # a key of examples/t5_module.T5_PRESETS
     pretrained: Optional[str] = None  # LOCAL directory with config.json + weights; never downloaded
@@ -73,6 +85,10 @@ class ModelConf:
     # loops ("the the the ...") until max_new_tokens, as summarisation decoders commonly prevent
     no_repeat_ngram_size: int = 3
     config_overrides: Dict[str, Any] = field(default_factory=dict)  # extra T5Config fields, e.g. {d_model: 128}
+    # dense: HF's attention | sparse: the encoder's self-attention block-sparse, O(n) memory in the source
+    # length (with data.max_source_len=2048 and more); weights and checkpoints stay stock T5
+    attention: str = "dense"
+    sparse: SparseAttentionConf = field(default_factory=SparseAttentionConf)
 
 
 @dataclass

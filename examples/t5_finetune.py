@@ -66,6 +66,7 @@ def build_model(cfg: DictConfig, tok, out: str):
             no_repeat_ngram_size=cfg.model.no_repeat_ngram_size, num_samples=cfg.model.num_samples,
             samples_path=os.path.join(out, "samples.jsonl"),
             predictions_path=cfg.output.predictions or os.path.join(out, "test_predictions.jsonl"),
+            attention=cfg.model.attention, sparse_attention=OmegaConf.to_container(cfg.model.sparse, resolve=True),
             **OmegaConf.to_container(cfg.model.config_overrides, resolve=True))
     except FileNotFoundError as e:
         raise ConfigError(f"model.pretrained: {e}") from e

@@ -40,6 +40,7 @@ from lightning_zero.tools.t5_dims import T5_PRESETS  # noqa: E402,F401  (one tab
 
 
 LR_SCHEDULES = ("linear", "cosine", "inverse_sqrt")
+ATTENTIONS = ("dense", "sparse")
 
 
 def make_t5_config(preset: str = "t5_tiny", tokenizer: Any = None, **overrides: Any) -> T5Config:
@@ -91,6 +92,7 @@ class T5FineTuner(L.LightningModule):
                  samples_path: str | None = None,
                  predictions_path: str | None = None, model_config: dict | None = None,
                  label_smoothing: float = 0.0, lr_schedule: str = "linear",
+                 attention: str = "dense", sparse_attention: dict | None = None,
                  **config_overrides: Any):
         super().__init__()
         if lr_schedule not in LR_SCHEDULES:
@@ -117,6 +119,14 @@ class T5FineTuner(L.LightningModule):
         else:
             config = make_t5_config(preset, self.tokenizer, dropout_rate=dropout_rate, **config_overrides)
             self.model = T5ForConditionalGeneration(config)
+        if attention not in ATTENTIONS:
+            raise ValueError(f"model.attention={attention!r}: allowed {', '.join(ATTENTIONS)}.")
+        if attention == "sparse":
+            # in place, before any strategy sees the model: stage-3 units are still the T5 blocks, the state
+            # dict keeps its keys, and load_from_checkpoint swaps again from the saved hyper-parameters
+            from lightning_zero.sparse_attention import sparsify_t5_encoder
+
+            sparsify_t5_encoder(self.model, **(sparse_attention or {}))
         # The checkpoint carries the architecture: `lightning-zero export --hf` writes config.json from it and
         # load_from_checkpoint rebuilds the same model (no preset table, no pretrained directory needed).
         self.hparams["model_config"] = self.model.config.to_dict()

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.buckets import Bucket, build_buckets
+from lightning_zero.engine.plan import ShardingPlan
 from lightning_zero.engine.reducer import BackwardPhase, GradReducer
 from lightning_zero.engine.sharding import ShardSpec
 from lightning_zero.engine.stage3.lifecycle import OrderState, UnitState
@@ -195,7 +196,8 @@ def test_reducer_launches_in_bucket_order_whatever_order_gradients_complete():
             events.append(("launch", b.index))
             super()._launch(b)
 
-    reducer = Recording(buckets, stage=1, reduce_dtype=None, on_bucket_complete=lambda i: events.append(("done", i)))
+    reducer = Recording(buckets, ShardingPlan.for_stage(1), reduce_dtype=None,
+                        on_bucket_complete=lambda i: events.append(("done", i)))
     x = torch.randn(5, 4)
     assert reducer.phase is BackwardPhase.IDLE
     model(x).sum().backward()
@@ -273,7 +275,7 @@ def test_reducer_no_sync_accumulates_then_finalize_reduces_the_sum():
                 launched.append(b.index)
                 super()._launch(b)
 
-        reducer = Recording(buckets, stage=stage, reduce_dtype=None)
+        reducer = Recording(buckets, ShardingPlan.for_stage(stage), reduce_dtype=None)
         assert reducer.sync is GradSync.BOUNDARY
         with reducer.no_sync():
             assert reducer.sync is GradSync.ACCUMULATE and not reducer.sync_enabled

@@ -10,42 +10,36 @@ The engine imports nothing from Lightning; it is usable from plain torch.distrib
         loss.backward()            # gradients are reduced (and sharded) during backward
         engine.step()              # master shards step, full params are rebuilt, grads cleared
 
-Path of one step (docs/ARCHITECTURE.md, "One training step"): :class:`~.reducer.GradReducer` hooks reduce
-buckets during ``backward``; :meth:`step` points the masters' ``.grad`` at the reduced shards
-(:class:`~.optimizer.ShardedOptimizer`), unscales and clips in one multiply, steps the user's optimizer on
-the masters and publishes them into the module (one all-gather per bucket). Stage 3 partitions parameters
-into units (:mod:`.stage3`); whole-model views (checkpoints, handing the module back) are the functions of
-:mod:`.full_state`. Several optimizers over disjoint parameters: ``step(opt)`` etc. act on one
-(:mod:`.param_groups`). Accumulation: :meth:`no_sync` (stages 0-1 issue no collective under it).
+The engine composes its parts and nothing writes into it: the plan ([Note: sharding plan], plan.py), the
+bucket table and optimizers (bucket_table.py, param_groups.py), the reducer, the publish, stage 3's
+partitioned parameters (stage3/setup.py). Path of one step: docs/ARCHITECTURE.md, "One training step".
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
-from . import collectives as C
+from . import collectives as C, full_state as FS, grad_norm as GN, param_groups as PG, tensor_parallel as TP
 from .activations import ActivationMemory, activation_memory
 from .stage3.deferred_init import has_meta_params
 from .config import ZeroConfig
 from .engine_state import EngineMode, StepCounters
 from .memory import MemoryReport, measure_model_states
-from . import full_state as FS
-from .groups import HybridGroups, check_shard_group_size, hybrid_groups, reduce_scatter_group
-from .optimizer import ShardedOptimizer, kernel_swap_line
+from .groups import HybridGroups, check_shard_group_size, hybrid_groups
+from .optimizer import ShardedOptimizer
 from .publish import PublishQueue, publish_masters
 from .comm_report import CommReport, StepTraffic
+from .bucket_table import BucketMaker, BucketTable
+from .buffer_sync import BufferBroadcast
+from .plan import ShardingPlan
 from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
-from .stage3.setup import setup_stage3
-from . import param_groups as PG
-from . import tensor_parallel as TP
+from .stage3.setup import PartitionedParams, stage3_config
 
 _log = logging.getLogger("lightning_zero.engine")
 
@@ -70,13 +64,11 @@ class ZeroEngine:
     ) -> None:
         """``optimizer=None`` builds an evaluation-only engine (stage 3 still partitions parameters); a list
         of optimizers over disjoint parameter sets gives each its own shards (``step(opt)``, see param_groups).
-
         ``device``: where compute happens (default: where the parameters are; needed for a meta model).
         ``device_mesh``: tensor parallelism, a 2-D ("data_parallel", "tensor_parallel") DeviceMesh whose TP dim
-        the module was parallelized over: ZeRO shards each parameter's local piece over the DP dim
-        (engine/tensor_parallel.py; stages 0-2; instead of ``group``).
-        """
+        the module was parallelized over: ZeRO shards each local piece over the DP dim (tensor_parallel.py)."""
         self.config = cfg = config or ZeroConfig()
+        self.plan = plan = ShardingPlan.of(cfg)  # what the stage means, read below ([Note: sharding plan])
         self.module = module
         self.optimizers = PG.as_optimizer_list(optimizer)
         self.optimizer = self.optimizers[0] if self.optimizers else None
@@ -92,73 +84,71 @@ class ZeroEngine:
         # hybrid sharding: shards, gathers and norms live in the shard group, gradient shards are all-reduced
         # across the replicate group; ``group`` (the world) keeps the broadcasts. Stage 0 shards nothing.
         check_shard_group_size(cfg.shard_group_size, C.world_size(group))
-        hybrid = hybrid_groups(cfg.shard_group_size, group) if cfg.stage >= 1 else HybridGroups(group)
+        hybrid = hybrid_groups(cfg.shard_group_size, group) if plan.shards_optimizer_state else HybridGroups(group)
         self.shard_group, self.replicate_group = hybrid.shard, hybrid.replicate
         self.world_size = C.world_size(self.shard_group)  # the ranks a parameter is sharded over
         self.rank = C.rank(self.shard_group)
         per_opt = PG.managed_params(module, self.optimizers)
-        self.params = [p for ps in per_opt for p in ps]
         if not has_meta_params(module):  # a meta model is broadcast unit by unit as it is built
             self.sync_module_states()
-        mixed = compute_dtype is not None and compute_dtype != torch.float32
-        self.partitioner: Optional[ParamPartitioner] = None
-        sources = None
+        train = self.mode is EngineMode.TRAIN
+        self._partitioned: Optional[PartitionedParams] = None
         reduce_group = self.shard_group
-        if cfg.stage == 3:
-            cfg = self.config = setup_stage3(self, per_opt, device)
-            sources = self._sources
-            if self.world_size > 1 and self.mode is EngineMode.TRAIN:  # see setup_stage3: its own group
-                reduce_group = (hybrid.reduce_scatter if hybrid.reduce_scatter is not None
-                                else reduce_scatter_group(group))
-        else:
-            self.buckets, self._bucket_opt, _, _ = PG.build_optimizer_buckets(self, per_opt)
-        self._sources = sources
+        if plan.shards_params:
+            cfg = self.config = stage3_config(cfg, len(self.optimizers))
+            self._partitioned = PartitionedParams(module, cfg, self.world_size, self.rank, compute_dtype, device,
+                                                  self.shard_group, group, eval_only=not train)
+            if self.world_size > 1 and train:
+                reduce_group = PartitionedParams.reduce_group(hybrid, group)
+        maker = BucketMaker(self.world_size, self.rank, cfg.bucket_bytes, plan.shards_optimizer_state,
+                            self._partitioned.units if self._partitioned is not None else None)
+        self.table: BucketTable = maker.table(module, per_opt)
         # masters are cut from the fp32 values before the module drops to the compute dtype
-        self.shardeds: list[ShardedOptimizer] = PG.shard_optimizers(
-            self.optimizers, self.buckets, self._bucket_opt, sources, cfg, compute_dtype)
+        self.opts = PG.OptimizerSet(self.optimizers, per_opt, self.table, maker, PG.shard_optimizers(
+            self.optimizers, self.table, plan, cfg, compute_dtype, self.tensor_parallel))
+        self.shardeds: list[ShardedOptimizer] = self.opts.shardeds
+        self.params: list[nn.Parameter] = self.opts.params  # managed, optimizer by optimizer; add_param_group appends
         self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
-        swap = kernel_swap_line(self.shardeds)
-        if swap is not None and C.rank() == 0:
-            _log.info(swap)
-        if self.tensor_parallel is not None:  # the gradient norm also sums over the TP group
-            for s in self.shardeds:
-                s.tp_group, s.tp_size = self.tensor_parallel.tp_group, self.tensor_parallel.tp_size
-        if mixed:
+        if compute_dtype is not None and compute_dtype != torch.float32:
             module.to(compute_dtype)  # params (released ones too) and floating buffers, like module.half()
-            if self.partitions_params and self.mode is EngineMode.TRAIN:
+            if self._partitioned is not None and train:
                 self.partitioner.cast_shards(compute_dtype)
-                # the shards are new tensors now: point publish_params at them, not at the fp32 originals
-                self._sources = [[dict(zip(map(id, u.params), u.local_views()))[id(p)] for p in b.params]
-                                 for b, u in zip(self.buckets, self._bucket_unit)]
+                self.table.repoint_sources()  # new shard tensors: publish into them, not the fp32 originals
         self.reducer: Optional[GradReducer] = None
-        # stages 1-2: the publish all-gather overlaps the next forward (publish.py)
-        self.publisher = (PublishQueue(module) if cfg.stage in (1, 2) and cfg.overlap_publish
-                          and self.mode is EngineMode.TRAIN else None)
-        if self.mode is EngineMode.TRAIN:
+        self.publisher = PublishQueue(module) if plan.overlap_publish and train else None  # publish.py
+        if train:
+            part = self._partitioned
             self.reducer = GradReducer(
-                self.buckets, cfg.stage, cfg.reduce_dtype, reduce_group,
-                on_bucket_complete=self.releaser.bucket_complete if self.partitions_params else None,
-                on_end_of_backward=self._end_of_backward if self.partitions_params else self.ensure_published,
+                list(self.table.buckets), plan, cfg.reduce_dtype, reduce_group,
+                on_bucket_complete=part.bucket_complete if part is not None else None,
+                on_end_of_backward=part.end_of_backward if part is not None else self.ensure_published,
                 host_grads=cfg.offload_optimizer, replicate_group=self.replicate_group,
                 mode="int8" if cfg.quantize_grads else C.grad_reduce_mode(cfg.grad_reduce, reduce_group),
             )
-            PG.install_optimizer_methods(self)
-        self._backward_ends = 0  # how many backwards this engine has ended (_backward_begins)
-        self._end_queued = False
-        if self.partitions_params:
-            self.partitioner.on_backward = self._backward_begins
+            PG.install_optimizer_methods(self.optimizers, self.add_param_group, self.zero_grad)
+        if self._partitioned is not None:
+            self._partitioned.release_by_buckets(
+                self.table, lambda: self.reducer is not None and self.reducer.in_backward)
         self.last_step_skipped = False
-        self._sync_buffers_next = True  # DDP's require_forward_param_sync (see _buffers_due)
+        self._buffers = BufferBroadcast(module, group, cfg.broadcast_buffers, eval_only=not train)
         self._traffic = StepTraffic(group)  # comm_report(): the collectives of the last step
-
-        # activation checkpointing / offload (None when both are off)
-        self.activations: Optional[ActivationMemory] = activation_memory(
-            module, cfg, self.partitioner.units if self.partitioner is not None else None)
+        self.activations: Optional[ActivationMemory] = activation_memory(  # None: no checkpointing / offload
+            module, cfg, self._partitioned.units if self._partitioned is not None else None)
 
     @property
     def partitions_params(self) -> bool:
         """Parameters live as stage-3 unit shards (until the module is handed back whole)."""
-        return self.partitioner is not None
+        return self._partitioned is not None
+
+    @property
+    def partitioner(self) -> Optional[ParamPartitioner]:
+        """Stage 3's :class:`~.stage3.partition.ParamPartitioner` while the module is partitioned, else None."""
+        return self._partitioned.partitioner if self._partitioned is not None else None
+
+    @property
+    def buckets(self) -> list:
+        """Every gradient bucket in launch order (the bucket table's)."""
+        return self.table.buckets
 
     @property
     def skipped_steps(self) -> int:  # a view of self.counters, which checkpoints read and write
@@ -169,40 +159,15 @@ class ZeroEngine:
         module's forward enters it by itself, Lightning's ``training_step`` through the strategy."""
         return self.activations.context() if self.activations is not None else contextlib.nullcontext()
 
-    def _end_of_backward(self) -> None:
-        self._backward_ends += 1
-        self._end_queued = False
-        self.partitioner.end_of_backward()
-        self.releaser.reset()
-
-    def _backward_begins(self) -> None:
-        """Stage 3, a unit's backward begins: when no parameter of this engine gets a gradient in it (all
-        frozen for now: a GAN's discriminator under the generator's loss; an evaluation engine the loss flows
-        through) the reducer's callback never comes, so this one ends it (units released, order reset)."""
-        if not self._end_queued:
-            self._end_queued, ends = True, self._backward_ends
-            Variable._execution_engine.queue_callback(lambda: self._end_if_not_ended(ends))
-
-    def _end_if_not_ended(self, ends: int) -> None:
-        self._end_queued = False
-        if self._backward_ends == ends and not (self.reducer is not None and self.reducer.in_backward):
-            self._end_of_backward()  # else the reducer ended it, or its callback (queued after this) will
-
     def ensure_published(self) -> None:
-        """Stages 1-2 with ``overlap_publish``: complete the parameter all-gathers of the last step now
-        (see publish.py for where the engine does this itself). A no-op otherwise."""
+        """``overlap_publish``: complete the last step's parameter all-gathers now (publish.py); else a no-op."""
         if self.publisher is not None:
             self.publisher.ensure()
 
-    @contextlib.contextmanager
-    def gathered_params(self) -> Iterator[None]:
+    def gathered_params(self) -> contextlib.AbstractContextManager:
         """Hold full parameters for a block of code (stage 3; below: the last step's publish completed)."""
-        if not self.partitions_params:
-            self.ensure_published()
-            yield
-            return
-        with torch.no_grad(), self.partitioner.gathered():
-            yield
+        self.ensure_published()  # nothing pending at stage 3 (no publish queue)
+        return self._partitioned.gathered() if self._partitioned is not None else contextlib.nullcontext()
 
     def join(self) -> int:
         """End of this rank's evaluation work (stage 3): serve the gathers of ranks that still have batches
@@ -220,11 +185,8 @@ class ZeroEngine:
         return [(row, b) for s in (self.shardeds if shardeds is None else shardeds)
                 for row, b in zip(s.masters, s.buckets)]
 
-    def sharded_for(self, optimizer) -> ShardedOptimizer:
-        for s in self.shardeds:
-            if s.optimizer is optimizer:
-                return s
-        raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this engine shards.")
+    def sharded_for(self, optimizer) -> ShardedOptimizer:  # param_groups.OptimizerSet
+        return self.opts.sharded_for(optimizer)
 
     def sync_module_states(self) -> None:
         """Make every rank start from rank 0's parameters and buffers (as DDP does at wrap time)."""
@@ -234,31 +196,15 @@ class ZeroEngine:
         """Before a training/eval step: rank 0's buffers when DDP's forward would broadcast them
         ([Note: buffer broadcast]); stage 3: the root unit (Lightning calls ``training_step``, not ``forward``:
         root parameters it uses are gathered here, not in a hook)."""
-        if self._buffers_due():
-            self.sync_buffers()
+        if self._buffers.due(self.reducer):
+            self._buffers.sync()
         if self.publisher is not None:  # the root's own parameters: a training_step may use them directly
             self.publisher.wait_for_module(self.module)
         if self.partitions_params:
             self.partitioner.gather(self.partitioner.root)
 
-    def _buffers_due(self) -> bool:
-        """[Note: buffer broadcast] torch's DDP broadcasts rank 0's buffers in a forward only if the previous
-        forward ran with grad enabled outside ``no_sync`` (its ``require_forward_param_sync``, set in
-        ``_post_forward``; True before the first), in train and eval mode alike. So under accumulation the
-        boundary micro-batch keeps the running statistics its rank's previous micro-batch wrote, and the first
-        evaluation forward after a synced step takes rank 0's. The same rule here, decided at the step's
-        start, which sees the same grad mode and ``no_sync`` state as that step's forwards. An evaluation-only
-        engine broadcasts nothing: outside fit there is no DDP wrapper (and ranks may run uneven batches)."""
-        if self.mode is EngineMode.EVAL_ONLY:
-            return False
-        due = self._sync_buffers_next
-        self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.sync_enabled
-        return due
-
     def sync_buffers(self) -> None:
-        if C.world_size(self.group) > 1 and self.config.broadcast_buffers:
-            with torch.no_grad():
-                C.broadcast_flat(list(self.module.buffers()), self.group)
+        self._buffers.sync()
 
     # -- backward-side controls ---------------------------------------------------------------------
     def no_sync(self) -> contextlib.AbstractContextManager:
@@ -277,36 +223,39 @@ class ZeroEngine:
     def finalize_grads(self, optimizer=None) -> None:
         """Complete reductions and point the masters' ``.grad`` at this rank's reduced gradients."""
         self.ensure_published()  # before the step writes masters that may alias the parameters
-        for s in PG.select(self, optimizer):
+        for s in self.opts.select(optimizer):
             if s.grads_final:
                 continue
             if s.frozen_at_setup:
                 s.check_not_unfrozen(lambda: PG.param_names(self.module))
             s.take_reduced_grads(self.reducer)
 
-    def _global_sq_norm(self, optimizer=None) -> torch.Tensor:
-        total = None
-        for s in PG.select(self, optimizer):
+    def shard_sq_norms(self, optimizer=None) -> list[torch.Tensor]:
+        """Per sharded optimizer, the squared norm of its whole gradient, cached for the step (grad_norm.py)."""
+        out, device = [], self.params[0].device if self.params else None
+        for s in self.opts.select(optimizer):
             self.finalize_grads(s.optimizer)
-            # replicas hold the same shards: the squares sum over the shard group only
-            sq = s.global_sq_norm(self.shard_group, self.params[0].device if self.params else None)
-            total = sq if total is None else total + sq.to(total.device)
-        return total if total is not None else torch.zeros(())
+            out.append(s.global_sq_norm(self.shard_group, device))  # over the shard group: replicas agree
+        return out
+
+    def set_grad_sq_norm(self, total: torch.Tensor) -> None:
+        """This step's squared norm is ``total`` (a pipeline's, over every stage), for clipping and overflow."""
+        GN.impose_sq_norm(self.shardeds, total)
 
     def global_grad_norm(self, optimizer=None) -> torch.Tensor:
         """2-norm of the (unscaled) gradient over all ranks' shards: DDP's ``clip_grad_norm_`` total."""
-        return self._global_sq_norm(optimizer).sqrt() / self.loss_scale
+        return GN.total_sq_norm(self.shard_sq_norms(optimizer)).sqrt() / self.loss_scale
 
     def clip_grad_norm_(self, max_norm: float, optimizer=None) -> torch.Tensor:
         """Clip by the global norm; the multiply is fused with unscaling in :meth:`step`."""
         total = self.global_grad_norm(optimizer)
-        coef = min(1.0, float(max_norm) / (float(total) + 1e-6)) if math.isfinite(total) else None
-        for s in PG.select(self, optimizer):
+        coef = GN.clip_coef(total, max_norm)
+        for s in self.opts.select(optimizer):
             s.clip_coef = coef
         return total
 
     def clip_grad_value_(self, clip_value: float, optimizer=None) -> None:
-        for s in PG.select(self, optimizer):
+        for s in self.opts.select(optimizer):
             s.clip_value = float(clip_value)
 
     def step(self, optimizer=None) -> bool:
@@ -319,12 +268,12 @@ class ZeroEngine:
         inv_scale = 1.0 / self.loss_scale  # the scale the gradients carry; update() below may change it
         overflow = False
         if self.check_finite:
-            overflow = not bool(torch.isfinite(self._global_sq_norm(optimizer)))
+            overflow = not bool(torch.isfinite(GN.total_sq_norm(self.shard_sq_norms(optimizer))))
         # whoever decides the skip records it in self.counters: the scaler, else the engine itself
         skip = self.loss_scaler.update(overflow) if self.loss_scaler is not None else self.counters.record(overflow)
         self.last_step_skipped = skip
         if not skip:
-            for s in PG.select(self, optimizer):
+            for s in self.opts.select(optimizer):
                 s.scale_grads(inv_scale * (s.clip_coef if s.clip_coef is not None else 1.0))
                 if s.clip_value is not None:
                     s.clamp_grads(s.clip_value)
@@ -335,17 +284,23 @@ class ZeroEngine:
         return not skip
 
     def publish_params(self, optimizer=None) -> None:
-        """Copy the updated masters into the module's parameters (all-gather in stages 1-2; publish.py)."""
-        publish_masters(self, optimizer)
+        """Copy the updated masters into the module's parameters, as the plan publishes (publish.py)."""
+        cfg = self.config
+        publish_masters(self.master_rows(self.opts.select(optimizer)), self.plan, self.table, self.partitioner,
+                        self.publisher, self.shard_group, cfg.offload_optimizer, cfg.quantize_weights)
 
     def zero_grad(self, optimizer=None) -> None:
         if self.mode is EngineMode.EVAL_ONLY:
             return
-        chosen = PG.select(self, optimizer)
+        chosen = self.opts.select(optimizer)
         self.reducer.clear(None if optimizer is None else [b.index for s in chosen for b in s.buckets])
         for s in chosen:
             s.clear_grads()
             s.reset_step_state()
+
+    def add_param_group(self, optimizer, group: dict) -> None:
+        """``optimizer.add_param_group(group)`` after setup (installed on the user's optimizer; param_groups.py)."""
+        self.opts.add_param_group(optimizer, group, self.module, self.reducer, self._partitioned)
 
     # -- accounting -----------------------------------------------------------------------------------
     def comm_report(self) -> CommReport:
@@ -364,7 +319,7 @@ class ZeroEngine:
     def full_master_params(self) -> list[torch.Tensor]:
         """fp32 full value of every managed parameter on every rank, in :attr:`bucket_params` order (what
         checkpoints and the module handed back take, not the module's rounded copies). Collective."""
-        return FS.full_master_params(self.master_rows(), self.config.stage, self.shard_group)
+        return FS.full_master_params(self.master_rows(), self.plan.shards_optimizer_state, self.shard_group)
 
     def restore_fp32_module(self) -> None:
         """Hand the module back whole, in fp32, with the master values (end of training). Stage 3
@@ -379,7 +334,7 @@ class ZeroEngine:
         FS.unpartition(self.module, self.partitioner, masters)
         if self.mode is EngineMode.TRAIN:
             self.reducer.remove_hooks()
-        self.partitioner = None
+        self._partitioned = None
 
     def load_masters_from_module(self) -> None:
         """Cut each master from the module's whole parameter (after training, the module handed back may
@@ -430,15 +385,15 @@ class ZeroEngine:
             self.activations.remove()
             self.activations = None
         if self.partitions_params:
-            self.releaser.remove()
+            self._partitioned.remove()
             if hand_back:
                 self._unpartition()
             else:
                 self.partitioner.remove_hooks()
-                self.partitioner = None
+                self._partitioned = None
         if self.mode is EngineMode.TRAIN:
             self.reducer.remove_hooks()
-            PG.remove_optimizer_methods(self)
+            PG.remove_optimizer_methods(self.optimizers)
         if self.publisher is not None:
             self.publisher.remove(wait=hand_back)
             self.publisher = None

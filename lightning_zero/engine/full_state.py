@@ -30,10 +30,10 @@ Item = tuple[str, torch.Tensor, ShardSpec, torch.Size]  # (name, this rank's sli
 
 
 @torch.no_grad()
-def full_master_params(rows: Rows, stage: int, group: Optional[Any] = None) -> list[torch.Tensor]:
-    """fp32 full value of every parameter of ``rows``, on every rank (one all-gather per bucket; stage 0's
-    masters are whole already). From stage 1 on a collective: every rank calls it."""
-    if stage == 0:
+def full_master_params(rows: Rows, sliced: bool, group: Optional[Any] = None) -> list[torch.Tensor]:
+    """fp32 full value of every parameter of ``rows``, on every rank (one all-gather per bucket; unless not
+    ``sliced``: stage 0's masters are whole already). ``sliced``: a collective, every rank calls it."""
+    if not sliced:
         return [m.detach().float().view_as(p) for row, b in rows for m, p in zip(row, b.params)]
     fulls: list[torch.Tensor] = []
     for row, b in rows:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from .plan import ShardingPlan
 from .tensor_parallel import local
 
 
@@ -60,10 +61,11 @@ def rank_model_states(
     host, and in fp32 such a shard *is* the master (no separate copy).
     """
     n = world_size
+    plan = ShardingPlan.for_stage(stage)  # [Note: sharding plan]
     trainable = numel if trainable is None else trainable
     p = 2 if mixed else 4
-    full_grads = stage <= 1 if full_grads is None else full_grads
-    if stage < 3:
+    full_grads = not plan.shards_grads if full_grads is None else full_grads
+    if not plan.shards_params:
         params = p * numel
     else:
         params = p * numel / n if param_shard is None else p * param_shard
@@ -71,12 +73,13 @@ def rank_model_states(
         grads = p * trainable
     else:
         grads = p * trainable / n if grad_shard is None else p * grad_shard
-    div = n if stage >= 1 else 1
+    div = n if plan.shards_optimizer_state else 1
+    host_params = plan.shards_params and offload_params
     # a separate fp32 master: mixed precision, or offloaded (the host copy), unless it is the host shard
-    separate_master = (mixed or offload_optimizer) and not (stage == 3 and offload_params and not mixed)
+    separate_master = (mixed or offload_optimizer) and not (host_params and not mixed)
     master = 4 * trainable / div if separate_master else 0.0
     opt = state_bytes * trainable / div
-    host = (master + opt if offload_optimizer else 0.0) + (params if stage == 3 and offload_params else 0.0)
+    host = (master + opt if offload_optimizer else 0.0) + (params if host_params else 0.0)
     total = params + grads + master + opt
     return {"params": params, "grads": grads, "master": master, "optimizer_state": opt,
             "model_states": total, "host": host, "device": total - host}

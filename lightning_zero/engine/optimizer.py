@@ -28,6 +28,7 @@ from . import collectives as C
 from . import tensor_parallel as TP
 from .buckets import Bucket
 from .optimizer_state import consolidate_optimizer_state, load_sharded_optimizer_state
+from .plan import ShardingPlan
 
 _SHARDABLE: set[type] = {
     torch.optim.SGD,
@@ -93,25 +94,27 @@ class ShardedOptimizer:
         self,
         optimizer: torch.optim.Optimizer,
         buckets: list[Bucket],
-        stage: int,
+        plan: ShardingPlan,
         offload: bool = False,
         compute_dtype: Optional[torch.dtype] = None,
         sources: Optional[list[list[torch.Tensor]]] = None,
-        separate_masters: bool = False,
         fused_on_cpu: bool = True,
+        tp_group: Optional[object] = None,
+        tp_size: int = 1,
     ) -> None:
         """``sources`` (stage 3): per bucket and parameter, this rank's fp32 slice to take the master from
-        (the parameter itself no longer holds its values then). ``separate_masters``: never alias a
-        parameter (its gathered copy is rounded: quantized publish). ``fused_on_cpu``: an offloaded step
+        (the parameter itself no longer holds its values then). ``plan`` ([Note: sharding plan]): whole or
+        sliced masters, and ``separate_masters`` (never alias a parameter whose gathered copy is rounded:
+        quantized publish). ``fused_on_cpu``: an offloaded step
         swaps in torch's fused CPU kernel (``ZeroConfig.offload_kernel="fused"``); False keeps the user's."""
-        check_shardable(optimizer, stage)
+        check_shardable(optimizer, plan.stage)
         self.optimizer = optimizer
-        self.stage = stage
+        self.plan = plan
         self.offload = offload
         self._swap_kernel = offload and fused_on_cpu
         # a master may alias its parameter only if the parameter stays fp32 on the compute device
         self._compute_fp32 = compute_dtype in (None, torch.float32)  # else the shards are cast later
-        self._may_alias = self._compute_fp32 and not offload and not separate_masters
+        self._may_alias = self._compute_fp32 and not offload and not plan.separate_masters
         params = [p for b in buckets for p in b.params]
         device = params[0].device if params else torch.device("cpu")
         self.device = device  # where the gradients are reduced (the compute device)
@@ -123,8 +126,7 @@ class ShardedOptimizer:
         self.buckets: list[Bucket] = []  # this optimizer's buckets (a bucket never spans two optimizers)
         # tensor parallelism (engine/tensor_parallel.py): the TP group the squares are also summed over, and
         # what each parameter's squares count for there (1/T for one every TP rank holds whole)
-        self.tp_group: Optional[object] = None
-        self.tp_size = 1
+        self.tp_group, self.tp_size = tp_group, tp_size
         self._rebind(self._add_masters(buckets, sources))
         if self._swap_kernel:
             self._use_fused_cpu_kernels()
@@ -166,7 +168,7 @@ class ShardedOptimizer:
     def _make_master(self, p: torch.Tensor, spec, pin: bool, src: Optional[torch.Tensor]) -> torch.Tensor:
         sources_given = src is not None
         if src is None:
-            src = TP.local(p) if self.stage == 0 else TP.local_data(p).view(-1)[spec.lo : spec.hi]
+            src = TP.local_data(p).view(-1)[spec.lo : spec.hi] if self.plan.shards_optimizer_state else TP.local(p)
         # stage 3 sources are this rank's unit shards: an fp32 shard already where the master must live
         # (host memory with offload_params) is the master; no second copy
         may_alias = self._may_alias or (sources_given and self.offload and self._compute_fp32)
@@ -240,7 +242,7 @@ class ShardedOptimizer:
         masks = reducer.finalize([b.index for b in self.buckets])
         grads: list[list[Optional[torch.Tensor]]] = []
         for b, mask in zip(self.buckets, masks):
-            if self.stage == 0:
+            if not self.plan.shards_optimizer_state:  # stage 0: the all-reduced whole gradients
                 row = [TP.local_grad(p) if used else None for p, used in zip(b.params, mask.tolist())]
             else:
                 host = reducer.host_shards[b.index]  # offload: already copied as the bucket completed
@@ -288,7 +290,7 @@ class ShardedOptimizer:
         stages 1-3 are disjoint, so their squares add (one all-reduce, on ``device``: the compute device)."""
         if self.sq_norm is None:
             sq = self.local_sq_norm()
-            if self.stage >= 1:
+            if self.plan.shards_optimizer_state:
                 sq_dev = sq.to(device if device is not None else sq.device)
                 C.all_reduce(sq_dev, group=group)
                 sq = sq_dev.to(sq.device)

@@ -39,7 +39,7 @@ def _groups_with_positions(s, groups: list[dict]) -> list[dict]:
 
 def consolidate_optimizer_state(s, group: Optional[Any] = None) -> dict:
     """The full state of the ShardedOptimizer ``s`` on rank 0 of ``group`` (``{}`` elsewhere). Collective."""
-    stage, rank, world_size = s.stage, C.rank(group), C.world_size(group)
+    sliced, rank, world_size = s.plan.shards_optimizer_state, C.rank(group), C.world_size(group)
     local = s.optimizer.state_dict()
     positions = _positions(s)
     # torch numbers the masters in param_groups order: map them to (bucket, index)
@@ -52,9 +52,9 @@ def consolidate_optimizer_state(s, group: Optional[Any] = None) -> dict:
         for k, v in st.items():
             if not (torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape):
                 full_by_bp[(bi, pi)][k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
-            elif stage == 0:
+            elif not sliced:  # whole masters: their state is whole already
                 full_by_bp[(bi, pi)][k] = v.detach().cpu().clone()
-    if stage >= 1:
+    if sliced:
         for bi, b in enumerate(s.buckets):
             dev = b.params[0].device
             for key in keys:
@@ -122,7 +122,7 @@ def _slice_state(s, bp: tuple[int, int], st: dict, pos: int) -> dict:
                     f"Optimizer state '{k}' at position {pos} has {v.numel()} elements; the parameter has "
                     f"{p.numel()}. The checkpoint belongs to another model."
                 )
-            v = v.reshape(-1)[spec.lo : spec.hi] if s.stage >= 1 else v.reshape(p.shape)
+            v = v.reshape(-1)[spec.lo : spec.hi] if s.plan.shards_optimizer_state else v.reshape(p.shape)
             out[k] = v.to(device=m.device, dtype=m.dtype).clone()
         else:
             out[k] = v

@@ -19,17 +19,15 @@ under DDP), so the new collectives line up.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+import logging
 
 import torch
 from torch import nn
 
-from .buckets import build_buckets
-from .optimizer import ShardedOptimizer
-from .stage3.units import grad_buckets_for_units
+from . import collectives as C
+from .optimizer import ShardedOptimizer, kernel_swap_line
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import ZeroEngine
+_log = logging.getLogger("lightning_zero.engine")
 
 
 def as_optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
@@ -80,72 +78,51 @@ def _shared_error(name: str, a: int, b: int) -> str:
             "optimizers over disjoint parameter sets (e.g. a GAN's generator and discriminator).")
 
 
-def build_optimizer_buckets(engine: "ZeroEngine", per_opt: list[list[nn.Parameter]], units=None):
-    """Buckets of every optimizer in one launch order. Returns (buckets, owner optimizer index per bucket,
-    stage 3: unit-shard sources per bucket, unit per bucket)."""
-    items = []  # (order key, optimizer index, bucket, sources, unit)
-    if units is not None:
-        backward = list(reversed(units[:-1])) + [units[-1]]
-        pos = {id(u): i for i, u in enumerate(backward)}
-        for k, params in enumerate(per_opt):
-            bs, srcs, owner = grad_buckets_for_units(units, params, engine.world_size, engine.rank)
-            items += [((pos[id(u)], k), k, b, s, u) for b, s, u in zip(bs, srcs, owner)]
-    else:
-        order = {id(p): i for i, p in enumerate(engine.module.parameters())}
-        for k, params in enumerate(per_opt):
-            for b in build_buckets(params, engine.world_size, engine.rank, engine.config.bucket_bytes,
-                                   sharded=engine.config.stage >= 1):
-                items.append(((-order[id(b.params[0])], k), k, b, None, None))
-    items.sort(key=lambda it: it[0])
-    for i, it in enumerate(items):
-        it[2].index = i
-    buckets = [it[2] for it in items]
-    return buckets, [it[1] for it in items], [it[3] for it in items], [it[4] for it in items]
-
-
-def shard_optimizers(optimizers, buckets, bucket_opt: list[int], sources, cfg, compute_dtype) -> list[ShardedOptimizer]:
-    """One :class:`ShardedOptimizer` per optimizer over its own buckets (``bucket_opt``: owner per bucket)."""
+def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None) -> list[ShardedOptimizer]:
+    """One :class:`ShardedOptimizer` per optimizer over its own rows of the bucket ``table``; ``tp``: the
+    tensor-parallel mesh, whose group the gradient norm also sums over."""
     out = []
     for k, opt in enumerate(optimizers):
-        mine = [i for i, o in enumerate(bucket_opt) if o == k]
-        out.append(ShardedOptimizer(opt, [buckets[i] for i in mine], cfg.stage, cfg.offload_optimizer, compute_dtype,
-                                    [sources[i] for i in mine] if sources is not None else None,
-                                    # qwZ rounds the gathered parameters: an fp32 master may not alias them
-                                    separate_masters=cfg.quantize_weights and cfg.stage in (1, 2),
-                                    fused_on_cpu=cfg.offload_kernel == "fused"))
+        rows = table.of_optimizer(k)
+        out.append(ShardedOptimizer(opt, [r.bucket for r in rows], plan, cfg.offload_optimizer, compute_dtype,
+                                    [r.sources for r in rows] if plan.shards_params else None,
+                                    fused_on_cpu=cfg.offload_kernel == "fused",
+                                    tp_group=tp.tp_group if tp is not None else None,
+                                    tp_size=tp.tp_size if tp is not None else 1))
+    swap = kernel_swap_line(out)
+    if swap is not None and C.rank() == 0:
+        _log.info(swap)
     return out
 
 
-def install_optimizer_methods(engine: "ZeroEngine") -> None:
-    """Route each managed optimizer's ``add_param_group`` and ``zero_grad`` through the engine (instance
+def install_optimizer_methods(optimizers, add_param_group, zero_grad) -> None:
+    """Route each managed optimizer's ``add_param_group`` and ``zero_grad`` to the engine's (instance
     attributes): torch's would add module parameters next to masters, or clear only the masters' ``.grad``
     while the reduced gradient shards of that optimizer's buckets live on."""
-    for opt in engine.optimizers:
-        opt.add_param_group = lambda group, _opt=opt: add_param_group(engine, _opt, group)
-        opt.zero_grad = lambda set_to_none=True, _opt=opt: engine.zero_grad(_opt)
+    for opt in optimizers:
+        opt.add_param_group = lambda group, _opt=opt: add_param_group(_opt, group)
+        opt.zero_grad = lambda set_to_none=True, _opt=opt: zero_grad(_opt)
 
 
-def remove_optimizer_methods(engine: "ZeroEngine") -> None:
-    for opt in engine.optimizers:
+def remove_optimizer_methods(optimizers) -> None:
+    for opt in optimizers:
         opt.__dict__.pop("add_param_group", None)
         opt.__dict__.pop("zero_grad", None)
 
 
-@torch.no_grad()
-def add_param_group(engine: "ZeroEngine", optimizer: torch.optim.Optimizer, group: dict) -> None:
-    """``optimizer.add_param_group(group)`` where ``group["params"]`` are module parameters."""
+def new_group_params(module: nn.Module, shardeds: list[ShardedOptimizer], group) -> tuple[list, list]:
+    """``optimizer.add_param_group(group)`` checked: ``group["params"]`` must be module parameters no
+    optimizer holds yet. Returns (the group's parameters as given, the same in module order)."""
     if not isinstance(group, dict):
         raise TypeError(f"add_param_group expects a dict with a 'params' entry; got {type(group).__name__}.")
     params = group.get("params")
     params = [params] if torch.is_tensor(params) else list(params) if params is not None else []
     if isinstance(group.get("params"), set):
         raise TypeError("optimizer parameters need to be organized in ordered collections, not a set.")
-    names = param_names(engine.module)
-    module_ids = set(names)
-    held = {id(p): k for k, s in enumerate(engine.shardeds) for g in s.group_params for p in g}
-    k_new = engine.optimizers.index(optimizer)
+    names = param_names(module)
+    held = {id(p): k for k, s in enumerate(shardeds) for g in s.group_params for p in g}
     for p in params:
-        if id(p) not in module_ids:
+        if id(p) not in names:
             raise ValueError(
                 "add_param_group: a tensor that is not a parameter of the module was passed; ZeRO shards the "
                 "module's parameters only (its master shards are what the optimizer holds)."
@@ -156,37 +133,46 @@ def add_param_group(engine: "ZeroEngine", optimizer: torch.optim.Optimizer, grou
                 "Allowed: parameters no optimizer holds yet (each parameter may belong to one optimizer).")
     if len({id(p) for p in params}) != len(params):
         raise ValueError("add_param_group: a parameter appears more than once in the new group.")
-    if engine.reducer.in_backward:  # installed on training engines only: there is a reducer
-        raise RuntimeError("add_param_group cannot run during backward; call it between optimizer steps.")
     ids = {id(p) for p in params}
     # frozen parameters of the new group are managed too (unlike frozen ones at setup, which may be a
     # LoRA base too large for masters): the group was added to be trained, and unfreezing it later must
-    # work; while frozen, their bucket is skipped by the reducer and they get no gradient, so no step
-    new_params = [p for p in engine.module.parameters() if id(p) in ids]
-    if engine.partitions_params:
-        # the parameters already live in their units' shards: per unit, a gradient bucket of the new ones,
-        # sourced from the current (compute-dtype) shard, so masters start from the values in use
-        new, sources, units = grad_buckets_for_units(engine.partitioner.units, new_params, engine.world_size,
-                                                     engine.rank)
-    else:
-        new = build_buckets(new_params, engine.world_size, engine.rank, engine.config.bucket_bytes,
-                            sharded=engine.config.stage >= 1)
-        sources, units = None, None
-    first = len(engine.buckets)
-    for i, b in enumerate(new):
-        b.index = first + i
-    assert engine.reducer.buckets is engine.buckets  # add_buckets below extends the one shared list
-    engine._bucket_opt.extend([k_new] * len(new))
-    engine.params.extend(new_params)
-    if engine.partitions_params:
-        engine._sources.extend(sources)
-        engine._bucket_unit.extend(units)
-        for b, u in zip(new, units):
-            engine.releaser.add_bucket(b, u)
-    engine.reducer.add_buckets(new)
-    engine.shardeds[k_new].add_group({**group, "params": params}, new, sources)
+    # work; while frozen, their bucket is skipped by the reducer and they get no gradient, so no step.
+    # At stage 3 they already live in their units' shards: the new per-unit buckets are sourced from the
+    # current (compute-dtype) shard, so masters start from the values in use (BucketMaker.rows).
+    return params, [p for p in module.parameters() if id(p) in ids]
 
 
-def select(engine: "ZeroEngine", optimizer: Optional[torch.optim.Optimizer]):
-    """The ShardedOptimizers a call concerns: all of them (``None``) or ``optimizer``'s."""
-    return list(engine.shardeds) if optimizer is None else [engine.sharded_for(optimizer)]
+class OptimizerSet:
+    """The engine's optimizers, each with its :class:`ShardedOptimizer` over its own rows of one bucket
+    table (``maker``: how new parameters become rows), and the managed parameters in master order."""
+
+    def __init__(self, optimizers, per_opt: list[list[nn.Parameter]], table, maker, shardeds) -> None:
+        self.optimizers, self.table, self._maker, self.shardeds = optimizers, table, maker, shardeds
+        self.params = [p for ps in per_opt for p in ps]
+
+    def select(self, optimizer=None) -> list[ShardedOptimizer]:
+        """The ShardedOptimizers a call concerns: all of them (``None``) or ``optimizer``'s."""
+        return list(self.shardeds) if optimizer is None else [self.sharded_for(optimizer)]
+
+    def sharded_for(self, optimizer) -> ShardedOptimizer:
+        for s in self.shardeds:
+            if s.optimizer is optimizer:
+                return s
+        raise ValueError(f"{type(optimizer).__name__} is not one of the optimizers this engine shards.")
+
+    @torch.no_grad()
+    def add_param_group(self, optimizer, group, module: nn.Module, reducer, partitioned) -> None:
+        """``optimizer.add_param_group(group)`` after setup: the new rows reach the table, the reducer, the
+        stage-3 releaser (``partitioned``, else None) and that optimizer's shards (see the module docstring)."""
+        params, new_params = new_group_params(module, self.shardeds, group)
+        if reducer.in_backward:
+            raise RuntimeError("add_param_group cannot run during backward; call it between optimizer steps.")
+        k = self.optimizers.index(optimizer)
+        rows = self._maker.rows(new_params, k)
+        new = self.table.add(rows)
+        self.params.extend(new_params)
+        if partitioned is not None:
+            partitioned.add_rows(rows)
+        reducer.add_buckets(new)
+        self.shardeds[k].add_group({**group, "params": params}, new,
+                                   [r.sources for r in rows] if self._maker.units is not None else None)

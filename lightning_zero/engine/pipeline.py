@@ -39,6 +39,7 @@ from .engine import ZeroEngine
 from .engine_state import EngineMode
 from .groups import _registered
 from .memory import model_state_floor
+from .plan import ShardingPlan
 from .pipeline_checkpoint import source_names, stage_state_dicts  # noqa: F401
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -145,7 +146,7 @@ class PipelineZero:
                  max_imbalance: Optional[float] = 4.0, loss_scaler: Any = None, check_finite: bool = False,
                  compute_dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         config = config or ZeroConfig()
-        if config.stage not in (0, 1, 2):
+        if ShardingPlan.of(config).shards_params:
             raise ValueError(f"pipeline parallelism composes with ZeRO stages 0, 1 and 2 (each stage holds its own "
                              f"parameters whole); got stage {config.stage}. Allowed: stage=0, 1 or 2.")
         if config.shard_group_size is not None:
@@ -320,20 +321,17 @@ class PipelineZero:
         """Write the squared gradient norm of the whole model (every stage, every chunk) into each engine's
         per-step cache.
 
-        The engine caches it per sharded optimizer (``sq_norm``, summed over the data-parallel shards); its
-        clip coefficient and the overflow check of ``engine.step()`` read that cache, so both become global:
-        each engine's first optimizer holds the total, its others zero (the engine sums them)."""
-        for engine in self.engines:
-            engine._global_sq_norm()  # fills every optimizer's cache (one all-reduce over the dp group each)
-        rows = [s for engine in self.engines for s in engine.shardeds]
-        total = torch.stack([s.sq_norm.float().reshape(()).cpu() for s in rows]).sum()
+        Each engine's clip coefficient and the overflow check of ``engine.step()`` read that cache, so both
+        become global (``ZeroEngine.set_grad_sq_norm``)."""
+        # one all-reduce over the dp group per sharded optimizer
+        squares = [sq for engine in self.engines for sq in engine.shard_sq_norms()]
+        total = torch.stack([sq.float().reshape(()).cpu() for sq in squares]).sum()
         if self.layout.num_stages > 1:
             total = total.to(self.engine.params[0].device)
             C.all_reduce(total, group=self.layout.pp_group)
             total = total.cpu()
         for engine in self.engines:
-            for k, s in enumerate(engine.shardeds):
-                s.sq_norm = (total if k == 0 else torch.zeros(())).to(s.sq_norm.device, s.sq_norm.dtype)
+            engine.set_grad_sq_norm(total)
 
     # -- checkpoints: one sharded DCP directory per stage, written by checkpoint/pipeline_dir.py ---------------
     def state_dicts(self) -> list[dict]:

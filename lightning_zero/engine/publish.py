@@ -42,44 +42,39 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import param_groups as PG
 from . import tensor_parallel as TP
 from .buckets import Bucket
-from .engine_state import EngineMode
+from .plan import Publish, ShardingPlan
 from .tensor_parallel import local_data
 
 
 @torch.no_grad()
-def publish_masters(engine: Any, optimizer=None) -> None:
-    """Copy the updated masters of ``optimizer`` (None: all) into ``engine.module``'s parameters.
+def publish_masters(rows: list[tuple[list[torch.Tensor], Bucket]], plan: ShardingPlan, table: Any,
+                    partitioner: Optional[Any], queue: Optional["PublishQueue"], group: Optional[Any],
+                    host: bool, quantized: bool) -> None:
+    """Copy the updated masters of ``rows`` ((masters, bucket) pairs) into the module's parameters, the way
+    ``plan.publish`` says ([Note: sharding plan]).
 
-    Stage 0: a copy where a master does not alias its parameter. Stages 1-2: one all-gather per bucket,
-    blocking or queued (``overlap_publish``). Stage 3 only refreshes the unit shards; units are gathered
-    again when next used. An evaluation-only engine has no masters: its unit shards already hold the values.
+    COPY (stage 0): where a master does not alias its parameter. ALL_GATHER (stages 1-2): one all-gather per
+    bucket over ``group``, blocking or queued on ``queue`` (``overlap_publish``). UNIT_SHARDS (stage 3): the
+    masters into the unit shards (``table``'s sources), which units are gathered from when next used. An
+    evaluation-only engine has no masters (``rows`` empty): its unit shards already hold the values.
     """
-    if engine.mode is EngineMode.EVAL_ONLY:
-        if engine.partitions_params:
-            engine.partitioner.after_step()
-        return
-    rows = engine.master_rows(PG.select(engine, optimizer))
-    if engine.partitions_params:
+    if plan.publish is Publish.UNIT_SHARDS and partitioner is not None:
         for row, b in rows:
-            for m, src in zip(row, engine._sources[b.index]):
+            for m, src in zip(row, table.sources(b.index)):
                 if m is not src:
                     src.copy_(m, non_blocking=True)
-        engine.partitioner.after_step()
-        return
-    if engine.config.stage == 0:
+        partitioner.after_step()
+    elif plan.publish is Publish.COPY:
         for row, b in rows:
             for m, p in zip(row, b.params):
                 if m is not TP.local(p):
                     TP.local_data(p).copy_(m.view_as(TP.local(p)))
-        return
-    cfg = engine.config
-    if engine.publisher is not None:
-        engine.publisher.launch(rows, engine.shard_group, cfg.offload_optimizer, cfg.quantize_weights)
-    else:
-        publish_blocking(rows, engine.shard_group, cfg.offload_optimizer, cfg.quantize_weights)
+    elif queue is not None:
+        queue.launch(rows, group, host, quantized)
+    else:  # also a stage-3 module handed back whole: its buckets' rows, gathered
+        publish_blocking(rows, group, host, quantized)
 
 
 @torch.no_grad()

@@ -63,6 +63,7 @@ from . import collectives as C
 from . import quantize as Q
 from . import tensor_parallel as TP
 from .buckets import Bucket
+from .plan import ShardingPlan
 
 _SHARD_REDUCTIONS = {"reduce_scatter": C.reduce_scatter, "all_reduce": C.reduce_scatter_by_all_reduce,
                      "all_to_all": Q.reduce_scatter_by_all_to_all, "int8": Q.reduce_scatter_int8}
@@ -97,7 +98,7 @@ class GradReducer:
     def __init__(
         self,
         buckets: list[Bucket],
-        stage: int,
+        plan: ShardingPlan,
         reduce_dtype: Optional[torch.dtype],
         group: Optional[Any] = None,
         on_bucket_complete: Optional[Callable[[int], None]] = None,
@@ -107,13 +108,13 @@ class GradReducer:
         mode: str = "reduce_scatter",
     ) -> None:
         self.buckets = buckets
-        self.stage = stage
+        self.plan = plan  # [Note: sharding plan]: whole or scattered reductions, and when they happen
         self.reduce_dtype = reduce_dtype
         self.group = group
         self.world_size = C.world_size(group)
         # hybrid sharding: ``group`` is the shard group; each reduced shard is then all-reduced once per step
         # across the replicas ([Note: hybrid reduction]), so the average is over both: world * replicas ranks
-        self.replicate_group = replicate_group if stage >= 1 else None
+        self.replicate_group = replicate_group if plan.shards_optimizer_state else None
         replicas = C.world_size(self.replicate_group) if self.replicate_group is not None else 1
         ranks = self.world_size * replicas
         # fp16 sums of many ranks can overflow: split the 1/N averaging into a pre- and a post-factor.
@@ -203,7 +204,7 @@ class GradReducer:
         return hook
 
     def _syncing(self) -> bool:
-        return self.stage >= 2 or self.sync is GradSync.BOUNDARY
+        return self.plan.shards_grads or self.sync is GradSync.BOUNDARY
 
     def _on_grad_ready(self, bi: int) -> None:
         if not self._syncing():
@@ -255,7 +256,7 @@ class GradReducer:
             self._stream.wait_stream(torch.cuda.current_stream(b.params[0].device))
             ctx = torch.cuda.stream(self._stream)
         with ctx:
-            if self.stage == 0:
+            if not self.plan.shards_optimizer_state:  # stage 0: whole gradients, as DDP
                 flat = b.pack_full(grads, dtype, extra=n)
                 _write_flags(flat[b.numel :], grads)
                 flat.div_(self._pre)
@@ -300,7 +301,7 @@ class GradReducer:
         counts = out[-n:].float()
         self._used[b.index] = counts if self._used[b.index] is None else self._used[b.index] + counts
         out = out[:-n]
-        if self.stage == 0:
+        if not self.plan.shards_optimizer_state:
             for p, red in zip(b.params, b.full_views(out)):
                 if p.grad is None:
                     TP.set_grad(p, red.to(p.dtype, copy=True))

@@ -89,8 +89,8 @@ class ParamPartitioner:
         self.prefetches = 0
         self._handles: list[Any] = []
         self._recompute_gathered: set[int] = set()  # units a recompute gathered (activations.py)
-        # called as a unit's backward begins: the engine makes sure this backward's end releases what it
-        # gathers even when none of its own parameters gets a gradient (engine._backward_begins)
+        # called as a unit's backward begins: this backward's end must release what it gathers even when
+        # none of the engine's parameters gets a gradient (setup.py, PartitionedParams._backward_begins)
         self.on_backward: Optional[Callable[[], None]] = None
         self._shard_all()
         self._install_hooks()

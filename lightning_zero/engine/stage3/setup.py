@@ -1,55 +1,107 @@
-"""How an engine becomes a stage-3 engine: units built, parameters partitioned, gradient buckets per unit.
+"""PartitionedParams: the stage-3 side of an engine -- units built, parameters partitioned, units released
+as their backward ends, and the end of every backward (also one no gradient of this engine flows through).
 
-One function so that ``ZeroEngine.__init__`` reads as the list of its parts; everything it makes is an
-engine attribute that the rest of the engine reads (``partitioner``, ``buckets``, ``releaser``, ...).
+The engine builds one when its plan shards parameters ([Note: sharding plan] in engine/plan.py) and hands
+it what it needs (the module, groups, the bucket table); nothing here writes into the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 
-from .. import param_groups as PG
 from ..config import ZeroConfig
-from ..engine_state import EngineMode
+from ..groups import reduce_scatter_group
 from .deferred_init import compute_device
 from .lifecycle import OrderCheck
 from .partition import ParamPartitioner
 from .release import BackwardReleaser
 from .units import build_units
 
-if TYPE_CHECKING:
-    from ..engine import ZeroEngine
-
 _log = logging.getLogger("lightning_zero.engine")
 
 
-def setup_stage3(engine: "ZeroEngine", per_opt: list[list[nn.Parameter]],
-                 device: Optional[torch.device]) -> ZeroConfig:
-    """Partition ``engine.module`` into units over ``engine.shard_group``; returns the config in force."""
-    cfg = engine.config
-    if len(engine.optimizers) > 1 and OrderCheck(cfg.order_check) is OrderCheck.STRICT:
-        # each optimizer runs its own forward/backward: a step holds several different forward sequences,
-        # which one recorded order cannot describe. Check before every gather instead.
-        cfg = dataclasses.replace(cfg, order_check=OrderCheck.ALWAYS.value)
-    module = engine.module
-    units = build_units(module, engine.world_size, engine.rank, cfg.unit_classes, cfg.unit_bytes, cfg.persist_numel)
-    device = torch.device(device) if device is not None else compute_device(module)
-    if engine.rank == 0:
-        _log.info(units.describe())
-    engine.partitioner = ParamPartitioner(module, units, engine.compute_dtype, device, cfg.offload_params,
-                                          engine.shard_group, cfg.prefetch, cfg.order_check, init_group=engine.group,
-                                          quantize=cfg.quantize_weights)
-    engine.partitioner.guard.eval_only = engine.mode is EngineMode.EVAL_ONLY
-    engine.buckets, engine._bucket_opt, engine._sources, engine._bucket_unit = PG.build_optimizer_buckets(
-        engine, per_opt, units)
-    # releases each unit as soon as its backward is over (see release.py for units with frozen params)
-    engine.releaser = BackwardReleaser.for_units(units, engine.buckets, engine._bucket_unit, engine.partitioner.release)
-    # The caller gives reduce-scatters their own group: they interleave with gathers differently per rank.
-    # Made once per process and shared by later engines (see [Note: why a group is never re-created] in
-    # groups.py); an evaluation-only engine reduces nothing and needs none.
+def stage3_config(cfg: ZeroConfig, n_optimizers: int) -> ZeroConfig:
+    """The config in force: with several optimizers each runs its own forward/backward, so a step holds
+    several different forward sequences, which one recorded order cannot describe: check before every
+    gather instead."""
+    if n_optimizers > 1 and OrderCheck(cfg.order_check) is OrderCheck.STRICT:
+        return dataclasses.replace(cfg, order_check=OrderCheck.ALWAYS.value)
     return cfg
+
+
+class PartitionedParams:
+    def __init__(self, module: nn.Module, cfg: ZeroConfig, world_size: int, rank: int,
+                 compute_dtype: Optional[torch.dtype], device: Optional[torch.device], shard_group: Any,
+                 init_group: Any, eval_only: bool) -> None:
+        """Partition ``module`` into units over ``shard_group`` (``cfg``: :func:`stage3_config`'s)."""
+        self.units = build_units(module, world_size, rank, cfg.unit_classes, cfg.unit_bytes, cfg.persist_numel)
+        device = torch.device(device) if device is not None else compute_device(module)
+        if rank == 0:
+            _log.info(self.units.describe())
+        self.partitioner = ParamPartitioner(module, self.units, compute_dtype, device, cfg.offload_params,
+                                            shard_group, cfg.prefetch, cfg.order_check, init_group=init_group,
+                                            quantize=cfg.quantize_weights)
+        self.partitioner.guard.eval_only = eval_only
+        self.partitioner.on_backward = self._backward_begins
+        self.releaser: Optional[BackwardReleaser] = None
+        self._in_reduction: Callable[[], bool] = lambda: False
+        self._backward_ends = 0  # how many backwards have ended (_backward_begins)
+        self._end_queued = False
+
+    @staticmethod
+    def reduce_group(hybrid: Any, group: Any) -> Any:
+        """Reduce-scatters get their own group: they interleave with gathers differently per rank. Made once
+        per process and shared by later engines ([Note: why a group is never re-created] in groups.py)."""
+        return hybrid.reduce_scatter if hybrid.reduce_scatter is not None else reduce_scatter_group(group)
+
+    def release_by_buckets(self, table, in_reduction: Callable[[], bool]) -> None:
+        """Release each unit as soon as its backward is over: its gradient buckets of ``table`` complete (see
+        release.py for units with frozen parameters). ``in_reduction``: the reducer is inside a backward."""
+        self.releaser = BackwardReleaser.for_units(self.units, table.buckets, [r.unit for r in table.rows],
+                                                   self.partitioner.release)
+        self._in_reduction = in_reduction
+
+    def add_rows(self, rows) -> None:
+        for r in rows:
+            self.releaser.add_bucket(r.bucket, r.unit)
+
+    def bucket_complete(self, bi: int) -> None:
+        self.releaser.bucket_complete(bi)
+
+    def end_of_backward(self) -> None:
+        self._backward_ends += 1
+        self._end_queued = False
+        self.partitioner.end_of_backward()
+        if self.releaser is not None:
+            self.releaser.reset()
+
+    def _backward_begins(self) -> None:
+        """A unit's backward begins: when no parameter of this engine gets a gradient in it (all frozen for
+        now: a GAN's discriminator under the generator's loss; an evaluation engine the loss flows through)
+        the reducer's callback never comes, so this one ends it (units released, order reset)."""
+        if not self._end_queued:
+            self._end_queued, ends = True, self._backward_ends
+            Variable._execution_engine.queue_callback(lambda: self._end_if_not_ended(ends))
+
+    def _end_if_not_ended(self, ends: int) -> None:
+        self._end_queued = False
+        if self._backward_ends == ends and not self._in_reduction():
+            self.end_of_backward()  # else the reducer ended it, or its callback (queued after this) will
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit gathered for a block of code (no autograd: the gathered values are read, not trained)."""
+        with torch.no_grad(), self.partitioner.gathered():
+            yield
+
+    def remove(self) -> None:
+        """Hooks off (the caller un-partitions the module first when it hands it back)."""
+        if self.releaser is not None:
+            self.releaser.remove()
