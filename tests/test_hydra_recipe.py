@@ -12,7 +12,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from tests.helpers.hydra_recipe import CONF, ROOT, compose_recipe  # first: puts examples/ on sys.path
+from tests.helpers.hydra_recipe import CONF, ROOT, compose_recipe, pairs_file  # noqa: F401  (examples/ on sys.path)
 from t5_config import (  # noqa: E402,I001
     ConfigError, T5FinetuneConf, build_datamodule, build_strategy, build_t5_config, validate_schema)
 
@@ -25,16 +25,6 @@ TRAINERS = {"cpu": "fork", "gpu": "popen"}
 
 def _options(group):
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-@pytest.fixture
-def pairs_file(tmp_path):
-    path = tmp_path / "pairs.jsonl"
-    with open(path, "w", encoding="utf-8") as f:
-        for i in range(300):
-            f.write(json.dumps({"code": f"def add_{i}(x):\n    return x + {i}\n",
-                                "doc": f"Add {i} to x."}) + "\n")
-    return path
 
 
 def test_config_groups_and_defaults():

@@ -5,9 +5,12 @@ Importing this module puts ``examples/`` on ``sys.path`` (it is not a package), 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
@@ -22,3 +25,14 @@ def compose_recipe(*overrides, hydra_cfg=False):
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("t5_finetune", overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+@pytest.fixture
+def pairs_file(tmp_path):
+    """300 code/doc pairs as the recipe's jsonl data source reads them."""
+    path = tmp_path / "pairs.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(300):
+            f.write(json.dumps({"code": f"def add_{i}(x):\n    return x + {i}\n",
+                                "doc": f"Add {i} to x."}) + "\n")
+    return path
