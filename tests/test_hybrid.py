@@ -19,7 +19,9 @@ from lightning_zero.tools.estimate import estimate_model_states
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
 from tests.helpers.models import memory_mlp as _memory_model
-from tests.helpers.parity import FP32_TIGHT, STEPS, UNITS, check_parity, train_parity_net as _train, use_sometimes as _use
+from tests.helpers.parity import FP32_TIGHT, STEPS, UNITS, check_parity
+from tests.helpers.parity import train_parity_net as _train
+from tests.helpers.parity import use_sometimes as _use
 
 K = 2
 ACCUM, CLIP = 2, 0.5

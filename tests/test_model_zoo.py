@@ -23,8 +23,8 @@ import lightning_zero  # noqa: F401  (registers the presets)
 from lightning_zero.engine import ZeroConfig, ZeroEngine, model_state_floor
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.lightning_models import TokenDataset, _params, trainer_kwargs
-from tests.helpers.zoo_models import ZOO, zoo_adamw, zoo_ddp_reference
 from tests.helpers.parity import close as _close
+from tests.helpers.zoo_models import ZOO, zoo_adamw, zoo_ddp_reference
 
 STEPS = 3
 PRESETS = ("zero3", "zero3_offload")

@@ -23,11 +23,11 @@ from lightning_zero.checkpoint.pipeline_dir import (consolidate_pipeline_checkpo
 from lightning_zero.engine.pipeline import PipelineZero, check_pipeline_size, estimate_stage_states, pipeline_layout
 from lightning_zero.engine.pipeline_split import split_gpt2
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.parity import is_close as _close
 from tests.helpers.pipeline_gpt2 import (BATCH, M, ACCUM, CALLS, RTOL,
     gpt2_model as _model, lm_loss as _loss, global_batch as _batch, adamw as _optimizer,
     single_process_reference as _reference, make_pipeline as _pipeline, train_pipeline as _train,
     named_state as _named)
-from tests.helpers.parity import is_close as _close
 
 
 def _parity_2(rank, world_size):
