@@ -156,7 +156,7 @@ def test_pipeline_manifest_damage_is_one_clear_error(saved, tmp_path, capsys):
     assert "Corrupt pipeline checkpoint" in err and "'num_stages' is missing" in err, err
     # a pipeline directory handed to the plain loader says what it is and what reads it
     with pytest.raises(ValueError, match=r"is a pipeline checkpoint .*Allowed: resume it with "
-                                         r"ZeroStrategy\(pipeline_parallel_size=P\)"):
+                                         r"ZeroPipelineStrategy\(pipeline_parallel_size=P\)"):
         ck.load_checkpoint_dir(as_pipeline(saved, "stage0"), *_engine(3))
     from lightning_zero.checkpoint.pipeline_dir import read_manifest
     with pytest.raises(ValueError, match=r"not a pipeline checkpoint directory but a ZeroStrategy checkpoint "

@@ -254,7 +254,7 @@ def test_plain_ddp_resumes_from_a_zero3_directory(tmp_path):
             torch.testing.assert_close(a["params"][k], v, rtol=1e-5, atol=1e-6, msg=f"rank {r} {k}")
 
 
-@pytest.mark.parametrize("io_module", ["lightning.fabric.plugins.io.torch_io", "lightning_fabric.plugins.io.torch_io"])
+@pytest.mark.parametrize("io_module", ["lightning.fabric.plugins.io.torch_io"])  # the lightning distribution only
 def test_torch_checkpoint_io_reads_only_zero_directories(saved_dir, tmp_path, io_module):
     """Both Lightning distributions' TorchCheckpointIO: a ZeRO directory comes back as a Lightning checkpoint
     (full weights as ``consolidate`` writes them, optimizer state by position); anything else is untouched."""

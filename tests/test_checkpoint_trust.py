@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.checkpoint import FileSystemReader
 
 import lightning_zero  # noqa: F401  (installs the Lightning loaders)
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroPipelineStrategy, ZeroStrategy
 from lightning_zero import checkpoint as ck
 from lightning_zero.checkpoint.consolidate import consolidate, full_model_state
 from lightning_zero.checkpoint.pipeline_dir import consolidate_pipeline_checkpoint
@@ -101,7 +101,7 @@ def test_crafted_meta_pt_runs_in_no_reader(lightning_dir, tmp_path, capsys):
                                                          ).fit(TiedParityModule(str(tmp_path)), ckpt_path=str(path)),
         "load_from_checkpoint": lambda: TiedParityModule.load_from_checkpoint(path, out=str(tmp_path)),
         "Fabric load": lambda: Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(stage=2)).load(path),
-        "pipeline strategy": lambda: ZeroStrategy(pipeline_parallel_size=2).load_checkpoint(as_pipeline(path)),
+        "pipeline strategy": lambda: ZeroPipelineStrategy(pipeline_parallel_size=2).load_checkpoint(as_pipeline(path)),
     }
     for what, read in readers.items():
         with pytest.raises(ValueError, match=refused if what != "pipeline strategy" else r"Refusing .*meta\.pt"):

@@ -1,4 +1,4 @@
-"""Every constructor knob of ZeroConfig, ZeroStrategy (and the ZeroPipelineStrategy it builds) and
+"""Every constructor knob of ZeroConfig, ZeroStrategy, ZeroPipelineStrategy and
 ZeroFabricStrategy is checked at construction: valid values pass, each kind of bad value (wrong type, out of
 range, not in the allowed set, a refused combination) is one ValueError naming the knob and what is allowed.
 A table row per knob; ``test_every_parameter_has_a_row`` fails as soon as a signature gains a knob without
@@ -140,31 +140,34 @@ TRAINER = {
                                                  dict(shard_group_size=2)),
                                                 (2, r"checkpoint_format='full' is not available with "
                                                     r"tensor_parallel_size", dict(checkpoint_format="full"))]),
+}
+
+# -- ZeroPipelineStrategy's own knobs (it takes ZeroStrategy's too) ---------------------------------------------------
+PIPE = dict(pipeline_parallel_size=2)
+PIPELINE = {
     "pipeline_parallel_size": Knob(
-        [None, 2, (2, dict(stage=2, offload_optimizer=True)), (2, dict(stage=0))],  # offload: see the test below
-        [(v, "pipeline_parallel_size must be an int >= 1") for v in (0, 2.0, True)]
+        [2, (2, dict(stage=2, offload_optimizer=True)), (2, dict(stage=0))],  # offload: see the test below
+        [(v, "pipeline_parallel_size must be an int >= 1") for v in (0, 2.0, True, None)]
         + [(2, r"composes with ZeRO stages 0, 1 and 2 .*Allowed: stage=0, 1 or 2", dict(stage=3)),
            (2, r"shard_group_size=2 .* does not compose with pipeline_parallel_size.*Allowed: shard_group_size=None",
             dict(shard_group_size=2)),
            (2, r"tensor_parallel_size cannot be combined with pipeline_parallel_size", dict(tensor_parallel_size=2)),
            (2, r"checkpoint_format='full' is not available with pipeline_parallel_size",
-            dict(checkpoint_format="full"))]),
-}
-
-# -- ZeroPipelineStrategy's own knobs (ZeroStrategy(pipeline_parallel_size=P, ...)) ----------------------------------
-PIPE = dict(pipeline_parallel_size=2)
-OFF = r"configure pipeline parallelism, which is off \(pipeline_parallel_size=None\)"
-PIPELINE = {
-    "pipeline_microbatches": Knob([1, 8], [(v, "pipeline_microbatches must be an int >= 1") for v in (0, 2.0, True)]
-                                  + [(4, OFF, dict(pipeline_parallel_size=None))], PIPE),
+            dict(checkpoint_format="full")),
+           (2, r"memory_summary=True is not available with pipeline_parallel_size.*Allowed: memory_summary=False",
+            dict(memory_summary=True)),
+           (2, r"load_weights_from=.* is not available with pipeline_parallel_size.*Allowed: load_weights_from=None",
+            dict(load_weights_from=str(Path(__file__).parent)))]),
+    "pipeline_microbatches": Knob([1, 8], [(v, "pipeline_microbatches must be an int >= 1") for v in (0, 2.0, True)],
+                                  PIPE),
     "pipeline_schedule": Knob(["1f1b", "gpipe", "interleaved"],
                               [(v, r"Unknown pipeline_schedule .*Allowed: 1f1b, gpipe, interleaved")
                                for v in ("zb", None, ["gpipe"])], PIPE),
     "pipeline_max_imbalance": Knob([None, 1, 4.0], [(v, r"pipeline_max_imbalance must be a finite number >= 1 .* "
                                                        r"or None") for v in (0.5, "4", True, math.nan)], PIPE),
     "pipeline_chunks": Knob([None, 1], [(0, "pipeline_chunks must be an int >= 1"), (1.0, "pipeline_chunks must be"),
-                                        (2, r"pipeline_chunks=2 .*Allowed: pipeline_schedule='interleaved'")]
-                            + [(2, OFF, dict(pipeline_parallel_size=None))], PIPE),
+                                        (2, r"pipeline_chunks=2 .*Allowed: pipeline_schedule='interleaved'")],
+                            PIPE),
 }
 
 # -- ZeroFabricStrategy's own knobs ---------------------------------------------------------------------------------
@@ -186,6 +189,8 @@ def _build(target: str, kwargs: dict):
         return ZeroConfig(**kwargs)
     if target == "fabric":
         return ZeroFabricStrategy(**kwargs)
+    if target == "pipeline":
+        return ZeroPipelineStrategy(**kwargs)
     return ZeroStrategy(**kwargs)
 
 
@@ -217,8 +222,8 @@ def test_valid_value_is_accepted(target, name, kwargs, _):
     config = built if target == "config" else built.zero_config
     if name in CONFIG and name not in ("unit_classes", "activation_checkpointing", "reduce_dtype", "order_check"):
         assert getattr(config, name) == kwargs[name]  # kept as given (the normalized ones: below)
-    if name == "pipeline_parallel_size":
-        assert isinstance(built, ZeroPipelineStrategy) is (kwargs[name] is not None)
+    if target == "pipeline":
+        assert type(built) is ZeroPipelineStrategy and built.pipeline_parallel_size == kwargs["pipeline_parallel_size"]
 
 
 @pytest.mark.parametrize("target,name,kwargs,regex", _cases(TABLES, "bad"))
@@ -241,8 +246,13 @@ def test_normalized_values():
 
 
 def test_unknown_arguments_are_a_type_error():
-    with pytest.raises(TypeError, match="unexpected keyword argument"):
+    with pytest.raises(TypeError, match=r"ZeroStrategy got unknown argument\(s\) stages\. Allowed: stage, "):
         ZeroStrategy(stages=2)
+    for name in ("pipeline_parallel_size", "pipeline_microbatches", "pipeline_chunks"):  # ZeroPipelineStrategy's
+        with pytest.raises(TypeError, match=rf"unknown argument\(s\) {name} .*ZeroPipelineStrategy\("):
+            ZeroStrategy(**{name: 2})
+    with pytest.raises(TypeError, match="unknown argument.*stages. Allowed: stage, "):
+        ZeroPipelineStrategy(stages=2)
     with pytest.raises(TypeError, match="unknown argument.*Allowed: stage, "):
         ZeroFabricStrategy(memory_summary=True)  # a Trainer-only knob
 
@@ -256,7 +266,7 @@ def test_every_parameter_has_a_row():
     """A knob added to a signature without a row here fails (and every ZeroConfig field reaches both strategies)."""
     assert _knobs(ZeroConfig) == set(CONFIG)
     assert _knobs(ZeroStrategy.__init__) == set(CONFIG) | set(TRAINER)
-    assert _knobs(ZeroPipelineStrategy.__init__) == {"pipeline_parallel_size"} | set(PIPELINE)
+    assert _knobs(ZeroPipelineStrategy.__init__) == set(CONFIG) | set(TRAINER) | set(PIPELINE)
     assert _knobs(ZeroFabricStrategy.__init__) == set(CONFIG) | set(FABRIC)
     for table in (CONFIG, TRAINER, PIPELINE, FABRIC):
         assert all(k.good and k.bad for k in table.values())

@@ -1,4 +1,4 @@
-"""ZeroStrategy(pipeline_parallel_size=2) under the Trainer: validate / test / predict (inside and outside
+"""ZeroPipelineStrategy(pipeline_parallel_size=2) under the Trainer: validate / test / predict (inside and outside
 fit), bf16 and fp16, the interleaved schedule, and the consolidate CLI on a pipeline checkpoint.
 
 References: the uncut GPT-2 in this process (tests/test_pipeline_lightning.py's ``_reference``: the same
@@ -18,7 +18,7 @@ from lightning.pytorch import Trainer
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_zero import ZeroPrecision, ZeroStrategy
+from lightning_zero import ZeroPipelineStrategy, ZeroPrecision, ZeroStrategy
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.pipeline_split import split_gpt2
 from lightning_zero.tools.cli import main as cli
@@ -101,8 +101,8 @@ class InterleavedGPT2(EvalGPT2):
 
 
 def _trainer(devices=2, precision=None, schedule="1f1b", stage=1, plugins=(), **kw):
-    strategy = ZeroStrategy(stage=stage, start_method="fork", bucket_mb=0.01, pipeline_parallel_size=2,
-                            pipeline_microbatches=M, pipeline_schedule=schedule)
+    strategy = ZeroPipelineStrategy(stage=stage, start_method="fork", bucket_mb=0.01, pipeline_parallel_size=2,
+                                    pipeline_microbatches=M, pipeline_schedule=schedule)
     extra = dict(precision=precision) if precision is not None else {}
     return Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False,
                    enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1, limit_test_batches=1,

@@ -1,4 +1,4 @@
-"""ZeroStrategy(pipeline_parallel_size=2) under a real Trainer (fork launcher, gloo) on a tiny HF GPT-2.
+"""ZeroPipelineStrategy(pipeline_parallel_size=2) under a real Trainer (fork launcher, gloo) on a tiny HF GPT-2.
 
 Reference: the uncut model trained in this process (tests/test_pipeline.py's model, loss and AdamW) on
 the batches the ranks saw (Lightning's training sampler shuffles; both stages must see the same batch: the
@@ -11,6 +11,7 @@ epoch, which must continue as the uninterrupted reference does.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +29,8 @@ from tests.helpers.pipeline_lightning import (BATCHES, PipeGPT2, SaveAtEpochEnd,
 
 def _fit(out, tag, schedule, epochs, ckpt_path=None, callbacks=(), stage=None, devices=2):
     stage = stage if stage is not None else (2 if schedule == "1f1b" else 1)
-    strategy = ZeroStrategy(stage=stage, start_method="fork", bucket_mb=0.01,
-                            pipeline_parallel_size=2, pipeline_microbatches=M, pipeline_schedule=schedule)
+    strategy = ZeroPipelineStrategy(stage=stage, start_method="fork", bucket_mb=0.01,
+                                    pipeline_parallel_size=2, pipeline_microbatches=M, pipeline_schedule=schedule)
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs,
                       accumulate_grad_batches=ACCUM, gradient_clip_val=CLIP, logger=False,
                       enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
@@ -66,25 +67,34 @@ def test_p2_trainer_matches_single_process_and_resumes(tmp_path):
 
 
 def test_bad_pipeline_settings_get_one_clear_error():
-    assert type(ZeroStrategy(stage=1, pipeline_parallel_size=2)) is ZeroPipelineStrategy
+    assert type(ZeroPipelineStrategy(stage=1, pipeline_parallel_size=2)) is ZeroPipelineStrategy
     assert type(ZeroStrategy(stage=1)) is ZeroStrategy
     with pytest.raises(ValueError, match="Allowed: stage=0, 1 or 2"):
-        ZeroStrategy(stage=3, pipeline_parallel_size=2)
+        ZeroPipelineStrategy(stage=3, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="Unknown pipeline_schedule 'zigzag'. Allowed: 1f1b, gpipe, interleaved"):
-        ZeroStrategy(pipeline_parallel_size=2, pipeline_schedule="zigzag")
+        ZeroPipelineStrategy(pipeline_parallel_size=2, pipeline_schedule="zigzag")
     with pytest.raises(ValueError, match="pipeline_microbatches must be an int >= 1"):
-        ZeroStrategy(pipeline_parallel_size=2, pipeline_microbatches=0)
-    # None means no pipeline: the plain ZeroStrategy; pipeline options without a pipeline: one clear error
-    assert type(ZeroStrategy(stage=1, pipeline_parallel_size=None)) is ZeroStrategy
-    with pytest.raises(ValueError, match=r"pipeline_microbatches configure pipeline parallelism, which is off "
-                                         r"\(pipeline_parallel_size=None\). Allowed: pipeline_parallel_size=P"):
-        ZeroStrategy(pipeline_microbatches=4)
+        ZeroPipelineStrategy(pipeline_parallel_size=2, pipeline_microbatches=0)
+    # the plain ZeroStrategy has no pipeline: its options there are one clear error naming the class that has
+    for kwargs in (dict(pipeline_parallel_size=2), dict(pipeline_microbatches=4)):
+        with pytest.raises(TypeError, match=r"ZeroStrategy got unknown argument\(s\) pipeline_.* configure pipeline "
+                                            r"parallelism: ZeroPipelineStrategy\(pipeline_parallel_size=P, ...\)"):
+            ZeroStrategy(**kwargs)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be an int >= 1"):
+        ZeroPipelineStrategy(pipeline_parallel_size=None)
     with pytest.raises(ValueError, match="pipeline_chunks=2 .* Allowed: pipeline_schedule='interleaved'"):
-        ZeroStrategy(pipeline_parallel_size=2, pipeline_chunks=2)
-    assert ZeroStrategy(pipeline_parallel_size=2, pipeline_schedule="interleaved").pipeline_chunks == 2
+        ZeroPipelineStrategy(pipeline_parallel_size=2, pipeline_chunks=2)
+    assert ZeroPipelineStrategy(pipeline_parallel_size=2, pipeline_schedule="interleaved").pipeline_chunks == 2
     with pytest.raises(ValueError, match="does not divide the world of 2 rank.*Allowed: 1, 2"):
-        Trainer(strategy=ZeroStrategy(pipeline_parallel_size=3, start_method="fork"), accelerator="cpu", devices=2,
-                logger=False)
+        Trainer(strategy=ZeroPipelineStrategy(pipeline_parallel_size=3, start_method="fork"), accelerator="cpu",
+                devices=2, logger=False)
+    # what it inherits and cannot run is refused, not ignored
+    with pytest.raises(ValueError, match=r"memory_summary=True is not available with pipeline_parallel_size.*"
+                                         r"Allowed: memory_summary=False"):
+        ZeroPipelineStrategy(pipeline_parallel_size=2, memory_summary=True)
+    with pytest.raises(ValueError, match=r"load_weights_from=.* is not available with pipeline_parallel_size.*"
+                                         r"Allowed: load_weights_from=None"):
+        ZeroPipelineStrategy(pipeline_parallel_size=2, load_weights_from=str(Path(__file__).parent))
 
 
 @pytest.mark.timeout(240)

@@ -24,7 +24,7 @@ FITS = 5
 
 
 def _strategy_and_module(mode: str, out: str):
-    from lightning_zero import ZeroStrategy
+    from lightning_zero import ZeroPipelineStrategy, ZeroStrategy
     from tests.helpers.lifecycle_harness import STAGES, LifecycleModule
 
     if mode in ("zero2", "zero3"):
@@ -38,7 +38,7 @@ def _strategy_and_module(mode: str, out: str):
     from tests.helpers.pipeline_gpt2 import M
     from tests.helpers.pipeline_lightning import PipeGPT2
 
-    return ZeroStrategy(stage=1, pipeline_parallel_size=2, pipeline_microbatches=M), PipeGPT2(out, "pipe")
+    return ZeroPipelineStrategy(stage=1, pipeline_parallel_size=2, pipeline_microbatches=M), PipeGPT2(out, "pipe")
 
 
 def _counts() -> dict:

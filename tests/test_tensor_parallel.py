@@ -220,10 +220,10 @@ def test_engine_refuses_what_it_cannot_do():
     (dict(stage=2, tensor_parallel_size=2, checkpoint_format="full"), "Allowed: checkpoint_format='sharded'"),
 ])
 def test_strategy_refuses_bad_tensor_parallel_settings(kwargs, message):
-    from lightning_zero import ZeroStrategy
+    from lightning_zero import ZeroPipelineStrategy, ZeroStrategy
 
     with pytest.raises(ValueError, match=message):
-        ZeroStrategy(**kwargs)
+        (ZeroPipelineStrategy if "pipeline_parallel_size" in kwargs else ZeroStrategy)(**kwargs)
 
 
 def test_tensor_parallel_size_must_divide_the_world():

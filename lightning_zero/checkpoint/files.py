@@ -106,9 +106,9 @@ def read_info(path: _PathLike, trust_checkpoint: bool = False) -> dict:
                          f"{str(path / 'models')}/<key> OUT`).")
     if info.get("format") == PIPELINE_FORMAT:
         raise ValueError(f"{str(path)!r} is a pipeline checkpoint (one sharded directory per stage, written by "
-                         "ZeroStrategy(pipeline_parallel_size=P) / PipelineZero.save). Allowed: resume it with "
-                         "ZeroStrategy(pipeline_parallel_size=P), or `lightning-zero consolidate DIR OUT.pt` for "
-                         "the uncut model's state dict.")
+                         "ZeroPipelineStrategy(pipeline_parallel_size=P) / PipelineZero.save). Allowed: resume it "
+                         "with ZeroPipelineStrategy(pipeline_parallel_size=P), or `lightning-zero consolidate DIR "
+                         "OUT.pt` for the uncut model's state dict.")
     if info.get("format") != FORMAT or not isinstance(info.get("version"), int) or info["version"] > VERSION:
         raise ValueError(f"{str(path)!r}: unsupported checkpoint format {info.get('format')!r} "
                          f"version {info.get('version')!r} (this release reads {FORMAT} <= {VERSION}).")

@@ -33,17 +33,20 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
-from lightning.pytorch.tuner import batch_size_scaling as _lightning_scaling
 from lightning.pytorch.utilities.memory import garbage_collection_cuda, is_oom_error
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from .callback_checks import lightning_finder_refusal
+from .compat import (TunerExitException, batch_size_scaling, fit_data_is_module, fit_dataset_length,
+                     restore_checkpoint, tuning_module)
 from ..engine.step_bytes import StepMeter, engine_memory, step_device_bytes
 
 log = logging.getLogger(__name__)
 
-# Lightning's finder's own loop handling (module-level names: getattr keeps them out of name mangling)
+# Lightning's finder's own loop handling (module-level names: getattr keeps them out of name mangling;
+# compat checked they exist)
+_lightning_scaling = batch_size_scaling()
 _dump_params = getattr(_lightning_scaling, "__scale_batch_dump_params")
 _reset_params = getattr(_lightning_scaling, "__scale_batch_reset_params")
 _restore_params = getattr(_lightning_scaling, "__scale_batch_restore_params")
@@ -156,7 +159,7 @@ class ZeroBatchSizeFinder(Callback):
         if isinstance(strategy, ZeroPipelineStrategy):
             raise ValueError("ZeroBatchSizeFinder does not run under pipeline parallelism (one engine per stage "
                              "chunk). Allowed: ZeroStrategy without pipeline_parallel_size.")
-        if not trainer.fit_loop._data_source.is_module():
+        if not fit_data_is_module(trainer):
             raise ValueError("ZeroBatchSizeFinder cannot be used with dataloaders passed directly to `.fit()` (it "
                              "rebuilds them at each batch size). Allowed: train_dataloader() in the LightningModule "
                              "or a LightningDataModule.")
@@ -203,7 +206,7 @@ class ZeroBatchSizeFinder(Callback):
             _restore_params(trainer, params)
             if trainer.progress_bar_callback:
                 trainer.progress_bar_callback.enable()
-            trainer._checkpoint_connector.restore(ckpt_path)
+            restore_checkpoint(trainer, ckpt_path)
             strategy.barrier("zero_batch_size_finder")
             strategy.remove_checkpoint(ckpt_path)
             garbage_collection_cuda()
@@ -212,9 +215,7 @@ class ZeroBatchSizeFinder(Callback):
         rank_zero_info(f"ZeroBatchSizeFinder: micro-batch {found} fits {self.cap_bytes / 2**20:.2f} MiB per rank "
                        f"(trials: {tried})")
         if self._early_exit:
-            from lightning.pytorch.utilities.exceptions import _TunerExitException
-
-            raise _TunerExitException()
+            raise TunerExitException()
         return found
 
     def _search(self, trainer, pl_module, meter: _TrialMeter, params: dict) -> int:
@@ -286,7 +287,7 @@ class ZeroBatchSizeFinder(Callback):
         loop = trainer.fit_loop
         loop.setup_data()
         try:
-            return int(loop._combined_loader._dataset_length())
+            return fit_dataset_length(loop)
         except (NotImplementedError, TypeError, AttributeError):  # iterable-style data
             return 2**62
 
@@ -294,7 +295,7 @@ class ZeroBatchSizeFinder(Callback):
 def install() -> None:
     """``Tuner(trainer).scale_batch_size(model)`` checks its strategy before anything runs: there, with a
     ZeroStrategy, the error names ZeroBatchSizeFinder (once; other strategies keep Lightning's check)."""
-    from lightning.pytorch.tuner import tuning
+    tuning = tuning_module()
 
     original = tuning._check_scale_batch_size_configuration
     if getattr(original, "_lightning_zero", False):

@@ -20,8 +20,9 @@ _LOADED_KEY = "lightning_zero_checkpoint_dir"
 class ZeroCheckpointMixin:
     """Strategy methods that make Lightning write and read ZeRO checkpoints.
 
-    Use as ``class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy)``; expects ``self.engine`` (None outside
-    fitting) and ``self.precision_plugin``. ``checkpoint_format``: "sharded" (default) writes DCP
+    Use as ``class ZeroStrategy(ZeroCheckpointMixin, DDPStrategy)``. The host's side of the contract is the
+    attributes declared below (set by ``ZeroStrategy.__init__`` and its setup / teardown) and
+    ``self.precision_plugin``. ``checkpoint_format``: "sharded" (default) writes DCP
     directories; "full" writes Lightning's single file with consolidated (full, fp32) model and optimizer
     state. Both formats load in either mode, at any world size and stage.
     """
@@ -29,6 +30,8 @@ class ZeroCheckpointMixin:
     checkpoint_format = "sharded"
     trust_checkpoint = False  # read checkpoints' pickles unrestricted (docs/security.md)
     _zero_trust = False  # this load's decision: trust_checkpoint, or Lightning's weights_only=False
+    engine: Optional[Any] = None  # the live engine (None outside a setup)
+    _trained_engine: Optional[Any] = None  # a finished fit's, detached ([Note: the trained state outlives fit])
 
     @property
     def _zero_sharded(self) -> bool:
@@ -36,19 +39,14 @@ class ZeroCheckpointMixin:
             raise ValueError(f"checkpoint_format={self.checkpoint_format!r}; allowed: 'sharded', 'full'.")
         return self.checkpoint_format == "sharded"
 
-    @property
-    def _zero_engine(self):
-        return getattr(self, "engine", None)
-
-    @property
-    def _zero_saved_engine(self):
+    def _engine_to_save(self):
         """The engine whose state a save writes: the live one, else the detached one a finished fit left
-        (see [Note: the trained state outlives fit] in strategy.py), with the module's values adopted:
-        once fit is over the whole module is what the user holds (and may have loaded or averaged)."""
-        engine = self._zero_engine
-        if engine is not None:
-            return engine
-        trained = getattr(self, "_trained_engine", None)
+        (see [Note: the trained state outlives fit] in strategy.py), which first adopts the module's values
+        (a method, not a property: it writes the masters): once fit is over the whole module is what the user
+        holds (and may have loaded or averaged)."""
+        if self.engine is not None:
+            return self.engine
+        trained = self._trained_engine
         if trained is not None:
             trained.load_masters_from_module()
         return trained
@@ -56,14 +54,14 @@ class ZeroCheckpointMixin:
     @property
     def _zero_optimizer_engine(self):
         """The engine holding the optimizer's shards: the live training engine, else a finished fit's."""
-        engine = self._zero_engine
+        engine = self.engine
         if engine is not None and engine.mode is EngineMode.TRAIN:
             return engine
-        return getattr(self, "_trained_engine", None)
+        return self._trained_engine
 
     # -- what Lightning puts into the checkpoint dict -----------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        engine = self._zero_saved_engine
+        engine = self._engine_to_save()
         if self._zero_sharded:
             return sharded_model_state(self.lightning_module, engine)
         if engine is not None and engine.partitions_params:  # stage 3: nothing is whole in the module
@@ -97,7 +95,7 @@ class ZeroCheckpointMixin:
         checkpoint = dict(checkpoint)
         model_state = checkpoint.pop("state_dict")
         opt_states = checkpoint.pop("optimizer_states", None)
-        engine = self._zero_saved_engine
+        engine = self._engine_to_save()
         opt = opt_states if opt_states and self._zero_optimizer_engine is not None else None
         if opt_states is not None and opt is None:
             checkpoint["optimizer_states"] = opt_states  # evaluation: no optimizer, an empty list
@@ -126,7 +124,7 @@ class ZeroCheckpointMixin:
         return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        engine = self._zero_engine
+        engine = self.engine
         if _LOADED_KEY in checkpoint:
             load_model_state(checkpoint[_LOADED_KEY], self.lightning_module, engine, strict,
                              trust_checkpoint=self._zero_trust)
@@ -148,7 +146,7 @@ class ZeroCheckpointMixin:
                                  "params": [named[n] for n in g["params"]]})
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        engine = self._zero_engine
+        engine = self.engine
         states = checkpoint.get("optimizer_states") or []
         if engine is None or not states:
             return

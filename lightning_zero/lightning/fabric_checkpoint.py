@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning
-from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -38,6 +37,7 @@ from ..checkpoint.format import (load_model_state, load_optimizer_state, read_in
 from ..checkpoint.models_dir import (SavedModel, is_models_checkpoint, model_checkpoint, read_models_manifest,
                                      save_models_checkpoint)
 from ..checkpoint.trust import trusted
+from .compat import Stateful
 from .lightning_io import load_as_lightning_checkpoint
 from .precision import ZeroPrecision
 
@@ -48,6 +48,8 @@ _PRECISION_KEY = ZeroPrecision.__qualname__  # where the Trainer keeps (and rest
 class ZeroFabricCheckpointMixin:
     """``save_checkpoint`` / ``load_checkpoint`` of :class:`ZeroFabricStrategy` (expects its ``_model_of(module)``
     and its precision plugin's ``engine_for(optimizer)``)."""
+
+    trust_checkpoint = False  # the host's knob (ZeroFabricStrategy's argument; docs/security.md)
 
     def _split_state(self, state: dict) -> tuple[list[tuple[str, Module]], list[tuple[str, Optimizer]], dict]:
         modules = [(k, v) for k, v in state.items() if isinstance(v, Module)]
@@ -79,7 +81,7 @@ class ZeroFabricCheckpointMixin:
             raise ValueError("fabric.save under ZeroFabricStrategy needs the model in the state (the directory is "
                              "written from its shards), e.g. fabric.save(path, {'model': model, 'optimizer': opt}).")
         saved = self._saved_models(modules, optimizers)
-        meta = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in others.items()}
+        meta = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in others.items()}
         added = [k for k, v in (("pytorch-lightning_version", lightning.__version__), ("lr_schedulers", []))
                  if meta.setdefault(k, v) is v]
         if _PRECISION_KEY not in meta:
@@ -122,7 +124,7 @@ class ZeroFabricCheckpointMixin:
         path = resolve_checkpoint_dir(self.broadcast(str(path)))
         if not path.is_dir():
             return self._load_file(path, state, strict, weights_only)
-        trust = trusted(getattr(self, "trust_checkpoint", False), weights_only)
+        trust = trusted(self.trust_checkpoint, weights_only)
         if is_models_checkpoint(path):
             return self._load_models(path, state, strict, trust)
         if not state:  # the whole checkpoint, consolidated (full fp32 weights), under the saved names
@@ -257,7 +259,7 @@ class ZeroFabricCheckpointMixin:
         for key, obj in others.items():
             if key not in checkpoint:
                 continue
-            if isinstance(obj, _Stateful):
+            if isinstance(obj, Stateful):
                 obj.load_state_dict(checkpoint.pop(key))
             else:
                 state[key] = checkpoint.pop(key)

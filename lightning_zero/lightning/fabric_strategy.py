@@ -32,99 +32,52 @@ optimizer over the cut module and ``fabric.setup_optimizers`` it), or by the use
 from __future__ import annotations
 
 import contextlib
-import inspect
 from contextlib import AbstractContextManager, nullcontext
-from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.plugins.io import CheckpointIO
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from ..engine import ZeroEngine, collectives
 from ..engine.stage3.deferred_init import has_meta_params, meta_init
+from .compat import BackwardSyncControl, FabricSubprocessScriptLauncher, fabric_wrappers
 from .fabric_checkpoint import ZeroFabricCheckpointMixin
 from .fabric_precision import ZeroFabricPrecision
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
+from .strategy_args import FABRIC as FABRIC_ARGS, bind, declare
 from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
                          init_attempt_group, register_presets, zero_config)
 
 
 class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStrategy):
     """ZeRO data parallelism for Fabric: ``Fabric(strategy=ZeroFabricStrategy(stage=3, ...))`` or a
-    registered name (``"zero0"`` ... ``"zero3_offload"``, each also ``_spawn`` / ``_fork``).
+    registered name (``"zero0"`` ... ``"zero3_offload"``, each also ``_spawn`` / ``_fork``). The arguments
+    mean what they mean for :class:`~lightning_zero.ZeroStrategy` (``lightning/strategy_args.py``)."""
 
-    Args: as :class:`~lightning_zero.ZeroStrategy` (stage, offload_optimizer, offload_params, bucket_mb,
-    reduce_dtype, broadcast_buffers, the stage-3 unit options, start_method, process_group_backend,
-    timeout, grad_reduce, offload_kernel); ``precision``: a :class:`ZeroFabricPrecision` (else Fabric's ``precision=`` flag is mapped).
-    ``tensor_parallel_size``: as the Trainer's (stages 0-2); ``parallelize_fn(module, device_mesh) -> module``
-    cuts the model in ``fabric.setup_module`` (e.g. torch's ``parallelize_module`` over
-    ``device_mesh["tensor_parallel"]``), as Lightning's Fabric ``ModelParallelStrategy`` does.
-    """
-
-    def __init__(
-        self,
-        stage: int = 2,
-        offload_optimizer: bool = False,
-        offload_params: bool = False,
-        bucket_mb: float = 25.0,
-        reduce_dtype: Optional[Any] = None,
-        broadcast_buffers: bool = True,
-        unit_classes: Optional[Sequence[Any]] = None,
-        unit_mb: Optional[float] = None,
-        persist_numel: Optional[int] = None,
-        prefetch: bool = True,
-        order_check: str = "strict",
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: str = "popen",
-        shard_group_size: Optional[int] = None,
-        activation_checkpointing: Optional[Any] = None,
-        offload_activations: bool = False,
-        grad_reduce: str = "auto",
-        tensor_parallel_size: Optional[int] = None,
-        overlap_publish: bool = False,
-        quantize_weights: bool = False,
-        quantize_grads: bool = False,
-        offload_kernel: str = "fused",
-        parallelize_fn: Optional[Callable[[Module, Any], Module]] = None,
-        trust_checkpoint: bool = False,
-        **unknown: Any,
-    ) -> None:
-        if unknown:  # Fabric's DDPStrategy forwards extra kwargs to DistributedDataParallel; there is none here
-            allowed = [n for n in inspect.signature(ZeroFabricStrategy.__init__).parameters
-                       if n not in ("self", "unknown")]
-            raise TypeError(f"ZeroFabricStrategy got unknown argument(s) {', '.join(sorted(unknown))}. "
-                            f"Allowed: {', '.join(allowed)}.")
-        self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
-        check_strategy_knobs("ZeroFabricStrategy", locals(), dict(  # and the strategy's own
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # one TypeError for anything else: Fabric's DDPStrategy would forward it to DistributedDataParallel
+        knobs = bind("ZeroFabricStrategy", FABRIC_ARGS, args, kwargs)
+        tensor_parallel_size, parallelize_fn = knobs["tensor_parallel_size"], knobs["parallelize_fn"]
+        self.zero_config = zero_config(knobs)  # the arguments named like ZeroConfig fields
+        check_strategy_knobs("ZeroFabricStrategy", knobs, dict(  # and the strategy's own
             accelerator=Accelerator, cluster_environment=ClusterEnvironment, checkpoint_io=CheckpointIO))
-        check_tensor_parallel_args(dict(tensor_parallel_size=tensor_parallel_size, shard_group_size=shard_group_size))
+        check_tensor_parallel_args(knobs)
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config)  # None without TP
         if parallelize_fn is not None and self.tensor_parallel is None:
             raise ValueError("parallelize_fn needs tensor_parallel_size=T (it is called with the 2-D device mesh). "
                              "Allowed: ZeroFabricStrategy(tensor_parallel_size=T, parallelize_fn=...).")
         self._parallelize_fn = parallelize_fn
-        self.trust_checkpoint = bool(trust_checkpoint)  # as ZeroStrategy's (docs/security.md)
-        super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
-            timeout=timeout, start_method=start_method,
-        )
+        self.trust_checkpoint = bool(knobs["trust_checkpoint"])  # as ZeroStrategy's (docs/security.md)
+        super().__init__(**{k: knobs[k] for k in ("accelerator", "parallel_devices", "cluster_environment",
+                                                  "checkpoint_io", "precision", "process_group_backend", "timeout",
+                                                  "start_method")})
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self._models: list[_SetUpModel] = []  # in setup order, each with its own engine
 
@@ -146,7 +99,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
 
     # -- model construction ---------------------------------------------------------------------------
     def _configure_launcher(self) -> None:  # torchrun / SLURM made the processes: start none (zero_setup.py)
-        if not external_launcher(self, _SubprocessScriptLauncher, rank_zero_info):
+        if not external_launcher(self, FabricSubprocessScriptLauncher, rank_zero_info):
             super()._configure_launcher()
 
     def _setup_distributed(self) -> None:
@@ -360,6 +313,9 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         register_presets(cls, strategy_registry, what="ZeRO (Fabric)")
 
 
+declare(ZeroFabricStrategy, FABRIC_ARGS)
+
+
 class _SetUpModel:
     """A model set up under the strategy: its module, its engine (None until one is built: stages 0-2
     without an optimizer) and the forward pre-hook that prepares each forward."""
@@ -370,7 +326,7 @@ class _SetUpModel:
         self.handles: list = []
 
 
-class _ZeroBackwardSyncControl(_BackwardSyncControl):
+class _ZeroBackwardSyncControl(BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: accumulate without reducing (no collective at stages 0-1;
     stage 2+ still reduces each micro-batch into its shard, as DeepSpeed does)."""
 
@@ -393,7 +349,7 @@ def install() -> None:
     optimizer's own (the engine installs them on it): the wrapper subclasses the optimizer's class, so
     torch's methods would otherwise run on the master shards, past the engine's gradient shards. The same
     call for every other strategy: those optimizers' methods are torch's."""
-    from lightning.fabric.wrappers import _FabricOptimizer
+    _FabricOptimizer, _ = fabric_wrappers()
 
     for name in ("zero_grad", "add_param_group"):
         if name not in _FabricOptimizer.__dict__:
@@ -405,7 +361,7 @@ def _install_module_zero_grad() -> None:
     """``model.zero_grad()`` on Fabric's module wrapper reaches the engine under ZeroFabricStrategy
     (:meth:`ZeroFabricStrategy.zero_grad_module`): torch's would clear ``param.grad`` only, not the reduced
     gradient shards a backward left in the engine. torch's own ``Module.zero_grad`` for every other strategy."""
-    from lightning.fabric.wrappers import _FabricModule
+    _, _FabricModule = fabric_wrappers()
 
     if "zero_grad" in _FabricModule.__dict__:
         return

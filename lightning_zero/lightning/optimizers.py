@@ -28,6 +28,8 @@ from typing import Any, Callable
 from lightning.pytorch.callbacks.finetuning import BaseFinetuning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
+from .compat import finetuning_state
+
 
 def raw_optimizer(optimizer):
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
@@ -92,7 +94,7 @@ def bind(strategy, trainer) -> Callable[[], None]:
 
 
 def _bind_finetuning(cb: BaseFinetuning, engine) -> Callable[[], None]:
-    store = cb._store
+    store, _, _ = finetuning_state(cb)  # through compat: BaseFinetuning's private bookkeeping
 
     def _store(pl_module, opt_idx, num_param_groups, current_param_groups):
         opt = engine.optimizers[opt_idx]
@@ -114,10 +116,11 @@ def _bind_finetuning(cb: BaseFinetuning, engine) -> Callable[[], None]:
     def on_fit_start(trainer, pl_module) -> None:
         # Lightning reassigns ``optimizer.param_groups`` (module parameters) when restarting; add the groups
         # the checkpoint's run had created instead, so they get masters
-        if cb._restarting:
+        _, restarting, metadata = finetuning_state(cb)
+        if restarting:
             named = dict(pl_module.named_parameters())
             for opt_idx, opt in enumerate(engine.optimizers):
-                for g in cb._internal_optimizer_metadata.get(opt_idx, [])[len(opt.param_groups):]:
+                for g in metadata.get(opt_idx, [])[len(opt.param_groups):]:
                     opt.add_param_group({**{k: v for k, v in g.items() if k != "params"},
                                          "params": [named[n] for n in g["params"]]})
             cb._restarting = False

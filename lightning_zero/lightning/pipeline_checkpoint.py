@@ -24,6 +24,9 @@ _LOADED_KEY = "lightning_zero_pipeline_dir"
 class PipelineCheckpointMixin:
     """Checkpoint hooks for a strategy holding ``pipe`` (the fit's PipelineZero) and ``_forward_pipe``."""
 
+    trust_checkpoint = False  # the host's knob (ZeroStrategy's argument; docs/security.md)
+    _zero_trust = False  # this load's decision: trust_checkpoint, or Lightning's weights_only=False
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # the stage directories hold the weights
 
@@ -47,7 +50,7 @@ class PipelineCheckpointMixin:
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = resolve_checkpoint_dir(self.broadcast(str(checkpoint_path)))
         read_manifest(path)  # one clear error for anything that is not a pipeline checkpoint
-        self._zero_trust = trusted(getattr(self, "trust_checkpoint", False), weights_only)
+        self._zero_trust = trusted(self.trust_checkpoint, weights_only)
         meta = read_meta(path, trust_checkpoint=self._zero_trust)  # loops, callbacks: restricted unless trusted
         meta["optimizer_states"] = [{}]  # in the stage directories; Lightning checks the key exists
         meta[_LOADED_KEY] = str(path)
@@ -56,7 +59,7 @@ class PipelineCheckpointMixin:
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self._stale = False
         load_pipeline_checkpoint(self._forward_pipe, checkpoint[_LOADED_KEY],  # model + optimizer, any DP size
-                                 trust_checkpoint=getattr(self, "_zero_trust", False))
+                                 trust_checkpoint=self._zero_trust)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # loaded with the model above

@@ -2,7 +2,7 @@
 
 Design note
 -----------
-``ZeroStrategy(..., pipeline_parallel_size=P)`` builds this class. The world is the engine's ``(P, D)``
+``ZeroPipelineStrategy(pipeline_parallel_size=P, ...)`` (every ZeroStrategy argument, plus ``pipeline_*``). The world is the engine's ``(P, D)``
 layout: rank ``r`` holds stage ``r // D``, as replica ``r % D`` (:func:`~..engine.pipeline.pipeline_layout`).
 
 The LightningModule's contract:
@@ -54,12 +54,13 @@ import numbers
 from typing import Any, Generator, Optional
 
 import torch
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size, virtual_stages
+from .compat import MultiProcessingLauncher
 from .pipeline_checkpoint import PipelineCheckpointMixin
 from .pipeline_chunks import chunk_optimizers, sync_hyperparameters
 from .strategy import TrainerFn, ZeroStrategy
+from .strategy_args import PIPELINE as PIPELINE_ARGS, PIPELINE_ONLY, bind, declare
 _TRAINED_ELSEWHERE = "_lightning_zero_pipeline_trained_elsewhere"
 
 
@@ -67,6 +68,19 @@ def _check_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1; got {value!r}.")
     return value
+
+
+def _check_inherited(knobs: dict) -> None:
+    """ZeroStrategy's arguments whose machinery a pipeline does not run (one engine per stage chunk, the schedule
+    instead of training_step): refused, rather than silently ignored."""
+    if knobs["memory_summary"] is not False:  # check_strategy_knobs refused non-bools already
+        raise ValueError("memory_summary=True is not available with pipeline_parallel_size: the model-state table "
+                         "covers one engine, a pipeline rank holds one per stage chunk. Allowed: "
+                         "memory_summary=False (the default here).")
+    if knobs["load_weights_from"] is not None:
+        raise ValueError(f"load_weights_from={knobs['load_weights_from']!r} is not available with "
+                         f"pipeline_parallel_size: each rank builds only its own stages in configure_model. Allowed: "
+                         f"load_weights_from=None (load the pretrained weights into the stage modules there).")
 
 
 def _check_pipeline_knobs(config, max_imbalance: Any) -> None:
@@ -87,26 +101,21 @@ def _check_pipeline_knobs(config, max_imbalance: Any) -> None:
 
 
 class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
-    """ZeRO stage 0, 1 or 2 over the data-parallel replicas of each of P pipeline stages.
-
-    Args (besides ZeroStrategy's):
-        pipeline_parallel_size: P, the stages of one pipeline; must divide the world size.
-        pipeline_microbatches: M, the micro-batches torch's schedule cuts each batch into (the bubble is
-            (P - 1) / (M + P - 1) of a step).
-        pipeline_schedule: "1f1b" (default), "gpipe" or "interleaved" (``pipeline_chunks`` chunks per rank).
-        pipeline_max_imbalance: refuse splits whose largest stage holds more than this many times the
-            parameters of the smallest (None: no check).
-        pipeline_chunks: stage chunks per rank, V (default: 2 with "interleaved", else 1; more than one
-            needs "interleaved").
-    """
+    """ZeRO stage 0, 1 or 2 over the data-parallel replicas of each of P pipeline stages:
+    ``Trainer(strategy=ZeroPipelineStrategy(stage=1, pipeline_parallel_size=P, pipeline_microbatches=M))``.
+    ZeroStrategy's arguments mean the same here; those a pipeline cannot honour are refused (stage 3,
+    ``shard_group_size``, ``tensor_parallel_size``, ``checkpoint_format="full"``, ``memory_summary=True``,
+    ``load_weights_from``)."""
 
     strategy_name = "zero_pipeline"
 
-    def __init__(self, *args: Any, pipeline_parallel_size: int = 2, pipeline_microbatches: int = 4,
-                 pipeline_schedule: str = "1f1b", pipeline_max_imbalance: Optional[float] = 4.0,
-                 pipeline_chunks: Optional[int] = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        knobs = bind("ZeroPipelineStrategy", PIPELINE_ARGS, args, kwargs)
+        pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_max_imbalance, pipeline_chunks = (
+            knobs[a.name] for a in PIPELINE_ONLY)
+        self._init_strategy(knobs)
         _check_pipeline_knobs(self.zero_config, pipeline_max_imbalance)
+        _check_inherited(knobs)
         if not isinstance(pipeline_schedule, str) or pipeline_schedule not in SCHEDULES:
             raise ValueError(f"Unknown pipeline_schedule {pipeline_schedule!r}. Allowed: {', '.join(SCHEDULES)}.")
         chunks = _check_int("pipeline_chunks", pipeline_chunks if pipeline_chunks is not None
@@ -160,7 +169,7 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
         # the world is known here (devices x nodes), before any process starts: one error, in the caller
         check_pipeline_size(self.pipeline_parallel_size, self.num_nodes * len(self.parallel_devices or [None]))
         super()._configure_launcher()
-        if type(self._launcher) is _MultiProcessingLauncher:  # fork / spawn: see _PipelineLauncher
+        if type(self._launcher) is MultiProcessingLauncher:  # fork / spawn: see _PipelineLauncher
             self._launcher = _PipelineLauncher(self, start_method=self._start_method)
 
     @property
@@ -350,6 +359,9 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
         super().teardown()
 
 
+declare(ZeroPipelineStrategy, PIPELINE_ARGS)
+
+
 def _child_prefixes(module: torch.nn.Module) -> dict[str, str]:
     """A stage held as a submodule (``self.stage = split_gpt2(...)``): its ``source_prefixes`` under its name."""
     out: dict[str, str] = {}
@@ -359,7 +371,7 @@ def _child_prefixes(module: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-class _PipelineLauncher(_MultiProcessingLauncher):
+class _PipelineLauncher(MultiProcessingLauncher):
     """Lightning's fork/spawn launcher, which also marks the main process's module after a fit.
 
     The launcher hands rank 0's module state back to the main process, but under pipeline parallelism rank 0

@@ -11,16 +11,16 @@ consolidated (and re-sliced on load), so a run saved on N ranks at one stage res
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
-from typing import Any, Generator, Optional, Sequence
+from typing import Any, Callable, Generator, Optional
 
 import torch
-from torch.distributed.constants import default_pg_timeout
 
 from ..engine import ZeroEngine
 from ..engine.stage3.deferred_init import has_meta_params, meta_init
 from ..engine.stage3.pretrained import load_pretrained, outermost_hf_model
 from ..engine.engine_state import EngineMode
+from .compat import (SubprocessScriptLauncher, is_last_batch, module_trainer, set_module_device_mesh,
+                     sync_module_states, wrap_rank_zero_results)
 from .callback_checks import check_callbacks, check_no_lightning_finder, weight_readers
 from .even_inputs import check_even_inputs
 from .checkpoint_strategy import ZeroCheckpointMixin
@@ -32,31 +32,18 @@ from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.ddp import _sync_module_states
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .precision import ZeroPrecision
+from .strategy_args import TRAINER as TRAINER_ARGS, bind, declare
 from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
                          init_attempt_group, register_presets, zero_config)
 
 _LIGHTNING_TYPES = dict(accelerator=Accelerator, cluster_environment=ClusterEnvironment,  # the knob -> its class
                         checkpoint_io=CheckpointIO)
-
-
-_PIPELINE_OPTIONS = ("pipeline_microbatches", "pipeline_schedule", "pipeline_max_imbalance", "pipeline_chunks")
-
-
-def _check_pipeline_options(options: dict) -> None:
-    """Without a pipeline (``pipeline_parallel_size=None``) its options mean nothing: one clear error."""
-    unknown = [k for k in options if k not in _PIPELINE_OPTIONS]
-    if unknown:
-        raise TypeError(f"ZeroStrategy got unexpected keyword argument(s) {', '.join(map(repr, unknown))}.")
-    if options:
-        raise ValueError(f"{', '.join(sorted(options))} configure pipeline parallelism, which is off "
-                         f"(pipeline_parallel_size=None). Allowed: pipeline_parallel_size=P (an int dividing the "
-                         f"world size) with them, or none of them.")
+_DDP_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+             "process_group_backend", "timeout", "start_method")  # Lightning's DDPStrategy takes these
 
 
 def _whole(module: torch.nn.Module) -> bool:
@@ -77,126 +64,38 @@ def _checked_weights_path(path: Any) -> Optional[str]:
 
 
 class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
-    """ZeRO data parallelism for Lightning.
-
-    Args:
-        stage: 0 (DDP-equivalent), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters).
-        offload_optimizer: keep fp32 master shards and optimizer state in CPU memory, step there.
-        offload_params: stage 3 only: parameter shards live in CPU memory between uses.
-        unit_classes, unit_mb, persist_numel, prefetch, order_check: stage 3 units (see ZeroConfig);
-            e.g. ``unit_classes=["T5Block"]``; by default the model's ``_no_split_modules``, else its
-            repeated blocks, else by size, with a persistence threshold relative to the units.
-        bucket_mb: size cap of one communication bucket (MiB).
-        reduce_dtype: dtype of gradient reductions (None = compute dtype, or "fp32").
-        broadcast_buffers: copy rank 0's buffers to every rank before each training step (as DDP).
-        start_method: "popen" (re-run the script per rank, like ``ddp``), "spawn", "fork" or "forkserver".
-        process_group_backend, timeout: as for Lightning's ``DDPStrategy``.
-        checkpoint_format: "sharded" (default: a torch.distributed.checkpoint directory per checkpoint,
-            each rank writing its shards; reshards on load) or "full" (Lightning's single file with
-            consolidated fp32 weights and optimizer state). Both load at any world size and stage.
-        trust_checkpoint: read the pickles of the checkpoints this strategy loads unrestricted (a trusted
-            checkpoint of an earlier build, or hparams holding other objects); default False: nothing in a
-            checkpoint runs code when read (docs/security.md). ``weights_only=False`` opts in for one load.
-        shard_group_size: hybrid sharding (stages 1-3): shard within groups of this many consecutive ranks
-            (e.g. the GPUs of one node) and replicate across the groups, so parameter all-gathers and
-            reduce-scatters stay inside a node and only one all-reduce per gradient bucket and step
-            crosses nodes; must divide the world size. None = the world size (plain ZeRO).
-        memory_summary: after the first optimizer step, global rank 0 prints the per-rank model-state
-            table (ZeRO beside DDP) and logs the numbers as ``zero/*`` metrics (``lightning/memory_summary.py``).
-        activation_checkpointing: None, "auto" (the stage-3 unit policy's blocks) or module classes / class
-            names, e.g. ``["T5Block"]``: their forward is recomputed in backward instead of saved.
-        offload_activations: saved activations go to (pinned) host memory during forward, back for backward.
-        grad_reduce, overlap_publish, quantize_weights, quantize_grads: communication (see ZeroConfig):
-            the gradient reduction ("auto" per backend, "reduce_scatter", "all_reduce" or "all_to_all"), the
-            stage 1-2 parameter all-gather overlapped with the next forward, and int8 all-gathers (qwZ) /
-            reduce-scatters (qgZ), off by default.
-        offload_kernel: the offloaded optimizer step's kernel: "fused" (default: torch's fused CPU kernel
-            replaces the user's; faster, about 1 ulp per step away from DDP) or "user" (the optimizer as the
-            user made it: DDP-exact). The setup line says when the kernel was swapped.
-        pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_max_imbalance,
-            pipeline_chunks: given ``pipeline_parallel_size=P``, the constructor returns a ``ZeroPipelineStrategy``
-            (``lightning/pipeline_strategy.py``): P pipeline stages, ZeRO 0-2 over each stage's replicas.
-            None (the default) is no pipeline; the other pipeline options then are an error.
-        load_weights_from: a ``save_pretrained`` directory (safetensors, sharded or not; ``pytorch_model.bin``) or
-            a state-dict file whose weights the LightningModule's HF model gets at the first setup. At stage 3,
-            with the model built in ``configure_model`` (meta device, e.g. ``AutoModel.from_config``), each rank
-            reads only the slices it keeps; no rank holds the model (engine/stage3/pretrained.py).
-        tensor_parallel_size: tensor parallelism (stages 0-2): a 2-D ``DeviceMesh`` (N // T, T) with dims
-            ("data_parallel", "tensor_parallel"), ``strategy.device_mesh`` and ``self.device_mesh`` in
-            ``LightningModule.configure_model``, where the model is cut with torch's ``parallelize_module``
-            over ``self.device_mesh["tensor_parallel"]``; ZeRO shards each parameter's local piece over
-            "data_parallel", the sampler splits the data by the data-parallel rank (lightning/tensor_parallel.py).
-    """
+    """ZeRO data parallelism for Lightning: ``Trainer(strategy=ZeroStrategy(stage=3, ...))`` or a registered name
+    (``"zero0"`` ... ``"zero3_offload"``, each also ``_spawn`` / ``_fork``). Pipeline parallelism is
+    :class:`~lightning_zero.lightning.pipeline_strategy.ZeroPipelineStrategy` (the same arguments, plus
+    ``pipeline_*``)."""
 
     strategy_name = "zero"
 
-    def __new__(cls, *args: Any, **kwargs: Any):
-        # pipeline parallelism is its own class (lightning/pipeline_strategy.py); ZeroStrategy(...) names it
-        check_tensor_parallel_args(kwargs)
-        if kwargs.get("pipeline_parallel_size") is not None and cls.__name__ == "ZeroStrategy":
-            from .pipeline_strategy import ZeroPipelineStrategy
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._init_strategy(bind("ZeroStrategy", TRAINER_ARGS, args, kwargs))
 
-            cls = ZeroPipelineStrategy
-        return super().__new__(cls)
-
-    def __init__(
-        self,
-        stage: int = 2,
-        offload_optimizer: bool = False,
-        offload_params: bool = False,
-        bucket_mb: float = 25.0,
-        reduce_dtype: Optional[Any] = None,
-        broadcast_buffers: bool = True,
-        unit_classes: Optional[Sequence[Any]] = None,
-        unit_mb: Optional[float] = None,
-        persist_numel: Optional[int] = None,
-        prefetch: bool = True,
-        order_check: str = "strict",
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: str = "popen",
-        checkpoint_format: str = "sharded",
-        trust_checkpoint: bool = False,
-        shard_group_size: Optional[int] = None,
-        memory_summary: bool = True,
-        activation_checkpointing: Optional[Any] = None,
-        offload_activations: bool = False,
-        grad_reduce: str = "auto",
-        overlap_publish: bool = False,
-        quantize_weights: bool = False,
-        quantize_grads: bool = False,
-        offload_kernel: str = "fused",
-        tensor_parallel_size: Optional[int] = None,
-        load_weights_from: Optional[str] = None,
-        # pipeline parallelism: a number builds ZeroPipelineStrategy instead (see __new__); None = no pipeline
-        pipeline_parallel_size: Optional[int] = None,
-        **pipeline_options: Any,
-    ) -> None:
-        _check_pipeline_options(pipeline_options)
-        self.zero_config = zero_config(locals())  # the arguments named like ZeroConfig fields
-        check_strategy_knobs("ZeroStrategy", locals(), _LIGHTNING_TYPES)  # and the strategy's own
+    def _init_strategy(self, knobs: dict[str, Any]) -> None:
+        """The shared body of ZeroStrategy's and ZeroPipelineStrategy's constructors: ``knobs`` is the bound call."""
+        check_tensor_parallel_args(knobs)
+        checkpoint_format, tensor_parallel_size = knobs["checkpoint_format"], knobs["tensor_parallel_size"]
+        self.zero_config = zero_config(knobs)  # the arguments named like ZeroConfig fields
+        check_strategy_knobs(type(self).__name__, knobs, _LIGHTNING_TYPES)  # and the strategy's own
         self.checkpoint_format = checkpoint_format
-        self.trust_checkpoint = bool(trust_checkpoint)
+        self.trust_checkpoint = bool(knobs["trust_checkpoint"])
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config,  # None without TP
                                                        checkpoint_format)
-        super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
-        )
+        super().__init__(**{k: knobs[k] for k in _DDP_ARGS})
         self.engine: Optional[ZeroEngine] = None
         self._trained_engine: Optional[ZeroEngine] = None  # see [Note: the trained state outlives fit]
         self._failed = False
-        self.memory_summary = memory_summary
-        self.load_weights_from = _checked_weights_path(load_weights_from)
+        self.memory_summary = knobs["memory_summary"]
+        self.load_weights_from = _checked_weights_path(knobs["load_weights_from"])
         self._weights_loaded = False
         self._memory_reported = False
         self.memory_table: Optional[str] = None  # global rank 0: the table printed by this fit
+        self._even_checked: Optional[tuple] = None  # (trainer, epoch) whose batch counts were compared
+        self._unguard: Optional[Callable[[], None]] = None  # undoes the LR-scheduler guard of this setup
+        self._unbind_optimizers: Optional[Callable[[], None]] = None  # undoes optimizers.bind
 
     @property
     def stage(self) -> int:
@@ -246,7 +145,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
             elif self.tensor_parallel is not None:  # TP ranks hold different pieces: over the DP dim only
                 self.tensor_parallel.sync_module_states(self.model)
             else:  # every rank starts from rank 0's weights
-                _sync_module_states(self.model)
+                sync_module_states(self.model)
                 precision.attach(self.engine, self.root_device.type)
         self.setup_precision_plugin()
 
@@ -280,18 +179,18 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
 
     # -- tensor parallelism: device_mesh and the sampler split in TensorParallelMixin ------------------
     def setup_environment(self) -> None:
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = module_trainer(self.lightning_module)
         if trainer is not None:  # before Lightning's BatchSizeFinder.setup refuses with no way out
             check_no_lightning_finder(trainer.callbacks)
         super().setup_environment()
         if self.tensor_parallel is not None:  # LightningModule.device_mesh in configure_model, as Lightning's
-            self.lightning_module._device_mesh = self._build_device_mesh()
+            set_module_device_mesh(self.lightning_module, self._build_device_mesh())
 
     def _configure_launcher(self) -> None:
-        if not external_launcher(self, _SubprocessScriptLauncher, rank_zero_info):
+        if not external_launcher(self, SubprocessScriptLauncher, rank_zero_info):
             super()._configure_launcher()
         if self.tensor_parallel is not None:  # fork/spawn: the weights sent back to the parent are whole
-            self.tensor_parallel.wrap_launcher(self._launcher)
+            wrap_rank_zero_results(self._launcher, self.tensor_parallel.whole_results)
 
     def _setup_model(self, model):  # no DDP wrapper: the engine's hooks do the reductions
         return model
@@ -330,9 +229,8 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
     def _joined(self, output: Any) -> Any:
         """After a rank's last evaluation batch, serve the stage-3 gathers of ranks that still have batches
         (uneven per-rank lengths: the predict sampler does not pad), so no rank blocks in a gather."""
-        loop = getattr(getattr(self.lightning_module, "_trainer", None), "_active_loop", None)
-        progress = getattr(loop, "batch_progress", None)
-        if self.engine is not None and getattr(progress, "is_last_batch", False):
+        # through compat: a renamed loop attribute must fail, not silently drop the join (ranks would hang)
+        if self.engine is not None and is_last_batch(module_trainer(self.lightning_module)):
             self.engine.join()
         return output
 
@@ -381,7 +279,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         a hang ([Note: uneven training inputs], even_inputs.py)."""
         trainer = self.lightning_module.trainer
         key = (id(trainer), trainer.current_epoch)
-        if getattr(self, "_even_checked", None) != key:
+        if self._even_checked != key:
             self._even_checked = key
             check_even_inputs(self, batch_idx)
 
@@ -397,10 +295,10 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
             self.engine.restore_fp32_module()
 
     def teardown(self) -> None:
-        if getattr(self, "_unguard", None) is not None:
+        if self._unguard is not None:
             self._unguard()
             self._unguard = None
-        if getattr(self, "_unbind_optimizers", None) is not None:
+        if self._unbind_optimizers is not None:
             self._unbind_optimizers()
             self._unbind_optimizers = None
         if self.engine is not None:
@@ -436,3 +334,6 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         register_presets(cls, strategy_registry)
+
+
+declare(ZeroStrategy, TRAINER_ARGS)

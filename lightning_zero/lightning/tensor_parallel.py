@@ -74,13 +74,11 @@ class TensorParallelLayout:
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     @staticmethod
-    def wrap_launcher(launcher: Any) -> None:
-        """A fork/spawn launcher sends the trained weights back to the parent process, whose model was never
-        parallelized: there they must be whole tensors, not DTensor pieces (which it cannot even unpickle).
-        Gathered on every rank (a collective over each TP group), saved by rank 0 as before."""
-        collect = getattr(launcher, "_collect_rank_zero_results", None)
-        if collect is None:
-            return
+    def whole_results(collect: Any) -> Any:
+        """A fork/spawn launcher's ``collect(trainer, results)`` (``compat.wrap_rank_zero_results``) sends the
+        trained weights back to the parent process, whose model was never parallelized: there they must be
+        whole tensors, not DTensor pieces (which it cannot even unpickle). Gathered on every rank (a
+        collective over each TP group), saved by rank 0 as before."""
 
         def collect_whole(trainer, results):
             module = trainer.lightning_module
@@ -91,7 +89,7 @@ class TensorParallelLayout:
             finally:
                 del module.state_dict
 
-        launcher._collect_rank_zero_results = collect_whole
+        return collect_whole
 
     def sync_module_states(self, module: torch.nn.Module) -> None:
         """Rank 0's values on every data-parallel replica (an evaluation without an engine)."""

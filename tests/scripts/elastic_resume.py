@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
-from lightning_zero import ZeroStrategy  # noqa: E402
+from lightning_zero import ZeroPipelineStrategy, ZeroStrategy  # noqa: E402
 from tests.helpers.lifecycle_harness import STAGES, LifecycleModule, whole_params  # noqa: E402
 
 EPOCHS, STEPS_PER_EPOCH = 4, 2
@@ -56,7 +56,7 @@ def _mode(mode: str, out: str):
         from tests.helpers.pipeline_lightning import PipeGPT2
 
         module = PipeGPT2(out, "pipe")  # writes piperank{r}.pt (this stage's weights) at on_train_end
-        return (ZeroStrategy(stage=1, pipeline_parallel_size=2, pipeline_microbatches=M), module,
+        return (ZeroPipelineStrategy(stage=1, pipeline_parallel_size=2, pipeline_microbatches=M), module,
                 lambda t: torch.load(f"{out}/piperank{t.global_rank}.pt", weights_only=False)["named"])
     raise ValueError(f"unknown mode {mode!r}. Allowed: zero3, hybrid, tp, pipeline.")
 
