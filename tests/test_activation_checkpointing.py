@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zero import ZeroStrategy
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.activations import SavedBytes, checkpoint_modules
-from tests.dist_utils import run_distributed
-from tests.lightning_models import _params, trainer_kwargs
-from tests.zoo_models import ZOO
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lightning_models import _params, trainer_kwargs
+from tests.helpers.zoo_models import ZOO
 
 STEPS = 2
 # (name, engine config without the activation options, activation options)
@@ -138,7 +138,7 @@ class T5Module(LightningModule):
         self.losses: list[float] = []
 
     def setup(self, stage: str) -> None:
-        torch.set_num_threads(1)  # forked ranks (see tests/lightning_models.py)
+        torch.set_num_threads(1)  # forked ranks (see tests/helpers/lightning_models.py)
 
     def training_step(self, batch, batch_idx):
         loss = _t5_loss(self.model, batch[0])

@@ -39,7 +39,7 @@ class DemoTransformer(pl.LightningModule):
         self.out, self.tag, self.losses = out, tag, []
 
     def setup(self, stage: str) -> None:
-        torch.set_num_threads(1)  # forked rank: see tests/lightning_models.py
+        torch.set_num_threads(1)  # forked rank: see tests/helpers/lightning_models.py
 
     def train_dataloader(self):
         return DataLoader(RandomTokens(), batch_size=4)

@@ -22,9 +22,9 @@ from lightning_zero import ZeroBatchSizeFinder
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.config import PRESETS
 from lightning_zero.tools.launch import run_ranks
-from tests.batch_size_models import SEQ, GPT2Module, MLPModule, gpt2_loss, mlp_loss
-from tests.lightning_models import trainer_kwargs
-from tests.zoo_models import VOCAB
+from tests.helpers.batch_size_models import SEQ, GPT2Module, MLPModule, gpt2_loss, mlp_loss
+from tests.helpers.lightning_models import trainer_kwargs
+from tests.helpers.zoo_models import VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
 # the presets, and one with activation checkpointing (the finder then also counts the largest recompute)
@@ -182,7 +182,7 @@ def test_mixed_precision_fit_after_the_finder_equals_a_fit_without_it(tmp_path, 
 
 
 def _datamodule_find(rank, world, root):
-    from tests.batch_size_models import mlp_with_datamodule
+    from tests.helpers.batch_size_models import mlp_with_datamodule
 
     module, data = mlp_with_datamodule()
     finder = ZeroBatchSizeFinder(max_bytes=900_000, mode="power", steps_per_trial=1, init_val=4)
@@ -251,7 +251,7 @@ def test_cli_tune_module_end_to_end(tmp_path):
     js = tmp_path / "tune.json"
     cap_mb = 0.86
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(["lightning-zero", "tune", "--module", "tests.batch_size_models:mlp_factory", "--memory-mb",
+    proc = subprocess.run(["lightning-zero", "tune", "--module", "tests.helpers.batch_size_models:mlp_factory", "--memory-mb",
                            str(cap_mb), "--devices", "2", "--stages", "2,3", "--offload", "no", "--steps-per-trial",
                            "1", "--json", str(js)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -277,11 +277,11 @@ def test_cli_tune_module_end_to_end(tmp_path):
 def test_cli_tune_module_refuses_bad_input(capsys):
     from lightning_zero.tools.cli import main
 
-    assert main(["tune", "--module", "tests.batch_size_models:mlp_factory"]) == 2  # CPU, no cap
+    assert main(["tune", "--module", "tests.helpers.batch_size_models:mlp_factory"]) == 2  # CPU, no cap
     assert "needs a cap: --memory-mb or --memory-gb" in capsys.readouterr().err
-    assert main(["tune", "--module", "tests.batch_size_models", "--memory-mb", "1"]) == 2
+    assert main(["tune", "--module", "tests.helpers.batch_size_models", "--memory-mb", "1"]) == 2
     assert "wants 'package.module:factory'" in capsys.readouterr().err
-    assert main(["tune", "--module", "tests.zoo_models:gpt2", "--memory-mb", "1"]) == 2
+    assert main(["tune", "--module", "tests.helpers.zoo_models:gpt2", "--memory-mb", "1"]) == 2
     assert "allowed: a LightningModule, or a (LightningModule, LightningDataModule) pair" in capsys.readouterr().err
 
 
@@ -306,7 +306,7 @@ def test_cli_estimate_module_includes_measured_activations(capsys):
     bare = estimate_model_states(GPT2Module(), world_size=2).row("zero3").peak_device
     act = probe_activations(GPT2Module(), probe_batch=2).at(16)
     cap_gb = (bare + act / 2) / GiB
-    args = ["estimate", "--module", "tests.batch_size_models:gpt2_factory", "--ranks", "2", "--settings", "zero3",
+    args = ["estimate", "--module", "tests.helpers.batch_size_models:gpt2_factory", "--ranks", "2", "--settings", "zero3",
             "--device-memory", f"{cap_gb:.9f}"]
     assert main(args) == 0
     out = capsys.readouterr().out

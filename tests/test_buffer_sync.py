@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_zero  # noqa: F401  (registers the zero* strategy names)
 from lightning_zero import ZeroStrategy
-from tests.lightning_models import _params, load_rank_files, trainer_kwargs
-from tests.zoo_models import ZOO
+from tests.helpers.lightning_models import _params, load_rank_files, trainer_kwargs
+from tests.helpers.zoo_models import ZOO
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -46,7 +46,7 @@ class ResNetModule(pl.LightningModule):
         self.val_losses: list[float] = []
 
     def setup(self, stage: str) -> None:
-        torch.set_num_threads(1)  # forked ranks (see tests/lightning_models.py)
+        torch.set_num_threads(1)  # forked ranks (see tests/helpers/lightning_models.py)
 
     def train_dataloader(self):
         return DataLoader(Images(16, 1), batch_size=2)

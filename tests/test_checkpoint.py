@@ -25,9 +25,9 @@ from lightning_zero import ZeroConfig, ZeroEngine, ZeroPrecision, ZeroStrategy
 from lightning_zero import checkpoint as ck
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.tools.cli import main as cli_main
-from tests.ckpt_models import TiedNet, TiedParityModule, make_tied, run_forked, train
-from tests.lightning_models import load_rank_files, trainer_kwargs
-from tests.models import make_optimizer
+from tests.helpers.ckpt_models import TiedNet, TiedParityModule, make_tied, run_forked, train
+from tests.helpers.lightning_models import load_rank_files, trainer_kwargs
+from tests.helpers.models import make_optimizer
 
 pytestmark = pytest.mark.timeout(300)
 RTOL, ATOL = 1e-5, 1e-6

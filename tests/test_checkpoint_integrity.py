@@ -20,9 +20,9 @@ from lightning_zero import ZeroConfig, ZeroEngine
 from lightning_zero import checkpoint as ck
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.tools.cli import main as cli_main
-from tests.ckpt_models import make_tied, train
-from tests.models import make_optimizer
-from tests.test_checkpoint_trust import _as_pipeline, crc32
+from tests.helpers.ckpt_models import make_tied, train
+from tests.helpers.models import make_optimizer
+from tests.helpers.ckpt_files import as_pipeline, crc32
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -146,7 +146,7 @@ def test_old_checkpoints_without_checksums_still_load(saved, tmp_path):
 
 
 def test_pipeline_manifest_damage_is_one_clear_error(saved, tmp_path, capsys):
-    path = _as_pipeline(saved)
+    path = as_pipeline(saved)
     assert cli_main(["consolidate", str(path), str(tmp_path / "ok.pt")]) == 0
     manifest = json.loads((path / ck.INFO_FILE).read_text())
     manifest.pop("num_stages")
@@ -157,7 +157,7 @@ def test_pipeline_manifest_damage_is_one_clear_error(saved, tmp_path, capsys):
     # a pipeline directory handed to the plain loader says what it is and what reads it
     with pytest.raises(ValueError, match=r"is a pipeline checkpoint .*Allowed: resume it with "
                                          r"ZeroPipelineStrategy\(pipeline_parallel_size=P\)"):
-        ck.load_checkpoint_dir(_as_pipeline(saved, "stage0"), *_engine(3))
+        ck.load_checkpoint_dir(as_pipeline(saved, "stage0"), *_engine(3))
     from lightning_zero.checkpoint.pipeline_dir import read_manifest
     with pytest.raises(ValueError, match=r"not a pipeline checkpoint directory but a ZeroStrategy checkpoint "
                                          r"without pipeline parallelism"):
@@ -167,7 +167,7 @@ def test_pipeline_manifest_damage_is_one_clear_error(saved, tmp_path, capsys):
 def _save_on_a_full_disk(path: str, limit: int, conn) -> None:
     """A child process whose files may not grow past ``limit`` bytes (RLIMIT_FSIZE: the write fails with
     EFBIG as on a full disk)."""
-    torch.set_num_threads(1)  # a forked child (see tests/lightning_models.py)
+    torch.set_num_threads(1)  # a forked child (see tests/helpers/lightning_models.py)
     model, engine = _engine()
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))

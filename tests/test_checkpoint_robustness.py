@@ -19,9 +19,9 @@ from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
 from lightning_zero import checkpoint as ck
 from lightning_zero.tools.cli import main as cli_main
 from lightning_zero.checkpoint.consolidate import consolidate
-from tests.ckpt_models import TiedParityModule, make_tied, train
-from tests.lightning_models import load_rank_files, trainer_kwargs
-from tests.models import make_optimizer
+from tests.helpers.ckpt_models import TiedParityModule, make_tied, train
+from tests.helpers.lightning_models import load_rank_files, trainer_kwargs
+from tests.helpers.models import make_optimizer
 
 pytestmark = pytest.mark.timeout(120)
 

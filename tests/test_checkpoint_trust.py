@@ -11,7 +11,6 @@ import json
 import os
 import pickle
 import shutil
-import zlib
 from pathlib import Path
 
 import pytest
@@ -29,8 +28,9 @@ from lightning_zero.checkpoint.consolidate import consolidate, full_model_state
 from lightning_zero.checkpoint.pipeline_dir import consolidate_pipeline_checkpoint
 from lightning_zero.lightning.fabric_strategy import ZeroFabricStrategy
 from lightning_zero.tools.cli import main as cli_main
-from tests.ckpt_models import TiedParityModule
-from tests.lightning_models import trainer_kwargs
+from tests.helpers.ckpt_files import as_pipeline, crc32
+from tests.helpers.ckpt_models import TiedParityModule
+from tests.helpers.lightning_models import trainer_kwargs
 
 pytestmark = pytest.mark.timeout(180)
 OPT_IN = r"trust_checkpoint=True .*--trust-checkpoint"
@@ -44,10 +44,6 @@ class Payload:
 
     def __reduce__(self):
         return (open, (self.marker, "w"))
-
-
-def crc32(data: bytes) -> str:
-    return f"{zlib.crc32(data):08x}"
 
 
 def reseal(path: Path) -> None:
@@ -105,7 +101,7 @@ def test_crafted_meta_pt_runs_in_no_reader(lightning_dir, tmp_path, capsys):
                                                          ).fit(TiedParityModule(str(tmp_path)), ckpt_path=str(path)),
         "load_from_checkpoint": lambda: TiedParityModule.load_from_checkpoint(path, out=str(tmp_path)),
         "Fabric load": lambda: Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(stage=2)).load(path),
-        "pipeline strategy": lambda: ZeroPipelineStrategy(pipeline_parallel_size=2).load_checkpoint(_as_pipeline(path)),
+        "pipeline strategy": lambda: ZeroPipelineStrategy(pipeline_parallel_size=2).load_checkpoint(as_pipeline(path)),
     }
     for what, read in readers.items():
         with pytest.raises(ValueError, match=refused if what != "pipeline strategy" else r"Refusing .*meta\.pt"):
@@ -171,29 +167,14 @@ def test_dcp_metadata_may_not_hold_pickled_entries_nor_point_outside(lightning_d
     assert not (tmp_path / "o.pt").exists()
 
 
-def _as_pipeline(stage: Path, dir_name: str = "stage0") -> Path:
-    """A one-stage pipeline checkpoint around a copy of the sharded directory ``stage``."""
-    path = stage.parent / f"pipe_{stage.name}_{dir_name.replace('/', '_')}"
-    if path.exists():
-        shutil.rmtree(path)
-    shutil.copytree(stage, path / "stage0")
-    shutil.copy(stage / ck.META_FILE, path / ck.META_FILE)
-    names = json.loads((stage / ck.INFO_FILE).read_text())["order"]
-    manifest = {"format": "lightning_zero.pipeline", "version": 2, "num_stages": 1, "pipeline_parallel_size": 1,
-                "chunks": 1, "data_parallel_size": 1, "zero_stage": 2,
-                "stages": {"0": {"dir": dir_name, "params": 0, "source_names": {n: n for n in names}}}}
-    (path / ck.INFO_FILE).write_text(json.dumps(manifest))
-    return path
-
-
 def test_a_pipeline_manifest_names_only_its_own_stage_directories(lightning_dir, tmp_path):
-    sd = consolidate_pipeline_checkpoint(_as_pipeline(lightning_dir))  # a legitimate one reads
+    sd = consolidate_pipeline_checkpoint(as_pipeline(lightning_dir))  # a legitimate one reads
     plain = full_model_state(lightning_dir, ck.read_info(lightning_dir), None)
     assert sorted(sd) == sorted(plain) and all(torch.equal(sd[k], plain[k]) for k in plain)
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(lightning_dir, elsewhere)
     for bad in ("../../elsewhere", str(elsewhere), "stage0/../..", ""):
-        path = _as_pipeline(lightning_dir, bad)
+        path = as_pipeline(lightning_dir, bad)
         with pytest.raises(ValueError, match=r"stage 0's directory .*(points outside|is not a relative path)"):
             consolidate_pipeline_checkpoint(path)
         assert cli_main(["consolidate", str(path), str(tmp_path / "o.pt")]) == 2

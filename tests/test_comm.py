@@ -13,11 +13,11 @@ import torch
 from lightning_zero import checkpoint as ck
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import collectives as C
-from tests.dist_utils import run_distributed
-from tests.models import batch, loss_fn, make_model, make_optimizer
-from tests.test_stage3 import UNITS
-from tests.test_stage3 import _train as _parity_train
-from tests.zoo_models import ZOO
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
+from tests.helpers.parity import UNITS, check_parity
+from tests.helpers.parity import train_parity_net as _parity_train
+from tests.helpers.zoo_models import ZOO
 
 STEPS = 3
 
@@ -122,15 +122,9 @@ def _a2a_parity_job(rank, world_size, stages):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size,stages", [(2, (1, 2, 3)), (4, (2,))])
 def test_all_to_all_reduction_matches_ddp(world_size, stages):
-    def close(a, b):
-        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-6)
-
     for ref, out in run_distributed(_a2a_parity_job, world_size, stages):
-        for stage, ((losses, norms, params), calls) in out.items():
-            close(losses, ref[0])
-            close(norms, ref[1])
-            for k in ref[2]:
-                close(params[k], ref[2][k])
+        for stage, (run, calls) in out.items():
+            check_parity(run, ref, f"stage {stage}")
             assert calls["all_to_all"] > 0 and "reduce_scatter" not in calls, (stage, calls)
 
 
@@ -256,12 +250,12 @@ def test_comm_report_counts_one_step_by_collective_and_group():
 def test_all_to_all_reaches_the_engine_from_hydra_the_strategy_and_fabric():
     from lightning_zero import ZeroStrategy
     from lightning_zero.lightning.fabric_strategy import ZeroFabricStrategy
-    from tests.test_hydra_recipe import _compose  # puts examples/ on sys.path (not a package)
+    from tests.helpers.hydra_recipe import compose_recipe  # puts examples/ on sys.path (not a package)
     from t5_config import build_strategy  # one module object: the recipe's schema is registered once
 
-    hydra = build_strategy(_compose("strategy=zero2", "strategy.grad_reduce=all_to_all"))
+    hydra = build_strategy(compose_recipe("strategy=zero2", "strategy.grad_reduce=all_to_all"))
     assert hydra.zero_config.grad_reduce == "all_to_all"
     assert ZeroStrategy(stage=1, grad_reduce="all_to_all").zero_config.grad_reduce == "all_to_all"
     assert ZeroFabricStrategy(stage=2, grad_reduce="all_to_all").zero_config.grad_reduce == "all_to_all"
     with pytest.raises(ValueError, match="grad_reduce must be one of"):
-        build_strategy(_compose("strategy=zero2", "strategy.grad_reduce=alltoall"))
+        build_strategy(compose_recipe("strategy=zero2", "strategy.grad_reduce=alltoall"))

@@ -9,8 +9,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine, collectives
-from tests.dist_utils import run_distributed
-from tests.models import batch, loss_fn, make_model, make_optimizer
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
+from tests.helpers.parity import FP32_TIGHT, check_parity, close, ddp_reference
 
 STEPS = 5
 CASES = [(s, o, 1, None) for s in (0, 1, 2) for o in ("adamw", "sgd")]
@@ -23,28 +24,6 @@ def _uses_sometimes(rank: int, step: int) -> bool:
 
 def _scheduler(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
-
-
-def _run_ddp(rank, opt_kind, accum, clip):
-    model = make_model()
-    ddp = DDP(model, find_unused_parameters=True)
-    opt = make_optimizer(model, opt_kind)
-    sched = _scheduler(opt)
-    losses, norms = [], []
-    for step in range(STEPS):
-        for micro in range(accum):
-            use = _uses_sometimes(rank, step)
-            ctx = ddp.no_sync() if micro < accum - 1 else _null()
-            with ctx:
-                loss = loss_fn(ddp, batch(step, rank, micro), use) / accum
-                loss.backward()
-            losses.append(loss.item())
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 class _null:
@@ -87,7 +66,7 @@ def _matrix(rank, world_size, cases, bucket_mb):
         stage, opt_kind, accum, clip = case
         key = (opt_kind, accum, clip)
         if key not in ref_cache:
-            ref_cache[key] = _run_ddp(rank, opt_kind, accum, clip)
+            ref_cache[key] = ddp_reference(rank, opt_kind, accum, clip)
         out[case] = (ref_cache[key], _run_zero(rank, stage, opt_kind, accum, clip, bucket_mb))
     return out
 
@@ -98,20 +77,13 @@ def results(world_size: int, bucket_mb: float = 0.0004):
     return run_distributed(_matrix, world_size, CASES, bucket_mb)
 
 
-def _assert_close(a, b, rtol=1e-5, atol=1e-7):
-    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=rtol, atol=atol)
-
-
 @pytest.mark.parametrize("world_size", [1, 2])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"stage{c[0]}-{c[1]}-acc{c[2]}-clip{c[3]}")
 def test_engine_matches_ddp(world_size, case):
     per_rank = results(world_size)
     for rank, res in enumerate(per_rank):
-        (ref_losses, ref_norms, ref_params), (losses, norms, params, comm_nb) = res[case]
-        _assert_close(losses, ref_losses)
-        _assert_close(norms, ref_norms)
-        for name in ref_params:
-            _assert_close(params[name], ref_params[name])
+        ref, (losses, norms, params, comm_nb) = res[case]
+        check_parity((losses, norms, params), ref, f"rank {rank}", FP32_TIGHT)
         if case[0] in (0, 1):
             assert comm_nb == 0, f"stage {case[0]} issued {comm_nb} collectives on non-boundary micro-batches"
         elif world_size > 1 and case[2] > 1:
@@ -128,11 +100,8 @@ def test_engine_world_size_4_stage2():
     per_rank = run_distributed(_matrix, 4, cases, 0.0004)
     for res in per_rank:
         for case in cases:
-            (ref_losses, ref_norms, ref_params), (losses, norms, params, _) = res[case]
-            _assert_close(losses, ref_losses)
-            _assert_close(norms, ref_norms)
-            for name in ref_params:
-                _assert_close(params[name], ref_params[name])
+            ref, (losses, norms, params, _) = res[case]
+            check_parity((losses, norms, params), ref, str(case), FP32_TIGHT)
 
 
 def _clip_value_run(rank, world_size, stage):
@@ -164,5 +133,4 @@ def _units(stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_clip_by_value_matches_ddp(stage):
     for ref, got in run_distributed(_clip_value_run, 2, stage):
-        for k in ref:
-            _assert_close(got[k], ref[k])
+        close(got, ref, f"stage {stage}", FP32_TIGHT)

@@ -14,7 +14,7 @@ from lightning_zero.tools.cli import main as cli_main
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.tools.estimate import SETTINGS, estimate_model_states, info_from_module, model_state_bytes, t5_dims
 from lightning_zero.tools.t5_dims import t5_presets
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import RankDivergenceError, ZeroStrategy
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from tests.dist_utils import run_distributed
-from tests.models import batch, make_model, make_optimizer
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.models import batch, make_model, make_optimizer
 
 UNITS = ["fc1", "fc2", "frozen", "unused"]
 

@@ -1,6 +1,6 @@
 """ZeroFabricStrategy under Lightning Fabric against Fabric's own DDP, and its checkpoints against the Trainer's.
 
-Every distributed job runs on forked gloo ranks (``tests/dist_utils.run_distributed``) with the process
+Every distributed job runs on forked gloo ranks (``tests/helpers/dist_utils.run_distributed``) with the process
 group already initialized, so each rank builds several ``Fabric`` objects in a row (Fabric sees an
 externally launched job and reuses the group): the DDP reference and every ZeRO variant in one job.
 """
@@ -22,11 +22,11 @@ import lightning_zero
 from lightning_zero import ZeroFabricPrecision, ZeroFabricStrategy, ZeroStrategy
 from lightning_zero.engine import collectives
 from lightning_zero.engine.config import PRESETS
-from tests.dist_utils import run_distributed
-from tests.lightning_models import TokenDataset, trainer_kwargs, uses_sometimes
-from tests.models import DIM, VOCAB, batch, loss_fn, make_model, make_optimizer
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lightning_models import TokenDataset, trainer_kwargs, uses_sometimes
+from tests.helpers.models import DIM, VOCAB, batch, loss_fn, make_model, make_optimizer
+from tests.helpers.parity import close as _close
 
-RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
 
 
@@ -148,11 +148,6 @@ def _parity_job(rank, world_size):
 @pytest.fixture(scope="module")
 def parity():
     return run_distributed(_parity_job, 2)
-
-
-def _close(a, b, what):
-    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=RTOL, atol=ATOL,
-                               msg=lambda m: f"{what}: {m}")
 
 
 @pytest.mark.timeout(240)

@@ -1,7 +1,7 @@
 """Several models under one ZeroFabricStrategy: a GAN, a student with its frozen teacher, their checkpoints.
 
 Each model set up gets its own engine; the references are Fabric's own DDP (``Fabric(strategy="ddp")``)
-running the same loops from the same seeds on forked gloo ranks (``tests/dist_utils.run_distributed``,
+running the same loops from the same seeds on forked gloo ranks (``tests/helpers/dist_utils.run_distributed``,
 one job per topic holding the reference and every ZeRO variant).
 """
 
@@ -20,11 +20,11 @@ from torch import nn
 from lightning_zero import ZeroFabricPrecision, ZeroFabricStrategy
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.engine.config import PRESETS
-from tests.dist_utils import run_distributed
-from tests.lightning_models import uses_sometimes
-from tests.models import VOCAB, batch, make_model, make_optimizer
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lightning_models import uses_sometimes
+from tests.helpers.models import VOCAB, batch, make_model, make_optimizer
+from tests.helpers.parity import close as _close
 
-RTOL, ATOL = 1e-5, 1e-6
 ITERS = 3
 Z, X, HID = 5, 7, 12
 
@@ -83,11 +83,6 @@ def _state(fabric, *models) -> dict[str, torch.Tensor]:
     with gathered() if gathered is not None else contextlib.nullcontext():
         return {f"{i}.{k}": v.detach().clone().float() for i, m in enumerate(models)
                 for k, v in m.state_dict().items()}
-
-
-def _close(a, b, what):
-    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=RTOL, atol=ATOL,
-                               msg=lambda m: f"{what}: {m}")
 
 
 def _adam(model):
@@ -238,7 +233,7 @@ def _distill_run(strategy, rank, build="setup"):
 
 def _gpt2_distill_run(strategy, rank):
     """HF GPT-2 (built from configs): a 32-wide frozen teacher set up without an optimizer, a 16-wide student."""
-    from tests import zoo_models as Z
+    from tests.helpers import zoo_models as Z
 
     fabric = _fabric(strategy)
     torch.manual_seed(1)

@@ -27,9 +27,9 @@ from torch.utils.data import DataLoader
 from lightning_zero import ZeroFabricStrategy, ZeroStrategy
 from lightning_zero.engine.stage3.deferred_init import materialize, meta_init
 from lightning_zero.engine.stage3.units import build_units
-from tests.dist_utils import run_distributed
-from tests.lightning_models import trainer_kwargs
-from tests.zoo_models import SEQ, VOCAB, ZOO
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lightning_models import trainer_kwargs
+from tests.helpers.zoo_models import SEQ, VOCAB, ZOO
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3

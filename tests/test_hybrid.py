@@ -16,10 +16,12 @@ import torch
 from lightning_zero.checkpoint.format import load_checkpoint_dir, save_engine_checkpoint
 from lightning_zero.engine import ZeroConfig, ZeroEngine, collectives
 from lightning_zero.tools.estimate import estimate_model_states
-from tests.dist_utils import run_distributed
-from tests.models import batch, loss_fn, make_model, make_optimizer
-from tests.test_memory import _model as _memory_model
-from tests.test_stage3 import STEPS, UNITS, _train, _use
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
+from tests.helpers.models import memory_mlp as _memory_model
+from tests.helpers.parity import FP32_TIGHT, STEPS, UNITS, check_parity
+from tests.helpers.parity import train_parity_net as _train
+from tests.helpers.parity import use_sometimes as _use
 
 K = 2
 ACCUM, CLIP = 2, 0.5
@@ -39,7 +41,7 @@ CASES = {  # name -> ZeroConfig keywords; tiny buckets: several per step
 
 
 def _hybrid(rank, kw):
-    """The parity run of tests/test_stage3 with shard groups of K, plus the collectives it issued."""
+    """The ParityNet parity run (tests/helpers/parity.py) with shard groups of K, plus the collectives it issued."""
     box = {}
     real = ZeroEngine.__init__
 
@@ -70,21 +72,14 @@ def results():
     return run_distributed(_matrix, 4)
 
 
-def _close(a, b):
-    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-7)
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", list(CASES))
 def test_hybrid_matches_ddp(name):
     for rank, (ref, runs) in enumerate(results()):
-        (losses, norms, params), calls, n_buckets, groups = runs[name]
+        run, calls, n_buckets, groups = runs[name]
         # the groups are made by the first engine only ([Note: why a group is never re-created])
         assert groups == runs["zero1"][3] or name == "zero0", {n: r[3] for n, r in runs.items()}
-        _close(losses, ref[0])
-        _close(norms, ref[1])
-        for key in ref[2]:
-            _close(params[key], ref[2][key])
+        check_parity(run, ref, f"{name} rank {rank}", FP32_TIGHT)
         if name == "zero0":
             assert {g for (g, _) in calls} == {"world"} and calls[("world", "all_reduce")] == n_buckets * STEPS
             continue
@@ -202,7 +197,7 @@ def test_lightning_trainer_with_shard_group_size(tmp_path):
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_zero import ZeroStrategy
-    from tests.test_strategy_parity import _compare, _fit
+    from tests.helpers.lightning_parity import compare_rank_files as _compare, fit_parity_module as _fit
 
     ref = _fit(tmp_path, DDPStrategy(start_method="fork", find_unused_parameters=True), accum=2, clip=0.5, devices=4)
     zero = _fit(tmp_path, ZeroStrategy(stage=2, shard_group_size=2, start_method="fork", bucket_mb=0.0004), accum=2,
@@ -234,8 +229,8 @@ def test_overflow_on_one_rank_skips_the_step_everywhere():
 
 
 def test_hydra_key_reaches_the_strategy():
-    from tests.test_hydra_recipe import _compose  # puts examples/ on sys.path (not a package)
+    from tests.helpers.hydra_recipe import compose_recipe  # puts examples/ on sys.path (not a package)
     from t5_config import build_strategy  # one module object: the recipe's schema is registered once
 
-    assert build_strategy(_compose("strategy=zero3", "strategy.shard_group_size=2")).zero_config.shard_group_size == 2
-    assert build_strategy(_compose("strategy=zero2")).zero_config.shard_group_size is None
+    assert build_strategy(compose_recipe("strategy=zero3", "strategy.shard_group_size=2")).zero_config.shard_group_size == 2
+    assert build_strategy(compose_recipe("strategy=zero2")).zero_config.shard_group_size is None

@@ -4,25 +4,18 @@ import csv
 import itertools
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))  # examples/ is not a package
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.errors import ConfigCompositionException  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from t5_config import (  # noqa: E402
+from tests.helpers.hydra_recipe import CONF, ROOT, compose_recipe, pairs_file  # noqa: F401  (examples/ on sys.path)
+from t5_config import (  # noqa: E402,I001
     ConfigError, T5FinetuneConf, build_datamodule, build_strategy, build_t5_config, validate_schema)
 
-CONF = ROOT / "conf"
 STRATEGIES = {"zero0": (0, False), "zero1": (1, False), "zero1_offload": (1, True),
               "zero2": (2, False), "zero2_offload": (2, True), "zero3": (3, False), "zero3_offload": (3, True)}
 MODELS = ["t5_tiny", "t5_mini", "t5_small", "t5_base", "t5_large", "t5_3b"]
@@ -30,30 +23,15 @@ DATA = ["stdlib", "jsonl"]
 TRAINERS = {"cpu": "fork", "gpu": "popen"}
 
 
-def _compose(*overrides, hydra_cfg=False):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("t5_finetune", overrides=list(overrides), return_hydra_config=hydra_cfg)
-
-
 def _options(group):
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-@pytest.fixture
-def pairs_file(tmp_path):
-    path = tmp_path / "pairs.jsonl"
-    with open(path, "w", encoding="utf-8") as f:
-        for i in range(300):
-            f.write(json.dumps({"code": f"def add_{i}(x):\n    return x + {i}\n",
-                                "doc": f"Add {i} to x."}) + "\n")
-    return path
 
 
 def test_config_groups_and_defaults():
     assert _options("strategy") == sorted(STRATEGIES)
     assert _options("model") == sorted(MODELS)
     assert _options("data") == sorted(DATA) and _options("trainer") == sorted(TRAINERS)
-    cfg = _compose()
+    cfg = compose_recipe()
     assert (cfg.strategy.name, cfg.model.preset, cfg.data.kind, cfg.trainer.accelerator) == \
         ("zero2", "t5_mini", "stdlib", "cpu")
     assert cfg.trainer.devices == 2 and cfg.strategy.start_method == "fork"
@@ -62,7 +40,7 @@ def test_config_groups_and_defaults():
 
 def test_every_combination_composes_and_validates():
     for s, m, d, t in itertools.product(STRATEGIES, MODELS, DATA, TRAINERS):
-        cfg = _compose(f"strategy={s}", f"model={m}", f"data={d}", f"trainer={t}")
+        cfg = compose_recipe(f"strategy={s}", f"model={m}", f"data={d}", f"trainer={t}")
         validate_schema(cfg)
         obj = OmegaConf.to_object(cfg)  # resolves interpolations, type-checks every field
         assert isinstance(obj, T5FinetuneConf)
@@ -76,7 +54,7 @@ def test_every_combination_composes_and_validates():
 def test_strategy_presets_build(preset, trainer):
     from lightning_zero import ZeroStrategy
 
-    strategy = build_strategy(_compose(f"strategy={preset}", f"trainer={trainer}"))
+    strategy = build_strategy(compose_recipe(f"strategy={preset}", f"trainer={trainer}"))
     stage, offload = STRATEGIES[preset]
     assert isinstance(strategy, ZeroStrategy)
     assert strategy.stage == stage and strategy.zero_config.offload_optimizer is offload
@@ -87,9 +65,9 @@ def test_strategy_presets_build(preset, trainer):
 
 
 def test_strategy_field_overrides_need_no_code_change():
-    s = build_strategy(_compose("strategy.stage=1"))
+    s = build_strategy(compose_recipe("strategy.stage=1"))
     assert s.stage == 1 and not s.zero_config.offload_optimizer
-    s = build_strategy(_compose("strategy=zero2_offload", "strategy.stage=1", "strategy.bucket_mb=2",
+    s = build_strategy(compose_recipe("strategy=zero2_offload", "strategy.stage=1", "strategy.bucket_mb=2",
                                 "strategy.reduce_dtype=fp32", "strategy.start_method=spawn"))
     assert (s.stage, s.zero_config.offload_optimizer, s.zero_config.bucket_mb) == (1, True, 2.0)
     assert s.zero_config.reduce_dtype == torch.float32 and s._start_method == "spawn"
@@ -97,16 +75,16 @@ def test_strategy_field_overrides_need_no_code_change():
 
 @pytest.mark.parametrize("stage", [5, -1])
 def test_out_of_range_stage_is_refused_naming_allowed_stages(stage):
-    cfg = _compose(f"strategy.stage={stage}")  # an int: the schema accepts it, ZeroConfig refuses it
+    cfg = compose_recipe(f"strategy.stage={stage}")  # an int: the schema accepts it, ZeroConfig refuses it
     with pytest.raises(ConfigError, match=r"Allowed stages: 0, 1, 2") as e:
         build_strategy(cfg)
     assert f"stage={stage}" in str(e.value) and "strategy=zero2" in str(e.value)
 
 
 def test_stage_override_reaches_stage3():
-    s = build_strategy(_compose("strategy.stage=3"))  # from the zero2 preset: no code change
+    s = build_strategy(compose_recipe("strategy.stage=3"))  # from the zero2 preset: no code change
     assert s.stage == 3 and s.zero_config.unit_classes is None  # the default policy, as under strategy=zero3
-    s = build_strategy(_compose("strategy=zero3", "strategy.unit_classes=[T5Block,T5LayerNorm]"))
+    s = build_strategy(compose_recipe("strategy=zero3", "strategy.unit_classes=[T5Block,T5LayerNorm]"))
     assert s.zero_config.unit_classes == ["T5Block", "T5LayerNorm"]
 
 
@@ -122,7 +100,7 @@ def test_stage_override_and_zero3_preset_give_the_same_units():
         model = T5ForConditionalGeneration(make_t5_config("t5_mini"))
     got = []
     for overrides in (["strategy.stage=3"], ["strategy=zero3"], ["strategy=zero3_offload"]):
-        z = build_strategy(_compose(*overrides)).zero_config
+        z = build_strategy(compose_recipe(*overrides)).zero_config
         units = build_units(model, 2, 0, z.unit_classes, z.unit_bytes, z.persist_numel)
         got.append([(u.name, len(u.params), u.persistent) for u in units])
     assert got[0] == got[1] == got[2]
@@ -133,19 +111,19 @@ def test_stage_override_and_zero3_preset_give_the_same_units():
 
 def test_invalid_combinations_are_refused():
     with pytest.raises(ConfigError, match="offload_optimizer=True needs a sharded optimizer"):
-        build_strategy(_compose("strategy=zero0", "strategy.offload_optimizer=true"))
+        build_strategy(compose_recipe("strategy=zero0", "strategy.offload_optimizer=true"))
     with pytest.raises(ConfigError, match="offload_params"):
-        build_strategy(_compose("strategy.offload_params=true"))
+        build_strategy(compose_recipe("strategy.offload_params=true"))
     with pytest.raises(ConfigError, match="Unknown start_method"):
-        build_strategy(_compose("strategy.start_method=thread"))
+        build_strategy(compose_recipe("strategy.start_method=thread"))
     with pytest.raises(ConfigError, match="Unknown dtype"):
-        build_strategy(_compose("strategy.reduce_dtype=fp8"))
+        build_strategy(compose_recipe("strategy.reduce_dtype=fp8"))
 
 
 def test_misspelt_keys_and_bad_types_are_refused():
     def refused(override):  # Hydra prints the message and its cause
         with pytest.raises(ConfigCompositionException) as e:
-            _compose(override)
+            compose_recipe(override)
         return f"{e.value}\n{e.value.__cause__}"
 
     msg = refused("strategy.stag=1")
@@ -153,9 +131,9 @@ def test_misspelt_keys_and_bad_types_are_refused():
     assert "Key 'max_step' not in 'TrainerConf'" in refused("trainer.max_step=3")
     assert "'two' of type 'str' could not be converted to Integer" in refused("strategy.stage=two")
     with pytest.raises(ConfigCompositionException, match="zero4"):
-        _compose("strategy=zero4")
+        compose_recipe("strategy=zero4")
     # `+key=value` bypasses the struct flag while composing; the app's schema check still refuses it.
-    cfg = _compose("+strategy.stag=1")
+    cfg = compose_recipe("+strategy.stag=1")
     with pytest.raises(ConfigError, match=r"strategy\.stag .*Allowed: name, stage"):
         validate_schema(cfg)
     with pytest.raises(ConfigError, match="strategy.stag"):
@@ -167,28 +145,28 @@ def test_model_presets_build_t5_config(model):
     from t5_data import ByteTokenizer
     from t5_module import T5_PRESETS
 
-    cfg = _compose(f"model={model}")
+    cfg = compose_recipe(f"model={model}")
     assert cfg.model.pretrained is None  # random init by default
     t5 = build_t5_config(cfg, ByteTokenizer())
     assert type(t5).__name__ == "T5Config"
     for k in ("d_model", "d_ff", "num_layers", "num_heads", "d_kv"):
         assert getattr(t5, k) == T5_PRESETS[model][k], k
     assert t5.vocab_size == 384 and t5.decoder_start_token_id == 0  # ByT5Tokenizer's ids
-    t5 = build_t5_config(_compose(f"model={model}", "+model.config_overrides.num_layers=1"))
+    t5 = build_t5_config(compose_recipe(f"model={model}", "+model.config_overrides.num_layers=1"))
     assert t5.num_layers == 1
     with pytest.raises(ConfigError, match="unknown preset"):
-        build_t5_config(_compose("model.preset=t5_huge"))
+        build_t5_config(compose_recipe("model.preset=t5_huge"))
 
 
 def test_data_presets_load(tmp_path, pairs_file):
-    dm = build_datamodule(_compose("data.stdlib_packages=[json,textwrap]", "data.max_pairs=null",
+    dm = build_datamodule(compose_recipe("data.stdlib_packages=[json,textwrap]", "data.max_pairs=null",
                                    f"data.cache_dir={tmp_path / 'cache'}", "data.limit_train=20"))
     dm.setup("fit")
     assert len(dm.splits["train"]) == 20 and dm.max_source_len == 64
     assert {p["module"].split(".")[0] for p in dm.splits["train"]} <= {"json", "textwrap"}
     assert list((tmp_path / "cache").glob("*.jsonl"))  # built once, cached
 
-    cfg = _compose("data=jsonl", f"data.path={pairs_file}", "data.source_field=code",
+    cfg = compose_recipe("data=jsonl", f"data.path={pairs_file}", "data.source_field=code",
                    "data.target_field=doc", "data.batch_size=4")
     dm = build_datamodule(cfg)
     dm.setup("fit")
@@ -196,19 +174,19 @@ def test_data_presets_load(tmp_path, pairs_file):
     batch = next(iter(dm.train_dataloader()))
     assert batch["input_ids"].shape[0] == 4
     with pytest.raises(ConfigError, match="data.path"):
-        build_datamodule(_compose("data=jsonl"))
+        build_datamodule(compose_recipe("data=jsonl"))
     with pytest.raises(ConfigError, match="no such file"):
-        build_datamodule(_compose("data=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"))
+        build_datamodule(compose_recipe("data=jsonl", f"data.path={tmp_path / 'missing.jsonl'}"))
 
 
 def test_popen_is_replaced_under_multirun():
     from hydra.core.hydra_config import HydraConfig
     from t5_finetune import resolve_start_method
 
-    cfg = _compose("trainer=gpu", "hydra.mode=MULTIRUN", hydra_cfg=True)
+    cfg = compose_recipe("trainer=gpu", "hydra.mode=MULTIRUN", hydra_cfg=True)
     HydraConfig.instance().set_config(cfg)
     try:
-        job = _compose("trainer=gpu")
+        job = compose_recipe("trainer=gpu")
         assert job.strategy.start_method == "popen"
         resolve_start_method(job)
         assert job.strategy.start_method == "spawn"
@@ -219,7 +197,7 @@ def test_popen_is_replaced_under_multirun():
 def test_pretrained_must_be_a_local_dir(tmp_path, pairs_file):
     from t5_finetune import train
 
-    cfg = _compose("model=t5_tiny", f"model.pretrained={tmp_path / 'nope'}", "data=jsonl",
+    cfg = compose_recipe("model=t5_tiny", f"model.pretrained={tmp_path / 'nope'}", "data=jsonl",
                    f"data.path={pairs_file}", "data.source_field=code", "data.target_field=doc",
                    f"output.dir={tmp_path / 'out'}")
     with pytest.raises(ConfigError, match="never downloaded"):
@@ -235,7 +213,7 @@ def test_recipe_fit_two_cpu_ranks(tmp_path, pairs_file, restore_threads, strateg
     out = tmp_path / "out"
     preset, *extra = strategy.split("+")
     extra = ["strategy.stage=3"] if extra else []
-    cfg = _compose(f"strategy={preset}", *extra, "model=t5_tiny", "trainer=cpu", "trainer.devices=2",
+    cfg = compose_recipe(f"strategy={preset}", *extra, "model=t5_tiny", "trainer=cpu", "trainer.devices=2",
                    "data=jsonl", f"data.path={pairs_file}", "data.source_field=code", "data.target_field=doc",
                    "data.batch_size=4", "data.limit_train=32", "data.limit_val=8", "data.max_source_len=48",
                    "data.max_target_len=16", "trainer.max_steps=4", "trainer.val_check_interval=2",
@@ -297,7 +275,7 @@ def test_recipe_fit_two_cpu_ranks(tmp_path, pairs_file, restore_threads, strateg
 
     # mode=test on the last checkpoint: test metrics + one prediction per test pair, in order
     pred = tmp_path / "pred.jsonl"
-    res = train(_compose("model=t5_tiny", "data=jsonl", f"data.path={pairs_file}", "data.source_field=code",
+    res = train(compose_recipe("model=t5_tiny", "data=jsonl", f"data.path={pairs_file}", "data.source_field=code",
                          "data.target_field=doc", "data.batch_size=4", "data.limit_train=32", "data.limit_val=8",
                          "data.max_source_len=48", "data.max_target_len=16", "tokenizer.vocab_size=400",
                          "mode=test", f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}", f"output.predictions={pred}",
@@ -365,8 +343,8 @@ def test_tuner_sizes_the_model_with_the_runs_vocabulary(tmp_path):
     from lightning_zero.tools.t5_dims import RECIPE_VOCAB
 
     default = yaml.safe_load((ROOT / "conf" / "tokenizer" / "subword.yaml").read_text())["vocab_size"]
-    assert tune_model_config(_compose()).vocab_size == default == RECIPE_VOCAB
-    assert tune_model_config(_compose("tokenizer=bytes")).vocab_size == len(ByteTokenizer()) == 384
-    assert tune_model_config(_compose("tokenizer.vocab_size=512")).vocab_size == 512
+    assert tune_model_config(compose_recipe()).vocab_size == default == RECIPE_VOCAB
+    assert tune_model_config(compose_recipe("tokenizer=bytes")).vocab_size == len(ByteTokenizer()) == 384
+    assert tune_model_config(compose_recipe("tokenizer.vocab_size=512")).vocab_size == 512
     T5Config(vocab_size=777, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16).save_pretrained(tmp_path)
-    assert tune_model_config(_compose(f"model.pretrained={tmp_path}")).vocab_size == 777
+    assert tune_model_config(compose_recipe(f"model.pretrained={tmp_path}")).vocab_size == 777

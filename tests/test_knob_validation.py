@@ -36,8 +36,8 @@ from lightning_zero import ZeroConfig, ZeroPrecision, ZeroStrategy
 from lightning_zero.lightning.fabric_precision import ZeroFabricPrecision
 from lightning_zero.lightning.fabric_strategy import ZeroFabricStrategy
 from lightning_zero.lightning.pipeline_strategy import ZeroPipelineStrategy
-from tests.lightning_models import TokenDataset, trainer_kwargs
-from tests.zoo_models import VOCAB, gpt2
+from tests.helpers.lightning_models import TokenDataset, trainer_kwargs
+from tests.helpers.zoo_models import VOCAB, gpt2
 
 
 @dataclass
@@ -312,41 +312,42 @@ def test_unit_class_matching_no_module_is_refused_at_setup(stage):
 def _pipeline_offload(rank, world_size):
     from lightning_zero.engine.pipeline import PipelineZero, pipeline_layout
     from lightning_zero.engine.pipeline_split import split_gpt2
-    from tests import test_pipeline as T
+    from tests.helpers import pipeline_gpt2 as T
 
-    module = split_gpt2(T._model(), 2, pipeline_layout(2).stage_index)
-    pipe = PipelineZero(module, 2, T._loss, T._optimizer(module.parameters()), T.M,
+    module = split_gpt2(T.gpt2_model(), 2, pipeline_layout(2).stage_index)
+    pipe = PipelineZero(module, 2, T.lm_loss, T.adamw(module.parameters()), T.M,
                         config=ZeroConfig(stage=2, bucket_mb=0.01, offload_optimizer=True),
                         accumulate_grad_batches=T.ACCUM, gradient_clip_val=T.CLIP)
-    return T._train(pipe, T.CALLS), T._named(pipe), pipe.engine.sharded.offload
+    return T.train_pipeline(pipe, T.CALLS), T.named_state(pipe), pipe.engine.sharded.offload
 
 
 @pytest.mark.timeout(120)
 def test_pipeline_with_offload_optimizer_matches_reference():
-    from tests import test_pipeline as T
-    from tests.dist_utils import run_distributed
+    from tests.helpers import pipeline_gpt2 as T
+    from tests.helpers.dist_utils import run_distributed
+    from tests.helpers.parity import is_close
 
-    ref_losses, ref_sd = T._reference([1] * T.CALLS)
+    ref_losses, ref_sd = T.single_process_reference([1] * T.CALLS)
     merged = {}
     for losses, sd, offloaded in run_distributed(_pipeline_offload, 2):
         assert losses == pytest.approx(ref_losses, rel=T.RTOL) and offloaded
         merged.update(sd)
     assert set(merged) == set(ref_sd)
-    assert not [k for k in ref_sd if not T._close(merged[k], ref_sd[k])]
+    assert not [k for k in ref_sd if not is_close(merged[k], ref_sd[k])]
 
 
 # -- Hydra: the recipe's composed config reaches the same checks ------------------------------------------------------
 def test_hydra_values_pass_and_bad_ones_are_refused():
-    from tests.test_hydra_recipe import _compose  # examples/ on sys.path
+    from tests.helpers.hydra_recipe import compose_recipe  # examples/ on sys.path
     from t5_config import ConfigError, build_strategy
 
-    s = build_strategy(_compose("strategy=zero3", "strategy.unit_classes=[T5Block]", "strategy.persist_numel=0",
+    s = build_strategy(compose_recipe("strategy=zero3", "strategy.unit_classes=[T5Block]", "strategy.persist_numel=0",
                                 "strategy.activation_checkpointing=auto", "strategy.shard_group_size=1"))
     assert s.zero_config.unit_classes == ["T5Block"] and s.zero_config.activation_checkpointing == "auto"
-    assert build_strategy(_compose("strategy=zero1", "strategy.overlap_publish=true")).zero_config.overlap_publish
+    assert build_strategy(compose_recipe("strategy=zero1", "strategy.overlap_publish=true")).zero_config.overlap_publish
     for overrides, match in ((("strategy=zero3", "strategy.overlap_publish=true"), "Allowed: overlap_publish with "
                                                                                    "stage 1 or 2"),
                              (("strategy.activation_checkpointing=autoo",), "did you mean 'auto'"),
                              (("strategy.unit_classes=[]",), "unit_classes must be None or a non-empty list")):
         with pytest.raises(ConfigError, match=match):
-            build_strategy(_compose(*overrides))
+            build_strategy(compose_recipe(*overrides))

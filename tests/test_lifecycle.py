@@ -3,7 +3,7 @@
 Launchers: "external" ranks (tests/dist_utils.run_distributed initializes the process group, then one
 process runs many Trainers with the strategy's default launcher, which launches nothing: what
 torchrun/SLURM do), Lightning's fork launcher, and spawn for a small subset. Each sequence
-(tests/lifecycle_harness.py) records metrics, predictions, whole weights after each fit and the optimizer
+(tests/helpers/lifecycle_harness.py) records metrics, predictions, whole weights after each fit and the optimizer
 state a resumed fit starts from; ZeRO's record must equal DDP's doing the same sequence (fp32, rtol 1e-5).
 """
 
@@ -19,15 +19,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero import checkpoint as ck
-from tests.dist_utils import free_port, run_distributed
-from tests.lifecycle_harness import SEQUENCES, STAGES, run_external, run_sequence
+from tests.helpers.dist_utils import free_port, run_distributed
+from tests.helpers.lifecycle_harness import SEQUENCES, STAGES, run_external, run_sequence
+from tests.helpers.parity import close as _close
 
-RTOL, ATOL = 1e-5, 1e-6
 _REFS: dict = {}
-
-
-def _close(a, b, what):
-    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
 
 
 def _opt_close(got, want, what):
@@ -120,7 +116,7 @@ LAUNCHED = [("zero3", "fork", "fit_eval_save_resume"), ("zero3", "spawn", "fit")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stage,method,seq", LAUNCHED, ids=[f"{s}-{m}-{q}" for s, m, q in LAUNCHED])
 def test_launched_sequence_matches_ddp(tmp_path, stage, method, seq, monkeypatch):
-    import tests.lifecycle_harness as h
+    import tests.helpers.lifecycle_harness as h
 
     make = h.make_strategy
     key = ("launched", seq)  # the reference always forks: the launcher changes no number
@@ -140,7 +136,7 @@ def _with_start_method(make, method):
 # -- engine level: one reduce-scatter group per process ------------------------------------------------------------
 def _engines_share_one_group(rank, world_size):
     from lightning_zero import ZeroConfig, ZeroEngine
-    from tests.models import batch, loss_fn, make_model, make_optimizer
+    from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
 
     cfg = ZeroConfig(stage=3, unit_classes=["fc1", "fc2", "frozen"], persist_numel=0)
     names = dist.distributed_c10d._world.pg_names

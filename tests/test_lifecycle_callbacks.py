@@ -17,10 +17,11 @@ from lightning.pytorch.utilities.model_summary import summarize
 
 from lightning_zero import ZeroPrecision
 from lightning_zero.checkpoint.consolidate import consolidate
-from tests.dist_utils import run_distributed
-from tests.lifecycle_harness import LifecycleModule, make_strategy, trainer, whole_params
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lifecycle_harness import LifecycleModule, make_strategy, trainer, whole_params
+from tests.helpers.parity import close as _assert_close_dicts
 
-RTOL, ATOL = 1e-5, 1e-6
+RTOL = 1e-5
 _REFS: dict = {}
 
 
@@ -50,12 +51,6 @@ def _saved_weights(path: str) -> dict:
         consolidate(path, path + ".pt")
         return torch.load(path + ".pt")
     return {k: v.float() for k, v in torch.load(path, weights_only=False)["state_dict"].items()}
-
-
-def _assert_close_dicts(a, b, what):
-    assert set(a) == set(b), what
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {k}: {m}")
 
 
 CASES = [("zero0", "swa", "sharded"), ("zero1", "swa", "sharded"), ("zero2", "swa", "sharded"),

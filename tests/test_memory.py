@@ -6,15 +6,10 @@ import functools
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine, model_state_floor
-from tests.dist_utils import run_distributed
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 301), nn.GELU(), nn.Linear(301, 257), nn.GELU(), nn.Linear(257, 63))
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.models import memory_mlp as _model
 
 
 def _measure(rank, world_size, stage, dtype_name, offload):

@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_zero import ZeroStrategy
-from tests.test_weights_out import GPTModule, gpt2_config
+from tests.helpers.gpt2_module import GPTModule, gpt2_config
 
 
 class FrozenBaseGPT(GPTModule):

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback, ModelSummary
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_zero import ZeroStrategy, model_state_floor
-from tests.test_weights_out import GPTModule, gpt2_config
+from tests.helpers.gpt2_module import GPTModule, gpt2_config
 
 
 class _Record(Callback):

@@ -17,14 +17,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import lightning_zero  # noqa: F401  (registers the presets)
 from lightning_zero.engine import ZeroConfig, ZeroEngine, model_state_floor
-from tests.dist_utils import run_distributed
-from tests.lightning_models import TokenDataset, _params, trainer_kwargs
-from tests.zoo_models import ZOO
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lightning_models import TokenDataset, _params, trainer_kwargs
+from tests.helpers.parity import close as _close
+from tests.helpers.zoo_models import ZOO, zoo_adamw, zoo_ddp_reference
 
 STEPS = 3
 PRESETS = ("zero3", "zero3_offload")
@@ -39,40 +39,31 @@ def _config(preset: str) -> ZeroConfig:
     return StrategyRegistry.get(f"{preset}_fork").zero_config  # exactly what Trainer(strategy=...) builds
 
 
-def _train(rank, name, cfg, fused=False):
+def _train(rank, name, cfg):
     builder, make_batch, loss_fn = ZOO[name]
     torch.manual_seed(0)
     model = builder()
-    # offloaded, the engine steps with torch's fused CPU AdamW: the reference uses the same kernel (on the
-    # attention key biases, whose true gradient is 0, Adam turns the kernels' last-bit differences into 1e-5)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=fused or None)
-    runner = DDP(model, find_unused_parameters=True) if cfg is None else model
-    engine = ZeroEngine(model, opt, cfg) if cfg is not None else None
+    opt = zoo_adamw(model)
+    engine = ZeroEngine(model, opt, cfg)
     losses, report = [], None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
-            if engine is not None:
-                engine.prepare_forward()  # rank 0's buffers (BatchNorm), as DDP broadcasts them; what the strategy calls
-            loss = loss_fn(runner, make_batch(step, rank))
+            engine.prepare_forward()  # rank 0's buffers (BatchNorm), as DDP broadcasts them; what the strategy calls
+            loss = loss_fn(model, make_batch(step, rank))
             loss.backward()
             losses.append(loss.item())
-            if engine is not None:
-                if step == STEPS - 1:  # after a backward, with optimizer state: every model state is there
-                    report = engine.memory_report()
-                engine.step()
-            else:
-                opt.step()
-                opt.zero_grad()
+            if step == STEPS - 1:  # after a backward, with optimizer state: every model state is there
+                report = engine.memory_report()
+            engine.step()
     out = {"losses": losses, "on_demand": [str(w.message) for w in caught if "on demand" in str(w.message)]}
-    if engine is not None:
-        units = engine.partitioner.units
-        out["units"] = units.describe()
-        out["n_units"] = len(units) - 1
-        out["report"] = report.as_dict()
-        numel = sum(p.numel() for p in model.parameters())
-        out["floor"] = model_state_floor(3, numel, 2, False, 8, cfg.offload_optimizer)
-        engine.restore_fp32_module()
+    units = engine.partitioner.units
+    out["units"] = units.describe()
+    out["n_units"] = len(units) - 1
+    out["report"] = report.as_dict()
+    numel = sum(p.numel() for p in model.parameters())
+    out["floor"] = model_state_floor(3, numel, 2, False, 8, cfg.offload_optimizer)
+    engine.restore_fp32_module()
     out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return out
 
@@ -80,9 +71,9 @@ def _train(rank, name, cfg, fused=False):
 def _zoo(rank, world_size, cases):
     res = {}
     for name in dict.fromkeys(m for m, _ in cases):
-        res[(name, "ddp")] = _train(rank, name, None)
+        res[(name, "ddp")] = zoo_ddp_reference(rank, name, STEPS)
         if (name, "zero3_offload") in cases:
-            res[(name, "ddp_fused")] = _train(rank, name, None, fused=True)
+            res[(name, "ddp_fused")] = zoo_ddp_reference(rank, name, STEPS, fused=True)
     for name, preset in cases:
         try:
             res[(name, preset)] = _train(rank, name, _config(preset))
@@ -94,10 +85,6 @@ def _zoo(rank, world_size, cases):
 @functools.lru_cache(maxsize=None)
 def results():
     return run_distributed(_zoo, 2, CASES)
-
-
-def _close(a, b, what):
-    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 
 
 @pytest.mark.timeout(300)
@@ -130,7 +117,7 @@ class _HFModule(pl.LightningModule):
         self.out, self.tag, self.losses, self.units = out, tag, [], None
 
     def setup(self, stage):
-        torch.set_num_threads(1)  # forked ranks (see tests/lightning_models.py)
+        torch.set_num_threads(1)  # forked ranks (see tests/helpers/lightning_models.py)
 
     def train_dataloader(self):
         return DataLoader(TokenDataset(length=32, seq=8), batch_size=2)

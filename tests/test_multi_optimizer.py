@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_zero  # noqa: F401  (registers the zero* strategy names)
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
-from tests.lightning_models import _params, load_rank_files, trainer_kwargs
-from tests.models import make_model
+from tests.helpers.lightning_models import _params, load_rank_files, trainer_kwargs
+from tests.helpers.models import make_model
 
 RTOL, ATOL = 1e-5, 1e-6
 LATENT, DATA = 4, 6
@@ -56,7 +56,7 @@ class Gan(pl.LightningModule):
         self.losses: list[float] = []
 
     def setup(self, stage: str) -> None:
-        torch.set_num_threads(1)  # see tests/lightning_models.py: forked ranks must not use OpenMP pools
+        torch.set_num_threads(1)  # see tests/helpers/lightning_models.py: forked ranks must not use OpenMP pools
 
     def train_dataloader(self):
         return DataLoader(RealData(), batch_size=4, shuffle=False)
@@ -371,7 +371,7 @@ def _fabric_gan(rank, world_size, strategies):
 @pytest.mark.timeout(300)
 def test_fabric_gan_zero_grad_and_add_param_group_match_fabric_ddp():
     """Fabric's optimizer wrapper: ``zero_grad`` / ``add_param_group`` reach the engine at every stage."""
-    from tests.dist_utils import run_distributed
+    from tests.helpers.dist_utils import run_distributed
 
     names = ["ddp", "zero0", "zero1", "zero2", "zero3"]
     for rank, res in enumerate(run_distributed(_fabric_gan, 2, names)):

@@ -13,8 +13,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from tests.dist_utils import run_distributed
-from tests.models import batch, loss_fn, make_model, make_optimizer
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
 
 STEPS = 5
 CONFIGS = {

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroFabricStrategy, ZeroStrategy
-from tests.dist_utils import run_distributed
-from tests.models import make_model, make_optimizer
-from tests.zoo_models import ZOO
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.models import make_model, make_optimizer
+from tests.helpers.parity import close
+from tests.helpers.zoo_models import ZOO, zoo_adamw, zoo_ddp_reference
 
 STEPS = 3
 CONFIGS = {
@@ -33,29 +33,22 @@ def _train(rank, cfg):
     builder, make_batch, loss_fn = ZOO["gpt2"]
     torch.manual_seed(0)
     model = builder()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)  # torch's defaults, as users write it
-    engine = ZeroEngine(model, opt, cfg) if cfg is not None else None
-    runner = DDP(model, find_unused_parameters=True) if cfg is None else model
+    opt = zoo_adamw(model)  # torch's defaults, as users write it
+    engine = ZeroEngine(model, opt, cfg)
     losses = []
     for step in range(STEPS):
-        if engine is not None:
-            engine.prepare_forward()
-        loss = loss_fn(runner, make_batch(step, rank))
+        engine.prepare_forward()
+        loss = loss_fn(model, make_batch(step, rank))
         loss.backward()
         losses.append(loss.item())
-        if engine is not None:
-            engine.step()
-        else:
-            opt.step()
-            opt.zero_grad()
-    fused = engine.sharded.uses_fused if engine is not None else None
-    if engine is not None:
-        engine.restore_fp32_module()
+        engine.step()
+    fused = engine.sharded.uses_fused
+    engine.restore_fp32_module()
     return {"losses": losses, "fused": fused, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
 def _all(rank, world_size):
-    out = {"ddp": _train(rank, None)}
+    out = {"ddp": zoo_ddp_reference(rank, "gpt2", STEPS)}
     for name, kw in CONFIGS.items():
         for kernel in ("user", "fused"):
             out[(name, kernel)] = _train(rank, ZeroConfig(**kw, offload_kernel=kernel))
@@ -77,11 +70,8 @@ def test_user_kernel_offload_matches_ddp_on_gpt2(name):
     for rank, res in enumerate(results()):
         ref, got = res["ddp"], res[(name, "user")]
         assert got["fused"] is False  # the user's AdamW, not the fused swap
-        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
-        assert got["state"].keys() == ref["state"].keys()
-        for k in ref["state"]:
-            torch.testing.assert_close(got["state"][k], ref["state"][k], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"rank {rank} {name} {k}: {m}")
+        close(got["losses"], ref["losses"], f"rank {rank} {name} losses")
+        close(got["state"], ref["state"], f"rank {rank} {name}")
         if rank == 0:  # what the default kernel costs here (reported, not asserted: it is the documented trade)
             fused = res[(name, "fused")]
             assert fused["fused"] is True

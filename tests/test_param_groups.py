@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
 from lightning_zero.checkpoint import load_checkpoint_dir, save_engine_checkpoint
-from tests.dist_utils import run_distributed
-from tests.lightning_models import _params, load_rank_files, trainer_kwargs
-from tests.models import batch, loss_fn, make_model
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lightning_models import _params, load_rank_files, trainer_kwargs
+from tests.helpers.models import batch, loss_fn, make_model
 
 RTOL, ATOL = 1e-5, 1e-6
 BEFORE, AFTER = 2, 3  # steps before and after the add

@@ -16,95 +16,18 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from lightning_zero.engine import ZeroConfig, collectives
 from lightning_zero.checkpoint.pipeline_dir import (consolidate_pipeline_checkpoint, load_pipeline_checkpoint,
                                                     save_pipeline_checkpoint)
-from lightning_zero.engine.pipeline import (PipelineZero, check_pipeline_size, estimate_stage_states, pipeline_layout,
-                                            virtual_stages)
+from lightning_zero.engine.pipeline import PipelineZero, check_pipeline_size, estimate_stage_states, pipeline_layout
 from lightning_zero.engine.pipeline_split import split_gpt2
-from tests.dist_utils import run_distributed
-
-VOCAB, SEQ, BATCH, M = 64, 8, 8, 2  # global batch of 8 sequences; M micro-batches per replica
-ACCUM, CLIP, LR = 2, 0.5, 1e-3
-CALLS = 6  # step() calls = 3 optimizer steps
-RTOL, ATOL = 1e-5, 1e-6
-
-
-def _model():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
-    cfg._attn_implementation = "sdpa"
-    return GPT2LMHeadModel(cfg)
-
-
-def _loss(logits, ids):  # next-token cross-entropy, mean over the micro-batch's tokens
-    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-
-
-def _batch(call):
-    g = torch.Generator().manual_seed(100 + call)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-
-
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
-
-
-def _reference(dp_sizes):
-    """Single process, one entry of ``dp_sizes`` per step() call: the data-parallel size of that call."""
-    model = _model()
-    opt = _optimizer(model.parameters())
-    losses = []
-    for call, dp in enumerate(dp_sizes):
-        ids, total = _batch(call), 0.0
-        for chunk in ids.chunk(dp * M):
-            loss = _loss(model(chunk).logits, chunk)
-            (loss / (dp * M * ACCUM)).backward()
-            total += loss.item() / (dp * M)
-        losses.append(total)
-        if call % ACCUM == ACCUM - 1:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            assert norm > CLIP  # the clip acts
-            opt.step()
-            opt.zero_grad()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _pipeline(num_stages, stage, schedule, grad_reduce="auto", **kw):
-    lay = pipeline_layout(num_stages)
-    if schedule == "interleaved":  # two chunks per rank: stages p and p + P of 2P, one block each
-        model = _model()
-        module = [split_gpt2(model, 2 * num_stages, i) for i in virtual_stages(lay.stage_index, num_stages, 2)]
-        opt = [_optimizer(m.parameters()) for m in module]
-    else:
-        module = split_gpt2(_model(), num_stages, lay.stage_index)
-        opt = _optimizer(module.parameters())
-    return PipelineZero(module, num_stages, _loss, opt, M, schedule=schedule,
-                        config=ZeroConfig(stage=stage, bucket_mb=0.01, grad_reduce=grad_reduce),
-                        accumulate_grad_batches=ACCUM,
-                        gradient_clip_val=CLIP, **kw)
-
-
-def _train(pipe, calls):
-    lay, losses = pipe.layout, []
-    rows = BATCH // lay.dp_size
-    for call in range(calls):
-        ids = _batch(call)[lay.dp_rank * rows:(lay.dp_rank + 1) * rows]
-        losses.append(pipe.step(ids, ids).item())
-    return losses
-
-
-def _named(pipe):
-    return {sd["source_names"][k]: v for sd in pipe.state_dicts() for k, v in sd["model"].items()}
-
-
-def _close(a, b):
-    return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.parity import is_close as _close
+from tests.helpers.pipeline_gpt2 import (BATCH, M, ACCUM, CALLS, RTOL,
+    gpt2_model as _model, lm_loss as _loss, global_batch as _batch, adamw as _optimizer,
+    single_process_reference as _reference, make_pipeline as _pipeline, train_pipeline as _train,
+    named_state as _named)
 
 
 def _parity_2(rank, world_size):

@@ -10,14 +10,15 @@ import warnings
 from collections import defaultdict
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_zero.checkpoint.pipeline_dir import (consolidate_pipeline_checkpoint, load_pipeline_checkpoint,
                                                     read_manifest, save_pipeline_checkpoint)
 from lightning_zero.engine import collectives
-from tests.dist_utils import run_distributed
-from tests.test_pipeline import ATOL, BATCH, CALLS, RTOL, _batch, _model, _named, _pipeline, _reference
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.parity import is_close
+from tests.helpers.pipeline_gpt2 import (BATCH, CALLS, RTOL, global_batch as _batch, gpt2_model as _model,
+    named_state as _named, make_pipeline as _pipeline, single_process_reference as _reference)
 
 SAVED_AT = 4  # step() calls before the checkpoint: two optimizer steps
 
@@ -70,7 +71,7 @@ def _resume_at_dp1(rank, world_size, path):
 
 def _close_sd(got, ref):
     assert set(got) == set(ref)
-    bad = [k for k in ref if not torch.allclose(got[k], ref[k], rtol=RTOL, atol=ATOL)]
+    bad = [k for k in ref if not is_close(got[k], ref[k])]
     assert not bad, bad
 
 

@@ -22,8 +22,10 @@ from lightning_zero import ZeroPipelineStrategy, ZeroPrecision, ZeroStrategy
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.pipeline_split import split_gpt2
 from lightning_zero.tools.cli import main as cli
-from tests.test_pipeline import ACCUM, ATOL, BATCH, CLIP, M, RTOL, _batch, _loss, _model, _optimizer
-from tests.test_pipeline_lightning import BATCHES, VAL, PipeGPT2, SaveAtEpochEnd, _check, _lr_lambda, _reference
+from tests.helpers.pipeline_gpt2 import (ACCUM, ATOL, BATCH, CLIP, M, RTOL, global_batch as _batch, lm_loss as _loss,
+    gpt2_model as _model, adamw as _optimizer)
+from tests.helpers.pipeline_lightning import (BATCHES, VAL, PipeGPT2, SaveAtEpochEnd, check_pipeline_fit as _check,
+    lr_lambda as _lr_lambda, trainer_reference as _reference)
 
 PRED_ROWS = 4  # predict batches of 4 rows: two per replica at P2 x DP1
 

@@ -13,134 +13,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, Dataset
 
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroStrategy
 from lightning_zero.checkpoint.pipeline_dir import consolidate_pipeline_checkpoint, read_manifest
-from lightning_zero.engine.pipeline_split import split_gpt2
 from lightning_zero.lightning.pipeline_strategy import ZeroPipelineStrategy
-from tests.test_pipeline import ACCUM, ATOL, BATCH, CLIP, M, RTOL, _batch, _loss, _model, _optimizer
-
-BATCHES = 4  # per epoch: 2 optimizer steps
-VAL = 90  # the validation batch: _batch(VAL)
-
-
-def _lr_lambda(step):
-    return 1.0 / (1 + step)
-
-
-class Rows(Dataset):
-    """Row i % BATCH of ``_batch(i // BATCH)``."""
-
-    def __len__(self):
-        return BATCHES * BATCH
-
-    def __getitem__(self, i):
-        return _batch(i // BATCH)[i % BATCH]
-
-
-class PipeGPT2(pl.LightningModule):
-    def __init__(self, out: str, tag: str, batch_size: int = BATCH) -> None:
-        super().__init__()
-        self.out, self.tag, self.batch_size = out, tag, batch_size
-        self.stage = None
-        self.losses: list[float] = []
-        self.batches: list[torch.Tensor] = []
-        self.val_losses: list[float] = []
-
-    def setup(self, stage):
-        torch.set_num_threads(1)  # forked ranks: see tests/lightning_models.py
-
-    def configure_model(self):
-        if self.stage is None:
-            s = self.trainer.strategy
-            self.stage = split_gpt2(_model(), s.pipeline_parallel_size, s.pipeline_stage_index)
-
-    def forward(self, x):
-        return self.stage(x)
-
-    def pipeline_loss(self, output, target):
-        return _loss(output, target)
-
-    def training_step(self, batch, batch_idx):
-        raise AssertionError("the pipeline strategy runs the schedule instead")
-
-    def configure_optimizers(self):
-        opt = _optimizer(self.parameters())
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-    def validation_step(self, batch, batch_idx):
-        raise AssertionError("the pipeline strategy runs the forward pipeline instead")
-
-    def train_dataloader(self):
-        return DataLoader(Rows(), batch_size=self.batch_size, shuffle=False)
-
-    def val_dataloader(self):
-        return DataLoader([row for row in _batch(VAL)], batch_size=self.batch_size, shuffle=False)
-
-    def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
-        self.val_losses.append(float(outputs))
-
-    def on_train_batch_start(self, batch, batch_idx):
-        self.batches.append(batch.clone())
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.losses.append(float(self.trainer.strategy.last_loss))
-
-    def on_train_end(self):
-        pipe = self.trainer.strategy.pipe
-        named = {sd["source_names"][k]: v for sd in pipe.state_dicts() for k, v in sd["model"].items()}
-        torch.save({"losses": self.losses, "batches": self.batches, "val": self.val_losses, "named": named, "step": self.trainer.global_step,
-                    "lr": self.trainer.optimizers[0].param_groups[0]["lr"]},
-                   os.path.join(self.out, f"{self.tag}rank{self.global_rank}.pt"))
-
-
-class SaveAtEpochEnd(pl.Callback):
-    def __init__(self, path):
-        self.path = path
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        trainer.save_checkpoint(self.path)
-
-
-def _reference(batches):
-    """Single process, the uncut model: what the pipeline computes over ``batches``, per batch a tensor or a
-    list of the D replicas' parts (each cut into M micro-batches: as DDP over D ranks, accumulating M)."""
-    model = _model()
-    opt = _optimizer(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
-    losses, val = [], []
-
-    def validate():
-        model.eval()
-        with torch.no_grad():
-            val.append(_loss(model(_batch(VAL)).logits, _batch(VAL)).item())
-        model.train()
-
-    validate()  # the sanity check
-    for call, parts in enumerate(batches):
-        parts, total = parts if isinstance(parts, list) else [parts], 0.0
-        chunks = [c for part in parts for c in part.chunk(M)]
-        for chunk in chunks:
-            loss = _loss(model(chunk).logits, chunk)
-            (loss / (len(chunks) * ACCUM)).backward()
-            total += loss.item() / len(chunks)
-        losses.append(total)
-        if call % ACCUM == ACCUM - 1:
-            assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > CLIP  # the clip acts
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-        if call % BATCHES == BATCHES - 1:
-            validate()  # each epoch's end
-    return losses, val, {k: v.detach().clone() for k, v in model.state_dict().items()}
+from tests.helpers.pipeline_gpt2 import ACCUM, ATOL, BATCH, CLIP, M, RTOL
+from tests.helpers.pipeline_lightning import (BATCHES, PipeGPT2, SaveAtEpochEnd, lr_lambda as _lr_lambda,
+    trainer_reference as _reference, check_pipeline_fit as _check)
 
 
 def _fit(out, tag, schedule, epochs, ckpt_path=None, callbacks=(), stage=None, devices=2):
@@ -155,19 +39,6 @@ def _fit(out, tag, schedule, epochs, ckpt_path=None, callbacks=(), stage=None, d
                       callbacks=list(callbacks))
     trainer.fit(PipeGPT2(str(out), tag, BATCH * 2 // devices), ckpt_path=ckpt_path)
     return [torch.load(os.path.join(out, f"{tag}rank{r}.pt")) for r in range(devices)]
-
-
-def _check(results, ref_losses, ref_val, ref_sd, what):
-    merged, dp = {}, len(results) // 2
-    for d in range(dp):  # the two stages of a replica read the same batch
-        assert all(torch.equal(a, b) for a, b in zip(results[d]["batches"], results[d + dp]["batches"])), what
-    for r, res in enumerate(results):
-        assert res["losses"] == pytest.approx(ref_losses, rel=RTOL), (what, r)
-        assert res["val"] == pytest.approx(ref_val, rel=RTOL), (what, r)
-        merged.update(res["named"])
-    assert set(merged) == set(ref_sd), what  # the two stages together name the whole model
-    bad = [k for k in ref_sd if not torch.allclose(merged[k], ref_sd[k], rtol=RTOL, atol=ATOL)]
-    assert not bad, (what, bad)
 
 
 @pytest.mark.timeout(240)

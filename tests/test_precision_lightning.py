@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_zero import ZeroPrecision, ZeroStrategy
-from tests.lightning_models import ParityModule
+from tests.helpers.lightning_models import ParityModule
 
 OVERFLOW_STEP = 2
 

@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader
 
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy, load_pretrained
 from lightning_zero.engine.stage3.pretrained_source import PretrainedSource
-from tests.dist_utils import run_distributed
-from tests.lightning_models import trainer_kwargs
-from tests.zoo_models import SEQ, VOCAB, ZOO
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lightning_models import trainer_kwargs
+from tests.helpers.zoo_models import SEQ, VOCAB, ZOO
 
 KINDS = ("single", "sharded", "bin", "file")
 RTOL, ATOL = 1e-5, 1e-6

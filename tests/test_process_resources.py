@@ -18,25 +18,25 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import run_distributed
+from tests.helpers.dist_utils import run_distributed
 
 FITS = 5
 
 
 def _strategy_and_module(mode: str, out: str):
     from lightning_zero import ZeroPipelineStrategy, ZeroStrategy
-    from tests.lifecycle_harness import STAGES, LifecycleModule
+    from tests.helpers.lifecycle_harness import STAGES, LifecycleModule
 
     if mode in ("zero2", "zero3"):
         return ZeroStrategy(**STAGES[mode]), LifecycleModule(out)
     if mode == "hybrid":
         return ZeroStrategy(**STAGES["zero3"], shard_group_size=1), LifecycleModule(out)
     if mode == "tp":
-        from tests.test_tensor_parallel import _lightning_module
+        from tests.helpers.tp_models import tp_lightning_module
 
-        return ZeroStrategy(stage=1, tensor_parallel_size=2), _lightning_module(out, "tp", tensor_parallel=True)
-    from tests.test_pipeline import M
-    from tests.test_pipeline_lightning import PipeGPT2
+        return ZeroStrategy(stage=1, tensor_parallel_size=2), tp_lightning_module(out, "tp", tensor_parallel=True)
+    from tests.helpers.pipeline_gpt2 import M
+    from tests.helpers.pipeline_lightning import PipeGPT2
 
     return ZeroPipelineStrategy(stage=1, pipeline_parallel_size=2, pipeline_microbatches=M), PipeGPT2(out, "pipe")
 

@@ -16,8 +16,8 @@ from lightning_zero import ZeroStrategy
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import collectives as C
 from lightning_zero.engine import quantize as Q
-from tests.dist_utils import run_distributed
-from tests.zoo_models import ZOO
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.zoo_models import ZOO
 
 
 # -- round trip --------------------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def test_one_all_to_all_per_bucket_and_int8_payloads(stage):
 def test_lightning_zero2_with_qwz_and_qgz_stays_close_to_ddp(tmp_path):
     from lightning.pytorch.strategies import DDPStrategy
 
-    from tests.test_strategy_parity import _fit
+    from tests.helpers.lightning_parity import fit_parity_module as _fit
 
     ref = _fit(tmp_path, DDPStrategy(start_method="fork", find_unused_parameters=True))
     quant = _fit(tmp_path, ZeroStrategy(stage=2, quantize_weights=True, quantize_grads=True, start_method="fork"))

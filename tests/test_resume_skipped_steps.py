@@ -12,9 +12,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroPrecision, ZeroStrategy
 from lightning_zero import checkpoint as ck
-from tests.ckpt_models import TiedParityModule, make_tied, train
-from tests.lightning_models import trainer_kwargs
-from tests.models import loss_fn, make_optimizer
+from tests.helpers.ckpt_models import TiedParityModule, make_tied, train
+from tests.helpers.lightning_models import trainer_kwargs
+from tests.helpers.models import loss_fn, make_optimizer
 
 pytestmark = pytest.mark.timeout(120)
 OVERFLOW_STEP = 1

@@ -7,7 +7,7 @@ import torch
 
 from lightning_zero import ZeroConfig, ZeroEngine, register_shardable_optimizer
 
-from tests.models import make_model
+from tests.helpers.models import make_model
 
 
 class Lamb(torch.optim.Adam):

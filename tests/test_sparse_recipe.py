@@ -1,18 +1,10 @@
 """The recipe with ``model.attention=sparse``: a short 2-rank fit under every ZeRO preset (at stage 3 the
 units still the T5 blocks), the HF export a stock T5, and the module swapping again when rebuilt."""
 import math
-import os
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))  # examples/ is not a package
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import pytest
 
-import pytest  # noqa: E402
-
-from tests.test_hydra_recipe import _compose, pairs_file  # noqa: E402,F401  (pairs_file: the fixture, reused)
+from tests.helpers.hydra_recipe import compose_recipe as _compose, pairs_file  # noqa: F401  (pairs_file: a fixture)
 
 SPARSE = ["model.attention=sparse", "model.sparse.block=4", "model.sparse.layout=bslongformer",
           "+model.sparse.options.num_sliding_window_blocks=3"]

@@ -9,43 +9,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine, model_state_floor
-from tests.dist_utils import clip_and_step, run_distributed
-from tests.models import batch, loss_fn, make_model, make_optimizer
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
+from tests.helpers.parity import UNITS, close as _close, train_parity_net as _train
 
-STEPS = 5
-UNITS = ["fc1", "fc2", "frozen", "unused"]  # 'sometimes' (rank-dependent use) stays in the root
 CASES = [("adamw", 1, None), ("sgd", 1, None), ("adamw", 2, 0.5), ("adamw", 3, 0.5)]
-
-
-def _use(rank, step, mode):
-    return rank == 0 and step % 2 == 0 if mode == "rank" else step % 2 == 0
-
-
-def _train(rank, opt_kind, accum, clip, zero: bool, use_mode="rank", cfg=None):
-    model = make_model()
-    opt = make_optimizer(model, opt_kind)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + s))
-    if zero:
-        engine = ZeroEngine(model, opt, cfg or ZeroConfig(stage=3, unit_classes=UNITS, persist_numel=0))
-        runner = model
-    else:
-        runner = DDP(model, find_unused_parameters=True)
-    losses, norms = [], []
-    for step in range(STEPS):
-        for micro in range(accum):
-            boundary = micro == accum - 1
-            ctx = torch.enable_grad()
-            if not boundary:
-                ctx = engine.no_sync() if zero else runner.no_sync()
-            with ctx:
-                loss = loss_fn(runner, batch(step, rank, micro), _use(rank, step, use_mode)) / accum
-                loss.backward()
-            losses.append(loss.item())
-        clip_and_step(engine if zero else None, model, opt, clip, norms)
-        sched.step()
-    if zero:
-        engine.restore_fp32_module()
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _matrix(rank, world_size):
@@ -61,10 +29,6 @@ def _matrix(rank, world_size):
 @functools.lru_cache(maxsize=None)
 def results(world_size):
     return run_distributed(_matrix, world_size)
-
-
-def _close(a, b):
-    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

@@ -19,8 +19,8 @@ from torch.utils.data import DistributedSampler
 import lightning_zero
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroPrecision, ZeroStrategy, register_shardable_optimizer
 
-from tests.lightning_models import ParityModule, TokenDataset, load_rank_files, trainer_kwargs
-from tests.models import batch, loss_fn, make_model, make_optimizer
+from tests.helpers.lightning_models import ParityModule, TokenDataset, load_rank_files, trainer_kwargs
+from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
 
 SUFFIXES = {"": "popen", "_spawn": "spawn", "_fork": "fork"}
 

@@ -9,39 +9,18 @@ test process compares ZeRO against the DDP reference (cached per optimizer/accum
 from __future__ import annotations
 
 import pytest
-import torch
-from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_zero  # noqa: F401  (registers the zero* strategy names)
 from lightning_zero import ZeroStrategy
-from tests.lightning_models import ParityModule, load_rank_files, trainer_kwargs
+from tests.helpers.lightning_parity import MAX_STEPS, compare_rank_files as _compare, fit_parity_module as _fit
 
 pytestmark = pytest.mark.timeout(600)
-
-MAX_STEPS = 5
-RTOL, ATOL = 1e-5, 1e-6
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("strategy_parity")
-
-
-_counter = [0]
-
-
-def _fit(workdir, strategy, opt_kind="adamw", accum=1, clip=None, devices=2) -> list[dict]:
-    _counter[0] += 1
-    tag = f"run{_counter[0]}_"
-    model = ParityModule(str(workdir), opt_kind=opt_kind, tag=tag)
-    trainer = Trainer(strategy=strategy, **trainer_kwargs(devices=devices, max_steps=MAX_STEPS, accum=accum, clip=clip))
-    trainer.fit(model)
-    res = load_rank_files(str(workdir), tag, "train", devices)
-    for r in res:
-        assert r["global_step"] == MAX_STEPS
-        assert len(r["losses"]) == MAX_STEPS * accum
-    return res
 
 
 _REF_CACHE: dict[tuple, list[dict]] = {}
@@ -58,25 +37,6 @@ def ddp_reference(workdir):
 
     yield get
     _REF_CACHE.clear()
-
-
-def _close(a, b, what):
-    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
-
-
-def _compare(zero: list[dict], ref: list[dict]) -> None:
-    assert len(zero) == len(ref)
-    for rank, (z, d) in enumerate(zip(zero, ref)):
-        _close(z["losses"], d["losses"], f"rank {rank} losses")
-        assert set(z["params"]) == set(d["params"])
-        for name in d["params"]:
-            _close(z["params"][name], d["params"][name], f"rank {rank} {name}")
-    for z in zero[1:]:  # every rank holds the same full parameters after the last all-gather
-        for name, v in zero[0]["params"].items():
-            torch.testing.assert_close(z["params"][name], v, rtol=0, atol=0)
-    # the run actually trained (guards against comparing two untouched models)
-    first = ref[0]["params"]["net.fc1.weight"]
-    assert not torch.equal(first, ParityModule("unused").net.fc1.weight.detach())
 
 
 def _non_boundary_comm(res: dict, accum: int) -> list[int]:

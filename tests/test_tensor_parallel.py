@@ -17,11 +17,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import tensor_parallel as TPM
-from tests.dist_utils import clip_and_step, run_distributed
-from tests.tp_models import dp_batch, full_state, global_batch, lm_loss, make_gpt, parallelize
+from tests.helpers.dist_utils import clip_and_step, run_distributed
+from tests.helpers.parity import TP_FP32, close
+from tests.helpers.tp_models import CLIP, T, dp_batch, full_state, lm_loss, make_gpt, parallelize
+from tests.helpers.tp_models import tp_lightning_module as _lightning_module
+from tests.helpers.tp_models import tp_mesh as _mesh
 
-T, STEPS = 2, 3
-CLIP = 0.05  # well below the gradient norm (~1): clipping bites every step
+_close = functools.partial(close, tol=TP_FP32)
+
+STEPS = 3
 CASES = {  # name -> (ZeroConfig keywords, accumulation, clip)
     "zero1": (dict(stage=1, grad_reduce="reduce_scatter"), 2, CLIP),
     "zero2": (dict(stage=2), 2, CLIP),
@@ -29,10 +33,6 @@ CASES = {  # name -> (ZeroConfig keywords, accumulation, clip)
     "zero0": (dict(stage=0), 2, CLIP),
     "zero2_offload": (dict(stage=2, offload_optimizer=True, grad_reduce="reduce_scatter"), 2, CLIP),
 }
-
-
-def _mesh(world_size):
-    return init_device_mesh("cpu", (world_size // T, T), mesh_dim_names=("data_parallel", "tensor_parallel"))
 
 
 def _train(rank, world_size, cfg, accum, clip, mesh, compute_dtype=None):
@@ -114,13 +114,6 @@ def results():
     return run_distributed(_matrix, 4)
 
 
-def _close(a, b):
-    # The reference runs the whole model; TP sums each matmul in two halves, so fp32 differs by an ulp and AdamW
-    # (which divides by sqrt(v)) carries that into the weights: on AMD EPYC the same element of the same weight
-    # differs by 2.4e-6 at *every* stage, zero0 included. A ZeRO defect moves weights by ~lr (2e-2).
-    torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp_engine_matches_ddp(name):
@@ -167,64 +160,11 @@ def test_tp_memory_report_counts_local_pieces():
 
 
 # -- Lightning --------------------------------------------------------------------------------------------
-class _Rows(torch.utils.data.Dataset):
-    def __len__(self):
-        return 64
-
-    def __getitem__(self, i):
-        return global_batch(1000 + i, size=1)[0]
-
-
-def _lightning_module(out: str, tag: str, tensor_parallel: bool):
-    import lightning.pytorch as pl
-
-    class TPModule(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = make_gpt()
-
-        def setup(self, stage):
-            torch.set_num_threads(1)  # see tests/lightning_models.py: forked ranks and OpenMP
-
-        def configure_model(self):
-            if tensor_parallel and not TPM.is_dtensor(self.net.block.q.weight):
-                parallelize(self.net, self.device_mesh["tensor_parallel"])
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(_Rows(), batch_size=4, shuffle=False)
-
-        def val_dataloader(self):
-            return torch.utils.data.DataLoader(_Rows(), batch_size=4, shuffle=False)
-
-        def validation_step(self, tokens, batch_idx):
-            self.log("val_loss", lm_loss(self.net, tokens), sync_dist=True)
-
-        def training_step(self, tokens, batch_idx):
-            loss = lm_loss(self.net, tokens)
-            self.losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            # SGD: AdamW turns the last-bit differences of TP's split matmuls into ~1e-5 where its moments
-            # nearly cancel (the engine tests above hold AdamW at rtol 1e-5 on their data)
-            return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
-
-        def on_train_start(self):
-            self.losses = []
-
-        def on_train_end(self):
-            torch.save({"losses": self.losses, "params": full_state(self.net),
-                        "sampler": self.trainer.strategy.distributed_sampler_kwargs},
-                       f"{out}/{tag}_rank{self.global_rank}.pt")
-
-    return TPModule()
-
-
 def _fit_tp(out, tag, strategy, devices, tensor_parallel):
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from tests.lightning_models import trainer_kwargs
+    from tests.helpers.lightning_models import trainer_kwargs
 
     saves = ModelCheckpoint(dirpath=f"{out}/{tag}_ckpts", save_last=True, every_n_train_steps=3)
     trainer = Trainer(strategy=strategy, **trainer_kwargs(devices=devices, max_steps=3, accum=2, clip=CLIP,
@@ -297,13 +237,13 @@ def test_tensor_parallel_size_must_divide_the_world():
 
 
 def test_hydra_key_reaches_the_strategy():
-    from tests.test_hydra_recipe import _compose  # puts examples/ on sys.path (not a package)
+    from tests.helpers.hydra_recipe import compose_recipe  # puts examples/ on sys.path (not a package)
     from t5_config import build_strategy
 
-    assert build_strategy(_compose("strategy=zero2", "strategy.tensor_parallel_size=2")).tensor_parallel.size == 2
-    assert build_strategy(_compose("strategy=zero2")).tensor_parallel is None
+    assert build_strategy(compose_recipe("strategy=zero2", "strategy.tensor_parallel_size=2")).tensor_parallel.size == 2
+    assert build_strategy(compose_recipe("strategy=zero2")).tensor_parallel is None
     with pytest.raises(ValueError, match="Allowed stages with tensor parallelism"):
-        build_strategy(_compose("strategy=zero3", "strategy.tensor_parallel_size=2"))
+        build_strategy(compose_recipe("strategy=zero3", "strategy.tensor_parallel_size=2"))
 
 
 # -- checkpoints ------------------------------------------------------------------------------------------

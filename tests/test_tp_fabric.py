@@ -18,9 +18,13 @@ from torch.utils.data import DataLoader
 
 from lightning_zero import ZeroFabricStrategy
 from lightning_zero.engine import tensor_parallel as TPM
-from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import CLIP, _close, _Rows
-from tests.tp_models import full_state, lm_loss, make_gpt, parallelize
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.parity import TP_FP32, close
+from tests.helpers.tp_models import CLIP
+from tests.helpers.tp_models import TokenRows as _Rows
+from tests.helpers.tp_models import full_state, lm_loss, make_gpt, parallelize
+
+_close = functools.partial(close, tol=TP_FP32)
 
 STEPS, SAVE_AT = 3, 2
 

@@ -13,9 +13,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import tensor_parallel as TPM
-from tests.dist_utils import run_distributed
-from tests.test_tensor_parallel import _close, _mesh
-from tests.tp_models import dp_batch, full_state, lm_loss, make_gpt, parallelize
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.parity import TP_FP32, close
+from tests.helpers.tp_models import tp_mesh as _mesh
+from tests.helpers.tp_models import dp_batch, full_state, lm_loss, make_gpt, parallelize
+
+_close = functools.partial(close, tol=TP_FP32)
 
 LR = 0.1
 
@@ -97,7 +100,7 @@ def _estimate_vs_engine(rank, world_size, mesh):
     """Per case: the estimator's model states (TinyGPT + its TP plan, nothing run) and the engine's report,
     measured as tests/test_estimate.py does (after a step and an un-synced micro-batch)."""
     from lightning_zero.tools.estimate import estimate_model_states
-    from tests.tp_models import tp_plan
+    from tests.helpers.tp_models import tp_plan
 
     dp_rank, dp_size = mesh.get_local_rank("data_parallel"), mesh.size(0)
     out = {}

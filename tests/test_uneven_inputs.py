@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from tests.dist_utils import run_distributed
-from tests.lifecycle_harness import LifecycleModule, make_strategy, trainer, whole_params
-from tests.lightning_models import TokenDataset
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lifecycle_harness import LifecycleModule, make_strategy, trainer, whole_params
+from tests.helpers.lightning_models import TokenDataset
 
 BATCH = 4
 LENGTHS = (8, 3)  # batches of rank 0, rank 1

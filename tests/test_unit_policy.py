@@ -15,8 +15,8 @@ from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.stage3.guard import ReleasedParameterError
 from lightning_zero.engine.stage3.unit_policy import CONTAINERS, choose_unit_modules
 from lightning_zero.engine.stage3.units import build_units
-from tests.dist_utils import run_distributed
-from tests.zoo_models import ZOO, MoE, SharedBlock, SharedModel, TorchTransformer, gpt2
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.zoo_models import ZOO, MoE, SharedBlock, SharedModel, TorchTransformer, gpt2
 
 
 def _units(model, **kw):

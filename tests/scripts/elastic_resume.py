@@ -24,7 +24,7 @@ from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 from lightning_zero import ZeroPipelineStrategy, ZeroStrategy  # noqa: E402
-from tests.lifecycle_harness import STAGES, LifecycleModule, whole_params  # noqa: E402
+from tests.helpers.lifecycle_harness import STAGES, LifecycleModule, whole_params  # noqa: E402
 
 EPOCHS, STEPS_PER_EPOCH = 4, 2
 
@@ -46,14 +46,14 @@ def _mode(mode: str, out: str):
         module = LifecycleModule(out)
         return ZeroStrategy(**STAGES["zero3"], **extra), module, lambda t: whole_params(module, t.strategy)
     if mode == "tp":
-        from tests.test_tensor_parallel import _lightning_module
+        from tests.helpers.tp_models import tp_lightning_module
 
-        module = _lightning_module(out, "tp", tensor_parallel=True)  # writes tp_rank{r}.pt at on_train_end
+        module = tp_lightning_module(out, "tp", tensor_parallel=True)  # writes tp_rank{r}.pt at on_train_end
         return (ZeroStrategy(stage=1, tensor_parallel_size=2), module,
                 lambda t: torch.load(f"{out}/tp_rank{t.global_rank}.pt", weights_only=False)["params"])
     if mode == "pipeline":
-        from tests.test_pipeline import M
-        from tests.test_pipeline_lightning import PipeGPT2
+        from tests.helpers.pipeline_gpt2 import M
+        from tests.helpers.pipeline_lightning import PipeGPT2
 
         module = PipeGPT2(out, "pipe")  # writes piperank{r}.pt (this stage's weights) at on_train_end
         return (ZeroPipelineStrategy(stage=1, pipeline_parallel_size=2, pipeline_microbatches=M), module,

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
-from tests.lifecycle_harness import LifecycleModule, make_strategy, trainer, whole_params  # noqa: E402
+from tests.helpers.lifecycle_harness import LifecycleModule, make_strategy, trainer, whole_params  # noqa: E402
 
 
 class _Die(Callback):

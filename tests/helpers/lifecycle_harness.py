@@ -18,8 +18,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
-from tests.lightning_models import ParityModule
-from tests.models import make_model
+from tests.helpers.lightning_models import ParityModule
+from tests.helpers.models import make_model
 
 Z3_UNITS = dict(unit_classes=["net.fc1", "net.fc2", "net.frozen"], persist_numel=0)  # 'sometimes' in the root
 STAGES = {

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero.engine import collectives
-from tests.models import VOCAB, loss_fn, make_model, make_optimizer
+from tests.helpers.models import VOCAB, loss_fn, make_model, make_optimizer
 
 
 class TokenDataset(Dataset):

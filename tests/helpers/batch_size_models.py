@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from tests.zoo_models import VOCAB, gpt2
+from tests.helpers.zoo_models import VOCAB, gpt2
 
 SEQ = 16
 
@@ -68,7 +68,7 @@ class _Recording(pl.LightningModule):
                        f"{self.out}/rank{self.global_rank}.pt")
 
     def setup(self, stage: str) -> None:
-        torch.set_num_threads(1)  # forked ranks: see tests/lightning_models.py ParityModule.setup
+        torch.set_num_threads(1)  # forked ranks: see tests/helpers/lightning_models.py ParityModule.setup
 
     def training_step(self, batch, batch_idx):
         loss = self.loss(self.net, batch)

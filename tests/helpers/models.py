@@ -60,3 +60,9 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(param_groups(model), lr=0.1, momentum=0.9)
     raise ValueError(kind)
+
+
+def memory_mlp() -> nn.Module:
+    """Odd-sized linears whose model states are large enough for the memory tests to measure."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 301), nn.GELU(), nn.Linear(301, 257), nn.GELU(), nn.Linear(257, 63))

@@ -6,9 +6,9 @@ import os
 
 import torch
 
-from tests.dist_utils import run_distributed
-from tests.lightning_models import ParityModule
-from tests.models import VOCAB, ParityNet, loss_fn
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.lightning_models import ParityModule
+from tests.helpers.models import VOCAB, ParityNet, loss_fn
 
 
 # ParityNet's output projection is a module sharing the embedding's weight: its state dict lists the
@@ -47,4 +47,4 @@ class TiedParityModule(ParityModule):
         torch.save(state, os.path.join(self.out, f"{self.tag}precision_rank{self.global_rank}.pt"))
 
 
-run_forked = run_distributed  # forked gloo ranks (tests/dist_utils.py)
+run_forked = run_distributed  # forked gloo ranks (tests/helpers/dist_utils.py)

@@ -11,6 +11,8 @@ from torch import nn
 from torch.nn import functional as F
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ = 13, 16, 4, 24, 7
+T = 2  # the tensor-parallel size of the tests' (data_parallel, tensor_parallel) mesh
+CLIP = 0.05  # well below the gradient norm (~1): clipping bites every step
 
 
 class Block(nn.Module):
@@ -82,3 +84,67 @@ def full_state(model: nn.Module) -> dict:
     for k, v in model.state_dict().items():
         out[k] = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
     return out
+
+
+def tp_mesh(world_size: int):
+    """The (data_parallel, tensor_parallel) mesh of ``world_size`` ranks, T wide in tensor_parallel."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world_size // T, T), mesh_dim_names=("data_parallel", "tensor_parallel"))
+
+
+class TokenRows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return global_batch(1000 + i, size=1)[0]
+
+
+def tp_lightning_module(out: str, tag: str, tensor_parallel: bool):
+    """The TP GPT-2 block as a LightningModule (cut in ``configure_model`` when ``tensor_parallel``) that saves
+    its losses, full parameters and sampler arguments per rank."""
+    import lightning.pytorch as pl
+
+    from lightning_zero.engine import tensor_parallel as TPM
+
+    class TPModule(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = make_gpt()
+
+        def setup(self, stage):
+            torch.set_num_threads(1)  # see tests/helpers/lightning_models.py: forked ranks and OpenMP
+
+        def configure_model(self):
+            if tensor_parallel and not TPM.is_dtensor(self.net.block.q.weight):
+                parallelize(self.net, self.device_mesh["tensor_parallel"])
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(TokenRows(), batch_size=4, shuffle=False)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(TokenRows(), batch_size=4, shuffle=False)
+
+        def validation_step(self, tokens, batch_idx):
+            self.log("val_loss", lm_loss(self.net, tokens), sync_dist=True)
+
+        def training_step(self, tokens, batch_idx):
+            loss = lm_loss(self.net, tokens)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            # SGD: AdamW turns the last-bit differences of TP's split matmuls into ~1e-5 where its moments
+            # nearly cancel (the engine tests above hold AdamW at rtol 1e-5 on their data)
+            return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+        def on_train_start(self):
+            self.losses = []
+
+        def on_train_end(self):
+            torch.save({"losses": self.losses, "params": full_state(self.net),
+                        "sampler": self.trainer.strategy.distributed_sampler_kwargs},
+                       f"{out}/{tag}_rank{self.global_rank}.pt")
+
+    return TPModule()

@@ -210,3 +210,30 @@ ZOO = {
     "shared": (SharedModel, _tokens, _ce),
     "uneven": (Uneven, _tokens, _ce),
 }
+
+
+def zoo_adamw(model: nn.Module, fused: bool = False) -> torch.optim.AdamW:
+    """torch's AdamW as users write it; ``fused``: torch's fused CPU kernel, the one an offloaded engine steps
+    with (on the attention key biases, whose true gradient is 0, Adam turns the kernels' last-bit differences
+    into 1e-5, so the reference must use the same kernel)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=fused or None)
+
+
+def zoo_ddp_reference(rank: int, name: str, steps: int, fused: bool = False) -> dict:
+    """``ZOO[name]`` trained ``steps`` steps under torch DDP (``find_unused_parameters=True``) on rank ``rank``'s
+    batches, from seed 0: the per-step losses and the final state dict."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    builder, make_batch, loss_fn = ZOO[name]
+    torch.manual_seed(0)
+    model = builder()
+    opt = zoo_adamw(model, fused)
+    ddp = DDP(model, find_unused_parameters=True)
+    losses = []
+    for step in range(steps):
+        loss = loss_fn(ddp, make_batch(step, rank))
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
