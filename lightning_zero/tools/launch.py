@@ -1,6 +1,6 @@
 """One launcher: run a function on N local ranks (forked or spawned) and collect every rank's result.
 
-Used by the tests (``tests/dist_utils.run_distributed``), the tuner and the benches
+Used by the tests (``tests/helpers/dist_utils.run_distributed``), the tuner and the benches
 (``tuning/harness.launch``). Fork keeps the parent's imports (spawn re-imports torch and Lightning per
 rank: seconds each) and is what tests and CPU runs use; spawn is the safe choice with CUDA. Each rank
 pins torch's thread count before any work: a forked child must not use the parent's OpenMP pool.
