@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import shutil
 import signal
 from pathlib import Path
 
@@ -16,33 +15,23 @@ import pytest
 import torch
 
 import lightning_zero  # noqa: F401
-from lightning_zero import ZeroConfig, ZeroEngine
 from lightning_zero import checkpoint as ck
 from lightning_zero.checkpoint.consolidate import consolidate
 from lightning_zero.tools.cli import main as cli_main
-from tests.helpers.ckpt_models import make_tied, train
-from tests.helpers.models import make_optimizer
-from tests.helpers.ckpt_files import as_pipeline, crc32
+from tests.helpers.ckpt_files import as_pipeline, copy_checkpoint, crc32, save_trained, tied_engine
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _engine(seed: int = 0):
-    model = make_tied(seed)
-    return model, ZeroEngine(model, make_optimizer(model, "adamw"), ZeroConfig(stage=1))
+_engine = tied_engine
 
 
 @pytest.fixture
 def saved(tmp_path):
-    model, engine = _engine()
-    train(model, engine, 0, 1, range(2))
-    return ck.save_engine_checkpoint(tmp_path / "a.ckpt", model, engine, {"global_step": 2})
+    return save_trained(tmp_path)
 
 
-def _copy(src: Path, name: str) -> Path:
-    dst = src.with_name(name)
-    shutil.copytree(src, dst)
-    return dst
+_copy = copy_checkpoint
 
 
 def _legacy(path: Path, edit=lambda info: None) -> None:

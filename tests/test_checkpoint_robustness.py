@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
 from lightning_zero import checkpoint as ck
 from lightning_zero.tools.cli import main as cli_main
 from lightning_zero.checkpoint.consolidate import consolidate
+from tests.helpers.ckpt_files import copy_checkpoint, save_trained, tied_engine
 from tests.helpers.ckpt_models import TiedParityModule, make_tied, train
 from tests.helpers.lightning_models import load_rank_files, trainer_kwargs
 from tests.helpers.models import make_optimizer
@@ -27,9 +27,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 # -- one process, no process group ------------------------------------------------------------------------------------
-def _engine(seed: int = 0):
-    model = make_tied(seed)
-    return model, ZeroEngine(model, make_optimizer(model, "adamw"), ZeroConfig(stage=1))
+_engine = tied_engine
 
 
 def _weights(model) -> dict:
@@ -100,15 +98,10 @@ def test_crash_between_renames_falls_back_and_never_loses_the_last_copy(tmp_path
 
 @pytest.fixture
 def saved_dir(tmp_path):
-    model, engine = _engine()
-    train(model, engine, 0, 1, range(2))
-    return ck.save_engine_checkpoint(tmp_path / "a.ckpt", model, engine, {"global_step": 2})
+    return save_trained(tmp_path)
 
 
-def _copy(src: Path, name: str) -> Path:
-    dst = src.with_name(name)
-    shutil.copytree(src, dst)
-    return dst
+_copy = copy_checkpoint
 
 
 def _edit_info(path: Path, edit) -> None:

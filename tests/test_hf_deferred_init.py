@@ -29,7 +29,7 @@ from lightning_zero.engine.stage3.deferred_init import materialize, meta_init
 from lightning_zero.engine.stage3.units import build_units
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.lightning_models import trainer_kwargs
-from tests.helpers.zoo_models import SEQ, VOCAB, ZOO
+from tests.helpers.zoo_models import ZOO, ZooTokens
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
@@ -72,12 +72,7 @@ def test_deferred_values_against_the_eager_build(name, context):
 
 
 # -- Trainer: configure_model at stage 3 against the eager build under DDP -----------------------------------
-class Tokens(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(31 * i + 7))
+Tokens = ZooTokens
 
 
 class HFModule(pl.LightningModule):

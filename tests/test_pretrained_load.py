@@ -23,7 +23,7 @@ from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy, load_pretrained
 from lightning_zero.engine.stage3.pretrained_source import PretrainedSource
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.lightning_models import trainer_kwargs
-from tests.helpers.zoo_models import SEQ, VOCAB, ZOO
+from tests.helpers.zoo_models import SEQ, VOCAB, ZOO, ZooTokens
 
 KINDS = ("single", "sharded", "bin", "file")
 RTOL, ATOL = 1e-5, 1e-6
@@ -105,12 +105,7 @@ def test_streamed_load_equals_from_pretrained_within_the_byte_bound(tmp_path, wo
 
 
 # -- the Trainer: configure_model on meta + load_weights_from / load_pretrained, against DDP + from_pretrained ---
-class Tokens(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(31 * i + 7))
+Tokens = ZooTokens
 
 
 class FineTune(pl.LightningModule):

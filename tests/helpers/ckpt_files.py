@@ -1,4 +1,5 @@
-"""Hand-made checkpoint files: CRC-32 as the format lists it, a pipeline checkpoint around a sharded directory."""
+"""Checkpoints for the robustness tests: a small trained stage-1 engine saved as a directory, copies to damage,
+CRC-32 as the format lists it, a pipeline checkpoint around a sharded directory."""
 
 from __future__ import annotations
 
@@ -7,7 +8,30 @@ import shutil
 import zlib
 from pathlib import Path
 
+from lightning_zero import ZeroConfig, ZeroEngine
 from lightning_zero import checkpoint as ck
+from tests.helpers.ckpt_models import make_tied, train
+from tests.helpers.models import make_optimizer
+
+
+def tied_engine(seed: int = 0):
+    """A model with tied weights under a stage-1 AdamW engine: (model, engine)."""
+    model = make_tied(seed)
+    return model, ZeroEngine(model, make_optimizer(model, "adamw"), ZeroConfig(stage=1))
+
+
+def save_trained(tmp_path: Path) -> Path:
+    """``tmp_path/a.ckpt``: the tied model after two steps, saved as a sharded directory."""
+    model, engine = tied_engine()
+    train(model, engine, 0, 1, range(2))
+    return ck.save_engine_checkpoint(tmp_path / "a.ckpt", model, engine, {"global_step": 2})
+
+
+def copy_checkpoint(src: Path, name: str) -> Path:
+    """A copy of the directory ``src`` beside it, to damage."""
+    dst = src.with_name(name)
+    shutil.copytree(src, dst)
+    return dst
 
 
 def crc32(data: bytes) -> str:

@@ -237,3 +237,13 @@ def zoo_ddp_reference(rank: int, name: str, steps: int, fused: bool = False) -> 
         opt.step()
         opt.zero_grad()
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+class ZooTokens(torch.utils.data.Dataset):
+    """64 fixed token rows of the zoo's VOCAB and SEQ (each row seeded by its index: any sampler, same rows)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(31 * i + 7))
