@@ -325,3 +325,22 @@ def test_estimate_without_a_probe_names_it():
 
     with pytest.raises(ValueError, match="needs a T5 model \\(the formula\\) or a measured probe step"):
         estimate_model_states(MLPModule(), batch_size=4)
+
+
+def test_module_spec_resolves_from_the_working_directory_or_says_why(tmp_path, monkeypatch, capsys):
+    """`--module mypkg.models:factory` beside the user resolves as under `python -m` (a console script's path
+    starts at its bin/ folder); what does not resolve is one clear error, not a traceback."""
+    from lightning_zero.tools.cli import main as cli_main
+    from lightning_zero.tools.factory import call_factory
+
+    (tmp_path / "my_models_here.py").write_text("import torch\n\ndef factory():\n    return torch.nn.Linear(3, 2)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", str(tmp_path))])
+    assert isinstance(call_factory("my_models_here:factory"), torch.nn.Linear)
+    for spec, match in (("nope_pkg.x:f", "cannot import 'nope_pkg.x'"), ("my_models_here:missing", "no callable"),
+                        ("my_models_here", "package.module:factory")):
+        with pytest.raises(ValueError, match=match):
+            call_factory(spec)
+    assert cli_main(["estimate", "--module", "nope_pkg.x:f", "--ranks", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot import 'nope_pkg.x'" in err and "Traceback" not in err

@@ -145,16 +145,12 @@ def _count(text: str) -> int:
 
 def _load_module(spec: str):
     """``pkg.mod:factory`` -> the module ``factory()`` returns, built on the meta device (no memory)."""
-    import importlib
-
     import torch
 
-    mod_name, _, attr = spec.partition(":")
-    if not attr:
-        raise ValueError(f"--module wants 'package.module:factory', got {spec!r}.")
-    factory = getattr(importlib.import_module(mod_name), attr)
+    from .factory import call_factory
+
     with torch.device("meta"):
-        return factory()
+        return call_factory(spec)
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -189,12 +185,10 @@ def _estimate(args: argparse.Namespace) -> int:
 
 def _probe(args: argparse.Namespace):
     """Activations of a non-T5 --module: one probe step of the factory's model, built for real on the CPU."""
-    import importlib
-
     from .estimate_activations import probe_activations
+    from .factory import call_factory
 
-    mod_name, _, attr = args.module.partition(":")
-    made = getattr(importlib.import_module(mod_name), attr)()
+    made = call_factory(args.module)
     model, data = made if isinstance(made, tuple) else (made, None)
     return probe_activations(model, data, probe_batch=args.probe_batch_size, precision=args.precision,
                              seq_len=args.src_len)

@@ -18,7 +18,6 @@ fits is what this answers.
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import tempfile
@@ -35,10 +34,9 @@ def load_factory(spec: str):
     """``pkg.mod:factory`` -> ``(LightningModule, datamodule or None)`` from ``factory()``."""
     from lightning.pytorch import LightningDataModule, LightningModule
 
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
-        raise ValueError(f"--module wants 'package.module:factory', got {spec!r}.")
-    made = getattr(importlib.import_module(mod_name), attr)()
+    from ..factory import call_factory
+
+    made = call_factory(spec)
     module, data = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
     if not isinstance(module, LightningModule) or not (data is None or isinstance(data, LightningDataModule)):
         raise ValueError(f"{spec} returned {type(made).__name__}; allowed: a LightningModule, or a "
