@@ -60,7 +60,16 @@ class SparsityConfig:
     def _generator(self) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed)
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:  # pragma: no cover - abstract
+    def make_layout(self, seq_len: int) -> torch.Tensor:
+        """DeepSpeed's recipe: each layout head filled by :meth:`head_layout` (random blocks from one seeded
+        generator, in head order), then head 0's layout copied to all heads unless they differ."""
+        layout = self.setup_layout(seq_len)
+        gen = self._generator()
+        for h in range(self.num_layout_heads):
+            self.head_layout(h, layout, gen)
+        return self.check_and_propagate_first_head_layout(layout)
+
+    def head_layout(self, h: int, layout: torch.Tensor, gen: torch.Generator) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -130,12 +139,9 @@ class FixedSparsityConfig(SparsityConfig):
                 layout[h, start:stop, :] = True
         return layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        for h in range(self.num_layout_heads):
-            self.set_local_layout(h, layout)
-            self.set_global_layout(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def head_layout(self, h: int, layout: torch.Tensor, gen: torch.Generator) -> None:
+        self.set_local_layout(h, layout)
+        self.set_global_layout(h, layout)
 
 
 class VariableSparsityConfig(SparsityConfig):
@@ -195,14 +201,10 @@ class VariableSparsityConfig(SparsityConfig):
                 layout[h, (0 if self.attention == "bidirectional" else s):, s:e] = True
         return layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        gen = self._generator()
-        for h in range(self.num_layout_heads):
-            self.set_random_layout(h, layout, gen)
-            self.set_local_layout(h, layout)
-            self.set_global_layout(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def head_layout(self, h: int, layout: torch.Tensor, gen: torch.Generator) -> None:
+        self.set_random_layout(h, layout, gen)
+        self.set_local_layout(h, layout)
+        self.set_global_layout(h, layout)
 
 
 def _sliding_window(layout: torch.Tensor, h: int, window: int, causal: bool = False) -> torch.Tensor:
@@ -251,14 +253,10 @@ class BigBirdSparsityConfig(SparsityConfig):
             layout[h] = torch.tril(layout[h])
         return layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        gen = self._generator()
-        for h in range(self.num_layout_heads):
-            self.set_random_layout(h, layout, gen)
-            self.set_sliding_window_layout(h, layout)
-            self.set_global_layout_itc(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def head_layout(self, h: int, layout: torch.Tensor, gen: torch.Generator) -> None:
+        self.set_random_layout(h, layout, gen)
+        self.set_sliding_window_layout(h, layout)
+        self.set_global_layout_itc(h, layout)
 
 
 class BSLongformerSparsityConfig(SparsityConfig):
@@ -289,12 +287,9 @@ class BSLongformerSparsityConfig(SparsityConfig):
             layout[h] = torch.tril(layout[h])
         return layout
 
-    def make_layout(self, seq_len: int) -> torch.Tensor:
-        layout = self.setup_layout(seq_len)
-        for h in range(self.num_layout_heads):
-            self.set_sliding_window_layout(h, layout)
-            self.set_global_layout(h, layout)
-        return self.check_and_propagate_first_head_layout(layout)
+    def head_layout(self, h: int, layout: torch.Tensor, gen: torch.Generator) -> None:
+        self.set_sliding_window_layout(h, layout)
+        self.set_global_layout(h, layout)
 
 
 class LocalSlidingWindowSparsityConfig(SparsityConfig):

@@ -15,6 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
@@ -180,3 +181,16 @@ def run_external(rank: int, world_size: int, name: str, seq: str, out: str, repe
         records.append(run_sequence(name, SEQUENCES[seq], world_size, os.path.join(out, f"rep{i}"), rank))
         threads.append(len(os.listdir("/proc/self/task")))  # OS threads of this process (gloo's included)
     return {"records": records, "groups": len(dist.distributed_c10d._world.pg_names), "threads": threads}
+
+
+class DieOnce(Callback):
+    """Global rank 1 exits hard after optimizer step ``step`` of torchrun's first attempt: a killed worker (no
+    cleanup, no exception) for the elastic-restart scripts."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first and trainer.global_step == self.step and trainer.global_rank == 1:
+            os._exit(17)

@@ -15,19 +15,12 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch  # noqa: E402
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
-from tests.helpers.lifecycle_harness import LifecycleModule, make_strategy, trainer, whole_params  # noqa: E402
+from tests.helpers.lifecycle_harness import DieOnce, LifecycleModule, make_strategy, trainer, whole_params  # noqa: E402
 
 
-class _Die(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if first and trainer.global_step == self.step and trainer.global_rank == 1:
-            os._exit(17)  # no cleanup, no exception: as a killed worker
+_Die = DieOnce
 
 
 def main(out: str, strategy: str, kill_step: int, world_size: int = 2) -> dict:
