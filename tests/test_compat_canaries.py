@@ -113,7 +113,7 @@ def test_strategy_join_reads_the_loop_through_compat():
 
 @pytest.mark.parametrize("distribution", ["lightning.pytorch.strategies", "lightning.fabric.strategies"])
 def test_ddp_strategy_protected_attributes(distribution):
-    """zero_setup.py reads these of the strategy it configures (external_launcher, init_attempt_group)."""
+    """zero_setup.py reads these of the strategy it configures (external_launcher, setup_default_group)."""
     ddp = compat.private(distribution, "DDPStrategy")(start_method="fork")
     for name in ("_launcher", "_start_method", "_timeout"):
         compat.private_attr(ddp, name, f"{distribution}.DDPStrategy")

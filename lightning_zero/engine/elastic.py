@@ -87,11 +87,25 @@ def init_attempt_default_group(backend: str, timeout: Optional[datetime.timedelt
     store = dist.PrefixStore(f"lightning_zero/attempt/{token}/", agent)
     kwargs = {"device_id": device_id} if device_id is not None else {}
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-    if backend == "nccl":  # as Lightning's own init does: torch warns about an NCCL group left at exit
-        atexit.register(_destroy_at_exit)
+    destroy_groups_at_exit()
     return True
 
 
+_AT_EXIT = []
+
+
+def destroy_groups_at_exit() -> None:
+    """Destroy every process group while the interpreter is still whole, for any backend (once a process).
+
+    Lightning registers this for NCCL only. A gloo group left to the interpreter's own teardown aborts
+    the process now and then ("terminate called without an active exception", SIGABRT, after fit
+    returned: pytorch/pytorch#190489): its C++ worker threads still hold work whose tensors need the
+    GIL. A torchrun job then reports a failed worker after a complete run. An earlier atexit handler
+    (the user's) runs after this one, so it already finds the groups gone."""
+    if not _AT_EXIT:
+        _AT_EXIT.append(atexit.register(_destroy_at_exit))
+
+
 def _destroy_at_exit() -> None:
-    if dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -53,7 +53,7 @@ from .fabric_precision import ZeroFabricPrecision
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
 from .strategy_args import FABRIC as FABRIC_ARGS, bind, declare
 from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
-                         init_attempt_group, register_presets, zero_config)
+                         setup_default_group, register_presets, zero_config)
 
 
 class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStrategy):
@@ -103,8 +103,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
             super()._configure_launcher()
 
     def _setup_distributed(self) -> None:
-        init_attempt_group(self)  # torchrun restarts: see [Note: torchrun restarts] (engine/elastic.py)
-        super()._setup_distributed()
+        setup_default_group(self, super()._setup_distributed)  # torchrun restarts, teardown at exit
 
     def setup_environment(self) -> None:
         super().setup_environment()

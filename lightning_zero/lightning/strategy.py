@@ -38,7 +38,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from .precision import ZeroPrecision
 from .strategy_args import TRAINER as TRAINER_ARGS, bind, declare
 from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
-                         init_attempt_group, register_presets, zero_config)
+                         setup_default_group, register_presets, zero_config)
 
 _LIGHTNING_TYPES = dict(accelerator=Accelerator, cluster_environment=ClusterEnvironment,  # the knob -> its class
                         checkpoint_io=CheckpointIO)
@@ -174,8 +174,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
 
     def setup_distributed(self) -> None:
-        init_attempt_group(self)  # torchrun restarts: see [Note: torchrun restarts]
-        super().setup_distributed()
+        setup_default_group(self, super().setup_distributed)  # torchrun restarts, teardown at exit
 
     # -- tensor parallelism: device_mesh and the sampler split in TensorParallelMixin ------------------
     def setup_environment(self) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from ..engine import ZeroConfig, ZeroEngine
 from ..engine.config import PRESETS
-from ..engine.elastic import init_attempt_default_group
+from ..engine.elastic import destroy_groups_at_exit, init_attempt_default_group
 from ..engine.stage3.unit_policy import choose_unit_modules
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -140,9 +140,12 @@ def register_presets(cls: type, registry, what: str = "ZeRO") -> None:
                               override=True, start_method=method, **kw)
 
 
-def init_attempt_group(strategy) -> None:
+def setup_default_group(strategy, lightning_setup) -> None:
     """Under torchrun, the default group on a store prefix of this restart attempt's own ([Note: torchrun
-    restarts], engine/elastic.py); Lightning's ``setup_distributed`` then finds it made. Elsewhere a no-op."""
+    restarts], engine/elastic.py), which Lightning's own setup (``lightning_setup``) then finds made; for
+    every launcher, the groups destroyed at exit whatever the backend (``destroy_groups_at_exit``)."""
     device = strategy.root_device
     init_attempt_default_group(strategy._get_process_group_backend(), strategy._timeout,
                                device_id=device if device.type != "cpu" else None)
+    lightning_setup()
+    destroy_groups_at_exit()
