@@ -139,7 +139,7 @@ def _pipelined(rank, m, chunks, args, batches):
                         schedule="interleaved" if chunks > 1 else "1f1b", config=ZeroConfig(stage=1))
     numel = sum(p.numel() for mod in modules for p in mod.parameters())
     meter, busy = SavedBytes(), [0.0]
-    for stage in pipe.stages:
+    for stage in pipe.pipe_stages:
         for name in ("forward_one_chunk", "backward_one_chunk"):
             real = getattr(stage, name)
 

@@ -79,6 +79,11 @@ CONFIG = {
                                                       for v in ("sometimes", True, None)]),
     "shard_group_size": Knob([None, 1, 2], [(v, "shard_group_size must be an int >= 1") for v in (0, 2.0, True, "2")],
                              dict(stage=3)),
+    "tensor_parallel_size": Knob([None, 1, 2], [(v, "tensor_parallel_size must be an int >= 1") for v in (0, 2.0, True)]
+                                 + [(2, r"ZeRO stage 3 cannot be combined with tensor parallelism .*Allowed stages "
+                                        r"with tensor parallelism: 0, 1, 2", dict(stage=3)),
+                                    (2, r"shard_group_size=2 \(hybrid sharding\) cannot be combined with "
+                                        r"tensor_parallel_size=2", dict(shard_group_size=2))]),
     "activation_checkpointing": Knob(
         [None, "auto", ["GPT2Block"], "GPT2Block", nn.Linear, "AutoBlock", ListConfig(["GPT2Block"])],
         [(v, r"did you mean 'auto'.*Allowed: None, 'auto' or a non-empty list") for v in ("autoo", "Auto", ["auto"])]
@@ -136,8 +141,8 @@ TRAINER = {
                                for v in ("/no/such/dir", 3, ["a"])]),
     "tensor_parallel_size": Knob([None, 1, 2], [(0, TP), (2.0, TP), (True, TP),
                                                 (2, r"Allowed stages with tensor parallelism: 0, 1, 2", dict(stage=3)),
-                                                (2, r"tensor_parallel_size cannot be combined with shard_group_size",
-                                                 dict(shard_group_size=2)),
+                                                (2, r"shard_group_size=2 \(hybrid sharding\) cannot be combined with "
+                                                    r"tensor_parallel_size=2", dict(shard_group_size=2)),
                                                 (2, r"checkpoint_format='full' is not available with "
                                                     r"tensor_parallel_size", dict(checkpoint_format="full"))]),
 }
@@ -148,10 +153,13 @@ PIPELINE = {
     "pipeline_parallel_size": Knob(
         [2, (2, dict(stage=2, offload_optimizer=True)), (2, dict(stage=0))],  # offload: see the test below
         [(v, "pipeline_parallel_size must be an int >= 1") for v in (0, 2.0, True, None)]
-        + [(2, r"composes with ZeRO stages 0, 1 and 2 .*Allowed: stage=0, 1 or 2", dict(stage=3)),
-           (2, r"shard_group_size=2 .* does not compose with pipeline_parallel_size.*Allowed: shard_group_size=None",
+        + [(2, r"ZeRO stage 3 cannot be combined with pipeline parallelism .*Allowed stages with pipeline "
+               r"parallelism: 0, 1, 2", dict(stage=3)),
+           (2, r"shard_group_size=2 .* cannot be combined with pipeline_parallel_size=2 .*Allowed: one of "
+               r"shard_group_size and pipeline_parallel_size, or neither",
             dict(shard_group_size=2)),
-           (2, r"tensor_parallel_size cannot be combined with pipeline_parallel_size", dict(tensor_parallel_size=2)),
+           (2, r"tensor_parallel_size=2 \(tensor parallelism\) cannot be combined with pipeline_parallel_size",
+            dict(tensor_parallel_size=2)),
            (2, r"checkpoint_format='full' is not available with pipeline_parallel_size",
             dict(checkpoint_format="full")),
            (2, r"memory_summary=True is not available with pipeline_parallel_size.*Allowed: memory_summary=False",
@@ -177,7 +185,8 @@ FABRIC = {
     "precision": Knob([None, ZeroFabricPrecision("bf16-mixed"), FabricMixed("bf16-mixed", "cpu")],
                       [("bf16-mixed", r"precision must be None or a precision plugin.*Allowed: precision='32-true'")]),
     "tensor_parallel_size": Knob([None, 2], [(0, TP), (2, r"Allowed stages with tensor parallelism", dict(stage=3)),
-                                             (2, "cannot be combined with shard_group_size", dict(shard_group_size=2))]),
+                                             (2, "shard_group_size=2 .hybrid sharding. cannot be combined with tensor_parallel_size",
+                                              dict(shard_group_size=2))]),
     "parallelize_fn": Knob([None, (lambda m, mesh: m, dict(tensor_parallel_size=2))],
                            [(3, r"parallelize_fn must be None or a callable"),
                             (lambda m, mesh: m, r"parallelize_fn needs tensor_parallel_size=T")]),

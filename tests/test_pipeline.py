@@ -151,7 +151,7 @@ def test_bad_splits_get_one_clear_error():
         assert "unbalanced" in msgs[0] and "max_imbalance=1.5" in msgs[0]
         assert "stage(s) [1] have no trainable parameters" in msgs[1]
         assert "does not split into microbatches=2" in msgs[2]
-    with pytest.raises(ValueError, match="Allowed: stage=0, 1 or 2"):
+    with pytest.raises(ValueError, match="Allowed stages with pipeline parallelism: 0, 1, 2"):
         PipelineZero(torch.nn.Linear(2, 2), 1, _loss, None, 2, config=ZeroConfig(stage=3))
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         m = _model()

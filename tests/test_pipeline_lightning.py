@@ -69,7 +69,7 @@ def test_p2_trainer_matches_single_process_and_resumes(tmp_path):
 def test_bad_pipeline_settings_get_one_clear_error():
     assert type(ZeroPipelineStrategy(stage=1, pipeline_parallel_size=2)) is ZeroPipelineStrategy
     assert type(ZeroStrategy(stage=1)) is ZeroStrategy
-    with pytest.raises(ValueError, match="Allowed: stage=0, 1 or 2"):
+    with pytest.raises(ValueError, match="Allowed stages with pipeline parallelism: 0, 1, 2"):
         ZeroPipelineStrategy(stage=3, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="Unknown pipeline_schedule 'zigzag'. Allowed: 1f1b, gpipe, interleaved"):
         ZeroPipelineStrategy(pipeline_parallel_size=2, pipeline_schedule="zigzag")

@@ -206,14 +206,14 @@ def test_engine_refuses_what_it_cannot_do():
     assert "Allowed stages with tensor parallelism: 0, 1, 2" in errors["stage3"]
     assert "pass device_mesh=" in errors["no_mesh"]
     assert "device_mesh and group are exclusive" in errors["group"]
-    assert "shard_group_size (hybrid sharding) cannot be combined with device_mesh" in errors["hybrid"]
+    assert "shard_group_size=2 (hybrid sharding) cannot be combined with device_mesh" in errors["hybrid"]
     assert "2-D DeviceMesh with mesh_dim_names ('data_parallel', 'tensor_parallel')" in errors["flat_mesh"]
     assert "Parameter 'block.q.weight' is a DTensor on mesh ('data_parallel',)" in errors["wrong_dim"]
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(stage=3, tensor_parallel_size=2), "Allowed stages with tensor parallelism: 0, 1, 2"),
-    (dict(stage=2, tensor_parallel_size=2, shard_group_size=2), "cannot be combined with shard_group_size"),
+    (dict(stage=2, tensor_parallel_size=2, shard_group_size=2), "cannot be combined with tensor_parallel_size=2"),
     (dict(stage=1, tensor_parallel_size=2, pipeline_parallel_size=2), "cannot be combined with pipeline_parallel_size"),
     (dict(stage=2, tensor_parallel_size=0), "tensor_parallel_size must be an int >= 1"),
     (dict(stage=2, tensor_parallel_size="2"), "tensor_parallel_size must be an int >= 1"),

@@ -205,9 +205,10 @@ def test_cli_estimate_tensor_parallel(capsys):
 
 @pytest.mark.parametrize("model, kwargs, message", [
     (1_000_000, dict(world_size=4, tensor_parallel_size=2), "needs the model's structure"),
-    ("t5_tiny", dict(world_size=4, tensor_parallel_size=3), "must be an int >= 1 that divides the world size"),
+    ("t5_tiny", dict(world_size=4, tensor_parallel_size=3), r"tensor_parallel_size=3 does not divide the world of 4"),
     ("t5_tiny", dict(world_size=8, tensor_parallel_size=8), "must divide the T5 heads"),
-    ("t5_tiny", dict(world_size=4, tensor_parallel_size=2, shard_group_size=2), "cannot be combined with shard_group"),
+    ("t5_tiny", dict(world_size=4, tensor_parallel_size=2, shard_group_size=2), 
+     r"shard_group_size=2 \(hybrid sharding\) cannot be combined with tensor_parallel_size"),
     ("module", dict(world_size=4, tensor_parallel_size=2), "Allowed: tensor_parallel_plan="),
     ("module", dict(world_size=4, tensor_parallel_size=2, tensor_parallel_plan={"nope": None}), "no submodule"),
 ])

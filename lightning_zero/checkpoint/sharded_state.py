@@ -14,27 +14,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.groups import device_mesh
+from ..engine.groups import device_mesh, group_mesh
 from . import tp_state as TS
-
-_MESHES: dict = {}  # (device type, id(group)) -> (group, mesh)
-
 
 def _mesh(device_type: str, shard_size: int, group=None):
     """The default group's mesh: 1-D, or (hybrid sharding) 2-D ("replicate", "shard") with shard groups of
     ``shard_size`` consecutive ranks -- the engine's groups, so DCP writes each slice from one replica only.
     ``group``: a sub-group the engine shards over (a pipeline stage's data-parallel group), 1-D over it.
-    Made once per process (engine/groups.py ``device_mesh``): each new mesh would make new groups."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if group is not None:  # a view of an existing group: no group made, but keyed by identity, not a reusable id
-        key = (device_type, id(group))
-        hit = _MESHES.get(key)
-        if hit is None or hit[0] is not group or group not in dist.distributed_c10d._world.pg_names:
-            for k in [k for k, (g, _) in _MESHES.items() if g not in dist.distributed_c10d._world.pg_names]:
-                del _MESHES[k]  # destroyed with an earlier default group
-            hit = _MESHES[key] = (group, DeviceMesh.from_group(group, device_type))
-        return hit[1]
+    Made once per process (engine/groups.py): each new mesh would make new groups."""
+    if group is not None:
+        return group_mesh(device_type, group)
     world = dist.get_world_size()
     if shard_size == world:
         return device_mesh(device_type, (world,))

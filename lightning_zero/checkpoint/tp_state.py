@@ -59,7 +59,7 @@ def _on_mesh(engine, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Replicate
 
     mesh = engine.tensor_parallel.mesh
-    placements = [Replicate() if name == TP.DP else p.placements[0] for name in mesh.mesh_dim_names]
+    placements = [Replicate() if name == TP.DP_DIM else p.placements[0] for name in mesh.mesh_dim_names]
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
 
 

@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .layout import ParallelDims
 from .stage3.lifecycle import OrderCheck
 
 STAGES = (0, 1, 2, 3)
@@ -89,6 +90,8 @@ class ZeroConfig:
     shard_group_size: hybrid sharding: stages 1-3 shard within groups of this many consecutive ranks and
         replicate across the groups (gradients: reduce-scatter inside, one all-reduce of the shard across);
         must divide the world size; None = the world size (one group). Stage 0 ignores it.
+    tensor_parallel_size: T, the tensor dim of the one parallel layout (layout.py, which also says which
+        dims and stages combine); the engine then takes the process's (N // T, T) mesh unless given one.
     """
 
     stage: int = 2
@@ -102,9 +105,13 @@ class ZeroConfig:
     persist_numel: Optional[int] = None
     prefetch: bool = True
     order_check: str = "strict"
-    # -- hybrid sharding (engine/groups.py hybrid_groups): shard within groups of this many consecutive
-    # ranks (a node), replicate across the groups; None = the whole world (plain ZeRO)
+    # -- the parallel layout ([Note: one parallel layout], layout.py; checked there, against one table) ----
+    # shard_group_size: hybrid sharding: shard within groups of this many consecutive ranks (a node),
+    #     replicate across the groups; None = the whole world (plain ZeRO)
+    # tensor_parallel_size: T, a (N // T, T) ("data_parallel", "tensor_parallel") mesh (stages 0-2); None = none
+    # (the pipeline dim, P, is ZeroPipelineStrategy's / PipelineZero's own argument, checked by the same table)
     shard_group_size: Optional[int] = None
+    tensor_parallel_size: Optional[int] = None
 
     # -- activation memory (engine/activations.py) ------------------------------------------------------
     # activation_checkpointing: None; "auto" (the modules the stage-3 unit policy picks: the units at stage 3,
@@ -166,10 +173,7 @@ class ZeroConfig:
             raise ValueError(f"grad_reduce must be one of {', '.join(map(repr, GRAD_REDUCE))}; got {self.grad_reduce!r}.")
         self.unit_classes = module_entries("unit_classes", self.unit_classes, "None or a non-empty list of "
                                            "module classes, class names or qualified module names")
-        if self.shard_group_size is not None and (not _is_int(self.shard_group_size) or self.shard_group_size < 1):
-            raise ValueError(f"shard_group_size must be an int >= 1 that divides the world size (ranks per shard "
-                             f"group, e.g. the GPUs of a node) or None (the whole world); "
-                             f"got {self.shard_group_size!r}.")
+        ParallelDims.of(self).check(self.stage)  # types, combinations, stages: one table (layout.py)
 
     def _check_combinations(self) -> None:
         if self.offload_optimizer and self.stage == 0:

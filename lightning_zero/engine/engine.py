@@ -26,11 +26,11 @@ from torch import nn
 
 from . import collectives as C, full_state as FS, grad_norm as GN, param_groups as PG, tensor_parallel as TP
 from .activations import ActivationMemory, activation_memory
-from .stage3.deferred_init import has_meta_params
+from .stage3.deferred_init import compute_device, has_meta_params
 from .config import ZeroConfig
 from .engine_state import EngineMode, StepCounters
 from .memory import MemoryReport, measure_model_states
-from .groups import HybridGroups, check_shard_group_size, hybrid_groups
+from .groups import engine_groups, tensor_parallel_mesh
 from .optimizer import ShardedOptimizer
 from .publish import PublishQueue, publish_masters
 from .comm_report import CommReport, StepTraffic
@@ -66,26 +66,28 @@ class ZeroEngine:
         of optimizers over disjoint parameter sets gives each its own shards (``step(opt)``, see param_groups).
         ``device``: where compute happens (default: where the parameters are; needed for a meta model).
         ``device_mesh``: tensor parallelism, a 2-D ("data_parallel", "tensor_parallel") DeviceMesh whose TP dim
-        the module was parallelized over: ZeRO shards each local piece over the DP dim (tensor_parallel.py)."""
+        the module was parallelized over: ZeRO shards each local piece over the DP dim (tensor_parallel.py);
+        without one, ``config.tensor_parallel_size=T`` takes the process's (N // T, T) mesh (groups.py)."""
         self.config = cfg = config or ZeroConfig()
         self.plan = plan = ShardingPlan.of(cfg)  # what the stage means, read below ([Note: sharding plan])
         self.module = module
         self.optimizers = PG.as_optimizer_list(optimizer)
         self.optimizer = self.optimizers[0] if self.optimizers else None
         self.mode = EngineMode.TRAIN if self.optimizers else EngineMode.EVAL_ONLY
-        self.tensor_parallel = TP.tensor_parallel_mesh(device_mesh, cfg, group, module)
-        if self.tensor_parallel is not None:  # ZeRO (shards, broadcasts) runs over the data-parallel dim only
-            group = self.tensor_parallel.dp_group
-        self.group = group
         self.compute_dtype = compute_dtype
         self.loss_scaler = loss_scaler
         self.counters = StepCounters.of(loss_scaler)  # the one count of skipped steps (engine_state.py)
         self.check_finite = check_finite or loss_scaler is not None
-        # hybrid sharding: shards, gathers and norms live in the shard group, gradient shards are all-reduced
-        # across the replicate group; ``group`` (the world) keeps the broadcasts. Stage 0 shards nothing.
-        check_shard_group_size(cfg.shard_group_size, C.world_size(group))
-        hybrid = hybrid_groups(cfg.shard_group_size, group) if plan.shards_optimizer_state else HybridGroups(group)
-        self.shard_group, self.replicate_group = hybrid.shard, hybrid.replicate
+        if device_mesh is None and cfg.tensor_parallel_size is not None and C.world_size(group) > 1:
+            where = torch.device(device) if device is not None else compute_device(module)
+            device_mesh = tensor_parallel_mesh(where.type, cfg.tensor_parallel_size)
+        # [Note: one parallel layout] (layout.py): hybrid sharding's shard / replicate groups, the stage-3
+        # reduce-scatter group, the TP view; ``world`` (the group, or the mesh's data-parallel dim) broadcasts
+        self.groups = groups = engine_groups(cfg, plan.shards_optimizer_state, plan.shards_params,
+                                             self.mode is EngineMode.TRAIN, group, device_mesh, module)
+        self.tensor_parallel = groups.tensor
+        self.group = group = groups.world
+        self.shard_group, self.replicate_group = groups.shard, groups.replicate
         self.world_size = C.world_size(self.shard_group)  # the ranks a parameter is sharded over
         self.rank = C.rank(self.shard_group)
         per_opt = PG.managed_params(module, self.optimizers)
@@ -93,13 +95,10 @@ class ZeroEngine:
             self.sync_module_states()
         train = self.mode is EngineMode.TRAIN
         self._partitioned: Optional[PartitionedParams] = None
-        reduce_group = self.shard_group
         if plan.shards_params:
             cfg = self.config = stage3_config(cfg, len(self.optimizers))
             self._partitioned = PartitionedParams(module, cfg, self.world_size, self.rank, compute_dtype, device,
                                                   self.shard_group, group, eval_only=not train)
-            if self.world_size > 1 and train:
-                reduce_group = PartitionedParams.reduce_group(hybrid, group)
         maker = BucketMaker(self.world_size, self.rank, cfg.bucket_bytes, plan.shards_optimizer_state,
                             self._partitioned.units if self._partitioned is not None else None)
         self.table: BucketTable = maker.table(module, per_opt)
@@ -119,11 +118,11 @@ class ZeroEngine:
         if train:
             part = self._partitioned
             self.reducer = GradReducer(
-                list(self.table.buckets), plan, cfg.reduce_dtype, reduce_group,
+                list(self.table.buckets), plan, cfg.reduce_dtype, groups.reduce,
                 on_bucket_complete=part.bucket_complete if part is not None else None,
                 on_end_of_backward=part.end_of_backward if part is not None else self.ensure_published,
                 host_grads=cfg.offload_optimizer, replicate_group=self.replicate_group,
-                mode="int8" if cfg.quantize_grads else C.grad_reduce_mode(cfg.grad_reduce, reduce_group),
+                mode="int8" if cfg.quantize_grads else C.grad_reduce_mode(cfg.grad_reduce, groups.reduce),
             )
             PG.install_optimizer_methods(self.optimizers, self.add_param_group, self.zero_grad)
         if self._partitioned is not None:

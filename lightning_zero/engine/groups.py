@@ -1,4 +1,5 @@
-"""Process groups the engine needs besides the user's: made once per process, shared by every engine.
+"""Every process group and device mesh of the parallel layout ([Note: one parallel layout], layout.py), made
+once per process in one cache and shared by every engine, strategy and checkpoint writer.
 
 [Note: why a group is never re-created]
 Lightning builds a new engine for each entry point (fit, validate, test, ...) in the same process, and
@@ -12,130 +13,176 @@ a rank that arrives first reads its peers' *old* entries and connects to listene
 it hangs or fails in ``connectFullMesh`` while its peers, which found the fresh keys, wait for it
 elsewhere (2/10 runs at 2 ranks, every run at 4). The same holds across torchrun restart attempts, which
 share one store: there the default group's own store is per attempt ([Note: torchrun restarts],
-engine/elastic.py), and every group here derives its store from it. Hence: one group per (default group, set of ranks),
-made on first use and handed to every later engine; nothing here destroys it per engine. It goes away
-with the default group: ``destroy_process_group()`` destroys every group, and a cached group that is no
-longer registered (or belongs to an earlier default group) is made afresh under the new one.
+engine/elastic.py), and every group here derives its store from it. Hence: each group (and mesh: torch's
+``init_device_mesh`` makes a group per dim, ~30 file descriptors per 2-D gloo mesh at 2 ranks) is made on
+first use under the current default group and handed to every later caller; nothing here destroys one per
+engine. They go away with the default group: ``destroy_process_group()`` destroys every group, and an entry
+made under an earlier default group, or whose groups are no longer registered, is made afresh.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch.distributed as dist
 
-from .collectives import name_group
+from . import tensor_parallel as TP
+from .collectives import name_group, world_size
+from .layout import EngineGroups, ParallelDims, PipelineLayout
 
-_GROUPS: dict[tuple, tuple[Any, Any]] = {}  # (id(default pg), ranks) -> (default pg, group)
-_HYBRID: dict[tuple, tuple[Any, tuple]] = {}  # (id(default pg), shard group size) -> (default pg, groups)
-_MESHES: dict[tuple, tuple[Any, Any]] = {}  # (id(default pg), device type, shape, names) -> (default pg, mesh)
+# (kind, key) -> (the default group it was made under, the value, its groups); the one cache of this process
+_MADE: dict[tuple, tuple[Any, Any, tuple]] = {}
 
 
 def _registered(group: Any) -> bool:
     return group in dist.distributed_c10d._world.pg_names
 
 
-def reduce_scatter_group(group: Optional[Any] = None) -> Any:
-    """The stage-3 reduce-scatter group over the ranks of ``group`` (default: WORLD), made once.
-
-    Only the members of ``group`` call this (a subgroup's peers may never get here).
-    """
+def _once(kind: str, key: tuple, build: Callable[[], Any], groups_of: Callable[[Any], Iterable[Any]]) -> Any:
+    """``build()`` once per (default group, ``kind``, ``key``); ``groups_of(value)``: the groups it holds."""
     default = dist.distributed_c10d._get_default_group()
-    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    key = (id(default), ranks)
-    hit = _GROUPS.get(key)
-    if hit is not None and hit[0] is default and _registered(hit[1]):
+    hit = _MADE.get((kind, key))
+    if hit is not None and hit[0] is default and all(_registered(g) for g in hit[2]):
         return hit[1]
-    for k in [k for k, (pg, g) in _GROUPS.items() if pg is not default or not _registered(g)]:
-        del _GROUPS[k]  # left over from a destroyed default group: drop the reference, nothing to destroy
-    whole = len(ranks) == dist.get_world_size()
-    # every rank calls for the whole world: a counter-named group (names never repeat); a subgroup needs
-    # local synchronization (only members call), named by the hash above -- safe because it is made once
-    made = dist.new_group(list(ranks), use_local_synchronization=not whole)
-    name_group(made, "stage3_reduce")  # how stats and comm_report() name it
-    _GROUPS[key] = (default, made)
-    return made
+    for k in [k for k, (pg, _, gs) in _MADE.items() if pg is not default or not all(_registered(g) for g in gs)]:
+        del _MADE[k]  # made under a destroyed default group: drop the reference, nothing to destroy
+    value = build()
+    _MADE[(kind, key)] = (default, value, tuple(g for g in groups_of(value) if g is not None))
+    return value
 
 
 def cached_groups() -> int:
     """How many groups and meshes this process holds (for tests: later engines must not add any)."""
-    return len(_GROUPS) + len(_HYBRID) + len(_MESHES)
+    return len(_MADE)
+
+
+def reduce_scatter_group(group: Optional[Any] = None) -> Any:
+    """The stage-3 reduce-scatter group over the ranks of ``group`` (default: WORLD).
+
+    Only the members of ``group`` call this (a subgroup's peers may never get here)."""
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+    def build() -> Any:
+        # every rank calls for the whole world: a counter-named group (names never repeat); a subgroup needs
+        # local synchronization (only members call), named by the hash above -- safe because it is made once
+        made = dist.new_group(list(ranks), use_local_synchronization=len(ranks) != dist.get_world_size())
+        name_group(made, "stage3_reduce")  # how stats and comm_report() name it
+        return made
+
+    return _once("stage3_reduce", ranks, build, lambda g: (g,))
 
 
 def device_mesh(device_type: str, shape: tuple, names: Optional[tuple] = None) -> Any:
-    """``init_device_mesh(device_type, shape, mesh_dim_names=names)`` made once per (default group, layout):
-    each call of torch's makes a new group per mesh dimension (sockets and threads that live as long as the
-    default group; ~30 file descriptors per 2-D gloo mesh at 2 ranks), and a Trainer builds its mesh in
-    every ``setup_environment``. Collective over the world the first time, as init_device_mesh is."""
+    """``init_device_mesh(device_type, shape, mesh_dim_names=names)`` (collective over the world the first
+    time, as init_device_mesh is); a Trainer asks for its mesh in every ``setup_environment``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    default = dist.distributed_c10d._get_default_group()
-    key = (id(default), device_type, tuple(shape), tuple(names) if names else None)
-    hit = _MESHES.get(key)
-    if hit is not None and hit[0] is default and all(_registered(hit[1].get_group(d)) for d in range(hit[1].ndim)):
-        return hit[1]
-    for k in [k for k, (pg, _) in _MESHES.items() if pg is not default]:
-        del _MESHES[k]  # an earlier default group's: destroyed with it
-    mesh = init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names) if names else None)
-    _MESHES[key] = (default, mesh)
-    return mesh
+    names = tuple(names) if names else None
+    return _once("mesh", (device_type, tuple(shape), names),
+                 lambda: init_device_mesh(device_type, tuple(shape), mesh_dim_names=names),
+                 lambda mesh: [mesh.get_group(d) for d in range(mesh.ndim)])
 
 
-class HybridGroups:
-    """Hybrid sharding's groups: ``shard`` (K consecutive ranks: shards, gathers, norms), ``replicate``
-    (the ranks at the same position in every shard group: one all-reduce of each gradient shard) and
-    ``reduce_scatter`` (stage 3: the shard group's reduce-scatters, apart from its gathers).
-    Without hybrid sharding ``shard`` is the engine's group and ``replicate`` is None."""
+def group_mesh(device_type: str, group: Any) -> Any:
+    """A 1-D mesh over an existing group (a pipeline stage's data-parallel group): no group is made, but a
+    mesh per checkpoint would be a new object each time; keyed by the group's identity."""
+    from torch.distributed.device_mesh import DeviceMesh
 
-    def __init__(self, shard: Any, replicate: Any = None, reduce_scatter: Any = None) -> None:
-        self.shard, self.replicate, self.reduce_scatter = shard, replicate, reduce_scatter
-
-
-def check_shard_group_size(size: Optional[int], world: int) -> int:
-    """The shard group size for a world of ``world`` ranks (``None`` = the world); one clear error."""
-    if size is None:
-        return world
-    if not 1 <= size <= world or world % size:
-        allowed = ", ".join(str(k) for k in range(1, world + 1) if world % k == 0)
-        raise ValueError(f"shard_group_size={size} does not divide the world of {world} rank(s) into equal shard "
-                         f"groups. Allowed: {allowed} or None (the whole world).")
-    return size
+    return _once("group_mesh", (device_type, id(group)), lambda: DeviceMesh.from_group(group, device_type),
+                 lambda _: (group,))
 
 
-def hybrid_groups(size: Optional[int], group: Optional[Any] = None) -> HybridGroups:
-    """The groups of hybrid sharding with shard groups of ``size`` consecutive ranks, made once per process
-    (see [Note: why a group is never re-created]): every rank creates every group, in one order, as
-    counter-named groups (no local synchronization, so no reused names). Collective over the world."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    size = check_shard_group_size(size, world)
-    if size == world:
-        return HybridGroups(group)
-    if group is not None and dist.get_process_group_ranks(group) != list(range(world)):
-        raise ValueError("shard_group_size needs the engine to run on the default (world) process group; "
-                         "got a subgroup. Allowed: group=None with shard_group_size, or no shard_group_size.")
-    default = dist.distributed_c10d._get_default_group()
-    key = (id(default), size)
-    hit = _HYBRID.get(key)
-    if hit is not None and hit[0] is default and all(_registered(g) for g in hit[1] if g is not None):
-        return HybridGroups(*hit[1])
+def tensor_parallel_mesh(device_type: str, size: int) -> Any:
+    """The ("data_parallel", "tensor_parallel") mesh of shape (N // T, T) for ``tensor_parallel_size=T``."""
+    world = dist.get_world_size()
+    ParallelDims(tensor=size).check_world(world, ("tensor",))
+    return device_mesh(device_type, (world // size, size), (TP.DP_DIM, TP.TP_DIM))
+
+
+def _hybrid(size: int, world: int) -> tuple:
+    """Every rank creates every group, in one order, as counter-named groups (no local synchronization,
+    so no reused names): shard groups (K consecutive ranks), replicate groups (the same position in every
+    shard group), then the shard groups' own reduce-scatter groups. Collective over the world."""
     me = dist.get_rank()
     mine: list = [None, None, None]
     blocks = [list(range(s, s + size)) for s in range(0, world, size)]
-    for ranks in blocks:
-        g = dist.new_group(ranks)
-        mine[0] = g if me in ranks else mine[0]
-    for pos in range(size):
-        ranks = list(range(pos, world, size))
-        g = dist.new_group(ranks)
-        mine[1] = g if me in ranks else mine[1]
-    if size > 1:
-        for ranks in blocks:
+    for slot, rank_sets in ((0, blocks), (1, [list(range(pos, world, size)) for pos in range(size)]),
+                            (2, blocks if size > 1 else [])):
+        for ranks in rank_sets:
             g = dist.new_group(ranks)
-            mine[2] = g if me in ranks else mine[2]
+            mine[slot] = g if me in ranks else mine[slot]
     for g, name in zip(mine, ("shard", "replicate", "shard")):
         if g is not None:
             name_group(g, name)
-    for k in [k for k, (pg, _) in _HYBRID.items() if pg is not default]:
-        del _HYBRID[k]  # an earlier default group's: destroyed with it
-    _HYBRID[key] = (default, tuple(mine))
-    return HybridGroups(*mine)
+    return tuple(mine)
+
+
+def hybrid_groups(size: Optional[int], group: Optional[Any] = None) -> tuple:
+    """(shard, replicate, reduce-scatter) groups of hybrid sharding with shard groups of ``size`` consecutive
+    ranks; ``(group, None, None)`` when one shard group spans the world."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    ParallelDims(shard=size).check_world(world, ("shard",))
+    if size is None or size == world:
+        return group, None, None
+    if group is not None and dist.get_process_group_ranks(group) != list(range(world)):
+        raise ValueError("shard_group_size needs the engine to run on the default (world) process group; "
+                         "got a subgroup. Allowed: group=None with shard_group_size, or no shard_group_size.")
+    return _once("hybrid", (size,), lambda: _hybrid(size, world), lambda gs: gs)
+
+
+def pipeline_layout(num_stages: int) -> PipelineLayout:
+    """The ``(P, D)`` layout and its groups for P = ``num_stages``: one data-parallel group per stage (its D
+    replicas) and one pipeline group per replica (its P stages). Collective over the world the first time."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    check_pipeline_size(num_stages, world)
+    if world == 1:
+        return PipelineLayout(1, 1, 0, None, None)
+    me, dp = dist.get_rank(), world // num_stages
+
+    def build() -> PipelineLayout:
+        mine: dict[str, Any] = {}
+        for kind, rank_sets in (("dp", [list(range(s * dp, (s + 1) * dp)) for s in range(num_stages)]),
+                                ("pp", [list(range(d, world, dp)) for d in range(dp)])):
+            for ranks in rank_sets:
+                g = dist.new_group(ranks)
+                if me in ranks:
+                    mine[kind] = g
+        name_group(mine["dp"], "data_parallel")
+        name_group(mine["pp"], "pipeline_parallel")
+        return PipelineLayout(num_stages, dp, me, mine["pp"], mine["dp"])
+
+    return _once("pipeline", (num_stages,), build, lambda lay: (lay.pp_group, lay.dp_group))
+
+
+def check_pipeline_size(num_stages: Any, world: int) -> int:
+    """``num_stages`` (P) must be an int dividing the world size; one clear error naming the allowed ones."""
+    ParallelDims(pipeline=num_stages).check_world(world, ("pipeline",))
+    return num_stages
+
+
+def engine_groups(config: Any, shards: bool, params_sharded: bool, trains: bool, group: Optional[Any],
+                  mesh: Optional[Any], module: Any) -> EngineGroups:
+    """The groups of one engine (layout.py :class:`EngineGroups`) from its config and what it was given:
+    ``group`` (a subgroup to run on; None: the world), ``mesh`` (tensor parallelism's 2-D mesh; built from
+    ``config.tensor_parallel_size`` by the caller that cut the model). ``shards``: the plan shards optimizer
+    state (hybrid groups apply); ``params_sharded`` and ``trains``: stage 3's own reduce-scatter group."""
+    dims = ParallelDims(config.shard_group_size, tensor=_mesh_size(mesh, config))
+    dims.check(config.stage, knobs={"tensor": "device_mesh"} if mesh is not None else None)
+    tensor = TP.tensor_parallel_view(mesh, group, module)
+    if tensor is not None:  # ZeRO (shards, broadcasts) runs over the data-parallel dim only
+        group = tensor.dp_group
+    dims.check_world(world_size(group), ("shard",))
+    shard, replicate, reduce = hybrid_groups(config.shard_group_size, group) if shards else (group, None, None)
+    if params_sharded and trains and world_size(shard) > 1 and reduce is None:
+        reduce = reduce_scatter_group(group)  # apart from the unit gathers: they interleave differently per rank
+    return EngineGroups(world=group, shard=shard, replicate=replicate, reduce=reduce or shard, tensor=tensor)
+
+
+def _mesh_size(mesh: Optional[Any], config: Any) -> Optional[int]:
+    if mesh is None:
+        return config.tensor_parallel_size
+    size = TP.mesh_tp_size(mesh)
+    if config.tensor_parallel_size is not None and config.tensor_parallel_size != size:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} but the device_mesh's "
+                         f"{TP.TP_DIM!r} dim has {size} rank(s). Allowed: the same T in both, or only the mesh.")
+    return size

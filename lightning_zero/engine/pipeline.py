@@ -37,73 +37,12 @@ from . import collectives as C
 from .config import ZeroConfig
 from .engine import ZeroEngine
 from .engine_state import EngineMode
-from .groups import _registered
+from .groups import check_pipeline_size, pipeline_layout  # noqa: F401  (the layout's, re-exported)
+from .layout import ParallelDims, PipelineLayout  # noqa: F401
 from .memory import model_state_floor
-from .plan import ShardingPlan
 from .pipeline_checkpoint import source_names, stage_state_dicts  # noqa: F401
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
-_LAYOUTS: dict[tuple, tuple[Any, "PipelineLayout"]] = {}  # (id(default pg), P) -> (default pg, layout)
-
-
-class PipelineLayout:
-    """This rank's place in the ``(P, D)`` layout and its two groups."""
-
-    def __init__(self, num_stages: int, dp_size: int, rank: int, pp_group: Any, dp_group: Any) -> None:
-        self.num_stages, self.dp_size = num_stages, dp_size
-        self.stage_index, self.dp_rank = divmod(rank, dp_size)
-        self.pp_group, self.dp_group = pp_group, dp_group
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage_index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
-
-
-def check_pipeline_size(num_stages: Any, world: int) -> int:
-    """``num_stages`` (P) must be an int dividing the world size; one clear error naming the allowed ones."""
-    allowed = ", ".join(str(k) for k in range(1, world + 1) if world % k == 0)
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or not 1 <= num_stages <= world \
-            or world % num_stages:
-        raise ValueError(f"pipeline_parallel_size={num_stages!r} does not divide the world of {world} rank(s) into "
-                         f"pipelines of equal length. Allowed: {allowed}.")
-    return num_stages
-
-
-def pipeline_layout(num_stages: int) -> PipelineLayout:
-    """The layout and groups for P = ``num_stages`` stages, made once per process. Collective over the world:
-    every rank creates every group in one order (counter-named groups, so no name is ever reused)."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    check_pipeline_size(num_stages, world)
-    if world == 1:
-        return PipelineLayout(1, 1, 0, None, None)
-    default = dist.distributed_c10d._get_default_group()
-    key = (id(default), num_stages)
-    hit = _LAYOUTS.get(key)
-    if hit is not None and hit[0] is default and _registered(hit[1].pp_group) and _registered(hit[1].dp_group):
-        return hit[1]
-    me, dp = dist.get_rank(), world // num_stages
-    mine: dict[str, Any] = {}
-    for s in range(num_stages):  # one data-parallel group per stage: its D replicas
-        ranks = list(range(s * dp, (s + 1) * dp))
-        g = dist.new_group(ranks)
-        if me in ranks:
-            mine["dp"] = g
-    for d in range(dp):  # one pipeline group per replica: its P stages
-        ranks = list(range(d, world, dp))
-        g = dist.new_group(ranks)
-        if me in ranks:
-            mine["pp"] = g
-    C.name_group(mine["dp"], "data_parallel")
-    C.name_group(mine["pp"], "pipeline_parallel")
-    for k in [k for k, (pg, _) in _LAYOUTS.items() if pg is not default]:
-        del _LAYOUTS[k]  # an earlier default group's: destroyed with it
-    layout = PipelineLayout(num_stages, dp, me, mine["pp"], mine["dp"])
-    _LAYOUTS[key] = (default, layout)
-    return layout
 
 
 def check_stage_balance(counts: list[int], max_imbalance: Optional[float]) -> None:
@@ -146,12 +85,8 @@ class PipelineZero:
                  max_imbalance: Optional[float] = 4.0, loss_scaler: Any = None, check_finite: bool = False,
                  compute_dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None) -> None:
         config = config or ZeroConfig()
-        if ShardingPlan.of(config).shards_params:
-            raise ValueError(f"pipeline parallelism composes with ZeRO stages 0, 1 and 2 (each stage holds its own "
-                             f"parameters whole); got stage {config.stage}. Allowed: stage=0, 1 or 2.")
-        if config.shard_group_size is not None:
-            raise ValueError("shard_group_size (hybrid sharding) does not compose with pipeline parallelism here: a "
-                             "stage already shards over its own data-parallel group. Allowed: shard_group_size=None.")
+        # the combinations a pipeline refuses: layout.py's tables ([Note: one parallel layout])
+        ParallelDims.of(config, pipeline=num_stages).check(config.stage)
         if schedule not in SCHEDULES:
             raise ValueError(f"Unknown pipeline schedule {schedule!r}. Allowed: {', '.join(SCHEDULES)}.")
         for name, value in (("microbatches", microbatches), ("accumulate_grad_batches", accumulate_grad_batches)):
@@ -180,20 +115,20 @@ class PipelineZero:
                                    check_finite=check_finite, group=lay.dp_group) for m, o in zip(chunks, optimizers)]
         device = torch.device(device) if device is not None else next(chunks[0].parameters()).device
         total = num_stages * len(chunks)
-        self.stages = [_ZeroStage(m, i, total, device, group=lay.pp_group) for m, i in zip(chunks, self.stage_indices)]
-        for st, engine in zip(self.stages, self.engines):
+        self.pipe_stages = [_ZeroStage(m, i, total, device, group=lay.pp_group) for m, i in zip(chunks, self.stage_indices)]
+        for st, engine in zip(self.pipe_stages, self.engines):
             st.pipeline, st.engine = self, engine
         # the first chunk's, for callers with one chunk per rank
-        self.module, self.engine, self.stage = chunks[0], self.engines[0], self.stages[0]
+        self.module, self.engine, self.pipe_stage = chunks[0], self.engines[0], self.pipe_stages[0]
         # scale_grads=False: the schedule would divide p.grad after backward, but the engine has already
         # reduced (stage 2: freed) it by then; the loss carries 1/(M * accumulation) instead
         # loss_fn=None (prediction only): the schedule computes no loss
         scaled = self._scaled_loss if loss_fn is not None else None
         if schedule == "interleaved":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, microbatches, loss_fn=scaled, scale_grads=False)
+            self.schedule = ScheduleInterleaved1F1B(self.pipe_stages, microbatches, loss_fn=scaled, scale_grads=False)
         else:
             cls = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
-            self.schedule = cls(self.stage, microbatches, loss_fn=scaled, scale_grads=False)
+            self.schedule = cls(self.pipe_stage, microbatches, loss_fn=scaled, scale_grads=False)
         self._calls = 0  # step() calls since the last optimizer step
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.last_step_skipped = False

@@ -35,7 +35,7 @@ def stage_state_dicts(pipe: Any) -> list[dict]:
         for name, full in zip(engine.param_names(), engine.full_master_params()):
             model[name] = full.detach().clone().reshape(model[name].shape)
         optim = engine.optimizer_state_dict() if engine.sharded is not None else {}
-        out.append({"stage_index": index, "num_stages": pipe.stages[0].num_stages,
+        out.append({"stage_index": index, "num_stages": pipe.pipe_stages[0].num_stages,
                     "model": model, "optimizer": optim, "source_names": source_names(module, index, model),
                     "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None})
     return out

@@ -15,6 +15,29 @@ parameter. Because every rank owns the *same* slice of *every* parameter:
 
 Only the flat communication buffers carry padding; master shards and optimizer state are unpadded
 (``shard_len`` elements), so their bytes meet the per-stage floors exactly.
+
+[Note: tensor kinds]
+The engine's tensors have one name each, used in code, comments and docs (as FSDP2's [Note: FSDP tensors]):
+
+* **parameter**: the ``nn.Parameter`` the module computes with, in the compute dtype. Whole at stages 0-2;
+  at stage 3 its ``.data`` is the gathered unit while the unit is in use and empty otherwise.
+* **local piece**: what the engine sees of a parameter: the parameter itself, or, under tensor
+  parallelism, a DTensor's ``_local_tensor`` (this TP rank's piece; tensor_parallel.py ``local``). Every
+  slice, shard and row below is of the local piece.
+* **slice**: the ``[rank * shard_numel, ...)`` span of one flattened local piece that a rank owns
+  (:class:`ShardSpec`); possibly empty.
+* **shard**: a rank's slices of several parameters together: the *gradient shard* of a bucket (the
+  reduce-scatter's output), the *unit shard* of stage 3 (one flat tensor per unit, what a gather starts
+  from and, with ``offload_params``, what lives on the host).
+* **master**: the fp32 tensor the optimizer steps, one per parameter slice (stages 1-3) or per whole
+  parameter (stage 0). It aliases the parameter's storage when nothing forces a copy (fp32 compute, no
+  offload, no quantized publish); otherwise it is its own fp32 copy (on the host when offloaded).
+* **source**: where the publish writes an updated master back (stage 3: the parameter's slice inside its
+  unit shard, bucket_table.py ``sources``; stages 1-2: the parameter itself, through the bucket all-gather).
+* **row**: a rank's contiguous span of a rank-major flat bucket buffer (its slices of every bucket member,
+  back to back, padded to ``shard_numel`` each): what one reduce-scatter delivers and one all-gather sends.
+  A *bucket row* of the bucket table (bucket_table.py) is a different thing: one bucket with its optimizer,
+  unit and sources.
 """
 
 from __future__ import annotations

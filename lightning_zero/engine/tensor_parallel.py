@@ -14,7 +14,7 @@ and must count once -- its squares are weighted 1/T before the one sum over the 
 Every place of the engine that reads or writes a parameter's values or gradient goes through
 :func:`local` / :func:`local_grad` here; for a plain tensor they are the identity, so an engine without a
 mesh runs exactly as before. Stages 0-2 are supported; stage 3 would have to gather DTensor pieces inside
-units (refused, :func:`check_stage`).
+units (refused by layout.py's ``STAGES_WITH``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from torch import nn
 
 from . import collectives as C
 
-DP, TP = "data_parallel", "tensor_parallel"  # Lightning's ModelParallelStrategy names the dims so
-STAGES = (0, 1, 2)
+DP_DIM, TP_DIM = "data_parallel", "tensor_parallel"  # Lightning's ModelParallelStrategy names the dims so
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, Replicate
@@ -125,35 +124,28 @@ class TensorParallelMesh:
 
     def __init__(self, mesh: Any) -> None:
         names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-        if mesh.ndim != 2 or set(names) != {DP, TP}:
-            raise ValueError(f"device_mesh must be a 2-D DeviceMesh with mesh_dim_names ({DP!r}, {TP!r}) (e.g. "
-                             f"init_device_mesh(device, (N // T, T), mesh_dim_names=({DP!r}, {TP!r}))); got "
+        if mesh.ndim != 2 or set(names) != {DP_DIM, TP_DIM}:
+            raise ValueError(f"device_mesh must be a 2-D DeviceMesh with mesh_dim_names ({DP_DIM!r}, {TP_DIM!r}) (e.g. "
+                             f"init_device_mesh(device, (N // T, T), mesh_dim_names=({DP_DIM!r}, {TP_DIM!r}))); got "
                              f"{mesh.ndim} dim(s) named {names}.")
         self.mesh = mesh
-        self.dp_group = mesh.get_group(DP)
-        self.tp_group = mesh.get_group(TP)
-        self.tp_size = mesh.size(names.index(TP))
-        self.dp_size = mesh.size(names.index(DP))
+        self.dp_group = mesh.get_group(DP_DIM)
+        self.tp_group = mesh.get_group(TP_DIM)
+        self.tp_size = mesh.size(names.index(TP_DIM))
+        self.dp_size = mesh.size(names.index(DP_DIM))
 
     def check_params(self, module: nn.Module) -> None:
-        """Every DTensor parameter lives on this mesh's TP dim (one clear error otherwise)."""
-        tp_ranks = self.mesh[TP].mesh.flatten().tolist()
+        """Every DTensor parameter lives on this mesh's tensor-parallel dim (one clear error otherwise)."""
+        tp_ranks = self.mesh[TP_DIM].mesh.flatten().tolist()
         for name, p in module.named_parameters():
             if not is_dtensor(p):
                 continue
             sub = p.device_mesh
-            if tuple(sub.mesh_dim_names or ()) != (TP,) or sub.mesh.flatten().tolist() != tp_ranks:
+            if tuple(sub.mesh_dim_names or ()) != (TP_DIM,) or sub.mesh.flatten().tolist() != tp_ranks:
                 raise ValueError(
                     f"Parameter '{name}' is a DTensor on mesh {tuple(sub.mesh_dim_names or ())} "
                     f"{sub.mesh.tolist()}; ZeRO's tensor parallelism needs every DTensor parameter on "
-                    f"device_mesh[{TP!r}] (parallelize_module(model, device_mesh[{TP!r}], plan)).")
-
-
-def check_stage(stage: int) -> None:
-    if stage not in STAGES:
-        raise ValueError(f"ZeRO stage {stage} cannot be combined with tensor parallelism (device_mesh / "
-                         f"tensor_parallel_size): stage 3 would gather DTensor pieces inside its units. "
-                         f"Allowed stages with tensor parallelism: {', '.join(map(str, STAGES))}.")
+                    f"device_mesh[{TP_DIM!r}] (parallelize_module(model, device_mesh[{TP_DIM!r}], plan)).")
 
 
 def check_no_full_optimizer_state(tp: Optional[TensorParallelMesh]) -> None:
@@ -164,21 +156,23 @@ def check_no_full_optimizer_state(tp: Optional[TensorParallelMesh]) -> None:
                                   "save_engine_checkpoint / load_checkpoint_dir), which reshard across T and N.")
 
 
-def tensor_parallel_mesh(mesh: Any, cfg, group: Any, module: nn.Module) -> Optional[TensorParallelMesh]:
-    """The engine's TP view of ``mesh`` (None without one), every combination it refuses refused here."""
+def mesh_tp_size(mesh: Any) -> int:
+    """T of a ("data_parallel", "tensor_parallel") mesh (checked to be one)."""
+    return TensorParallelMesh(mesh).tp_size
+
+
+def tensor_parallel_view(mesh: Any, group: Any, module: nn.Module) -> Optional[TensorParallelMesh]:
+    """The engine's TP view of ``mesh`` (None without one); the dims' combinations and stages are refused by
+    layout.py's tables (engine/groups.py ``engine_groups``), what is the mesh's own business here."""
     if mesh is None:
         for name, p in module.named_parameters():
             if is_dtensor(p):
                 raise ValueError(f"Parameter '{name}' is a DTensor (tensor parallel); ZeRO needs the mesh it came "
-                                 f"from: pass device_mesh=<the 2-D ({DP!r}, {TP!r}) DeviceMesh> to the engine.")
+                                 f"from: pass device_mesh=<the 2-D ({DP_DIM!r}, {TP_DIM!r}) DeviceMesh> to the engine.")
         return None
-    check_stage(cfg.stage)
     if group is not None:
         raise ValueError("device_mesh and group are exclusive: with a mesh ZeRO shards over its "
-                         f"{DP!r} dim. Allowed: device_mesh=... or group=..., not both.")
-    if cfg.shard_group_size is not None:
-        raise ValueError("shard_group_size (hybrid sharding) cannot be combined with device_mesh (tensor "
-                         "parallelism). Allowed: one of them, or neither.")
+                         f"{DP_DIM!r} dim. Allowed: device_mesh=... or group=..., not both.")
     tp = TensorParallelMesh(mesh)
     tp.check_params(module)
     return tp

@@ -45,12 +45,13 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from ..engine.plan import ShardingPlan
 from ..engine import ZeroEngine, collectives
 from ..engine.stage3.deferred_init import has_meta_params, meta_init
 from .compat import BackwardSyncControl, FabricSubprocessScriptLauncher, fabric_wrappers
 from .fabric_checkpoint import ZeroFabricCheckpointMixin
 from .fabric_precision import ZeroFabricPrecision
-from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
+from .tensor_parallel import TensorParallelLayout, TensorParallelMixin
 from .strategy_args import FABRIC as FABRIC_ARGS, bind, declare
 from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
                          setup_default_group, register_presets, zero_config)
@@ -68,7 +69,6 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         self.zero_config = zero_config(knobs)  # the arguments named like ZeroConfig fields
         check_strategy_knobs("ZeroFabricStrategy", knobs, dict(  # and the strategy's own
             accelerator=Accelerator, cluster_environment=ClusterEnvironment, checkpoint_io=CheckpointIO))
-        check_tensor_parallel_args(knobs)
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config)  # None without TP
         if parallelize_fn is not None and self.tensor_parallel is None:
             raise ValueError("parallelize_fn needs tensor_parallel_size=T (it is called with the 2-D device mesh). "
@@ -84,6 +84,11 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
     @property
     def stage(self) -> int:
         return self.zero_config.stage
+
+    @property
+    def plan(self) -> ShardingPlan:
+        """What the stage means ([Note: sharding plan], engine/plan.py): read instead of ``stage == ...``."""
+        return ShardingPlan.of(self.zero_config)
 
     # -- precision: any precision flag becomes a ZeroFabricPrecision ----------------------------------
     @property
@@ -112,12 +117,12 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Stage 3 with ``empty_init=True``: the model is built on the meta device and materialized by the
         engine unit by unit, already sharded, with the values of an eager build from the same seed."""
-        if self.stage == 3 and empty_init:
+        if self.plan.shards_params and empty_init:
             return meta_init()
         return super().module_init_context(empty_init)
 
     def module_to_device(self, module: Module) -> None:
-        if self.stage == 3 and has_meta_params(module):
+        if self.plan.shards_params and has_meta_params(module):
             return  # the engine materializes it shard by shard on the root device
         module.to(self.root_device)
 
@@ -163,7 +168,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         and handed back whole to the training engine when its optimizer comes."""
         model = self._adopt(module)
         module = model.module
-        if self.stage == 3:  # (tensor parallelism is stages 0-2)
+        if self.plan.shards_params:  # (tensor parallelism is stages 0-2)
             self._build(model, None)
         elif self.tensor_parallel is not None:  # TP ranks hold different pieces: over the DP dim only
             self.tensor_parallel.sync_module_states(module)

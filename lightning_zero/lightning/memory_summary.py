@@ -34,7 +34,7 @@ def rank_numbers(engine) -> dict[str, int]:
     r = engine.memory_report()
     grads = r.grads + r.grad_shards
     if not grads:  # freed by the step; the next backward allocates them again, as the reducer does:
-        if engine.config.stage == 0:  # whole, until zero_grad
+        if not engine.plan.shards_optimizer_state:  # whole, until zero_grad
             grads = sum(p.numel() * p.element_size() for p in engine.params)
         else:  # each bucket's reduced slice, in the reduction dtype
             grads = sum(b.shard_numel * (engine.config.reduce_dtype or b.params[0].dtype).itemsize
@@ -43,7 +43,7 @@ def rank_numbers(engine) -> dict[str, int]:
             "optimizer_state": r.optimizer_state, "host": r.host}
     mine["device"] = sum(mine[k] for k, _ in _ROWS) - r.host
     if engine.tensor_parallel is not None:  # DDP's column: this rank's local pieces
-        mine["tp_rank"] = engine.tensor_parallel.mesh.get_local_rank(TP.TP)
+        mine["tp_rank"] = engine.tensor_parallel.mesh.get_local_rank(TP.TP_DIM)
         mine["ddp_numel"] = sum({id(p): TP.local_numel(p) for p in engine.module.parameters()}.values())
         mine["ddp_trainable"] = sum(TP.local_numel(p) for p in engine.params)
     part = engine.partitioner
@@ -60,7 +60,7 @@ def ddp_numbers(engine, ranks: list[dict]) -> dict[str, float]:
     compute = engine.compute_dtype or torch.float32
     mixed = compute != torch.float32
     size = torch.empty((), dtype=compute).element_size()
-    sharded = engine.config.stage >= 1 and len(ranks) > 1
+    sharded = engine.plan.shards_optimizer_state and len(ranks) > 1
     if "tp_rank" in ranks[0]:
         numel, trainable = max(r["ddp_numel"] for r in ranks), max(r["ddp_trainable"] for r in ranks)
         by_tp: dict[int, int] = {}

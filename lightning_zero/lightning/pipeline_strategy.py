@@ -8,7 +8,7 @@ layout: rank ``r`` holds stage ``r // D``, as replica ``r % D`` (:func:`~..engin
 The LightningModule's contract:
 
 * ``configure_model`` builds only the modules of ``self.trainer.strategy.pipeline_stage_index`` (of
-  ``pipeline_parallel_size``), e.g. ``self.stage = split_gpt2(model, P, index)``; the module's ``forward``
+  ``pipeline_parallel_size``), e.g. ``self.stage_module = split_gpt2(model, P, index)``; the module's ``forward``
   is the stage's forward (token ids in on the first stage, the previous stage's output elsewhere).
 * ``pipeline_loss(output, target)``: the last stage's loss on one micro-batch (a mean over it).
 * ``training_step`` is not called: Lightning requires one, but the strategy runs torch's schedule over
@@ -55,6 +55,7 @@ from typing import Any, Generator, Optional
 
 import torch
 
+from ..engine.layout import ParallelDims
 from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size, virtual_stages
 from .compat import MultiProcessingLauncher
 from .pipeline_checkpoint import PipelineCheckpointMixin
@@ -84,16 +85,8 @@ def _check_inherited(knobs: dict) -> None:
 
 
 def _check_pipeline_knobs(config, max_imbalance: Any) -> None:
-    """What a pipeline refuses of ZeroStrategy's knobs (engine/pipeline.py runs a ZeroEngine per stage over its
-    data-parallel group), and its own float knob; the ints are checked where they are read."""
-    if config.stage not in (0, 1, 2):
-        raise ValueError(f"pipeline parallelism (pipeline_parallel_size) composes with ZeRO stages 0, 1 and 2 (each "
-                         f"stage holds its own parameters whole); got stage={config.stage}. Allowed: stage=0, 1 or 2 "
-                         f"(with offload_optimizer at 1-2).")
-    if config.shard_group_size is not None:
-        raise ValueError(f"shard_group_size={config.shard_group_size!r} (hybrid sharding) does not compose with "
-                         f"pipeline_parallel_size: each pipeline stage already shards over its own data-parallel "
-                         f"group. Allowed: shard_group_size=None.")
+    """The pipeline's own float knob; its combinations with the ZeRO stage and the other parallel dims are
+    ZeroConfig's (engine/layout.py's one table), the ints are checked where they are read."""
     if max_imbalance is not None and (isinstance(max_imbalance, bool) or not isinstance(max_imbalance, numbers.Real)
                                       or not math.isfinite(max_imbalance) or max_imbalance < 1):
         raise ValueError(f"pipeline_max_imbalance must be a finite number >= 1 (the largest stage's parameters over "
@@ -114,6 +107,7 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
         pipeline_parallel_size, pipeline_microbatches, pipeline_schedule, pipeline_max_imbalance, pipeline_chunks = (
             knobs[a.name] for a in PIPELINE_ONLY)
         self._init_strategy(knobs)
+        ParallelDims.of(self.zero_config, pipeline=pipeline_parallel_size).check(self.zero_config.stage)
         _check_pipeline_knobs(self.zero_config, pipeline_max_imbalance)
         _check_inherited(knobs)
         if not isinstance(pipeline_schedule, str) or pipeline_schedule not in SCHEDULES:
@@ -363,7 +357,7 @@ declare(ZeroPipelineStrategy, PIPELINE_ARGS)
 
 
 def _child_prefixes(module: torch.nn.Module) -> dict[str, str]:
-    """A stage held as a submodule (``self.stage = split_gpt2(...)``): its ``source_prefixes`` under its name."""
+    """A stage held as a submodule (``self.stage_module = split_gpt2(...)``): its ``source_prefixes`` under its name."""
     out: dict[str, str] = {}
     for name, child in module.named_modules():
         for local, source in (getattr(child, "source_prefixes", None) or {}).items() if child is not module else ():

@@ -15,6 +15,7 @@ from typing import Any, Callable, Generator, Optional
 
 import torch
 
+from ..engine.plan import ShardingPlan
 from ..engine import ZeroEngine
 from ..engine.stage3.deferred_init import has_meta_params, meta_init
 from ..engine.stage3.pretrained import load_pretrained, outermost_hf_model
@@ -25,7 +26,7 @@ from .callback_checks import check_callbacks, check_no_lightning_finder, weight_
 from .even_inputs import check_even_inputs
 from .checkpoint_strategy import ZeroCheckpointMixin
 from .memory_summary import report as memory_report
-from .tensor_parallel import TensorParallelLayout, TensorParallelMixin, check_tensor_parallel_args
+from .tensor_parallel import TensorParallelLayout, TensorParallelMixin
 from .optimizers import bind as bind_optimizers
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.environments import ClusterEnvironment
@@ -76,7 +77,6 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
 
     def _init_strategy(self, knobs: dict[str, Any]) -> None:
         """The shared body of ZeroStrategy's and ZeroPipelineStrategy's constructors: ``knobs`` is the bound call."""
-        check_tensor_parallel_args(knobs)
         checkpoint_format, tensor_parallel_size = knobs["checkpoint_format"], knobs["tensor_parallel_size"]
         self.zero_config = zero_config(knobs)  # the arguments named like ZeroConfig fields
         check_strategy_knobs(type(self).__name__, knobs, _LIGHTNING_TYPES)  # and the strategy's own
@@ -101,6 +101,11 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
     def stage(self) -> int:
         return self.zero_config.stage
 
+    @property
+    def plan(self) -> ShardingPlan:
+        """What the stage means ([Note: sharding plan], engine/plan.py): read instead of ``stage == ...``."""
+        return ShardingPlan.of(self.zero_config)
+
     # -- precision: any precision flag becomes a ZeroPrecision -------------------------------------
     @property
     def precision_plugin(self) -> ZeroPrecision:
@@ -114,7 +119,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
 
     # -- setup ----------------------------------------------------------------------------------
     def model_to_device(self) -> None:
-        if self.stage == 3 and has_meta_params(self.model):
+        if self.plan.shards_params and has_meta_params(self.model):
             return  # the engine materializes it shard by shard on the root device
         super().model_to_device()
 
@@ -140,7 +145,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         else:
             # evaluation only: no optimizer. Weights stay fp32 (mixed precision runs under autocast, see
             # ZeroPrecision.forward_context), so validate/test/predict never round the user's model.
-            if self.stage == 3:  # parameters still partitioned
+            if self.plan.shards_params:  # parameters still partitioned
                 self.engine = build_engine(self.lightning_module, None, self.zero_config, precision, self.root_device)
             elif self.tensor_parallel is not None:  # TP ranks hold different pieces: over the DP dim only
                 self.tensor_parallel.sync_module_states(self.model)
@@ -250,7 +255,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         """``Trainer.init_module(empty_init=True)`` under stage 3 builds on the meta device (as FSDP does):
         the engine then materializes the model unit by unit, already sharded, with the same values as an
         eager build from the same seed (``reset_parameters`` in registration order)."""
-        if self.stage == 3 and empty_init:
+        if self.plan.shards_params and empty_init:
             with meta_init():
                 yield
         else:
@@ -261,7 +266,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
     def model_sharded_context(self) -> Generator:
         """Stage 3: modules built in ``configure_model`` go to the meta device and are materialized
         unit by unit, already sharded, when the engine is created (no rank ever holds the whole model)."""
-        if self.stage == 3:
+        if self.plan.shards_params:
             with meta_init():
                 yield
         else:

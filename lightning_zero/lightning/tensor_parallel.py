@@ -16,18 +16,8 @@ from typing import Any, Optional
 import torch
 
 from ..engine import tensor_parallel as TP
-from ..engine.config import _is_int
 from ..engine.groups import device_mesh
-
-
-def check_tensor_parallel_args(kwargs: dict) -> None:
-    """The combinations with ``tensor_parallel_size`` that are refused, before any class is chosen."""
-    if kwargs.get("tensor_parallel_size") is None:
-        return
-    for other in ("pipeline_parallel_size", "shard_group_size"):
-        if kwargs.get(other) is not None:
-            raise ValueError(f"tensor_parallel_size cannot be combined with {other}. Allowed: one of "
-                             f"tensor_parallel_size, pipeline_parallel_size, shard_group_size, or none.")
+from ..engine.layout import ParallelDims
 
 
 class TensorParallelLayout:
@@ -39,12 +29,8 @@ class TensorParallelLayout:
 
     @classmethod
     def of(cls, size: Optional[int], config, checkpoint_format: str = "sharded") -> Optional["TensorParallelLayout"]:
-        if size is None:
+        if size is None:  # its type, stages and combinations: ZeroConfig (engine/layout.py's one table)
             return None
-        if not _is_int(size) or size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1 that divides the world size (ranks per "
-                             f"tensor-parallel group) or None (no tensor parallelism); got {size!r}.")
-        TP.check_stage(config.stage)  # the other combinations: check_tensor_parallel_args, in __new__
         if checkpoint_format != "sharded":  # a full file would need every TP piece gathered into one rank
             raise ValueError(f"checkpoint_format={checkpoint_format!r} is not available with tensor_parallel_size: "
                              "Allowed: checkpoint_format='sharded' (then `lightning-zero consolidate` for one "
@@ -53,12 +39,9 @@ class TensorParallelLayout:
 
     def build(self, world_size: int, device: torch.device) -> Any:
         """The 2-D mesh (collective: every rank calls it, after the process group exists)."""
-        if world_size % self.size:
-            allowed = ", ".join(str(t) for t in range(1, world_size + 1) if world_size % t == 0)
-            raise ValueError(f"tensor_parallel_size={self.size} does not divide the world of {world_size} rank(s). "
-                             f"Allowed: {allowed}.")
+        ParallelDims(tensor=self.size).check_world(world_size, ("tensor",))
         # made once per process (engine/groups.py): a mesh per setup_environment leaked its groups' fds
-        self.mesh = device_mesh(device.type, (world_size // self.size, self.size), (TP.DP, TP.TP))
+        self.mesh = device_mesh(device.type, (world_size // self.size, self.size), (TP.DP_DIM, TP.TP_DIM))
         return self.mesh
 
     @property
@@ -70,7 +53,7 @@ class TensorParallelLayout:
         return self.mesh
 
     def sampler_kwargs(self) -> dict:
-        dp = self.device_mesh[TP.DP]
+        dp = self.device_mesh[TP.DP_DIM]
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
 
     @staticmethod
@@ -93,7 +76,7 @@ class TensorParallelLayout:
 
     def sync_module_states(self, module: torch.nn.Module) -> None:
         """Rank 0's values on every data-parallel replica (an evaluation without an engine)."""
-        TP.broadcast_module_states(module, self.device_mesh.get_group(TP.DP))
+        TP.broadcast_module_states(module, self.device_mesh.get_group(TP.DP_DIM))
 
 
 class TensorParallelMixin:

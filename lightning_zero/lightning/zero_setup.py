@@ -17,6 +17,7 @@ import torch
 
 from ..engine import ZeroConfig, ZeroEngine
 from ..engine.config import PRESETS
+from ..engine.plan import ShardingPlan
 from ..engine.elastic import destroy_groups_at_exit, init_attempt_default_group
 from ..engine.stage3.unit_policy import choose_unit_modules
 
@@ -75,7 +76,7 @@ def check_strategy_knobs(owner: str, knobs: dict, instance_of: dict) -> None:
 def check_model_knobs(module: torch.nn.Module, config: ZeroConfig) -> None:
     """Knobs that name modules, checked once the model exists: ``unit_classes`` entries must match modules of
     it at every stage (stage 3 resolves its units itself; below, a misspelt entry would pass unnoticed)."""
-    if config.unit_classes is not None and config.stage != 3:
+    if config.unit_classes is not None and not ShardingPlan.of(config).shards_params:
         choose_unit_modules(module, config.unit_classes)
 
 

@@ -263,9 +263,12 @@ def estimate_model_states(
             parts = t5_activation_memory(info.t5, batch_size, src_len, tgt_len, mixed, activation_checkpointing,
                                          offload_activations)
             act = float(parts["device"])
-    from ..engine.groups import check_shard_group_size
+    from ..engine.layout import ParallelDims
 
-    shards = check_shard_group_size(shard_group_size, world_size)  # the ranks one parameter is cut over
+    dims = ParallelDims(shard_group_size, tensor_parallel_size)
+    dims.check(0)  # types and combinations (the table's stages are per row)
+    dims.check_world(world_size)
+    shards = shard_group_size or world_size  # the ranks one parameter is cut over
     split = None
     if tensor_parallel_size is not None:  # the local pieces, sharded over the data-parallel ranks
         from .estimate_tp import tensor_parallel_info

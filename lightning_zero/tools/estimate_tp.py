@@ -120,14 +120,7 @@ def _t5_info(info, dims, size: int):
 def tensor_parallel_info(model: Any, info, size: int, world_size: int, shard_group_size: Optional[int],
                          plan: Optional[dict] = None):
     """(:class:`TensorParallelSplit`, the ModelInfo of one rank's local pieces) for ``model`` at TP ``size``."""
-    from ..engine.config import _is_int
-
-    if not _is_int(size) or size < 1 or world_size % size:
-        allowed = ", ".join(str(t) for t in range(1, world_size + 1) if world_size % t == 0)
-        raise ValueError(f"tensor_parallel_size must be an int >= 1 that divides the world size ({world_size}); "
-                         f"got {size!r}. Allowed: {allowed}.")
-    if shard_group_size is not None:
-        raise ValueError("tensor_parallel_size cannot be combined with shard_group_size. Allowed: one of them.")
+    # the size's type, its divisibility and its combinations: estimate() checked them (engine/layout.py)
     if isinstance(model, nn.Module):
         local, full, split = _module_info(info, model, size, plan)
     elif info.t5 is not None:

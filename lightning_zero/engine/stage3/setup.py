@@ -17,7 +17,6 @@ from torch import nn
 from torch.autograd import Variable
 
 from ..config import ZeroConfig
-from ..groups import reduce_scatter_group
 from .deferred_init import compute_device
 from .lifecycle import OrderCheck
 from .partition import ParamPartitioner
@@ -54,12 +53,6 @@ class PartitionedParams:
         self._in_reduction: Callable[[], bool] = lambda: False
         self._backward_ends = 0  # how many backwards have ended (_backward_begins)
         self._end_queued = False
-
-    @staticmethod
-    def reduce_group(hybrid: Any, group: Any) -> Any:
-        """Reduce-scatters get their own group: they interleave with gathers differently per rank. Made once
-        per process and shared by later engines ([Note: why a group is never re-created] in groups.py)."""
-        return hybrid.reduce_scatter if hybrid.reduce_scatter is not None else reduce_scatter_group(group)
 
     def release_by_buckets(self, table, in_reduction: Callable[[], bool]) -> None:
         """Release each unit as soon as its backward is over: its gradient buckets of ``table`` complete (see
