@@ -51,6 +51,7 @@ from ..engine.stage3.deferred_init import has_meta_params, meta_init
 from .compat import BackwardSyncControl, FabricSubprocessScriptLauncher, fabric_wrappers
 from .fabric_checkpoint import ZeroFabricCheckpointMixin
 from .fabric_precision import ZeroFabricPrecision
+from .optimizers import delegate_to_wrapped
 from .tensor_parallel import TensorParallelLayout, TensorParallelMixin
 from .strategy_args import FABRIC as FABRIC_ARGS, bind, declare
 from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
@@ -353,11 +354,7 @@ def install() -> None:
     optimizer's own (the engine installs them on it): the wrapper subclasses the optimizer's class, so
     torch's methods would otherwise run on the master shards, past the engine's gradient shards. The same
     call for every other strategy: those optimizers' methods are torch's."""
-    _FabricOptimizer, _ = fabric_wrappers()
-
-    for name in ("zero_grad", "add_param_group"):
-        if name not in _FabricOptimizer.__dict__:
-            setattr(_FabricOptimizer, name, _delegate(name))
+    delegate_to_wrapped(fabric_wrappers()[0])  # _FabricOptimizer
     _install_module_zero_grad()
 
 
@@ -378,11 +375,3 @@ def _install_module_zero_grad() -> None:
             Module.zero_grad(self, set_to_none)
 
     _FabricModule.zero_grad = zero_grad
-
-
-def _delegate(name: str):
-    def method(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._optimizer, name)(*args, **kwargs)
-
-    method.__name__ = name
-    return method

@@ -42,9 +42,15 @@ def install() -> None:
     """``zero_grad`` / ``add_param_group`` on any ``LightningOptimizer`` call the wrapped optimizer's (the
     engine's where it installed them, else torch's own: the same behaviour for every other strategy).
     Idempotent; class-level, so no rebuild of the wrappers can lose it."""
+    delegate_to_wrapped(LightningOptimizer)
+
+
+def delegate_to_wrapped(wrapper_cls: type) -> None:
+    """``zero_grad`` / ``add_param_group`` of an optimizer wrapper class (Lightning's, Fabric's) call its
+    ``_optimizer``'s, once per class."""
     for name in _DELEGATED:
-        if name not in LightningOptimizer.__dict__:
-            setattr(LightningOptimizer, name, _delegate(name))
+        if name not in wrapper_cls.__dict__:
+            setattr(wrapper_cls, name, _delegate(name))
 
 
 def _delegate(name: str):
