@@ -39,7 +39,8 @@ class StrategyConf:
     unit_classes: Optional[List[str]] = None
     unit_mb: Optional[float] = None  # set: units by size (MiB) instead
     persist_numel: Optional[int] = None  # units smaller than this stay gathered; null = relative to the units
-    prefetch: bool = True
+    prefetch: Any = True  # stage 3: true (1 unit ahead) | false | how many units ahead (an int)
+    reshard_after_forward: bool = True  # stage 3: false keeps each unit gathered from its forward to its backward
     order_check: str = "strict"  # strict | always | off
     checkpoint_format: str = "sharded"  # sharded (DCP directory) | full (one file)
     # recompute these modules' forward in backward: null | auto (the unit policy's blocks: T5Block) | [T5Block, ...]

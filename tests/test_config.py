@@ -24,7 +24,7 @@ BAD = [
     (dict(unit_mb=True), r"unit_mb must be a positive number of MiB"),
     (dict(stage=1, offload_optimizer="yes"), r"offload_optimizer must be True or False; got 'yes'"),
     (dict(stage=3, offload_params=1), r"offload_params must be True or False; got 1"),
-    (dict(prefetch="false"), r"prefetch must be True or False"),
+    (dict(prefetch="false"), r"prefetch must be True \(1 unit ahead\), False \(none\) or an int >= 0"),
     (dict(broadcast_buffers=None), r"broadcast_buffers must be True or False"),
 ]
 

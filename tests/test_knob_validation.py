@@ -74,7 +74,11 @@ CONFIG = {
                                       (math.inf, "finite")]),
     "persist_numel": Knob([None, 0, 10_000], [(-1, "int >= 0"), (10.5, "int >= 0"), (True, "int >= 0"),
                                                ("x", "int >= 0")]),
-    "prefetch": Knob([True, False], [("false", BOOL)]),
+    "prefetch": Knob([True, False, 0, 2], [(v, r"prefetch must be True \(1 unit ahead\), False \(none\) or an int >= 0")
+                                           for v in ("false", -1, 1.5, None)]),
+    "reshard_after_forward": Knob([True, False], [("no", BOOL), (None, BOOL),
+                                                  (2, r"reshard_after_forward=2: resharding to a smaller group .*"
+                                                      r"Allowed: True .* or False")]),
     "order_check": Knob(["strict", "always", "off"], [(v, r"order_check must be one of 'strict', 'always', 'off'")
                                                       for v in ("sometimes", True, None)]),
     "shard_group_size": Knob([None, 1, 2], [(v, "shard_group_size must be an int >= 1") for v in (0, 2.0, True, "2")],

@@ -83,7 +83,12 @@ class ZeroConfig:
         None = automatic (the rule above; the size rule then uses min(8 MiB, model / 8)).
     persist_numel (stage 3): units with fewer elements stay gathered for the whole step; None = a
         quarter of the average unit, at most 10,000 elements.
-    prefetch (stage 3): all-gather the next unit (recorded order) while the current one computes.
+    prefetch (stage 3): all-gather the next unit(s) in the recorded order while the current one computes:
+        True (= 1 unit ahead), False (= 0) or an int >= 0, how many units ahead, in forward and in backward.
+    reshard_after_forward (stage 3): True (default) releases a unit after its forward and gathers it again
+        for its backward; False keeps it gathered from its forward to its backward (one all-gather per unit
+        per step instead of two, for the memory of the whole gathered model at the end of forward; FSDP2's
+        ``reshard_after_forward=False``). Evaluation forwards always release.
     order_check (stage 3): "strict" (record the first training forward, verify it across ranks, then
         require it every step: clean errors for diverging ranks, prefetch enabled), "always" (a tiny
         check before every gather: any consistent control flow, no prefetch) or "off".
@@ -103,7 +108,8 @@ class ZeroConfig:
     unit_classes: Optional[Sequence[Union[type, str]]] = None
     unit_mb: Optional[float] = None
     persist_numel: Optional[int] = None
-    prefetch: bool = True
+    prefetch: Union[bool, int] = True
+    reshard_after_forward: bool = True
     order_check: str = "strict"
     # -- the parallel layout ([Note: one parallel layout], layout.py; checked there, against one table) ----
     # shard_group_size: hybrid sharding: shard within groups of this many consecutive ranks (a node),
@@ -152,7 +158,15 @@ class ZeroConfig:
     def _check_types(self) -> None:
         if not _is_int(self.stage) or self.stage not in STAGES:
             raise ValueError(f"Unknown ZeRO stage {self.stage!r}. Allowed stages: 0, 1, 2, 3 (an int).")
-        for flag in ("offload_optimizer", "offload_params", "broadcast_buffers", "prefetch", "overlap_publish",
+        if not isinstance(self.prefetch, bool) and not (_is_int(self.prefetch) and self.prefetch >= 0):
+            raise ValueError(f"prefetch must be True (1 unit ahead), False (none) or an int >= 0 (how many units "
+                             f"ahead); got {self.prefetch!r}.")
+        if _is_int(self.reshard_after_forward) and not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r}: resharding to a smaller group "
+                             f"after forward (an int, ZeRO++ hpZ) is not available. Allowed: True (release after "
+                             f"forward) or False (keep gathered until backward).")
+        for flag in ("offload_optimizer", "offload_params", "broadcast_buffers", "reshard_after_forward",
+                     "overlap_publish",
                      "quantize_weights", "quantize_grads", "offload_activations"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False; got {getattr(self, flag)!r}.")
@@ -219,6 +233,11 @@ class ZeroConfig:
     @property
     def unit_bytes(self) -> Optional[int]:
         return max(1, int(self.unit_mb * 2**20)) if self.unit_mb is not None else None
+
+    @property
+    def prefetch_depth(self) -> int:
+        """How many units ahead stage 3 gathers (``prefetch``: True is 1)."""
+        return int(self.prefetch)
 
     @property
     def bucket_bytes(self) -> int:

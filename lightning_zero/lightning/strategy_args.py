@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch.distributed.constants import default_pg_timeout
@@ -43,12 +43,15 @@ SHARED: tuple[Arg, ...] = (
     Arg("reduce_dtype", None, _O, 'dtype of gradient reductions (None = compute dtype, or "fp32").'),
     Arg("broadcast_buffers", True, bool, "copy rank 0's buffers to every rank before each training step (as DDP)."),
     Arg("unit_classes", None, Optional[Sequence[Any]],
-        'unit_classes, unit_mb, persist_numel, prefetch, order_check: stage 3 units (see ZeroConfig); e.g. '
+        'unit_classes, unit_mb, persist_numel, prefetch, reshard_after_forward, order_check: stage 3 units (see '
+        'ZeroConfig: prefetch True/False or how many units ahead; reshard_after_forward=False keeps a unit '
+        'gathered from its forward to its backward); e.g. '
         '``unit_classes=["T5Block"]``; by default the model\'s ``_no_split_modules``, else its repeated blocks, '
         'else by size, with a persistence threshold relative to the units.'),
     Arg("unit_mb", None, Optional[float]),
     Arg("persist_numel", None, Optional[int]),
-    Arg("prefetch", True, bool),
+    Arg("prefetch", True, Union[bool, int]),
+    Arg("reshard_after_forward", True, bool),
     Arg("order_check", "strict", str),
     Arg("accelerator", None, _O, "accelerator, parallel_devices, cluster_environment, checkpoint_io: as for "
                                   "Lightning's ``DDPStrategy`` (None: Lightning chooses)."),

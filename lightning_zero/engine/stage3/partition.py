@@ -10,9 +10,10 @@ stay valid across a release/re-gather cycle (FSDP2 relies on the same property).
 
 Lifecycle in a training step::
 
-    pre-forward(unit)   gather (or wait for the prefetch) ... prefetch the next unit in recorded order
-    post-forward(unit)  release (root and persistent units stay) ... arm a pre-backward hook on outputs
-    pre-backward(unit)  gather again ... prefetch the unit that backward reaches next
+    pre-forward(unit)   gather (or wait for the prefetch) ... prefetch the next ``prefetch`` units in recorded order
+    post-forward(unit)  release (root and persistent units stay; reshard_after_forward=False: training units too)
+                        ... arm a pre-backward hook on outputs
+    pre-backward(unit)  gather again ... prefetch the ``prefetch`` units backward reaches next
     grads complete      reduce-scatter (GradReducer, on its own process group) ... release
     end of backward     release whatever is still gathered; after the step all units are stale
 
@@ -58,10 +59,11 @@ class ParamPartitioner:
         device: torch.device,
         offload_params: bool = False,
         group: Optional[Any] = None,
-        prefetch: bool = True,
+        prefetch: int = 1,
         order_check: "str | OrderCheck" = "strict",
         init_group: Optional[Any] = None,
         quantize: bool = False,
+        reshard_after_forward: bool = True,
     ) -> None:
         self.module = module
         self.init_group = init_group if init_group is not None else group  # deferred init broadcasts from rank 0 of it
@@ -74,7 +76,9 @@ class ParamPartitioner:
         self.offload = offload_params
         self.group = group
         self.order_check = OrderCheck.parse(order_check)
-        self.prefetch = prefetch and self.order_check is OrderCheck.STRICT  # prefetch needs a trusted order
+        # units gathered ahead (0: none); prefetch needs a trusted order
+        self.prefetch = int(prefetch) if self.order_check is OrderCheck.STRICT else 0
+        self.reshard_after_forward = reshard_after_forward
         self.compute_dtype = compute_dtype
         self.world_size = C.world_size(group)
         self.rank = C.rank(group)
@@ -87,6 +91,7 @@ class ParamPartitioner:
         self.load_stats = None  # pretrained weights read into the shards: the bytes held (pretrained_source.py)
         self._held = 0
         self.prefetches = 0
+        self.in_flight = self.peak_in_flight = 0  # units whose all-gather is issued and not yet waited for
         self._handles: list[Any] = []
         self._recompute_gathered: set[int] = set()  # units a recompute gathered (activations.py)
         # called as a unit's backward begins: this backward's end must release what it gathers even when
@@ -165,6 +170,8 @@ class ParamPartitioner:
         gather = Q.all_gather_int8 if self.quantize and not exact else C.all_gather
         u.inflight = (gather(out, send, group=self.group, async_op=True), out)
         u.move(UnitState.GATHERING)
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         self._held += out.numel() * out.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held)
 
@@ -214,6 +221,7 @@ class ParamPartitioner:
             p.data.untyped_storage().resize_(n)
         u.layout.unpack_rank_major(out, [p.data for p in u.params])
         u.inflight = None
+        self.in_flight -= 1
         u.move(UnitState.UNSHARDED)
         self._held += u.full_bytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held)
@@ -276,9 +284,9 @@ class ParamPartitioner:
             if self._tracking(u):
                 self._track_forward(u)
             self.gather(u)
-            if (self._tracking(u) and self.order_state is OrderState.VERIFIED and self.prefetch
-                    and self._pos < len(self._order)):
-                self._prefetch(self.units[self._order[self._pos]])
+            if self._tracking(u) and self.order_state is OrderState.VERIFIED:
+                for k in range(self._pos, min(self._pos + self.prefetch, len(self._order))):
+                    self._prefetch(self.units[self._order[k]])
 
         return hook
 
@@ -306,7 +314,8 @@ class ParamPartitioner:
                     self._recompute_gathered.discard(u.index)
                     self.release(u)
                 return output
-            self.release(u)
+            if self.reshard_after_forward or not self._keeps_for_backward(u):
+                self.release(u)
             if torch.is_grad_enabled() and not self._gathered_depth:
                 tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
                 if tensors:
@@ -317,14 +326,19 @@ class ParamPartitioner:
 
         return hook
 
+    def _keeps_for_backward(self, u: Unit) -> bool:
+        """``reshard_after_forward=False``: a training forward that autograd will differentiate keeps its
+        unit gathered; the backward releaser (or the end of backward) releases it."""
+        return u.module.training and torch.is_grad_enabled() and not self._gathered_depth
+
     def _pre_backward(self, u: Unit) -> None:
         if self.on_backward is not None:
             self.on_backward()
-        self.gather(u)
+        self.gather(u)  # a no-op for a unit kept since its forward
         if self.order_state is OrderState.VERIFIED and self.prefetch and u.index in self._order:
             i = len(self._order) - 1 - self._order[::-1].index(u.index)
-            if i > 0:
-                self._prefetch(self.units[self._order[i - 1]])
+            for k in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
+                self._prefetch(self.units[self._order[k]])
 
     def _prefetch(self, u: Unit) -> None:
         if u.state is UnitState.SHARDED and u.params:

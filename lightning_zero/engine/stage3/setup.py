@@ -45,8 +45,9 @@ class PartitionedParams:
         if rank == 0:
             _log.info(self.units.describe())
         self.partitioner = ParamPartitioner(module, self.units, compute_dtype, device, cfg.offload_params,
-                                            shard_group, cfg.prefetch, cfg.order_check, init_group=init_group,
-                                            quantize=cfg.quantize_weights)
+                                            shard_group, cfg.prefetch_depth, cfg.order_check, init_group=init_group,
+                                            quantize=cfg.quantize_weights,
+                                            reshard_after_forward=cfg.reshard_after_forward)
         self.partitioner.guard.eval_only = eval_only
         self.partitioner.on_backward = self._backward_begins
         self.releaser: Optional[BackwardReleaser] = None
