@@ -156,7 +156,7 @@ def test_directory_layout_and_crash_during_save(saved):
     meta = torch.load(p / ck.META_FILE)
     assert meta["optimizer_states"][0]["param_groups"][0]["params"][0] == "emb.weight"  # keyed by name
     for path in saved["paths"].values():  # no temporary or previous directory left behind
-        assert not os.path.exists(path + ck._TMP) and not os.path.exists(path + ck._OLD)
+        assert not os.path.exists(path + ck._TMP) and not os.path.exists(ck.aside_path(path))
     crash = saved["crash"]
     # the dying save wrote into the temporary directory (so it existed); its failure removed it
     assert not crash["tmp_left"], "a failed save leaves no partial .zero-tmp behind"

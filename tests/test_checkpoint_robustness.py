@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy
 import lightning_zero  # noqa: F401  (installs the Lightning loaders)
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
 from lightning_zero import checkpoint as ck
+from lightning_zero.checkpoint import format as ck_format
 from lightning_zero.tools.cli import main as cli_main
 from lightning_zero.checkpoint.consolidate import consolidate
 from tests.helpers.ckpt_files import copy_checkpoint, save_trained, tied_engine
@@ -34,10 +35,17 @@ def _weights(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _without_exchange(monkeypatch) -> None:
+    """A filesystem that cannot exchange names atomically (checkpoint/files.py ``swap_dirs``): the save
+    falls back to two renames, the window these tests crash into."""
+    monkeypatch.setattr(ck_format, "swap_dirs", lambda new, final: False)
+
+
 @pytest.fixture
 def crash_final_rename(monkeypatch):
     """``crash()`` arms a crash of the next save between its two renames: the rename of the finished
     temporary directory into place raises (the previous checkpoint was already moved aside)."""
+    _without_exchange(monkeypatch)
     real, armed = os.rename, []
 
     def rename(src, dst, *a, **kw):
@@ -50,9 +58,32 @@ def crash_final_rename(monkeypatch):
     return lambda: armed.append(True)
 
 
+def test_replacing_a_checkpoint_exchanges_the_names_atomically(tmp_path, monkeypatch):
+    """Where the filesystem can (Linux renameat2, this machine's), replacing ``X`` is one exchange of names: no
+    rename of ``X`` runs at all, so no crash can find ``X`` missing; the previous copy is gone afterwards."""
+    path = tmp_path / "last.ckpt"
+    model, engine = _engine()
+    train(model, engine, 0, 1, range(2))
+    ck.save_engine_checkpoint(path, model, engine, {"global_step": 2})
+    if not ck_format.swap_dirs(tmp_path, tmp_path):  # exchanging a name with itself: a no-op where supported
+        pytest.fail("renameat2(RENAME_EXCHANGE) is unavailable on this machine's /tmp")
+    real, renames = os.rename, []
+
+    def rename(src, dst, *a, **kw):  # DCP renames its own files inside the directory; ours are the directories
+        if Path(dst) in (path, ck.aside_path(path)) or Path(src) == path:
+            renames.append((src, dst))
+        return real(src, dst, *a, **kw)
+
+    monkeypatch.setattr(os, "rename", rename)
+    train(model, engine, 0, 1, range(2, 4))
+    ck.save_engine_checkpoint(path, model, engine, {"global_step": 4})
+    assert not renames and sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+    assert torch.load(path / ck.META_FILE, weights_only=False)["global_step"] == 4
+
+
 def test_crash_between_renames_falls_back_and_never_loses_the_last_copy(tmp_path, crash_final_rename, monkeypatch):
     path = tmp_path / "last.ckpt"
-    old = Path(str(path) + ck._OLD)
+    old = ck.aside_path(path)
     model, engine = _engine()
     train(model, engine, 0, 1, range(2))
     ck.save_engine_checkpoint(path, model, engine, {"global_step": 2})
@@ -187,6 +218,7 @@ def test_lightning_resume_from_last_after_a_crash_between_renames(tmp_path, monk
         return real(src, dst, *a, **kw)
 
     monkeypatch.setattr(os, "rename", rename)  # the forked ranks inherit it
+    _without_exchange(monkeypatch)
 
     def saver():
         return [ModelCheckpoint(dirpath=ckdir, save_last=True, save_top_k=0, every_n_train_steps=2)]
@@ -194,7 +226,8 @@ def test_lightning_resume_from_last_after_a_crash_between_renames(tmp_path, monk
     with pytest.raises(Exception, match="simulated crash"):
         _fit(out, "a_", ZeroStrategy(stage=2, start_method="fork"), 4, callbacks=saver())
     monkeypatch.setattr(os, "rename", real)
-    assert not (ckdir / "last.ckpt").exists() and ck.is_checkpoint_dir(ckdir / ("last.ckpt" + ck._OLD))
+    # the previous copy sits under a name Lightning's own ckpt_path="last" search finds (no wrapper needed)
+    assert not (ckdir / "last.ckpt").exists() and ck.is_checkpoint_dir(ckdir / "last.zero-old.ckpt")
     with pytest.warns(UserWarning, match="interrupted"):
         consolidate(ckdir / "last.ckpt", tmp_path / "at_step2.pt")
 
@@ -272,9 +305,9 @@ def test_torch_checkpoint_io_reads_only_zero_directories(saved_dir, tmp_path, io
 
 
 def test_removing_a_checkpoint_removes_what_an_interrupted_save_left_of_it(saved_dir):
-    """ModelCheckpoint dropping ``X`` from its top-k must not leave ``X.zero-old`` for the next save to rename
+    """ModelCheckpoint dropping ``X`` from its top-k must not leave its aside copy for the next save to rename
     back into a checkpoint the callback deleted."""
-    old = _copy(saved_dir, "b.ckpt" + ck._OLD)
+    old = _copy(saved_dir, ck.aside_path("b.ckpt").name)
     tmp = _copy(saved_dir, "b.ckpt" + ck._TMP)
     ZeroStrategy(stage=2).remove_checkpoint(saved_dir.with_name("b.ckpt"))
     assert not old.exists() and not tmp.exists() and ck.is_checkpoint_dir(saved_dir)

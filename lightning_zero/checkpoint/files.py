@@ -4,7 +4,11 @@ behind, and its metadata read back with one clear error for anything malformed.
 Design note
 -----------
 ``X`` is only ever created by renaming a finished temporary ``X.zero-tmp`` (or, after an interrupted save,
-its complete previous copy ``X.zero-old``), so a directory that exists under its final name is complete.
+its complete previous copy, :func:`aside_path`), so a directory that exists under its final name is complete.
+An existing ``X`` is replaced by one atomic exchange of the two names (Linux ``renameat2(RENAME_EXCHANGE)``,
+:func:`swap_dirs`): no instant exists at which ``X`` is missing. Where the filesystem cannot exchange, the old
+``X`` is first renamed aside, to a name Lightning's own ``ckpt_path="last"`` search still finds
+(``last.ckpt`` -> ``last.zero-old.ckpt``), so a crash between the two renames never loses the last copy.
 Readers check what they rely on -- the json's seal and every listed file's size and CRC-32
 (``integrity.py``), every key and type of ``zero_checkpoint.json``, its tensors against the ones DCP's
 ``.metadata`` stored (read with the restricted unpickler of ``trust.py``), a readable ``meta.pt``, the list
@@ -13,6 +17,8 @@ of optimizer state -- before any tensor is touched.
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
 import shutil
@@ -33,6 +39,49 @@ _TMP, _OLD = ".zero-tmp", ".zero-old"
 _PathLike = Union[str, os.PathLike]
 
 
+def aside_path(path: _PathLike) -> Path:
+    """Where a save that cannot exchange names moves the previous ``X`` (see the design note): X's stem +
+    ``.zero-old`` + X's suffix, e.g. ``last.ckpt`` -> ``last.zero-old.ckpt``, ``mid`` -> ``mid.zero-old``."""
+    path = Path(path)
+    return path.with_name(path.stem + _OLD + path.suffix)
+
+
+def final_of_aside(name: str) -> Optional[str]:
+    """The final name whose aside copy ``name`` is (the inverse of :func:`aside_path`); None if it is none."""
+    p = Path(name)
+    if p.stem.endswith(_OLD) and p.suffix:
+        return p.stem[: -len(_OLD)] + p.suffix
+    if name.endswith(_OLD):
+        return name[: -len(_OLD)]
+    return None
+
+
+def swap_dirs(new: _PathLike, final: _PathLike) -> bool:
+    """Exchange the names ``new`` and ``final`` atomically; False where this OS or filesystem cannot."""
+    import ctypes
+
+    renameat2 = getattr(_libc(), "renameat2", None) if _libc() is not None else None
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(new), at_fdcwd, os.fsencode(final), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):  # unsupported here: two renames
+        return False
+    raise OSError(err, os.strerror(err), os.fspath(final))
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # pragma: no cover - no C library to load (not Linux / macOS)
+        return None
+
+
 def _remove(p: Path) -> None:
     if os.path.islink(p) or p.is_file():
         os.unlink(p)
@@ -43,7 +92,7 @@ def _remove(p: Path) -> None:
 def tidy_checkpoint_dir(directory: _PathLike) -> None:
     """Undo what interrupted saves left in ``directory`` (rank 0, before a save there).
 
-    ``X.zero-old`` without ``X`` is the only complete copy of ``X``: renamed back. With ``X`` present it is
+    X's aside copy (:func:`aside_path`) without ``X`` is the only complete copy of ``X``: renamed back. With ``X`` present it is
     redundant and removed, as is every ``*.zero-tmp`` (a save in progress is collective, so none is)."""
     directory = Path(directory)
     if not directory.is_dir():
@@ -52,8 +101,8 @@ def tidy_checkpoint_dir(directory: _PathLike) -> None:
         p = directory / entry
         if entry.endswith(_TMP):
             _remove(p)
-        elif entry.endswith(_OLD):
-            final = directory / entry[: -len(_OLD)]
+        elif final_of_aside(entry) is not None:
+            final = directory / final_of_aside(entry)
             if os.path.lexists(final):
                 _remove(p)
             elif is_checkpoint_dir(p):
@@ -61,9 +110,9 @@ def tidy_checkpoint_dir(directory: _PathLike) -> None:
 
 
 def resolve_checkpoint_dir(path: _PathLike) -> Path:
-    """``path``, or its ``.zero-old`` copy when a save was interrupted between its two renames."""
+    """``path``, or its aside copy when a save was interrupted between its two renames."""
     path = Path(path)
-    old = path.with_name(path.name + _OLD)
+    old = aside_path(path)
     if not os.path.lexists(path) and is_checkpoint_dir(old):
         warnings.warn(f"Checkpoint {str(path)!r} is missing: a save was interrupted while replacing it. "
                       f"Loading the previous, complete checkpoint {str(old)!r} instead.", stacklevel=2)
@@ -81,8 +130,8 @@ def read_info(path: _PathLike, trust_checkpoint: bool = False) -> dict:
     path = Path(path)
     if not path.exists():
         hint = ""
-        if path.with_name(path.name + _OLD).is_dir():
-            hint = f" A save was interrupted while replacing it: the previous checkpoint is at {path.name + _OLD}."
+        if aside_path(path).is_dir():
+            hint = f" A save was interrupted while replacing it: the previous checkpoint is at {aside_path(path).name}."
         raise FileNotFoundError(f"Checkpoint directory not found: {str(path)!r}.{hint}")
     if not path.is_dir():
         raise ValueError(f"{str(path)!r} is a file, not a lightning_zero checkpoint directory.")

@@ -50,7 +50,8 @@ from . import integrity, tp_state as TS, trust as TR
 from .trust import ConfinedReader, UntrustedCheckpointError, read_dcp_metadata
 from .sharded_state import _canonical, _flat, _managed, sharded_model_state, sharded_optimizer_state  # noqa: F401
 from .files import (  # noqa: F401  (the on-disk names are part of this module's API)
-    _OLD, _TMP, DCP_METADATA, FORMAT, INFO_FILE, META_FILE, VERSION, _remove, check_state_entries,
+    _OLD, _TMP, DCP_METADATA, FORMAT, INFO_FILE, META_FILE, VERSION, _remove, aside_path, check_state_entries,
+    final_of_aside, swap_dirs,
     is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir, tidy_checkpoint_dir)
 
 _IMPL_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")  # not restored from a checkpoint
@@ -81,7 +82,7 @@ def atomic_checkpoint_dir(path: _PathLike, barrier: Callable[[], None] = _barrie
     """The temporary ``path.zero-tmp`` every rank writes into, renamed to ``path`` once all are done (see
     the design note). Collective over the world."""
     path = Path(path)
-    tmp, old = path.with_name(path.name + _TMP), path.with_name(path.name + _OLD)
+    tmp, old = path.with_name(path.name + _TMP), aside_path(path)
     if _rank() == 0:
         tidy_checkpoint_dir(path.parent)  # what crashed saves left behind
         tmp.mkdir(parents=True)
@@ -95,11 +96,14 @@ def atomic_checkpoint_dir(path: _PathLike, barrier: Callable[[], None] = _barrie
         raise
     barrier()
     if _rank() == 0:
-        if os.path.lexists(path):  # a name that exists is complete, so the old copy (if any) is redundant
+        if os.path.lexists(path) and swap_dirs(tmp, path):  # one atomic exchange: ``path`` never missing
+            _remove(tmp)  # now the previous copy
+        else:
+            if os.path.lexists(path):  # a name that exists is complete, so the old copy (if any) is redundant
+                _remove(old)
+                os.rename(path, old)
+            os.rename(tmp, path)  # until this rename, ``old`` is the complete copy loads (and "last") fall back to
             _remove(old)
-            os.rename(path, old)
-        os.rename(tmp, path)  # until this rename, ``old`` is the complete copy loads fall back to
-        _remove(old)
     barrier()
 
 

@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ..engine.engine_state import EngineMode
-from ..checkpoint.format import (_IMPL_KEYS, _OLD, _TMP, _remove, check_optimizer_count, load_model_state,
+from ..checkpoint.format import (_IMPL_KEYS, _TMP, _remove, aside_path, check_optimizer_count, load_model_state,
                          load_optimizer_state, read_info, read_meta, resolve_checkpoint_dir, save_checkpoint_dir,
                          sharded_model_state, sharded_optimizer_state)
 from ..checkpoint.trust import trusted
@@ -104,7 +104,7 @@ class ZeroCheckpointMixin:
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:  # a directory, a file, or save_last="link"'s symlink (never its target)
             path = Path(filepath)
-            for p in (path, path.with_name(path.name + _OLD), path.with_name(path.name + _TMP)):
+            for p in (path, aside_path(path), path.with_name(path.name + _TMP)):
                 _remove(p)  # an interrupted save's copies too, or the next save would rename them back
 
     # -- restore ------------------------------------------------------------------------------------------------

@@ -175,8 +175,6 @@ CANARIES: tuple[tuple[str, str], ...] = (
     (f"{_PL}.tuner.tuning", "_check_scale_batch_size_configuration"),
     *((f"{_PL}.tuner.batch_size_scaling", n) for n in _SCALING_NAMES),
     (f"{_PL}.callbacks", "BaseFinetuning._store"),
-    (f"{_PL}.callbacks", "ModelCheckpoint._find_last_checkpoints"),
-    (f"{_PL}.callbacks", "ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir"),
     (f"{_PL}.callbacks", "ModelSummary._summary"),
     (f"{_PL}.utilities.model_summary", "ModelSummary._get_summary_data"),
     (f"{_PL}", "Trainer._active_loop"),

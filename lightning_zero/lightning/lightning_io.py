@@ -2,7 +2,7 @@
 
 Design note
 -----------
-Three places in Lightning look at checkpoint paths without asking the strategy, so ``import lightning_zero``
+Two places in Lightning look at checkpoint paths without asking the strategy, so ``import lightning_zero``
 wraps them; each wrapper acts on lightning_zero directories only and leaves every other path to Lightning:
 
 * ``TorchCheckpointIO.load_checkpoint`` (what ``DDPStrategy`` and the other non-ZeRO strategies read
@@ -12,23 +12,25 @@ wraps them; each wrapper acts on lightning_zero directories only and leaves ever
 * ``saving.pl_load`` (``LightningModule.load_from_checkpoint(DIR)``): the same consolidation, weights only,
   placed by ``map_location`` as ``torch.load`` places a tensor saved on the CPU (Lightning's default is a
   callable that returns None for it: "leave it where it is").
-* ``ModelCheckpoint._find_last_checkpoints`` (``ckpt_path="last"``): when a save was interrupted between
-  its two renames, ``last.ckpt`` is missing and its complete previous copy is ``last.ckpt.zero-old``;
-  that copy is offered instead, so a resume does not silently start again from step 0.
+
+Neither has a public extension point: ``load_from_checkpoint`` is a classmethod of the user's own class
+that reads through ``pl_load`` whatever the strategy, and a strategy's ``checkpoint_io`` is the one other
+strategies use. (``ckpt_path="last"`` after a save interrupted between its renames needs no wrapper: the
+save exchanges names atomically, or moves the previous copy to a name Lightning's own search finds;
+checkpoint/files.py.)
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import re
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from ..checkpoint.files import META_FILE
-from ..checkpoint.format import _OLD, INFO_FILE, _dcp_load, _optim_key, is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir
+from ..checkpoint.format import INFO_FILE, aside_path, _dcp_load, _optim_key, is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir
 from ..checkpoint.consolidate import full_model_state
 from ..checkpoint.trust import read_dcp_metadata, trusted
 
@@ -115,7 +117,7 @@ def _positional_optimizer_state(path: Path, info: dict, opt_meta: dict, index: i
 
 def _is_ours(path) -> bool:
     path = Path(path)
-    return is_checkpoint_dir(path) or (not os.path.lexists(path) and is_checkpoint_dir(str(path) + _OLD))
+    return is_checkpoint_dir(path) or (not os.path.lexists(path) and is_checkpoint_dir(aside_path(path)))
 
 
 def _wrap_torch_checkpoint_io(TorchCheckpointIO) -> None:
@@ -199,35 +201,10 @@ def _placed(t: torch.Tensor, map_location: Any) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=storage.device).set_(storage, t.storage_offset(), t.size(), t.stride())
 
 
-def _wrap_find_last_checkpoints(ModelCheckpoint) -> None:
-    original = ModelCheckpoint._find_last_checkpoints
-    if getattr(original, "_lightning_zero", False):
-        return
-
-    @functools.wraps(original)
-    def _find_last_checkpoints(self, trainer) -> set[str]:
-        found = original(self, trainer)
-        directory = self.dirpath if self.dirpath is not None else self._ModelCheckpoint__resolve_ckpt_dir(trainer)
-        if not os.path.isdir(directory):  # a remote filesystem: nothing of ours to recover
-            return found
-        pattern = rf"^{self.CHECKPOINT_NAME_LAST}(-(\d+))?"  # as Lightning's own test of a "last" name
-        for entry in os.listdir(directory):
-            final, old = Path(entry[: -len(_OLD)]), os.path.join(directory, entry)
-            if (entry.endswith(_OLD) and final.suffix == self.FILE_EXTENSION and re.match(pattern, final.stem)
-                    and not os.path.lexists(os.path.join(directory, final)) and is_checkpoint_dir(old)):
-                found.add(os.path.normpath(old))
-        return found
-
-    _find_last_checkpoints._lightning_zero = True
-    ModelCheckpoint._find_last_checkpoints = _find_last_checkpoints
-
-
 def install() -> None:
     """Wrap Lightning's loaders (the ``lightning`` distribution; ``pytorch_lightning`` is not supported)."""
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.core import saving
 
     _wrap_torch_checkpoint_io(TorchCheckpointIO)
-    _wrap_find_last_checkpoints(ModelCheckpoint)
     _wrap_pl_load(saving)
