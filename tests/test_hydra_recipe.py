@@ -64,6 +64,24 @@ def test_strategy_presets_build(preset, trainer):
     assert strategy._start_method == TRAINERS[trainer]
 
 
+def test_hydra_strategy_presets_agree_with_the_preset_table():
+    from pathlib import Path
+
+    import yaml
+
+    from lightning_zero.engine.config import PRESETS
+    from lightning_zero.tools.estimate import SETTINGS
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "strategy"
+    yamls = {f.stem: yaml.safe_load(f.read_text()) for f in conf.glob("*.yaml")}
+    assert sorted(yamls) == sorted(PRESETS) == sorted(SETTINGS.values())
+    for name, kw in PRESETS.items():
+        y = yamls[name]
+        assert y["name"] == name
+        for key in ("stage", "offload_optimizer", "offload_params"):
+            assert y[key] == kw.get(key, False), (name, key)
+
+
 def test_strategy_field_overrides_need_no_code_change():
     s = build_strategy(compose_recipe("strategy.stage=1"))
     assert s.stage == 1 and not s.zero_config.offload_optimizer

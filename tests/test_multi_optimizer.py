@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_zero  # noqa: F401  (registers the zero* strategy names)
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
-from tests.helpers.lightning_models import _params, load_rank_files, trainer_kwargs
+from tests.helpers.lightning_models import ParityModule, _params, load_rank_files, trainer_kwargs
 from tests.helpers.models import make_model
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -187,6 +187,17 @@ def test_parameter_in_two_optimizers_is_refused():
     shared = [torch.optim.Adam(model.parameters()), torch.optim.SGD(model.fc1.parameters(), lr=0.1)]
     with pytest.raises(ValueError, match=r"Parameter 'fc1.weight' is in optimizer 0 and optimizer 1.*disjoint"):
         ZeroEngine(model, shared, ZeroConfig(stage=2))
+
+
+@pytest.mark.timeout(300)  # the rank processes are forked from this one
+def test_optimizers_sharing_a_parameter_is_a_clear_error(tmp_path):
+    model = ParityModule(str(tmp_path), n_optimizers=2)  # AdamW and SGD over the same parameters
+    trainer = Trainer(strategy=ZeroStrategy(stage=1, start_method="fork"), **trainer_kwargs(devices=1, max_steps=1))
+    with pytest.raises(Exception) as info:  # raised in the forked rank, re-raised by torch.multiprocessing
+        trainer.fit(model)
+    text = str(info.value)
+    assert "ValueError" in text or isinstance(info.value, ValueError)
+    assert "is in optimizer 0 and optimizer 1" in text and "disjoint parameter sets" in text
 
 
 def test_sharded_optimizer_state_lists_each_optimizers_own_layout():

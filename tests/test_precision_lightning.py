@@ -1,5 +1,7 @@
-"""ZeroPrecision under a Trainer: fp16 overflow on one rank skips the step everywhere, the LR schedule
-does not advance, and the scale / skipped-step count are logged."""
+"""ZeroPrecision under a Trainer: ``precision=`` or an explicit ZeroPrecision plugin becomes (or stays) the
+strategy's plugin, unsupported precisions are one error naming the allowed ones, bf16 evaluation leaves the
+model fp32, and fp16 overflow on one rank skips the step everywhere, the LR schedule does not advance, and the
+scale / skipped-step count are logged."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.plugins import HalfPrecision
 
 from lightning_zero import ZeroPrecision, ZeroStrategy
 from tests.helpers.lightning_models import ParityModule
@@ -63,3 +66,45 @@ def test_fp16_overflow_skips_step_and_scheduler(tmp_path, stage):
         assert trace[OVERFLOW_STEP - 1]["loss_scale"] == 2.0**8 and trace[OVERFLOW_STEP]["loss_scale"] == 2.0**7
     for a, b in zip(*traces):  # every rank holds the same weights after every step
         torch.testing.assert_close(a["fc1"], b["fc1"], rtol=0, atol=0)
+
+
+def test_trainer_bf16_mixed_becomes_zero_precision():
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="zero1", precision="bf16-mixed", logger=False)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, ZeroPrecision)
+    assert plugin.precision == "bf16-mixed"
+    assert plugin.compute_dtype is torch.bfloat16
+    assert plugin.mixed and plugin.check_finite and plugin.loss_scaler is None
+
+
+def test_explicit_zero_precision_plugin_is_kept():
+    mine = ZeroPrecision("16-mixed", loss_scale=128.0)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="zero2_fork", plugins=[mine], logger=False)
+    assert trainer.strategy.precision_plugin is mine
+    assert mine.compute_dtype is torch.float16 and mine.loss_scale == 128.0
+
+
+def test_unsupported_precision_plugin_names_allowed_values():
+    with pytest.raises(ValueError, match=r"Allowed: precision='32-true', '16-mixed' or 'bf16-mixed'"):
+        Trainer(accelerator="cpu", devices=2, strategy="zero2_fork", plugins=[HalfPrecision("bf16-true")], logger=False)
+    with pytest.raises(ValueError, match=r"HalfPrecision"):
+        Trainer(accelerator="cpu", devices=2, strategy="zero1_fork", precision="bf16-true", logger=False)
+
+
+def test_zero_precision_rejects_unknown_precision():
+    with pytest.raises(ValueError, match=r"Allowed: '32-true', '16-mixed', 'bf16-mixed'"):
+        ZeroPrecision("64-true")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_evaluation_leaves_the_model_fp32(stage):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    model = BoringModel()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=stage), precision="bf16-mixed",
+                      logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+    trainer.validate(model)
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32, k
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)

@@ -1,5 +1,6 @@
-"""The count of steps skipped for non-finite gradients (fp16 loss scaler, bf16 ``check_finite``) survives a
-resume, from sharded directories and from single (full) files, as the loss scale itself does."""
+"""The count of steps skipped for non-finite gradients (fp16 loss scaler, bf16 ``check_finite``): one count
+shared by the loss scaler, the engine and the precision plugin, and it survives a resume, from sharded
+directories and from single (full) files, as the loss scale itself does."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from lightning_zero import ZeroConfig, ZeroEngine, ZeroPrecision, ZeroStrategy
 from lightning_zero import checkpoint as ck
 from tests.helpers.ckpt_models import TiedParityModule, make_tied, train
 from tests.helpers.lightning_models import trainer_kwargs
-from tests.helpers.models import loss_fn, make_optimizer
+from tests.helpers.models import TiedBlocks, loss_fn, make_optimizer
 
 pytestmark = pytest.mark.timeout(120)
 OVERFLOW_STEP = 1
@@ -80,3 +81,34 @@ def test_skipped_steps_outlive_the_engine(tmp_path):
     trainer.fit(OverflowOnce(str(tmp_path), tag="one_"))
     assert trainer.strategy.engine is None
     assert plugin.skipped_steps == 1 and plugin.state_dict()["skipped_steps"] == 1
+
+
+def test_one_count_of_skipped_steps_shared_by_scaler_engine_and_precision_plugin():
+    from lightning_zero import ZeroPrecision
+    from lightning_zero.engine import StepCounters, ZeroConfig, ZeroEngine
+
+    model = TiedBlocks()
+    fp16 = ZeroPrecision("16-mixed")
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=1),
+                        compute_dtype=torch.float16, loss_scaler=fp16.loss_scaler)
+    fp16.attach(engine)
+    assert engine.counters is fp16.counters is fp16.loss_scaler.counters
+    (model.head(model.emb(torch.tensor([1, 2]))).float().sum() * float("inf")).backward()
+    assert engine.step() is False
+    assert engine.skipped_steps == fp16.skipped_steps == fp16.loss_scaler.skipped_steps == 1
+    fp16.load_state_dict({"loss_scaler": fp16.loss_scaler.state_dict(), "skipped_steps": 7})
+    assert engine.skipped_steps == fp16.loss_scaler.state_dict()["skipped_steps"] == 7  # nothing copied
+    engine.remove()
+    assert fp16.skipped_steps == 7  # the count outlives the engine
+
+    bf16 = ZeroPrecision("bf16-mixed")
+    other = TiedBlocks()
+    engine = ZeroEngine(other, torch.optim.SGD(other.parameters(), lr=0.1), ZeroConfig(stage=1),
+                        compute_dtype=torch.bfloat16, check_finite=True)
+    bf16.attach(engine)
+    assert engine.counters is bf16.counters and isinstance(bf16.counters, StepCounters)
+    bf16.load_state_dict({"skipped_steps": 3})
+    assert engine.skipped_steps == 3
+    engine.remove()
+    with pytest.raises(TypeError, match="loss_scaler must be a DynamicLossScaler or a StaticLossScaler"):
+        ZeroEngine(TiedBlocks(), torch.optim.SGD(TiedBlocks().parameters(), lr=0.1), loss_scaler=object())

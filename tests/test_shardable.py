@@ -1,4 +1,6 @@
-"""The shardability check admits exact elementwise classes and registered ones, never a subclass by default."""
+"""The shardability check admits exact elementwise classes and registered ones, never a subclass by default;
+LBFGS (a closure re-evaluating the loss) is refused at every stage, and a registered custom optimizer trains
+as it does unsharded."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 
 from lightning_zero import ZeroConfig, ZeroEngine, register_shardable_optimizer
 
-from tests.helpers.models import make_model
+from tests.helpers.models import batch, loss_fn, make_model
 
 
 class Lamb(torch.optim.Adam):
@@ -52,3 +54,52 @@ def test_registered_subclass_is_admitted():
         ZeroEngine(model, ScaledSGD(model.parameters(), lr=0.1), ZeroConfig(stage=1))
     register_shardable_optimizer(ScaledSGD)
     ZeroEngine(model, ScaledSGD(model.parameters(), lr=0.1), ZeroConfig(stage=1)).remove()
+
+
+def _lbfgs(model):
+    return torch.optim.LBFGS([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_lbfgs_refused_with_clear_error(stage):
+    model = make_model()
+    with pytest.raises(ValueError, match=r"LBFGS re-evaluates the loss through a closure.*Allowed: .*AdamW"):
+        ZeroEngine(model, _lbfgs(model), ZeroConfig(stage=stage))
+
+
+def test_register_shardable_optimizer_admits_custom_class():
+    class SignSGD(torch.optim.Optimizer):  # elementwise: each element's update uses its own gradient only
+        def __init__(self, params, lr=0.01):
+            super().__init__(params, dict(lr=lr))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad.sign(), alpha=-g["lr"])
+
+    class MyAdamW(torch.optim.AdamW):  # a subclass may override step(): admitted only once registered
+        pass
+
+    model = make_model()
+    with pytest.raises(ValueError, match=r"SignSGD cannot run on parameter shards.*register_shardable_optimizer"):
+        ZeroEngine(model, SignSGD(model.parameters()), ZeroConfig(stage=2))
+    with pytest.raises(ValueError, match=r"MyAdamW cannot run on parameter shards.*register_shardable_optimizer"):
+        ZeroEngine(model, MyAdamW(model.parameters()), ZeroConfig(stage=2))
+    register_shardable_optimizer(MyAdamW)
+    ZeroEngine(model, MyAdamW(model.parameters()), ZeroConfig(stage=2)).remove()
+
+    assert register_shardable_optimizer(SignSGD) is SignSGD  # usable as a decorator
+    model, ref = make_model(), make_model()
+    engine = ZeroEngine(model, SignSGD(model.parameters(), lr=0.1), ZeroConfig(stage=1))
+    ref_opt = SignSGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        loss_fn(model, batch(step, 0), True).backward()
+        engine.step()
+        loss_fn(ref, batch(step, 0), True).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    engine.remove()

@@ -245,7 +245,7 @@ class ZeroConfig:
 
 
 # The named settings: the registered strategy names (zero2, zero2_fork, ...), the estimator's and tuner's
-# rows and the Hydra presets conf/strategy/<name>.yaml (tests/test_pieces.py checks those agree) all read
+# rows and the Hydra presets conf/strategy/<name>.yaml (tests/test_hydra_recipe.py checks those agree) all read
 # this one table.
 PRESETS: dict[str, dict] = {
     "zero0": dict(stage=0),

@@ -1,4 +1,5 @@
-"""A small model holding every case ZeRO must get right, and its deterministic data."""
+"""A small model holding every case ZeRO must get right, and its deterministic data; a tied-weight model cut into
+stage-3 units for the tests of the pieces on their own."""
 
 from __future__ import annotations
 
@@ -31,6 +32,28 @@ class ParityNet(nn.Module):
         if use_sometimes:
             h = h + self.sometimes(h)
         return self.head(h)
+
+
+class Block(nn.Module):
+    """One stage-3 unit (``unit_classes=[Block]``): a single linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class TiedBlocks(nn.Module):
+    """Two Block units and a root holding a tied embedding / head weight (one parameter, two modules)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
 
 
 def make_model(seed: int = 0) -> ParityNet:
