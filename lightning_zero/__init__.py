@@ -2,7 +2,8 @@
 
 Importing the package registers the strategy names zero0, zero1, zero1_offload, zero2, zero2_offload,
 zero3, zero3_offload (each also with a ``_spawn`` and a ``_fork`` variant) in Lightning's StrategyRegistry,
-and lets Lightning's own loaders read its checkpoint directories (``lightning/lightning_io.py``). The same
+and lets ``LightningModule.load_from_checkpoint`` read its checkpoint directories (``lightning/lightning_io.py``;
+other strategies read them through ``plugins=[ZeroCheckpointIO()]``). The same
 names go into Fabric's registry for :class:`ZeroFabricStrategy` (``Fabric(strategy="zero3")``).
 
 Layout: ``engine/`` is ZeRO on plain torch.distributed (``engine/stage3/`` the parameter partitioning),
@@ -26,6 +27,7 @@ _PUBLIC = {
     "RankDivergenceError": ".engine.stage3.join",
     "StaticLossScaler": ".engine.loss_scaler",
     "ZeroBatchSizeFinder": ".lightning.batch_size_finder",
+    "ZeroCheckpointIO": ".lightning.checkpoint_io",
     "ZeroConfig": ".engine.config",
     "ZeroEngine": ".engine.engine",
     "ZeroFabricPrecision": ".lightning.fabric_precision",
@@ -87,7 +89,7 @@ def _register_lightning() -> None:
     ZeroStrategy.register_strategies(StrategyRegistry)
     ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
     fabric_strategy.install()  # Fabric's optimizer wrapper: zero_grad / add_param_group through the engine
-    install()  # plain-DDP loads of ZeRO directories, ckpt_path="last" after an interrupted save
+    install()  # LightningModule.load_from_checkpoint(DIR)
     install_model_summary()  # ModelSummary's "Params per Device" column under stage 3
     batch_size_finder.install()  # Tuner.scale_batch_size under ZeroStrategy: the error names ZeroBatchSizeFinder
 

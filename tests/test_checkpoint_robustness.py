@@ -13,7 +13,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
-import lightning_zero  # noqa: F401  (installs the Lightning loaders)
+import lightning_zero
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
 from lightning_zero import checkpoint as ck
 from lightning_zero.checkpoint import format as ck_format
@@ -253,7 +253,8 @@ def _reference_optimizer_state(path, wrap: bool = True) -> dict:
 
 
 def test_plain_ddp_resumes_from_a_zero3_directory(tmp_path):
-    """``Trainer(strategy="ddp_fork").fit(ckpt_path=DIR)`` on a stage-3 sharded directory: consolidated on the
+    """``Trainer(strategy=DDPStrategy(checkpoint_io=ZeroCheckpointIO())).fit(ckpt_path=DIR)`` on a stage-3 sharded
+    directory: consolidated on the
     fly (weights, Adam moments by position with the frozen parameter's slot kept, loops, schedulers), the
     run continues exactly as zero3 resuming from the same directory does."""
     out = str(tmp_path)
@@ -263,7 +264,8 @@ def test_plain_ddp_resumes_from_a_zero3_directory(tmp_path):
     d = str(tmp_path / "ck" / "step=3.ckpt")
     assert ck.read_info(d)["stage"] == 3
     z3 = _fit(out, "z3r_", ZeroStrategy(stage=3, start_method="fork", **Z3), 6, ckpt_path=d)
-    ddp = _fit(out, "ddp_", DDPStrategy(start_method="fork", find_unused_parameters=True), 6, ckpt_path=d,
+    ddp = _fit(out, "ddp_", DDPStrategy(start_method="fork", find_unused_parameters=True,
+                                        checkpoint_io=lightning_zero.ZeroCheckpointIO()), 6, ckpt_path=d,
                save_opt_state_on_start=True)
     start = load_rank_files(out, "ddp_", "start", 2)[0]
     assert start["global_step"] == 3
@@ -280,11 +282,15 @@ def test_plain_ddp_resumes_from_a_zero3_directory(tmp_path):
             torch.testing.assert_close(a["params"][k], v, rtol=1e-5, atol=1e-6, msg=f"rank {r} {k}")
 
 
-@pytest.mark.parametrize("io_module", ["lightning.fabric.plugins.io.torch_io"])  # the lightning distribution only
-def test_torch_checkpoint_io_reads_only_zero_directories(saved_dir, tmp_path, io_module):
-    """Both Lightning distributions' TorchCheckpointIO: a ZeRO directory comes back as a Lightning checkpoint
-    (full weights as ``consolidate`` writes them, optimizer state by position); anything else is untouched."""
-    TorchCheckpointIO = pytest.importorskip(io_module).TorchCheckpointIO
+def test_zero_checkpoint_io_reads_zero_directories_and_leaves_the_rest_to_lightning(saved_dir, tmp_path):
+    """``ZeroCheckpointIO`` (the plugin other strategies take): a ZeRO directory comes back as a Lightning
+    checkpoint (full weights as ``consolidate`` writes them, optimizer state by position); a file is Lightning's
+    own read; a directory that is not a checkpoint is one clear error. Lightning's TorchCheckpointIO itself is
+    no longer patched."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO as Plain
+
+    assert not getattr(Plain.load_checkpoint, "_lightning_zero", False), "import lightning_zero patched Lightning"
+    TorchCheckpointIO = lightning_zero.ZeroCheckpointIO
     loaded = TorchCheckpointIO().load_checkpoint(str(saved_dir))
     consolidate(saved_dir, tmp_path / "full.pt")
     full = torch.load(tmp_path / "full.pt")
@@ -300,7 +306,7 @@ def test_torch_checkpoint_io_reads_only_zero_directories(saved_dir, tmp_path, io
     torch.save({"a": torch.ones(2)}, tmp_path / "plain.ckpt")
     assert torch.equal(TorchCheckpointIO().load_checkpoint(tmp_path / "plain.ckpt")["a"], torch.ones(2))
     (tmp_path / "not_ours").mkdir()
-    with pytest.raises(IsADirectoryError):
+    with pytest.raises(IsADirectoryError, match="not a complete lightning_zero checkpoint.*Allowed"):
         TorchCheckpointIO().load_checkpoint(tmp_path / "not_ours")
 
 

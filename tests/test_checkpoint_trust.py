@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.checkpoint import FileSystemReader
 
 import lightning_zero  # noqa: F401  (installs the Lightning loaders)
-from lightning_zero import ZeroPipelineStrategy, ZeroStrategy
+from lightning_zero import ZeroCheckpointIO, ZeroPipelineStrategy, ZeroStrategy
 from lightning_zero import checkpoint as ck
 from lightning_zero.checkpoint.consolidate import consolidate, full_model_state
 from lightning_zero.checkpoint.pipeline_dir import consolidate_pipeline_checkpoint
@@ -97,7 +97,8 @@ def test_crafted_meta_pt_runs_in_no_reader(lightning_dir, tmp_path, capsys):
     readers = {
         "engine load": lambda: ck.load_checkpoint_dir(path, TiedParityModule(str(tmp_path))),
         "Trainer resume": lambda: _fit(path, tmp_path),
-        "DDP resume from the directory": lambda: Trainer(strategy=DDPStrategy(), **trainer_kwargs(devices=1, max_steps=3)
+        "DDP resume from the directory": lambda: Trainer(strategy=DDPStrategy(checkpoint_io=ZeroCheckpointIO()),
+                                                         **trainer_kwargs(devices=1, max_steps=3)
                                                          ).fit(TiedParityModule(str(tmp_path)), ckpt_path=str(path)),
         "load_from_checkpoint": lambda: TiedParityModule.load_from_checkpoint(path, out=str(tmp_path)),
         "Fabric load": lambda: Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(stage=2)).load(path),

@@ -2,8 +2,9 @@
 
 ``strategy.py`` (the Trainer strategy) + ``checkpoint_strategy.py`` (its checkpoint hooks) + ``precision.py``
 (the precision plugin) drive the engine; ``optimizers.py`` binds Lightning's optimizers to it,
-``callback_checks.py`` refuses callbacks that cannot see sharded state, ``lightning_io.py`` teaches
-Lightning's loaders the checkpoint directories. Only the ``lightning`` distribution is supported (not the
+``callback_checks.py`` refuses callbacks that cannot see sharded state, ``lightning_io.py`` lets
+``load_from_checkpoint`` read the checkpoint directories and ``checkpoint_io.py`` (``ZeroCheckpointIO``) the
+other strategies. Only the ``lightning`` distribution is supported (not the
 separate ``pytorch_lightning`` copy). ``fabric_strategy.py`` + ``fabric_checkpoint.py`` +
 ``fabric_precision.py`` are the same engine under Fabric; ``zero_setup.py`` is what both strategies build
 alike (the engine, the precision plugin, the registered names).

@@ -2,22 +2,16 @@
 
 Design note
 -----------
-Two places in Lightning look at checkpoint paths without asking the strategy, so ``import lightning_zero``
-wraps them; each wrapper acts on lightning_zero directories only and leaves every other path to Lightning:
+``LightningModule.load_from_checkpoint(DIR)`` reads through ``saving.pl_load`` (a ``torch.load``) whatever
+the strategy, and Lightning offers no extension point there: ``import lightning_zero`` wraps it, acting on
+lightning_zero directories only and leaving every other path to Lightning. The directory is consolidated on
+the fly, weights only, placed by ``map_location`` as ``torch.load`` places a tensor saved on the CPU
+(Lightning's default is a callable that returns None for it: "leave it where it is").
 
-* ``TorchCheckpointIO.load_checkpoint`` (what ``DDPStrategy`` and the other non-ZeRO strategies read
-  through): a sharded directory is consolidated on the fly -- full fp32 weights and the optimizer state
-  keyed by position, as a plain optimizer saves it -- so ``Trainer(strategy="ddp").fit(ckpt_path=DIR)``
-  resumes from a ZeRO run (each rank reads the whole directory, no collective, as it would read a file).
-* ``saving.pl_load`` (``LightningModule.load_from_checkpoint(DIR)``): the same consolidation, weights only,
-  placed by ``map_location`` as ``torch.load`` places a tensor saved on the CPU (Lightning's default is a
-  callable that returns None for it: "leave it where it is").
-
-Neither has a public extension point: ``load_from_checkpoint`` is a classmethod of the user's own class
-that reads through ``pl_load`` whatever the strategy, and a strategy's ``checkpoint_io`` is the one other
-strategies use. (``ckpt_path="last"`` after a save interrupted between its renames needs no wrapper: the
-save exchanges names atomically, or moves the previous copy to a name Lightning's own search finds;
-checkpoint/files.py.)
+The other strategies read through their ``CheckpointIO``, a public seam: ``ZeroCheckpointIO``
+(checkpoint_io.py) is the one to pass them. ``ckpt_path="last"`` after a save interrupted between its renames
+needs no wrapper either: the save exchanges names atomically, or moves the previous copy to a name
+Lightning's own search finds (checkpoint/files.py).
 """
 
 from __future__ import annotations
@@ -115,26 +109,10 @@ def _positional_optimizer_state(path: Path, info: dict, opt_meta: dict, index: i
     return {"state": state, "param_groups": groups}
 
 
-def _is_ours(path) -> bool:
+def is_zero_checkpoint(path) -> bool:
+    """A lightning_zero checkpoint directory (or the aside copy an interrupted save left of it)."""
     path = Path(path)
     return is_checkpoint_dir(path) or (not os.path.lexists(path) and is_checkpoint_dir(aside_path(path)))
-
-
-def _wrap_torch_checkpoint_io(TorchCheckpointIO) -> None:
-    original = TorchCheckpointIO.load_checkpoint
-    if getattr(original, "_lightning_zero", False):
-        return
-
-    @functools.wraps(original)
-    def load_checkpoint(self, path, *args, **kwargs):
-        if isinstance(path, (str, os.PathLike)) and _is_ours(path):
-            map_location = kwargs.get("map_location", args[0] if args else None)
-            weights_only = kwargs.get("weights_only", args[1] if len(args) > 1 else None)
-            return load_as_lightning_checkpoint(path, weights_only, map_location=map_location)
-        return original(self, path, *args, **kwargs)
-
-    load_checkpoint._lightning_zero = True
-    TorchCheckpointIO.load_checkpoint = load_checkpoint
 
 
 def _wrap_pl_load(saving) -> None:
@@ -146,7 +124,7 @@ def _wrap_pl_load(saving) -> None:
 
     @functools.wraps(original)
     def pl_load(path_or_url, map_location=None, weights_only=None):
-        if isinstance(path_or_url, (str, os.PathLike)) and _is_ours(path_or_url):
+        if isinstance(path_or_url, (str, os.PathLike)) and is_zero_checkpoint(path_or_url):
             return load_as_lightning_checkpoint(path_or_url, weights_only, optimizer=False, map_location=map_location)
         if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
             raise IsADirectoryError(f"{str(path_or_url)!r} is a directory but not a complete lightning_zero "
@@ -202,9 +180,7 @@ def _placed(t: torch.Tensor, map_location: Any) -> torch.Tensor:
 
 
 def install() -> None:
-    """Wrap Lightning's loaders (the ``lightning`` distribution; ``pytorch_lightning`` is not supported)."""
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    """Wrap Lightning's ``load_from_checkpoint`` reader (the ``lightning`` distribution only)."""
     from lightning.pytorch.core import saving
 
-    _wrap_torch_checkpoint_io(TorchCheckpointIO)
     _wrap_pl_load(saving)
