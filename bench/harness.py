@@ -53,6 +53,9 @@ COMM_VARIANTS = {
     "zero2_b1": dict(bucket_mb=1.0),
     "zero2_q": dict(quantize_weights=True, quantize_grads=True),
     "zero3_q": dict(quantize_weights=True, quantize_grads=True),
+    "zero3_noreshard": dict(reshard_after_forward=False),  # FSDP2's fsdp2_noreshard: kept gathered fwd -> bwd
+    "zero3_prefetch2": dict(prefetch=2),  # two units gathered ahead
+    "zero3_noprefetch": dict(prefetch=0),
 }
 ZERO_METHODS = ("zero0", "zero1", "zero2", "zero3", "zero1_offload", "zero2_offload", "zero3_offload",
                 *COMM_VARIANTS)
