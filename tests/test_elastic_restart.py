@@ -12,16 +12,14 @@ one TCPStore; c10d: the store server shared across rounds).
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_zero.tools.launch import free_port
+from tests.helpers.torchrun import torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "elastic_resume.py"
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,23 +30,10 @@ def _torchrun(out: Path, mode: str, kill_step: int, rdzv: str) -> subprocess.Com
     port = str(free_port())
     where = (["--master-addr", "127.0.0.1", "--master-port", port, "--rdzv-backend", "static"] if rdzv == "static"
              else ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}"])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--monitor-interval", "0.5", *where, str(SCRIPT), str(out), mode, str(kill_step)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "NODE_RANK"):
-        env.pop(k, None)
     out.mkdir(parents=True, exist_ok=True)
-    # its own session, so a hung job's workers go with torchrun (killpg), not only torchrun itself
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(out),
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=170)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"torchrun {mode} ({rdzv}) hung for 170 s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    return torchrun(SCRIPT, [out, mode, kill_step], out,
+                    ["--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.5", *where], 170,
+                    f"{mode} ({rdzv})")
 
 
 def _finals(out: Path) -> list[dict]:
