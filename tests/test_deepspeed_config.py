@@ -87,7 +87,10 @@ def test_train_batch_size_derives_and_checks_the_micro_batch():
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_params with stage 3 only"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "stage 1, 2 or 3"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
-     "offload_param.device='nvme' is not supported. Allowed: 'cpu', 'none'"),
+     "offload_param.device='nvme' is not supported \\(parameter shards on NVMe are not available; "
+     "offload_optimizer.device may be 'nvme'\\). Allowed: 'cpu', 'none'"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "disk"}}},
+     "offload_optimizer.device='disk' is not supported. Allowed: 'cpu', 'none', 'nvme'"),
     ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}}, r"unsupported key\(s\) \['zero_hpz"),
     ({"pipeline": {"stages": 2}}, r"top level: unsupported key\(s\) \['pipeline'\]"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),

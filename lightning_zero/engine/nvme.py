@@ -17,6 +17,7 @@ import enum
 import errno
 import os
 import shutil
+import tempfile
 import uuid
 import weakref
 from typing import Union
@@ -54,7 +55,10 @@ def check_nvme_dir(path: str) -> str:
     if not os.path.isdir(full):
         raise ValueError(f"nvme_path={path!r} does not exist or is not a directory. Allowed: an existing, writable "
                          f"directory (on a local NVMe disk) for the per-rank scratch files.")
-    if not os.access(full, os.W_OK | os.X_OK):
+    try:  # a real probe: os.access says yes to root on a read-only mount or /proc
+        with tempfile.TemporaryFile(dir=full):
+            pass
+    except OSError:
         raise ValueError(f"nvme_path={path!r} is not writable by this process. Allowed: an existing, writable "
                          f"directory (on a local NVMe disk) for the per-rank scratch files.")
     return full
