@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import tempfile
 import sys
 from pathlib import Path
 
@@ -32,7 +33,8 @@ def _measure(rank, world_size, stage, offload, dtype_name):
     model = _model()
     info = info_from_module(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3, bucket_mb=0.05)
+    cfg = ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=bool(offload) and stage == 3,
+                     bucket_mb=0.05, nvme_path=tempfile.gettempdir() if offload == "nvme" else None)
     engine = ZeroEngine(model, opt, cfg, compute_dtype=dtype)
     x = torch.randn(8, 64, dtype=dtype, generator=torch.Generator().manual_seed(rank))
     model(x).float().pow(2).mean().backward()
@@ -40,7 +42,9 @@ def _measure(rank, world_size, stage, offload, dtype_name):
     with engine.no_sync():  # stages 0-1 hold full gradients through accumulation
         model(x).float().pow(2).mean().backward()
     rep = engine.memory_report().as_dict()
+    engine.sharded.make_resident()  # offload_optimizer="nvme": the masters back from the file, to be counted
     rep["separate_master_storage"] = _separate_master_bytes(engine)
+    engine.remove(hand_back=False)
     return info, rep
 
 
@@ -76,11 +80,12 @@ def test_model_states_match_engine_accounting(world_size):
             # the engine's own count of masters is the storages' (mixed precision + stage 3 + offload_params:
             # the fp32 masters are separate from the bf16 unit shards, never counted as aliases)
             assert rep["master"] == rep["separate_master_storage"], (stage, offload, dtype, rep)
-            measured = {"device": rep["model_states"] - rep["host"], "host": rep["host"],
-                        "model_states": rep["model_states"]}
+            measured = {"device": rep["model_states"] - rep["host"] - rep["nvme"], "host": rep["host"],
+                        "nvme": rep["nvme"], "model_states": rep["model_states"]}
             for key, got in measured.items():
                 assert abs(est[key] - got) <= 0.05 * max(got, 1), (stage, offload, dtype, key, est, rep)
-            assert (est["host"] > 0) == offload
+            assert (est["host"] + est["nvme"] > 0) == bool(offload)
+            assert (rep["nvme"] > 0) == (offload == "nvme")
 
 
 def test_param_count_of_presets_without_building_weights():
