@@ -255,9 +255,11 @@ class NvmeStates:
                 self._unbind(c)
                 c.on_disk = max(c.on_disk, c.used)
                 writes[k] = writer.submit(self._write, c, slot)
-        finally:
-            for f in list(reads.values()) + list(writes.values()):
-                self._wait(f, "I/O")
+        finally:  # never leave a thread writing into a slot the next step reuses
+            for f in reads.values():
+                self._wait(f, "read")
+            for f in writes.values():
+                self._wait(f, "write")
 
     def _wait(self, f: Future, what: str) -> None:
         try:

@@ -1,0 +1,232 @@
+"""ZeRO-Infinity: offload_optimizer="nvme" (engine/nvme.py, engine/nvme_states.py).
+
+* Exact: HF GPT-2 (from a config) at 2 ranks with gradient accumulation, norm clipping and a LambdaLR schedule:
+  zero2 and zero3 with the states on NVMe equal torch DDP (fp32 rtol 1e-5) with the user's AdamW kernel
+  (``offload_kernel="user"``), and with torch's fused CPU AdamW on both sides; and they are bit for bit the
+  CPU-offload run (the NVMe step *is* the CPU step, its states on disk between steps).
+* Checkpoints: saved under one offload device (none / cpu / nvme) and stage, resumed under another, the run
+  continues as the uninterrupted DDP run does.
+* Host memory, counted in tensor bytes: during every step the masters and optimizer state held outside the
+  ring are at most the new state of one bucket (first step) or nothing, the ring is exactly its stated bound,
+  and the bytes on disk are >= 10x that bound.
+* The scratch files exist per rank while training and are gone after teardown (engine and Trainer).
+* Clear errors: too little free space at setup (with the bytes needed), an I/O error mid-run.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero import checkpoint as ck
+from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.engine import nvme as NV
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.gpt2_accum import gpt2_run, gpt2_setup, gpt2_steps
+from tests.helpers.parity import FP32, check_parity, close
+
+STEPS = 3
+
+
+def _cfg(stage: int, offload, path: str, kernel: str = "user", **kw) -> ZeroConfig:
+    return ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=bool(offload) and stage == 3,
+                      nvme_path=path if offload == "nvme" else None, offload_kernel=kernel, bucket_mb=0.01, **kw)
+
+
+def _parity_runs(rank, world_size, path):
+    out = {"ddp": gpt2_run(rank, None, STEPS), "ddp_fused": gpt2_run(rank, None, STEPS, fused=True)}
+    for stage in (2, 3):
+        for offload in ("nvme", True):
+            out[stage, offload] = gpt2_run(rank, _cfg(stage, offload, path), STEPS)
+        out[stage, "nvme", "fused"] = gpt2_run(rank, _cfg(stage, "nvme", path, "fused"), STEPS)
+    out["left"] = sorted(os.listdir(path))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_zero2_zero3_nvme_offload_equal_ddp_and_the_cpu_offload_bit_for_bit(tmp_path):
+    for rank_out in run_distributed(_parity_runs, 2, str(tmp_path)):
+        for stage in (2, 3):
+            check_parity(rank_out[stage, "nvme"], rank_out["ddp"], f"zero{stage} nvme (user kernel)", FP32)
+            check_parity(rank_out[stage, "nvme", "fused"], rank_out["ddp_fused"], f"zero{stage} nvme (fused)", FP32)
+            (nl, nn_, ns), (cl, cn, cs) = rank_out[stage, "nvme"], rank_out[stage, True]
+            assert nl == cl and nn_ == cn, f"zero{stage}: nvme and cpu offload losses / norms differ"
+            assert all(torch.equal(ns[k], cs[k]) for k in cs), f"zero{stage}: nvme != cpu offload bit for bit"
+        assert rank_out["left"] == [], rank_out["left"]  # every run's scratch files removed at teardown
+
+
+# -- checkpoints across offload devices ---------------------------------------------------------------------------
+RESUMES = [((2, True), (2, "nvme")), ((2, "nvme"), (2, False)), ((3, "nvme"), (2, True)), ((2, False), (3, "nvme"))]
+
+
+def _resume_runs(rank, world_size, path):
+    out = {"ddp": gpt2_run(rank, None, 2 * STEPS)}
+    for i, ((s1, o1), (s2, o2)) in enumerate(RESUMES):
+        ckpt = os.path.join(path, f"ckpt{i}")
+        model, opt, sched, engine = gpt2_setup(_cfg(s1, o1, path))
+        losses, norms = gpt2_steps(rank, model, opt, sched, engine, range(STEPS))
+        ck.save_engine_checkpoint(ckpt, model, engine, {"step": STEPS})
+        engine.remove(hand_back=False)
+        model, opt, sched, engine = gpt2_setup(_cfg(s2, o2, path))
+        ck.load_checkpoint_dir(ckpt, model, engine)
+        for _ in range(STEPS):  # the schedule's position (not in an engine checkpoint)
+            sched.step()
+        more = gpt2_steps(rank, model, opt, sched, engine, range(STEPS, 2 * STEPS))
+        engine.restore_fp32_module()
+        engine.remove(hand_back=False)
+        out[i] = (losses + more[0], norms + more[1], {k: v.detach().clone() for k, v in model.state_dict().items()})
+    out["left"] = sorted(f for f in os.listdir(path) if f.endswith(".swap"))
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_checkpoints_resume_across_none_cpu_nvme_and_stages(tmp_path):
+    for rank_out in run_distributed(_resume_runs, 2, str(tmp_path)):
+        for i, (a, b) in enumerate(RESUMES):
+            check_parity(rank_out[i], rank_out["ddp"], f"zero{a[0]} offload={a[1]} -> zero{b[0]} offload={b[1]}")
+        assert rank_out["left"] == []
+
+
+# -- host memory bounded by the ring ------------------------------------------------------------------------------
+class Stack(nn.Module):
+    """40 equal layers: the states on disk are many times one bucket (one layer's shard)."""
+
+    def __init__(self, layers: int = 40, width: int = 64) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+    def forward(self, x):
+        return self.layers(x).pow(2).mean()
+
+
+def _outside_ring_bytes(s) -> int:
+    """Bytes of the masters and optimizer state that live in host memory other than the ring's slots."""
+    ring = {slot.untyped_storage().data_ptr() for slot in s.nvme.ring}
+    tensors = [m for row in s.masters for m in row]
+    tensors += [v for st in s.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    return sum(t.untyped_storage().nbytes() for t in tensors if t.untyped_storage().data_ptr() not in ring)
+
+
+def _bounded(rank, world_size, path):
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=path, bucket_mb=0.015))
+    s = engine.sharded
+    seen: list[int] = []
+    step_bucket = s._step_bucket
+
+    def probe(k):  # inside the streamed step, with bucket k in its slot
+        seen.append(_outside_ring_bytes(s))
+        step_bucket(k)
+        seen.append(_outside_ring_bytes(s))  # the first step: this bucket's new state, not yet in the slot
+
+    s._step_bucket = probe
+    first_step_max = None
+    for step in range(3):
+        model(torch.randn(4, 64, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
+        engine.step()
+        if step == 0:
+            first_step_max, seen[:] = max(seen), []
+    rep = engine.memory_report()
+    chunk_state_bytes = max(8 * sum(m.numel() for m in row) for row in s.masters)
+    files = [f for f in os.listdir(path) if f.endswith(".swap") and f"-rank{rank}-" in f]
+    sizes = sum(os.path.getsize(os.path.join(path, f)) for f in files)
+    out = dict(first=first_step_max, later=max(seen), chunk_state=chunk_state_bytes, rep=rep.as_dict(),
+               ring_alloc=sum(t.numel() for t in s.nvme.ring), ring=s.ring_bytes(), slot=s.nvme.slot_bytes,
+               buckets=len(s.masters), files=len(files), file_size=sizes, between=_outside_ring_bytes(s))
+    engine.remove()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_host_memory_for_the_states_is_bounded_by_the_ring(tmp_path):
+    for r in run_distributed(_bounded, 2, str(tmp_path)):
+        rep = r["rep"]
+        assert r["buckets"] >= 20
+        assert r["ring_alloc"] == r["ring"] == 3 * r["slot"]  # the stated bound is what is allocated
+        # on disk: every master and state byte of this rank, at least 10x the ring
+        assert rep["nvme"] == rep["master"] + rep["optimizer_state"] >= 10 * r["ring"], r
+        assert rep["host"] == 0 and rep["ring"] == r["ring"]
+        assert r["files"] == 1 and r["file_size"] >= rep["nvme"]
+        assert r["between"] == 0  # nothing held between steps
+        assert r["later"] == 0  # later steps: the states pass through the ring only
+        assert 0 < r["first"] <= r["chunk_state"]  # first step: one bucket's state as the optimizer makes it
+    assert os.listdir(tmp_path) == []
+
+
+# -- errors -------------------------------------------------------------------------------------------------------
+def _engine(path, **kw):
+    torch.manual_seed(0)
+    model = Stack(4, 16)
+    return model, ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(
+        stage=1, offload_optimizer="nvme", nvme_path=path, **kw))
+
+
+def test_too_little_free_space_is_refused_at_setup_with_the_bytes_needed(tmp_path, monkeypatch):
+    real = NV.shutil.disk_usage
+    monkeypatch.setattr(NV.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    numel = sum(p.numel() for p in Stack(4, 16).parameters())
+    with pytest.raises(ValueError, match=r"has 1,000 bytes free; rank 0's fp32 masters and optimizer state \(12 "
+                                         r"bytes per element\) need ([\d,]+) bytes") as err:
+        _engine(str(tmp_path))
+    needed = int(err.value.args[0].split(" need ")[1].split(" bytes")[0].replace(",", ""))
+    assert 12 * numel <= needed <= 12 * numel + 4096 * 8  # the states, page-aligned per bucket
+    assert os.listdir(tmp_path) == []  # nothing was created
+
+
+def test_an_io_error_mid_run_stops_the_step_with_one_error_and_the_saved_checkpoint_is_intact(tmp_path, monkeypatch):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    model, engine = _engine(str(scratch))
+    model(torch.randn(2, 16)).backward()
+    engine.step()
+    ck.save_engine_checkpoint(tmp_path / "good", model, engine, {"step": 1})
+    saved = [m.clone() for m in engine.full_master_params()]
+
+    def full_disk(self, buf, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(NV.ScratchFile, "write", full_disk)
+    model(torch.randn(2, 16)).backward()
+    with pytest.raises(RuntimeError, match=r"offload_optimizer='nvme': the write of .*\.swap failed: .*No space left"):
+        engine.step()
+    monkeypatch.undo()
+    engine.remove(hand_back=False)
+    assert os.listdir(scratch) == []
+    fresh, again = _engine(str(scratch))  # the checkpoint written before the failure loads whole
+    ck.load_checkpoint_dir(tmp_path / "good", fresh, again)
+    close(again.full_master_params(), saved, "masters from the checkpoint saved before the failure")
+    again.remove()
+
+
+def test_the_engine_is_spent_after_teardown(tmp_path):
+    model, engine = _engine(str(tmp_path))
+    model(torch.randn(2, 16)).backward()
+    engine.step()
+    assert len(os.listdir(tmp_path)) == 1
+    engine.remove()
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError, match="the engine was torn down .*Save a checkpoint before remove"):
+        engine.sharded.make_resident()
+
+
+def test_memory_report_between_steps(tmp_path):
+    model, engine = _engine(str(tmp_path))
+    model(torch.randn(2, 16)).backward()
+    engine.step()
+    rep = engine.memory_report()
+    numel = sum(p.numel() for p in model.parameters())
+    assert rep.master == 4 * numel and rep.optimizer_state == 8 * numel
+    assert rep.nvme == 12 * numel and rep.host == 0 and rep.ring == engine.sharded.ring_bytes() > 0
+    close(engine.full_master_params(), [p.detach() for p in engine.bucket_params], "masters read back")
+    rep = engine.memory_report()  # read back for the view: in host memory until the next step streams them out
+    assert rep.nvme == 0 and rep.host == 12 * numel
+    model(torch.randn(2, 16)).backward()
+    engine.step()
+    assert engine.memory_report().nvme == 12 * numel
+    engine.remove()
