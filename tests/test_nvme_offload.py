@@ -43,6 +43,7 @@ def _parity_runs(rank, world_size, path):
         for offload in ("nvme", True):
             out[stage, offload] = gpt2_run(rank, _cfg(stage, offload, path), STEPS)
         out[stage, "nvme", "fused"] = gpt2_run(rank, _cfg(stage, "nvme", path, "fused"), STEPS)
+    torch.distributed.barrier()  # every rank's engines torn down
     out["left"] = sorted(os.listdir(path))
     return out
 
@@ -79,6 +80,7 @@ def _resume_runs(rank, world_size, path):
         engine.restore_fp32_module()
         engine.remove(hand_back=False)
         out[i] = (losses + more[0], norms + more[1], {k: v.detach().clone() for k, v in model.state_dict().items()})
+    torch.distributed.barrier()
     out["left"] = sorted(f for f in os.listdir(path) if f.endswith(".swap"))
     return out
 
