@@ -232,3 +232,32 @@ def test_memory_report_between_steps(tmp_path):
     engine.step()
     assert engine.memory_report().nvme == 12 * numel
     engine.remove()
+
+
+# -- Lightning: the registered preset, nvme_path from the environment ------------------------------------------
+@pytest.mark.timeout(300)
+def test_trainer_preset_zero2_offload_nvme_trains_as_zero2_offload_and_cleans_up(tmp_path, monkeypatch):
+    from lightning.pytorch import Callback, Trainer
+
+    from tests.helpers.lightning_models import ParityModule, load_rank_files, trainer_kwargs
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv(NV.NVME_PATH_ENV, str(scratch))  # inherited by the forked ranks
+    class CountScratchFiles(Callback):  # in the ranks: this rank's scratch file exists while training
+        def on_train_batch_end(self, trainer, *args):
+            mine = [f for f in os.listdir(scratch) if f"-rank{trainer.global_rank}-" in f]
+            (tmp_path / f"seen{trainer.global_rank}").write_text(str(len(mine)))
+
+    res = {}
+    for name in ("zero2_offload_nvme_fork", "zero2_offload_fork"):
+        trainer = Trainer(strategy=name, callbacks=[CountScratchFiles()],
+                          **trainer_kwargs(devices=2, max_steps=3, accum=2, clip=0.5))
+        assert trainer.strategy.zero_config.nvme_path == (str(scratch) if "nvme" in name else None)
+        trainer.fit(ParityModule(str(tmp_path), tag=name))
+        res[name] = load_rank_files(str(tmp_path), name, "train", 2)
+        assert [(tmp_path / f"seen{r}").read_text() for r in (0, 1)] == (["1", "1"] if "nvme" in name else ["0", "0"])
+        assert os.listdir(scratch) == []  # removed at the strategy's teardown
+    for nvme, cpu in zip(res["zero2_offload_nvme_fork"], res["zero2_offload_fork"]):
+        assert nvme["losses"] == cpu["losses"]
+        assert all(torch.equal(nvme["params"][k], cpu["params"][k]) for k in cpu["params"])
