@@ -189,12 +189,11 @@ class ZeroConfig:
         """The device forms of the offload knobs, normalized to True / False / "nvme" (what the rest of the
         engine tests for truth keeps working); nvme_path resolved and checked (exists, writable)."""
         self.offload_optimizer = OffloadDevice.parse(self.offload_optimizer, "offload_optimizer").knob_value
-        params = OffloadDevice.parse(self.offload_params, "offload_params")
-        if params is OffloadDevice.NVME:
+        if isinstance(self.offload_params, str) and self.offload_params.lower() == "nvme":
             raise ValueError("offload_params='nvme' (stage-3 parameter shards in NVMe files) is not available yet. "
                              "Allowed: offload_params=True / 'cpu' (host memory) or False, with "
                              "offload_optimizer='nvme' for the masters and optimizer state on NVMe.")
-        self.offload_params = params.knob_value
+        self.offload_params = OffloadDevice.parse(self.offload_params, "offload_params", ("none", "cpu")).knob_value
         if not _is_int(self.nvme_buffer_count) or self.nvme_buffer_count < 2:
             raise ValueError(f"nvme_buffer_count must be an int >= 2 (host buffers of the NVMe ring; 3 overlaps "
                              f"read, step and write); got {self.nvme_buffer_count!r}.")

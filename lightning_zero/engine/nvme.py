@@ -35,12 +35,12 @@ class OffloadDevice(enum.Enum):
     NVME = "nvme"
 
     @classmethod
-    def parse(cls, value: Union[bool, str], knob: str) -> "OffloadDevice":
+    def parse(cls, value: Union[bool, str], knob: str, names: tuple = ("none", "cpu", "nvme")) -> "OffloadDevice":
         if isinstance(value, bool):
             return cls.CPU if value else cls.NONE
-        if isinstance(value, str) and value.lower() in ("none", "cpu", "nvme"):
+        if isinstance(value, str) and value.lower() in names:
             return cls(value.lower())
-        raise ValueError(f"{knob} must be True or False, or one of 'none', 'cpu', 'nvme' (True = 'cpu'); "
+        raise ValueError(f"{knob} must be True or False, or one of {', '.join(map(repr, names))} (True = 'cpu'); "
                          f"got {value!r}.")
 
     @property
