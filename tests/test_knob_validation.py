@@ -49,6 +49,12 @@ class Knob:
     ctx: dict = field(default_factory=dict)  # the other arguments the good values are given with
 
 
+@pytest.fixture(autouse=True)
+def _no_nvme_path_from_the_environment(monkeypatch):
+    """The table's nvme rows give nvme_path themselves; None must mean "no directory" here."""
+    monkeypatch.delenv("LIGHTNING_ZERO_NVME_PATH", raising=False)
+
+
 BOOL = r"must be True or False"
 TMP = tempfile.gettempdir()  # an existing, writable directory (nvme_path)
 # the offload knobs read back as False / True (host memory) / "nvme"
