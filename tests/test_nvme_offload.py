@@ -195,7 +195,8 @@ def test_an_io_error_mid_run_stops_the_step_with_one_error_and_the_saved_checkpo
 
     monkeypatch.setattr(NV.ScratchFile, "write", full_disk)
     model(torch.randn(2, 16)).backward()
-    with pytest.raises(RuntimeError, match=r"offload_optimizer='nvme': the write of .*\.swap failed: .*No space left"):
+    with pytest.raises(RuntimeError, match=r"offload_optimizer='nvme': on rank 0, the write of .*\.swap failed: .*No "
+                                           r"space left.*The run stops on every rank"):
         engine.step()
     monkeypatch.undo()
     engine.remove(hand_back=False)
@@ -204,6 +205,28 @@ def test_an_io_error_mid_run_stops_the_step_with_one_error_and_the_saved_checkpo
     ck.load_checkpoint_dir(tmp_path / "good", fresh, again)
     close(again.full_master_params(), saved, "masters from the checkpoint saved before the failure")
     again.remove()
+
+
+def _one_rank_fails(rank, world_size, path):
+    model, engine = _engine(path)
+    model(torch.randn(2, 16)).backward()
+    engine.step()
+    if rank == 0:  # only rank 0's disk fills up
+        NV.ScratchFile.write = lambda self, buf, offset: (_ for _ in ()).throw(OSError(errno.ENOSPC, "disk full"))
+    model(torch.randn(2, 16)).backward()
+    try:
+        engine.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_an_io_error_on_one_rank_stops_every_rank_with_one_error(tmp_path):
+    first, second = run_distributed(_one_rank_fails, 2, str(tmp_path))
+    assert first is not None and "on rank 0, the write of" in first and "disk full" in first, first
+    assert second is not None and "the NVMe I/O of rank 0 failed" in second, second
+    assert all("The run stops on every rank" in m for m in (first, second))
 
 
 def test_the_engine_is_spent_after_teardown(tmp_path):

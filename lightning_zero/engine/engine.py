@@ -31,6 +31,7 @@ from .config import ZeroConfig
 from .engine_state import EngineMode, StepCounters
 from .memory import MemoryReport, measure_model_states
 from .groups import HybridGroups, check_shard_group_size, hybrid_groups
+from .nvme_states import raise_if_any_rank_failed
 from .optimizer import ShardedOptimizer
 from .publish import PublishQueue, publish_chunk, publish_masters
 from .comm_report import CommReport, StepTraffic
@@ -280,6 +281,9 @@ class ZeroEngine:
                 if s.clip_value is not None:
                     s.clamp_grads(s.clip_value)
                 s.step(self._publish_chunk if s.nvme is not None else None)  # NVMe: published as streamed
+            if self.config.offload_optimizer == "nvme":  # an I/O error on one rank stops every rank
+                raise_if_any_rank_failed([s.nvme for s in self.opts.select(optimizer)], self.group,
+                                         self.params[0].device if self.params else None)
             self.publish_params(optimizer, streamed=False)
         self.zero_grad(optimizer)
         self._traffic.step_done()

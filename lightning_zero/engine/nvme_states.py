@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import collectives as C
 from .memory import optimizer_state_bytes_per_param
 from .nvme import ScratchFile, check_free_space
 
@@ -121,6 +122,7 @@ class NvmeStates:
         self._io: Optional[tuple[ThreadPoolExecutor, ThreadPoolExecutor]] = None
         self.state = NvmeState.OPEN
         self._warned_overflow = False
+        self.failure: Optional[str] = None  # the last step's first I/O error on this rank
 
     def _capacity(self, numels: list[int], swap: list[bool]) -> int:
         elems = sum(numels)
@@ -225,8 +227,11 @@ class NvmeStates:
 
     def stream(self, step_chunk: Callable[[int], None], after_chunk: Optional[Callable[[int], None]] = None) -> None:
         """One pass over the chunks: read ahead, ``step_chunk(k)`` then ``after_chunk(k)`` (publish) while
-        chunk k is in its slot, write back behind. An I/O error stops the step with one error naming the file."""
+        chunk k is in its slot, write back behind. An I/O error is recorded in :attr:`failure` (the rest of the
+        pass still runs ``after_chunk``, a collective at stages 1-2, so every rank reaches the engine's
+        agreement, :func:`raise_if_any_rank_failed`); a chunk whose read failed is not stepped."""
         self._check_open()
+        self.failure = None
         ring, (reader, writer) = self._ring(), self._executors()
         n, b = len(self.chunks), len(ring)
         ahead = max(1, b - 2)
@@ -244,10 +249,11 @@ class NvmeStates:
         try:
             for k, c in enumerate(self.chunks):
                 issue_read(k + ahead)
-                self._wait(reads.pop(k), "read")
+                read_ok = self._wait(reads.pop(k), "read")
                 slot = ring[k % b]
                 self._fill_and_bind(c, slot)
-                step_chunk(k)
+                if read_ok and self.failure is None:  # after a failure: no more updates, the run stops
+                    step_chunk(k)
                 if after_chunk is not None:
                     after_chunk(k)
                 self._capture_new_state(c)
@@ -261,13 +267,15 @@ class NvmeStates:
             for f in writes.values():
                 self._wait(f, "write")
 
-    def _wait(self, f: Future, what: str) -> None:
+    def _wait(self, f: Future, what: str) -> bool:
+        """Whether the I/O succeeded; the first failure is kept, worded for the error every rank raises."""
         try:
             f.result()
+            return True
         except OSError as e:
-            raise RuntimeError(f"offload_optimizer='nvme': the {what} of {self.file.path} failed: {e} (a full or "
-                               f"read-only disk?). This step's update is lost; the last saved checkpoint is "
-                               f"intact.") from e
+            if self.failure is None:
+                self.failure = (f"the {what} of {self.file.path} failed: {e} (a full or read-only disk?)")
+            return False
 
     # -- whole views --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -314,3 +322,22 @@ class NvmeStates:
         self.file.close()
         self.ring = []
         self.state = NvmeState.CLOSED
+
+
+def raise_if_any_rank_failed(states: list[Optional["NvmeStates"]], group=None,
+                             device: Optional[torch.device] = None) -> None:
+    """After an NVMe step: one agreement over ``group`` (a 1-element all-reduce on ``device``, the compute
+    device: NCCL reduces device tensors), so that a read or write that failed on one rank stops the run with
+    one error on every rank, naming the rank, instead of the others hanging in their next collective. The
+    step's update is not trusted anywhere then; checkpoints already saved are separate directories."""
+    mine = next((s.failure for s in states if s is not None and s.failure is not None), None)
+    rank = C.rank(group)
+    failed = torch.tensor([rank + 1 if mine is not None else 0], dtype=torch.int64, device=device)
+    if C.world_size(group) > 1:
+        C.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
+    who = int(failed.item()) - 1
+    if who < 0:
+        return
+    what = f"on rank {rank}, {mine}" if mine is not None else f"the NVMe I/O of rank {who} failed (its error names the file)"
+    raise RuntimeError(f"offload_optimizer='nvme': {what}. The run stops on every rank; this step's update is "
+                       f"lost, the checkpoints already saved are intact.")
