@@ -1,6 +1,6 @@
 """ZeRO-Infinity: offload_optimizer="nvme" (engine/nvme.py, engine/nvme_states.py).
 
-* Exact: HF GPT-2 (from a config) at 2 ranks with gradient accumulation, norm clipping and a LambdaLR schedule:
+* Exact: HF GPT-2 and T5 (from configs) at 2 ranks with gradient accumulation, norm clipping and a LambdaLR schedule:
   zero2 and zero3 with the states on NVMe equal torch DDP (fp32 rtol 1e-5) with the user's AdamW kernel
   (``offload_kernel="user"``), and with torch's fused CPU AdamW on both sides; and they are bit for bit the
   CPU-offload run (the NVMe step *is* the CPU step, its states on disk between steps).
@@ -26,7 +26,7 @@ from lightning_zero import checkpoint as ck
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import nvme as NV
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.gpt2_accum import gpt2_run, gpt2_setup, gpt2_steps
+from tests.helpers.accum_runs import zoo_run, zoo_setup, zoo_steps
 from tests.helpers.parity import FP32, check_parity, close
 
 STEPS = 3
@@ -38,11 +38,14 @@ def _cfg(stage: int, offload, path: str, kernel: str = "user", **kw) -> ZeroConf
 
 
 def _parity_runs(rank, world_size, path):
-    out = {"ddp": gpt2_run(rank, None, STEPS), "ddp_fused": gpt2_run(rank, None, STEPS, fused=True)}
-    for stage in (2, 3):
-        for offload in ("nvme", True):
-            out[stage, offload] = gpt2_run(rank, _cfg(stage, offload, path), STEPS)
-        out[stage, "nvme", "fused"] = gpt2_run(rank, _cfg(stage, "nvme", path, "fused"), STEPS)
+    out = {}
+    for name in ("gpt2", "t5"):
+        out[name, "ddp"] = zoo_run(rank, None, STEPS, name=name)
+        out[name, "ddp_fused"] = zoo_run(rank, None, STEPS, fused=True, name=name)
+        for stage in (2, 3):
+            for offload in ("nvme", True):
+                out[name, stage, offload] = zoo_run(rank, _cfg(stage, offload, path), STEPS, name=name)
+            out[name, stage, "nvme", "fused"] = zoo_run(rank, _cfg(stage, "nvme", path, "fused"), STEPS, name=name)
     torch.distributed.barrier()  # every rank's engines torn down
     out["left"] = sorted(os.listdir(path))
     return out
@@ -51,12 +54,15 @@ def _parity_runs(rank, world_size, path):
 @pytest.mark.timeout(600)
 def test_zero2_zero3_nvme_offload_equal_ddp_and_the_cpu_offload_bit_for_bit(tmp_path):
     for rank_out in run_distributed(_parity_runs, 2, str(tmp_path)):
-        for stage in (2, 3):
-            check_parity(rank_out[stage, "nvme"], rank_out["ddp"], f"zero{stage} nvme (user kernel)", FP32)
-            check_parity(rank_out[stage, "nvme", "fused"], rank_out["ddp_fused"], f"zero{stage} nvme (fused)", FP32)
-            (nl, nn_, ns), (cl, cn, cs) = rank_out[stage, "nvme"], rank_out[stage, True]
-            assert nl == cl and nn_ == cn, f"zero{stage}: nvme and cpu offload losses / norms differ"
-            assert all(torch.equal(ns[k], cs[k]) for k in cs), f"zero{stage}: nvme != cpu offload bit for bit"
+        for name in ("gpt2", "t5"):
+            for stage in (2, 3):
+                what = f"{name} zero{stage} nvme"
+                check_parity(rank_out[name, stage, "nvme"], rank_out[name, "ddp"], f"{what} (user kernel)", FP32)
+                check_parity(rank_out[name, stage, "nvme", "fused"], rank_out[name, "ddp_fused"], f"{what} (fused)",
+                             FP32)
+                (nl, nn_, ns), (cl, cn, cs) = rank_out[name, stage, "nvme"], rank_out[name, stage, True]
+                assert nl == cl and nn_ == cn, f"{what}: nvme and cpu offload losses / norms differ"
+                assert all(torch.equal(ns[k], cs[k]) for k in cs), f"{what}: nvme != cpu offload bit for bit"
         assert rank_out["left"] == [], rank_out["left"]  # every run's scratch files removed at teardown
 
 
@@ -65,18 +71,18 @@ RESUMES = [((2, True), (2, "nvme")), ((2, "nvme"), (2, False)), ((3, "nvme"), (2
 
 
 def _resume_runs(rank, world_size, path):
-    out = {"ddp": gpt2_run(rank, None, 2 * STEPS)}
+    out = {"ddp": zoo_run(rank, None, 2 * STEPS)}
     for i, ((s1, o1), (s2, o2)) in enumerate(RESUMES):
         ckpt = os.path.join(path, f"ckpt{i}")
-        model, opt, sched, engine = gpt2_setup(_cfg(s1, o1, path))
-        losses, norms = gpt2_steps(rank, model, opt, sched, engine, range(STEPS))
+        model, opt, sched, engine = zoo_setup(_cfg(s1, o1, path))
+        losses, norms = zoo_steps(rank, model, opt, sched, engine, range(STEPS))
         ck.save_engine_checkpoint(ckpt, model, engine, {"step": STEPS})
         engine.remove(hand_back=False)
-        model, opt, sched, engine = gpt2_setup(_cfg(s2, o2, path))
+        model, opt, sched, engine = zoo_setup(_cfg(s2, o2, path))
         ck.load_checkpoint_dir(ckpt, model, engine)
         for _ in range(STEPS):  # the schedule's position (not in an engine checkpoint)
             sched.step()
-        more = gpt2_steps(rank, model, opt, sched, engine, range(STEPS, 2 * STEPS))
+        more = zoo_steps(rank, model, opt, sched, engine, range(STEPS, 2 * STEPS))
         engine.restore_fp32_module()
         engine.remove(hand_back=False)
         out[i] = (losses + more[0], norms + more[1], {k: v.detach().clone() for k, v in model.state_dict().items()})

@@ -1,4 +1,5 @@
-"""HF GPT-2 (from a config) trained with gradient accumulation and norm clipping, under ZeroEngine or torch DDP.
+"""A zoo model (HF GPT-2 or T5 from a config) trained with gradient accumulation and norm clipping, under
+ZeroEngine or torch DDP.
 
 The offload parity tests (NVMe, CPU) compare the two at fp32 rtol 1e-5: same seed, same per-rank batches,
 same AdamW (torch's default kernel on both sides, ``offload_kernel="user"`` on ours; or torch's fused kernel
@@ -23,9 +24,9 @@ from tests.helpers.zoo_models import ZOO
 ACCUM, CLIP, LR = 2, 0.5, 1e-3
 
 
-def gpt2_setup(cfg: Optional[ZeroConfig], fused: bool = False):
-    """(model, optimizer, schedule, engine or None) from seed 0."""
-    builder = ZOO["gpt2"][0]
+def zoo_setup(cfg: Optional[ZeroConfig], fused: bool = False, name: str = "gpt2"):
+    """(model, optimizer, schedule, engine or None) of ``ZOO[name]`` from seed 0."""
+    builder = ZOO[name][0]
     torch.manual_seed(0)
     model = builder()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, fused=fused or None)
@@ -34,10 +35,10 @@ def gpt2_setup(cfg: Optional[ZeroConfig], fused: bool = False):
     return model, opt, sched, engine
 
 
-def gpt2_steps(rank: int, model, opt, sched, engine, steps: range, runner=None, clip: Optional[float] = CLIP
-               ) -> tuple[list, list]:
+def zoo_steps(rank: int, model, opt, sched, engine, steps: range, runner=None, clip: Optional[float] = CLIP,
+              name: str = "gpt2") -> tuple[list, list]:
     """``steps`` optimizer steps (their indices pick the batches): per micro-batch losses, pre-clip norms."""
-    _, make_batch, loss_fn = ZOO["gpt2"]
+    _, make_batch, loss_fn = ZOO[name]
     runner = runner or (model if engine is not None else DDP(model, find_unused_parameters=True))
     losses, norms = [], []
     for step in steps:
@@ -55,11 +56,11 @@ def gpt2_steps(rank: int, model, opt, sched, engine, steps: range, runner=None, 
     return losses, norms
 
 
-def gpt2_run(rank: int, cfg: Optional[ZeroConfig], steps: int, fused: bool = False, clip: Optional[float] = CLIP
-             ) -> tuple[list, list, dict]:
+def zoo_run(rank: int, cfg: Optional[ZeroConfig], steps: int, fused: bool = False, clip: Optional[float] = CLIP,
+            name: str = "gpt2") -> tuple[list, list, dict]:
     """(losses, norms, final fp32 state dict) of ``steps`` steps; ``cfg=None``: the torch DDP reference."""
-    model, opt, sched, engine = gpt2_setup(cfg, fused)
-    losses, norms = gpt2_steps(rank, model, opt, sched, engine, range(steps), clip=clip)
+    model, opt, sched, engine = zoo_setup(cfg, fused, name)
+    losses, norms = zoo_steps(rank, model, opt, sched, engine, range(steps), clip=clip, name=name)
     if engine is not None:
         engine.restore_fp32_module()
         engine.remove(hand_back=False)
