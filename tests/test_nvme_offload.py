@@ -290,3 +290,34 @@ def test_trainer_preset_zero2_offload_nvme_trains_as_zero2_offload_and_cleans_up
     for nvme, cpu in zip(res["zero2_offload_nvme_fork"], res["zero2_offload_fork"]):
         assert nvme["losses"] == cpu["losses"]
         assert all(torch.equal(nvme["params"][k], cpu["params"][k]) for k in cpu["params"])
+
+
+def _mixed(rank, world_size, path):
+    out = {}
+    for stage in (2, 3):
+        for offload in (True, "nvme"):
+            torch.manual_seed(0)
+            model = Stack(6, 16)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            engine = ZeroEngine(model, opt, _cfg(stage, offload, path), compute_dtype=torch.bfloat16)
+            for step in range(3):
+                engine.prepare_forward()
+                x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)).bfloat16()
+                model(x).float().backward()
+                engine.step()
+            out[stage, offload, "rep"] = engine.memory_report().as_dict()  # before the view reads them back
+            out[stage, offload] = [m.clone() for m in engine.full_master_params()]
+            engine.remove(hand_back=False)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_bf16_compute_nvme_offload_is_the_cpu_offload_bit_for_bit(tmp_path):
+    """Mixed precision: the fp32 masters are separate from the bf16 parameters (and unit shards), so at stage 3
+    they go to the file too; the NVMe run is the CPU-offload run."""
+    for res in run_distributed(_mixed, 2, str(tmp_path)):
+        for stage in (2, 3):
+            assert all(torch.equal(a, b) for a, b in zip(res[stage, "nvme"], res[stage, True])), stage
+            assert len(res[stage, True]) == 12
+            rep = res[stage, "nvme", "rep"]
+            assert rep["master"] > 0 and rep["nvme"] == rep["master"] + rep["optimizer_state"], rep
