@@ -157,3 +157,16 @@ def test_cli_estimate(capsys):
     rows = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in out.splitlines() if "| zero" in line}
     assert set(rows) == {"zero1", "zero2"} and float(rows["zero1"]) > float(rows["zero2"])  # full grads while accumulating
     assert cli_main(["estimate", "--model", "t5_huge"]) == 2
+
+
+def test_nvme_rows_put_the_offloaded_states_on_disk_and_state_the_bandwidth_they_need():
+    est = estimate_model_states("t5_3b", world_size=8, num_nodes=1, precision="bf16-mixed", nvme_step_time=10.0)
+    for stage in (2, 3):
+        nvme, cpu = est.row(f"zero{stage}_offload_nvme"), est.row(f"zero{stage}_offload")
+        moved = cpu.states["master"] + cpu.states["optimizer_state"]  # what the CPU twin keeps in host memory
+        assert nvme.nvme_per_rank == nvme.states["nvme"] == moved > 0
+        assert nvme.states["device"] == cpu.states["device"] and nvme.peak_device == cpu.peak_device
+        assert nvme.host_per_rank < cpu.host_per_rank  # the ring and the gradient copies, not the states
+        gbs = 2 * moved * 8 / 10.0 / 1e9  # read + written once per step, 8 ranks on the node, a 10 s step
+        assert f"zero{stage}_offload_nvme" in str(est) and f"{gbs:.2f} GB/s per node" in str(est)
+    assert any(ln.startswith("| setting") and "| NVMe/rank |" in ln for ln in str(est).splitlines())
