@@ -321,3 +321,33 @@ def test_bf16_compute_nvme_offload_is_the_cpu_offload_bit_for_bit(tmp_path):
             assert len(res[stage, True]) == 12
             rep = res[stage, "nvme", "rep"]
             assert rep["master"] > 0 and rep["nvme"] == rep["master"] + rep["optimizer_state"], rep
+
+
+def _unfreeze(rank, world_size, path):
+    out = {}
+    for offload in (True, "nvme"):
+        torch.manual_seed(0)
+        model = Stack(4, 16)
+        model.layers[3].requires_grad_(False)  # unfrozen after the first step (Lightning's BaseFinetuning)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        engine = ZeroEngine(model, opt, _cfg(2, offload, path))
+        for step in range(3):
+            if step == 1:
+                model.layers[3].requires_grad_(True)
+                opt.add_param_group({"params": list(model.layers[3].parameters()), "lr": 5e-3})
+            model(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
+            engine.step()
+        rep = engine.memory_report().as_dict()  # before the view below reads the states back
+        out[offload] = ([m.clone() for m in engine.full_master_params()], rep)
+        engine.remove(hand_back=False)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_add_param_group_after_setup_joins_the_nvme_file(tmp_path):
+    for res in run_distributed(_unfreeze, 2, str(tmp_path)):
+        (cpu, _), (nvme, rep) = res[True], res["nvme"]
+        assert len(nvme) == len(cpu) == 8
+        assert all(torch.equal(a, b) for a, b in zip(nvme, cpu))
+        # every master and state byte on disk, the added group's too (12 bytes per element of this rank's slices)
+        assert rep["nvme"] == rep["master"] + rep["optimizer_state"] == 12 * sum(m.numel() for m in nvme) // 2, rep
