@@ -14,7 +14,8 @@ shows: NVMe step < read time + write time + the CPU step's compute (the zero3_of
 
 The disk figures go through the page cache, as the engine's I/O does (no O_DIRECT): on a host whose RAM
 holds the scratch file they are memory-bound; ``--drop-cache`` adds ``os.fsync`` + ``POSIX_FADV_DONTNEED``
-after the disk test's write, to show the device itself.
+after the disk test's write, to show the device itself; ``--direct`` runs the engine with
+``nvme_direct=True`` and the disk test with O_DIRECT too (the device's DMA on both sides, no page-cache copy).
 
 Run::
 
@@ -37,16 +38,17 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
-from lightning_zero.engine.nvme import ScratchFile  # noqa: E402
+from lightning_zero.engine.nvme import DIRECT_ALIGN, ScratchFile, aligned_empty  # noqa: E402
 
 
-def build(layers: int, width: int, offload, path: str) -> tuple[nn.Module, ZeroEngine]:
+def build(layers: int, width: int, offload, path: str, direct: bool = False) -> tuple[nn.Module, ZeroEngine]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     bucket_mb = (width * width + width) * 4 / 2**20  # one layer per bucket: the ring's slot
     cfg = ZeroConfig(stage=3, offload_optimizer=offload, offload_params=True, unit_classes=["Linear"],
-                     bucket_mb=bucket_mb, nvme_path=path if offload == "nvme" else None)
+                     bucket_mb=bucket_mb, nvme_path=path if offload == "nvme" else None,
+                     nvme_direct=direct and offload == "nvme")
     return model, ZeroEngine(model, opt, cfg)
 
 
@@ -59,12 +61,13 @@ def one_step(model: nn.Module, engine: ZeroEngine, width: int, step: int) -> flo
     return time.perf_counter() - t0
 
 
-def disk_bandwidth(path: str, nbytes: int, chunk: int, drop_cache: bool) -> dict:
+def disk_bandwidth(path: str, nbytes: int, chunk: int, drop_cache: bool, direct: bool = False) -> dict:
     """Sequential write then read of ``nbytes`` in ``chunk``-byte pieces, as the ring does, in the engine's
     steady state: the file reserved and written once untimed (the engine's file is written at setup and on
     every step), then one timed write pass and one timed read pass over it."""
-    f = ScratchFile(path, 0, tag="bench")
-    buf = torch.randint(0, 255, (chunk,), dtype=torch.uint8)
+    f = ScratchFile(path, 0, tag="bench", direct=direct)
+    buf = aligned_empty(chunk, align=DIRECT_ALIGN if direct else 1)
+    buf.random_(0, 255)
     n = max(1, nbytes // chunk)
     try:
         f.reserve(n * chunk)
@@ -97,11 +100,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--path", default=tempfile.gettempdir())
     ap.add_argument("--drop-cache", action="store_true")
+    ap.add_argument("--direct", action="store_true", help="nvme_direct=True, and O_DIRECT for the disk test too")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    runs = {name: build(args.layers, args.width, off, args.path) for name, off in
+    runs = {name: build(args.layers, args.width, off, args.path, args.direct) for name, off in
             (("zero3_offload", True), ("zero3_offload_nvme", "nvme"))}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for step in range(args.warmup + args.steps):
@@ -113,7 +117,7 @@ def main() -> None:
     rep = runs["zero3_offload_nvme"][1].memory_report()
     on_disk = rep.nvme
     cpu_s, nvme_s = statistics.median(times["zero3_offload"]), statistics.median(times["zero3_offload_nvme"])
-    disk = disk_bandwidth(args.path, on_disk, nv.nvme.slot_bytes, args.drop_cache)
+    disk = disk_bandwidth(args.path, on_disk, nv.nvme.slot_bytes, args.drop_cache, args.direct)
     for _, engine in runs.values():
         engine.remove(hand_back=False)
     moved = 2 * on_disk
@@ -125,7 +129,7 @@ def main() -> None:
         "cpu_step_s": cpu_s, "nvme_step_s": nvme_s, "ratio": nvme_s / cpu_s,
         "disk": disk, "achieved_gbs": achieved, "fraction_of_disk": achieved / disk["rw_gbs"],
         "read_plus_write_s": io_s, "serial_sum_s": io_s + cpu_s, "overlap_visible": nvme_s < io_s + cpu_s,
-        "threads": args.threads, "path": args.path, "drop_cache": args.drop_cache,
+        "threads": args.threads, "path": args.path, "drop_cache": args.drop_cache, "direct": args.direct,
     }
     print(f"{out['params']:,} params; on disk {on_disk / 2**20:.1f} MiB (ring {rep.ring / 2**20:.2f} MiB, "
           f"{on_disk / max(rep.ring, 1):.0f}x smaller); disk {args.path}: write {disk['write_gbs']:.2f} GB/s, "

@@ -32,6 +32,7 @@ class StrategyConf:
     offload_params: Any = False  # stage 3 only: false | true (= cpu)
     nvme_path: Optional[str] = None  # offload_optimizer=nvme: an existing, writable directory (null: $LIGHTNING_ZERO_NVME_PATH)
     nvme_buffer_count: int = 3  # host buffers of the NVMe ring (>= 2)
+    nvme_direct: bool = False  # O_DIRECT scratch files (the disk's DMA instead of page-cache copies)
     # the offloaded step's kernel: fused (torch's fused CPU AdamW, faster, ~1 ulp/step from DDP) | user (DDP-exact)
     offload_kernel: str = "fused"
     bucket_mb: float = 25.0

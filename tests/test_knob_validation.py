@@ -79,6 +79,8 @@ CONFIG = {
                                          (None, r"needs a directory for the scratch files: nvme_path=DIR \(or the "
                                                 r"environment variable LIGHTNING_ZERO_NVME_PATH\)")],
                       dict(stage=2, offload_optimizer="nvme")),
+    "nvme_direct": Knob([True, False], [(v, BOOL) for v in ("yes", 1, None)],
+                        dict(stage=2, offload_optimizer="nvme", nvme_path=TMP)),
     "nvme_buffer_count": Knob([2, 3, 8], [(v, r"nvme_buffer_count must be an int >= 2") for v in (1, 2.0, True, None)],
                               dict(stage=2, offload_optimizer="nvme", nvme_path=TMP)),
     "offload_kernel": Knob(["fused", "user"], [("FUSED", "offload_kernel must be one of 'fused', 'user'"),

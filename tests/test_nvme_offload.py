@@ -351,3 +351,16 @@ def test_add_param_group_after_setup_joins_the_nvme_file(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(nvme, cpu))
         # every master and state byte on disk, the added group's too (12 bytes per element of this rank's slices)
         assert rep["nvme"] == rep["master"] + rep["optimizer_state"] == 12 * sum(m.numel() for m in nvme) // 2, rep
+
+
+def _direct(rank, world_size, path):
+    return {direct: zoo_run(rank, _cfg(2, "nvme", path, nvme_direct=direct), 2) for direct in (False, True)}
+
+
+@pytest.mark.timeout(120)
+def test_o_direct_scratch_files_train_the_same(tmp_path):
+    """nvme_direct=True (page-aligned ring, O_DIRECT): the same run bit for bit as through the page cache."""
+    for res in run_distributed(_direct, 2, str(tmp_path)):
+        (dl, dn, ds), (pl, pn, ps) = res[True], res[False]
+        assert dl == pl and dn == pn and all(torch.equal(ds[k], ps[k]) for k in ps)
+

@@ -77,6 +77,9 @@ class ZeroConfig:
         environment variable LIGHTNING_ZERO_NVME_PATH (how the registered ``*_offload_nvme`` presets get it).
     nvme_buffer_count: host buffers of the NVMe ring (>= 2; 3 overlaps reading the next chunk, stepping
         this one and writing the previous one); each holds the largest bucket's masters and state.
+    nvme_direct: open the scratch files with O_DIRECT (page-aligned ring buffers): the disk's DMA moves the
+        bytes instead of a page-cache copy on the CPU cores the step runs on; refused at setup where the file
+        system has no O_DIRECT (tmpfs).
     offload_kernel: which kernel the offloaded step runs. "fused" (default): torch's fused CPU
         implementation replaces the user's (``fused=True`` for Adam, AdamW, SGD, Adagrad; ``foreach`` for
         the others): faster, but not bit-identical to DDP's default kernel (about 1 ulp per step, which Adam
@@ -149,6 +152,7 @@ class ZeroConfig:
     # -- ZeRO-Infinity (engine/nvme.py, nvme_states.py): where offload_optimizer="nvme" keeps the states
     nvme_path: Optional[str] = None
     nvme_buffer_count: int = 3
+    nvme_direct: bool = False
 
     def __post_init__(self) -> None:
         self._check_offload_devices()
@@ -159,7 +163,7 @@ class ZeroConfig:
     def _check_types(self) -> None:
         if not _is_int(self.stage) or self.stage not in STAGES:
             raise ValueError(f"Unknown ZeRO stage {self.stage!r}. Allowed stages: 0, 1, 2, 3 (an int).")
-        for flag in ("broadcast_buffers", "prefetch", "overlap_publish",
+        for flag in ("nvme_direct", "broadcast_buffers", "prefetch", "overlap_publish",
                      "quantize_weights", "quantize_grads", "offload_activations"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False; got {getattr(self, flag)!r}.")

@@ -84,13 +84,36 @@ def _remove(path: str, fd: int) -> None:
         pass
 
 
-class ScratchFile:
-    """One rank's private file: positional reads and writes straight into / out of tensors' memory."""
+DIRECT_ALIGN = 4096  # O_DIRECT: buffer addresses, file offsets and lengths in multiples of this
 
-    def __init__(self, directory: str, rank: int, tag: str = "optimizer") -> None:
+
+def aligned_empty(nbytes: int, pin: bool = False, align: int = 1) -> torch.Tensor:
+    """A uint8 host buffer of ``nbytes`` whose address is a multiple of ``align`` (O_DIRECT needs the page)."""
+    if align <= 1:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+    off = (-raw.data_ptr()) % align
+    return raw[off : off + nbytes]
+
+
+class ScratchFile:
+    """One rank's private file: positional reads and writes straight into / out of tensors' memory.
+    ``direct``: opened with O_DIRECT (the device's DMA moves the bytes, no page-cache copy on the CPU);
+    the caller then gives page-aligned buffers, offsets and lengths."""
+
+    def __init__(self, directory: str, rank: int, tag: str = "optimizer", direct: bool = False) -> None:
         name = f"lightning_zero-{tag}-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap"
         self.path = os.path.join(directory, name)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (getattr(os, "O_DIRECT", 0) if direct else 0)
+        try:
+            self.fd = os.open(self.path, flags, 0o600)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:  # tmpfs and a few others
+                raise ValueError(f"nvme_direct=True: the file system of nvme_path={directory!r} does not support "
+                                 f"O_DIRECT. Allowed: nvme_direct=False there (the page cache), or a directory on "
+                                 f"a local disk (ext4, xfs).") from None
+            raise
+        self.direct = direct
         self._finalizer = weakref.finalize(self, _remove, self.path, self.fd)
 
     @staticmethod

@@ -33,7 +33,7 @@ import torch
 
 from . import collectives as C
 from .memory import optimizer_state_bytes_per_param
-from .nvme import ScratchFile, check_free_space
+from .nvme import DIRECT_ALIGN, ScratchFile, aligned_empty, check_free_space
 
 _log = logging.getLogger("lightning_zero.engine")
 _ALIGN = 4096  # chunk regions start on a page (and an O_DIRECT block) boundary
@@ -77,7 +77,8 @@ def _swap_out(t: torch.Tensor) -> None:
 
 @torch.no_grad()
 def _bind(t: torch.Tensor, slot: torch.Tensor, byte_offset: int) -> None:
-    t.set_(slot.untyped_storage(), byte_offset // t.element_size(), t.shape, t.stride())
+    """Point ``t`` at ``slot``'s bytes from ``byte_offset`` (the slot may be a view of a larger, aligned buffer)."""
+    t.set_(slot.untyped_storage(), (slot.storage_offset() + byte_offset) // t.element_size(), t.shape, t.stride())
 
 
 @dataclass
@@ -103,7 +104,7 @@ class NvmeStates:
     """One ShardedOptimizer's masters and optimizer state, on disk between steps."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, directory: str, rank: int, buffer_count: int,
-                 pin: bool, planned_numel: list[list[int]], planned_swap: list[list[bool]]) -> None:
+                 pin: bool, planned_numel: list[list[int]], planned_swap: list[list[bool]], direct: bool = False) -> None:
         """``planned_*``: per bucket, the master sizes and whether each lives in the file: the free space
         is checked for all of them before anything is written."""
         self.optimizer = optimizer
@@ -114,7 +115,8 @@ class NvmeStates:
         needed = sum(self._capacity(n, s) for n, s in zip(planned_numel, planned_swap))
         check_free_space(directory, needed, f"rank {rank}'s fp32 masters and optimizer state "
                                             f"({4 + self.state_per_elem} bytes per element)")
-        self.file = ScratchFile(directory, rank)
+        self.file = ScratchFile(directory, rank, direct=direct)
+        self._align = DIRECT_ALIGN if direct else 1  # O_DIRECT: page-aligned buffers and lengths
         self.file.reserve(needed)
         self.chunks: list[_Chunk] = []
         self._end = 0  # bump allocator over the file
@@ -157,9 +159,9 @@ class NvmeStates:
 
     def _write_resident(self, c: _Chunk) -> None:
         """Write the chunk's resident tensors through a slot of its own size (setup only) and free them."""
-        slot = torch.empty(c.capacity, dtype=torch.uint8)
+        slot = aligned_empty(c.capacity, align=self._align)
         self._fill_and_bind(c, slot)
-        self.file.write(slot[: c.used], c.offset)
+        self._write(c, slot)
         c.on_disk = c.used
         self._unbind(c)
 
@@ -176,7 +178,7 @@ class NvmeStates:
     def _ring(self) -> list[torch.Tensor]:
         size = self.slot_bytes
         if not self.ring or self.ring[0].numel() < size:  # a larger bucket joined (add_param_group)
-            self.ring = [torch.empty(size, dtype=torch.uint8, pin_memory=self.pin) for _ in range(self.buffer_count)]
+            self.ring = [aligned_empty(size, self.pin, self._align) for _ in range(self.buffer_count)]
         return self.ring
 
     def _executors(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
@@ -186,10 +188,10 @@ class NvmeStates:
         return self._io
 
     def _read(self, c: _Chunk, slot: torch.Tensor) -> None:
-        self.file.read(slot[: c.on_disk], c.offset)
+        self.file.read(slot[: _up(c.on_disk, self._align)], c.offset)
 
     def _write(self, c: _Chunk, slot: torch.Tensor) -> None:
-        self.file.write(slot[: c.used], c.offset)
+        self.file.write(slot[: _up(c.used, self._align)], c.offset)  # capacity is page-aligned: room for it
 
     @torch.no_grad()
     def _fill_and_bind(self, c: _Chunk, slot: torch.Tensor) -> None:
@@ -286,7 +288,7 @@ class NvmeStates:
             swapped = [(e, t) for e in c.entries for t in [self._tensor(c, e)] if t is not None and _is_swapped(t)]
             if not swapped:
                 continue
-            slot = torch.empty(c.on_disk, dtype=torch.uint8)
+            slot = aligned_empty(_up(c.on_disk, self._align), align=self._align)
             self._read(c, slot)
             for e, t in swapped:
                 own = torch.empty(t.shape, dtype=t.dtype)

@@ -181,7 +181,8 @@ class ShardedOptimizer:
             # a stage-3 host fp32 shard is the master itself (offload_params): it stays where it is
             swap.append([not (sources is not None and self._compute_fp32 and sources[bi][pi].dtype == torch.float32
                               and sources[bi][pi].device.type == "cpu") for pi in range(len(b.params))])
-        return NvmeStates(self.optimizer, nvme["directory"], nvme["rank"], nvme["buffer_count"], pin, numel, swap)
+        return NvmeStates(self.optimizer, nvme["directory"], nvme["rank"], nvme["buffer_count"], pin, numel, swap,
+                          nvme.get("direct", False))
 
     def add_group(self, group: dict, buckets: list[Bucket], sources=None) -> None:
         """``optimizer.add_param_group`` after setup: masters for the new buckets (from the parameters'

@@ -83,7 +83,7 @@ def _nvme_args(cfg) -> Optional[dict]:
     """Where an optimizer's states go with offload_optimizer="nvme" (one scratch file per rank and optimizer)."""
     if cfg.offload_optimizer != "nvme":
         return None
-    return dict(directory=cfg.nvme_path, rank=C.rank(), buffer_count=cfg.nvme_buffer_count)
+    return dict(directory=cfg.nvme_path, rank=C.rank(), buffer_count=cfg.nvme_buffer_count, direct=cfg.nvme_direct)
 
 
 def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None) -> list[ShardedOptimizer]:

@@ -42,10 +42,12 @@ SHARED: tuple[Arg, ...] = (
         '``nvme_path``, streamed through ``nvme_buffer_count`` host buffers each step); False / "none": on the device.'),
     Arg("offload_params", False, Union[bool, str], 'stage 3 only: parameter shards live in CPU memory between uses '
                                                    '(True / "cpu").'),
-    Arg("nvme_path", None, Optional[str], "nvme_path, nvme_buffer_count: offload_optimizer=\"nvme\"'s directory (existing, "
-        "writable, on a local NVMe disk; None = the environment variable LIGHTNING_ZERO_NVME_PATH) and its ring of "
-        "host buffers (>= 2; 3 overlaps read, step and write)."),
+    Arg("nvme_path", None, Optional[str], "nvme_path, nvme_buffer_count, nvme_direct: offload_optimizer=\"nvme\"'s "
+        "directory (existing, writable, on a local NVMe disk; None = the environment variable "
+        "LIGHTNING_ZERO_NVME_PATH), its ring of host buffers (>= 2; 3 overlaps read, step and write) and O_DIRECT "
+        "I/O (the disk's DMA instead of page-cache copies on the CPU)."),
     Arg("nvme_buffer_count", 3, int),
+    Arg("nvme_direct", False, bool),
     Arg("bucket_mb", 25.0, float, "size cap of one communication bucket (MiB)."),
     Arg("reduce_dtype", None, _O, 'dtype of gradient reductions (None = compute dtype, or "fp32").'),
     Arg("broadcast_buffers", True, bool, "copy rank 0's buffers to every rank before each training step (as DDP)."),
