@@ -7,7 +7,7 @@ intra-op threads. Per setting: ``--warmup`` untimed steps (the first creates the
 optimizer step with its publish; forward and backward are the same for both and not timed).
 
 The physical limit is measured the way the engine moves the bytes: ``os.pwritev`` then ``os.preadv`` of one
-file of the states' size, in chunks of the ring slot's size, in the same directory (``--path``, default
+file of the states' size, in chunks of the ring slot's size (best of 3 passes), in the same directory (``--path``, default
 /tmp). Reported: bytes moved per step (read + write of every on-disk state byte), the NVMe step's achieved
 GB/s, its fraction of the measured disk bandwidth, the step-time ratio NVMe / CPU, and whether the overlap
 shows: NVMe step < read time + write time + the CPU step's compute (the zero3_offload step).
@@ -117,7 +117,9 @@ def main() -> None:
     rep = runs["zero3_offload_nvme"][1].memory_report()
     on_disk = rep.nvme
     cpu_s, nvme_s = statistics.median(times["zero3_offload"]), statistics.median(times["zero3_offload_nvme"])
-    disk = disk_bandwidth(args.path, on_disk, nv.nvme.slot_bytes, args.drop_cache, args.direct)
+    # the physical limit: the best of three passes (the VM's disk is noisy)
+    disk = min((disk_bandwidth(args.path, on_disk, nv.nvme.slot_bytes, args.drop_cache, args.direct)
+                for _ in range(3)), key=lambda d: d["read_s"] + d["write_s"])
     for _, engine in runs.values():
         engine.remove(hand_back=False)
     moved = 2 * on_disk
