@@ -364,3 +364,19 @@ def test_o_direct_scratch_files_train_the_same(tmp_path):
         (dl, dn, ds), (pl, pn, ps) = res[True], res[False]
         assert dl == pl and dn == pn and all(torch.equal(ds[k], ps[k]) for k in ps)
 
+
+
+def test_memory_summary_table_has_the_nvme_rows(tmp_path):
+    from lightning_zero.lightning.memory_summary import ddp_numbers, format_table, rank_numbers
+
+    model, engine = _engine(str(tmp_path))
+    model(torch.randn(2, 16)).backward()
+    engine.step()
+    mine = rank_numbers(engine)
+    numel = sum(p.numel() for p in model.parameters())
+    assert mine["nvme"] == 12 * numel and mine["host"] == 0 and mine["device"] == 4 * numel + mine["grads"]
+    table = format_table(engine.config, 1, [mine], ddp_numbers(engine, [mine]))
+    assert "offload optimizer (NVMe)" in table.splitlines()[0]
+    rows = {ln.split("  ")[1].strip(): ln for ln in table.splitlines()[1:] if ln.startswith("  ")}
+    assert "NVMe (offloaded)" in rows and "host NVMe ring" in rows, table
+    engine.remove()
