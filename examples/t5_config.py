@@ -27,8 +27,12 @@ class StrategyConf:
 
     name: str = "zero2"  # label only (run names, logs); the fields below are what is built
     stage: int = 2
-    offload_optimizer: bool = False
-    offload_params: bool = False  # stage 3 only
+    # false | true (= cpu) | cpu | nvme (ZeRO-Infinity: masters + optimizer state in scratch files under nvme_path)
+    offload_optimizer: Any = False
+    offload_params: Any = False  # stage 3 only: false | true (= cpu)
+    nvme_path: Optional[str] = None  # offload_optimizer=nvme: an existing, writable directory (null: $LIGHTNING_ZERO_NVME_PATH)
+    nvme_buffer_count: int = 3  # host buffers of the NVMe ring (>= 2)
+    nvme_direct: bool = False  # O_DIRECT scratch files (the disk's DMA instead of page-cache copies)
     # the offloaded step's kernel: fused (torch's fused CPU AdamW, faster, ~1 ulp/step from DDP) | user (DDP-exact)
     offload_kernel: str = "fused"
     bucket_mb: float = 25.0

@@ -8,6 +8,15 @@ import torch.distributed as dist
 
 
 @pytest.fixture(autouse=True)
+def _nvme_scratch_dir(tmp_path_factory, monkeypatch):
+    """Where the registered ``*_offload_nvme`` presets (``nvme_path`` from LIGHTNING_ZERO_NVME_PATH) put their
+    scratch files in the tests that build every preset; a test of the variable's absence deletes it."""
+    if "LIGHTNING_ZERO_NVME_PATH" not in os.environ:
+        monkeypatch.setenv("LIGHTNING_ZERO_NVME_PATH", str(tmp_path_factory.getbasetemp() / "nvme"))
+        (tmp_path_factory.getbasetemp() / "nvme").mkdir(exist_ok=True)
+
+
+@pytest.fixture(autouse=True)
 def _no_leftover_process_group():
     """A Trainer run in the test process (devices=1) leaves Lightning's process group initialized; forked
     ranks of a later test would inherit it and fail to initialize their own."""

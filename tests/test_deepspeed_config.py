@@ -87,7 +87,10 @@ def test_train_batch_size_derives_and_checks_the_micro_batch():
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_params with stage 3 only"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "stage 1, 2 or 3"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
-     "offload_param.device='nvme' is not supported. Allowed: 'cpu', 'none'"),
+     "offload_param.device='nvme' is not supported \\(parameter shards on NVMe are not available; "
+     "offload_optimizer.device may be 'nvme'\\). Allowed: 'cpu', 'none'"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "disk"}}},
+     "offload_optimizer.device='disk' is not supported. Allowed: 'cpu', 'none', 'nvme'"),
     ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}}, r"unsupported key\(s\) \['zero_hpz"),
     ({"pipeline": {"stages": 2}}, r"top level: unsupported key\(s\) \['pipeline'\]"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),
@@ -311,3 +314,23 @@ def test_bad_paths_are_refused_with_one_clear_error(tmp_path, capsys):
     assert cli_main(["from-deepspeed", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "is a directory" in err and "Traceback" not in err
+
+
+def test_zero_infinity_optimizer_offload_translates(tmp_path):
+    cfg = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 4,
+                                                       "buffer_size": 1e8, "pipeline_read": True}},
+           "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1}}
+    t = from_deepspeed_config(cfg)
+    assert t.strategy == {"stage": 3, "offload_optimizer": "nvme", "offload_params": True,
+                          "nvme_path": str(tmp_path), "nvme_buffer_count": 4}
+    assert {"aio", "zero_optimization.offload_optimizer.buffer_size",
+            "zero_optimization.offload_optimizer.pipeline_read"} <= set(t.ignored)
+    from lightning_zero import ZeroStrategy
+
+    s = ZeroStrategy(**t.strategy)
+    assert (s.zero_config.offload_optimizer, s.zero_config.nvme_path, s.zero_config.nvme_buffer_count) == \
+        ("nvme", str(tmp_path), 4)
+    overrides, _ = t.hydra_overrides()
+    assert "strategy.name=zero3_offload_nvme" in overrides and "strategy.offload_optimizer=nvme" in overrides
+    assert f"strategy.nvme_path={tmp_path}" in overrides

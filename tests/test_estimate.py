@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import tempfile
 import sys
 from pathlib import Path
 
@@ -32,7 +33,8 @@ def _measure(rank, world_size, stage, offload, dtype_name):
     model = _model()
     info = info_from_module(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3, bucket_mb=0.05)
+    cfg = ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=bool(offload) and stage == 3,
+                     bucket_mb=0.05, nvme_path=tempfile.gettempdir() if offload == "nvme" else None)
     engine = ZeroEngine(model, opt, cfg, compute_dtype=dtype)
     x = torch.randn(8, 64, dtype=dtype, generator=torch.Generator().manual_seed(rank))
     model(x).float().pow(2).mean().backward()
@@ -40,7 +42,9 @@ def _measure(rank, world_size, stage, offload, dtype_name):
     with engine.no_sync():  # stages 0-1 hold full gradients through accumulation
         model(x).float().pow(2).mean().backward()
     rep = engine.memory_report().as_dict()
+    engine.sharded.make_resident()  # offload_optimizer="nvme": the masters back from the file, to be counted
     rep["separate_master_storage"] = _separate_master_bytes(engine)
+    engine.remove(hand_back=False)
     return info, rep
 
 
@@ -76,11 +80,12 @@ def test_model_states_match_engine_accounting(world_size):
             # the engine's own count of masters is the storages' (mixed precision + stage 3 + offload_params:
             # the fp32 masters are separate from the bf16 unit shards, never counted as aliases)
             assert rep["master"] == rep["separate_master_storage"], (stage, offload, dtype, rep)
-            measured = {"device": rep["model_states"] - rep["host"], "host": rep["host"],
-                        "model_states": rep["model_states"]}
+            measured = {"device": rep["model_states"] - rep["host"] - rep["nvme"], "host": rep["host"],
+                        "nvme": rep["nvme"], "model_states": rep["model_states"]}
             for key, got in measured.items():
                 assert abs(est[key] - got) <= 0.05 * max(got, 1), (stage, offload, dtype, key, est, rep)
-            assert (est["host"] > 0) == offload
+            assert (est["host"] + est["nvme"] > 0) == bool(offload)
+            assert (rep["nvme"] > 0) == (offload == "nvme")
 
 
 def test_param_count_of_presets_without_building_weights():
@@ -141,7 +146,7 @@ def test_cli_estimate(capsys):
                      "--batch-size", "16", "--src-len", "128", "--tgt-len", "64", "--device-memory", "2"]) == 0
     out = capsys.readouterr().out
     # the recipe's 2048-token vocabulary by default: 44,189,696 at 259 tokens + (2048 - 259) x d_model 512
-    assert "Psi = 45,105,664 params" in out and "| zero3_offload |" in out and "FITS in 2 GiB" in out
+    assert "Psi = 45,105,664 params" in out and "| zero3_offload " in out and "FITS in 2 GiB" in out
     assert cli_main(["estimate", "--model", "t5_small", "--vocab", "259"]) == 0
     assert "Psi = 44,189,696 params" in capsys.readouterr().out
     assert cli_main(["estimate", "--params", "1.5e9", "--ranks", "16", "--nodes", "2", "--optimizer", "sgd"]) == 0
@@ -152,3 +157,16 @@ def test_cli_estimate(capsys):
     rows = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in out.splitlines() if "| zero" in line}
     assert set(rows) == {"zero1", "zero2"} and float(rows["zero1"]) > float(rows["zero2"])  # full grads while accumulating
     assert cli_main(["estimate", "--model", "t5_huge"]) == 2
+
+
+def test_nvme_rows_put_the_offloaded_states_on_disk_and_state_the_bandwidth_they_need():
+    est = estimate_model_states("t5_3b", world_size=8, num_nodes=1, precision="bf16-mixed", nvme_step_time=10.0)
+    for stage in (2, 3):
+        nvme, cpu = est.row(f"zero{stage}_offload_nvme"), est.row(f"zero{stage}_offload")
+        moved = cpu.states["master"] + cpu.states["optimizer_state"]  # what the CPU twin keeps in host memory
+        assert nvme.nvme_per_rank == nvme.states["nvme"] == moved > 0
+        assert nvme.states["device"] == cpu.states["device"] and nvme.peak_device == cpu.peak_device
+        assert nvme.host_per_rank < cpu.host_per_rank  # the ring and the gradient copies, not the states
+        gbs = 2 * moved * 8 / 10.0 / 1e9  # read + written once per step, 8 ranks on the node, a 10 s step
+        assert f"zero{stage}_offload_nvme" in str(est) and f"{gbs:.2f} GB/s per node" in str(est)
+    assert any(ln.startswith("| setting") and "| NVMe/rank |" in ln for ln in str(est).splitlines())

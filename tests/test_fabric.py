@@ -146,13 +146,15 @@ def _parity_job(rank, world_size):
 
 
 @pytest.fixture(scope="module")
-def parity():
-    return run_distributed(_parity_job, 2)
+def parity(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:  # the *_offload_nvme presets' nvme_path, inherited by the ranks
+        mp.setenv("LIGHTNING_ZERO_NVME_PATH", str(tmp_path_factory.mktemp("nvme")))
+        return run_distributed(_parity_job, 2)
 
 
 @pytest.mark.timeout(240)
 def test_every_stage_equals_fabric_ddp(parity):
-    """zero0 ... zero3_offload (names and an instance), setup_module + setup_optimizers, and a stage-3 model
+    """zero0 ... zero3_offload, zero2/3_offload_nvme (names and an instance), setup_module + setup_optimizers, and a stage-3 model
     built on meta: the same per-micro-batch losses and final weights as Fabric DDP, with gradient
     accumulation (no_backward_sync) and clipping by norm (and by value)."""
     keys = [k for k in parity[0] if isinstance(k, tuple) and k[1] != "ddp"]

@@ -17,7 +17,8 @@ from t5_config import (  # noqa: E402,I001
     ConfigError, T5FinetuneConf, build_datamodule, build_strategy, build_t5_config, validate_schema)
 
 STRATEGIES = {"zero0": (0, False), "zero1": (1, False), "zero1_offload": (1, True),
-              "zero2": (2, False), "zero2_offload": (2, True), "zero3": (3, False), "zero3_offload": (3, True)}
+              "zero2": (2, False), "zero2_offload": (2, True), "zero3": (3, False), "zero3_offload": (3, True),
+              "zero2_offload_nvme": (2, "nvme"), "zero3_offload_nvme": (3, "nvme")}
 MODELS = ["t5_tiny", "t5_mini", "t5_small", "t5_base", "t5_large", "t5_3b"]
 DATA = ["stdlib", "jsonl"]
 TRAINERS = {"cpu": "fork", "gpu": "popen"}
@@ -51,13 +52,15 @@ def test_every_combination_composes_and_validates():
 
 @pytest.mark.parametrize("trainer", sorted(TRAINERS))
 @pytest.mark.parametrize("preset", sorted(STRATEGIES))
-def test_strategy_presets_build(preset, trainer):
+def test_strategy_presets_build(preset, trainer, tmp_path, monkeypatch):
     from lightning_zero import ZeroStrategy
 
+    monkeypatch.setenv("LIGHTNING_ZERO_NVME_PATH", str(tmp_path))  # the *_offload_nvme presets' nvme_path: null
     strategy = build_strategy(compose_recipe(f"strategy={preset}", f"trainer={trainer}"))
     stage, offload = STRATEGIES[preset]
     assert isinstance(strategy, ZeroStrategy)
-    assert strategy.stage == stage and strategy.zero_config.offload_optimizer is offload
+    assert strategy.stage == stage and strategy.zero_config.offload_optimizer == offload
+    assert strategy.zero_config.nvme_path == (str(tmp_path) if offload == "nvme" else None)
     assert strategy.zero_config.offload_params is (offload and stage == 3) and strategy.zero_config.bucket_mb == 25.0
     if stage == 3:  # units from the model's declaration (T5Block), as for `strategy.stage=3`
         assert strategy.zero_config.unit_classes is None and strategy.zero_config.persist_numel is None

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
+import tempfile
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -47,16 +49,40 @@ class Knob:
     ctx: dict = field(default_factory=dict)  # the other arguments the good values are given with
 
 
+@pytest.fixture(autouse=True)
+def _no_nvme_path_from_the_environment(monkeypatch):
+    """The table's nvme rows give nvme_path themselves; None must mean "no directory" here."""
+    monkeypatch.delenv("LIGHTNING_ZERO_NVME_PATH", raising=False)
+
+
 BOOL = r"must be True or False"
+TMP = tempfile.gettempdir()  # an existing, writable directory (nvme_path)
+# the offload knobs read back as False / True (host memory) / "nvme"
+_OFFLOAD_NORMAL = lambda v: {"none": False, "cpu": True}.get(v.lower(), v.lower()) if isinstance(v, str) else v  # noqa: E731
 # -- ZeroConfig: every field; the strategies take each of them too ----------------------------------------------------
 CONFIG = {
     "stage": Knob([0, 1, 2, 3, np.int64(3)], [(5, "Allowed stages: 0, 1, 2, 3"), (2.0, "Allowed stages"),
                                               ("2", "Allowed stages"), (True, "Allowed stages"), (None, "stage")]),
-    "offload_optimizer": Knob([True, False], [("no", BOOL), (1, BOOL), (True, r"Allowed: offload_optimizer with "
-                                                                        r"stage 1, 2 or 3", dict(stage=0))],
-                              dict(stage=1)),
-    "offload_params": Knob([True, False], [("yes", BOOL), (True, r"Allowed: offload_params with stage 3 only",
-                                                           dict(stage=2))], dict(stage=3)),
+    "offload_optimizer": Knob([True, False, "cpu", "none", "CPU"], [
+        ("no", BOOL), (1, BOOL), ("disk", r"or one of 'none', 'cpu', 'nvme'"),
+        (True, r"Allowed: offload_optimizer with stage 1, 2 or 3", dict(stage=0)),
+        ("nvme", r"Allowed: offload_optimizer with stage 1, 2 or 3", dict(stage=0, nvme_path=TMP)),
+        ("nvme", r"offload_optimizer='nvme' needs a directory for the scratch files: nvme_path=DIR")], dict(stage=1)),
+    "offload_params": Knob([True, False, "cpu"], [("yes", BOOL), (True, r"Allowed: offload_params with stage 3 only",
+                                                                  dict(stage=2)),
+                                                  ("nvme", r"offload_params='nvme' .* is not available yet. Allowed: "
+                                                           r"offload_params=True / 'cpu'")], dict(stage=3)),
+    "nvme_path": Knob([TMP, Path(TMP)], [("/no/such/dir", r"nvme_path='/no/such/dir' does not exist .*Allowed: an "
+                                                          r"existing, writable directory"),
+                                         ("/proc", r"nvme_path='/proc' is not writable by this process"),
+                                         (3, r"nvme_path must be None or a directory path"),
+                                         (None, r"needs a directory for the scratch files: nvme_path=DIR \(or the "
+                                                r"environment variable LIGHTNING_ZERO_NVME_PATH\)")],
+                      dict(stage=2, offload_optimizer="nvme")),
+    "nvme_direct": Knob([True, False], [(v, BOOL) for v in ("yes", 1, None)],
+                        dict(stage=2, offload_optimizer="nvme", nvme_path=TMP)),
+    "nvme_buffer_count": Knob([2, 3, 8], [(v, r"nvme_buffer_count must be an int >= 2") for v in (1, 2.0, True, None)],
+                              dict(stage=2, offload_optimizer="nvme", nvme_path=TMP)),
     "offload_kernel": Knob(["fused", "user"], [("FUSED", "offload_kernel must be one of 'fused', 'user'"),
                                                (True, "offload_kernel must be one of"), (None, "offload_kernel")],
                            dict(stage=2, offload_optimizer=True)),
@@ -98,7 +124,8 @@ CONFIG = {
                          for v in ("reduce", ["auto"], None)]),
     "overlap_publish": Knob([True, False], [("no", BOOL)] + [
         (True, r"overlap_publish=True .*got stage %d .*Allowed: overlap_publish with stage 1 or 2" % s, dict(stage=s))
-        for s in (0, 3)], dict(stage=1)),
+        for s in (0, 3)] + [(True, r"overlap_publish=True does not compose with offload_optimizer='nvme'",
+                             dict(stage=1, offload_optimizer="nvme", nvme_path=TMP))], dict(stage=1)),
     "quantize_weights": Knob([True, False], [(1, BOOL), (True, "Allowed: quantize_weights with stage 1, 2 or 3",
                                                          dict(stage=0))]),
     "quantize_grads": Knob([True, False], [("on", BOOL), (True, "Allowed: quantize_grads with stage 1, 2 or 3",
@@ -233,7 +260,11 @@ TABLES = {"config": CONFIG, "trainer": {**CONFIG, **TRAINER}, "pipeline": PIPELI
 def test_valid_value_is_accepted(target, name, kwargs, _):
     built = _build(target, kwargs)
     config = built if target == "config" else built.zero_config
-    if name in CONFIG and name not in ("unit_classes", "activation_checkpointing", "reduce_dtype", "order_check"):
+    normalized = {"offload_optimizer": _OFFLOAD_NORMAL, "offload_params": _OFFLOAD_NORMAL,
+                  "nvme_path": lambda v: os.path.abspath(v)}
+    if name in normalized:
+        assert getattr(config, name) == normalized[name](kwargs[name])
+    elif name in CONFIG and name not in ("unit_classes", "activation_checkpointing", "reduce_dtype", "order_check"):
         assert getattr(config, name) == kwargs[name]  # kept as given (the normalized ones: below)
     if target == "pipeline":
         assert type(built) is ZeroPipelineStrategy and built.pipeline_parallel_size == kwargs["pipeline_parallel_size"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
@@ -19,6 +20,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .layout import ParallelDims
+from .nvme import NVME_PATH_ENV, OffloadDevice, check_nvme_dir
 from .stage3.lifecycle import OrderCheck
 
 STAGES = (0, 1, 2, 3)
@@ -67,7 +69,18 @@ class ZeroConfig:
 
     stage: 0 (DDP-equivalent), 1 (optimizer state), 2 (+ gradients), 3 (+ parameters).
     offload_optimizer: fp32 master shards and optimizer state live in CPU memory; the step runs there.
-    offload_params: stage 3 only -- parameter shards live in CPU memory between uses.
+        True or "cpu": in host memory; "nvme" (ZeRO-Infinity): in per-rank scratch files under ``nvme_path``
+        between steps, streamed through a ring of ``nvme_buffer_count`` host buffers during the step
+        (engine/nvme_states.py); False or "none": on the compute device. Read back normalized: True, False
+        or "nvme".
+    offload_params: stage 3 only -- parameter shards live in CPU memory between uses (True or "cpu").
+    nvme_path: the directory of the NVMe scratch files (must exist and be writable); None = the
+        environment variable LIGHTNING_ZERO_NVME_PATH (how the registered ``*_offload_nvme`` presets get it).
+    nvme_buffer_count: host buffers of the NVMe ring (>= 2; 3 overlaps reading the next chunk, stepping
+        this one and writing the previous one); each holds the largest bucket's masters and state.
+    nvme_direct: open the scratch files with O_DIRECT (page-aligned ring buffers): the disk's DMA moves the
+        bytes instead of a page-cache copy on the CPU cores the step runs on; refused at setup where the file
+        system has no O_DIRECT (tmpfs).
     offload_kernel: which kernel the offloaded step runs. "fused" (default): torch's fused CPU
         implementation replaces the user's (``fused=True`` for Adam, AdamW, SGD, Adagrad; ``foreach`` for
         the others): faster, but not bit-identical to DDP's default kernel (about 1 ulp per step, which Adam
@@ -100,8 +113,8 @@ class ZeroConfig:
     """
 
     stage: int = 2
-    offload_optimizer: bool = False
-    offload_params: bool = False
+    offload_optimizer: Union[bool, str] = False
+    offload_params: Union[bool, str] = False
     bucket_mb: float = 25.0
     reduce_dtype: Optional[object] = None
     broadcast_buffers: bool = True
@@ -149,8 +162,13 @@ class ZeroConfig:
     quantize_grads: bool = False
     # -- the offloaded step's kernel (engine/optimizer.py): "fused" | "user", see the docstring
     offload_kernel: str = "fused"
+    # -- ZeRO-Infinity (engine/nvme.py, nvme_states.py): where offload_optimizer="nvme" keeps the states
+    nvme_path: Optional[str] = None
+    nvme_buffer_count: int = 3
+    nvme_direct: bool = False
 
     def __post_init__(self) -> None:
+        self._check_offload_devices()
         self._check_types()
         self._check_combinations()
         self._check_activation_options()
@@ -165,7 +183,7 @@ class ZeroConfig:
             raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r}: resharding to a smaller group "
                              f"after forward (an int, ZeRO++ hpZ) is not available. Allowed: True (release after "
                              f"forward) or False (keep gathered until backward).")
-        for flag in ("offload_optimizer", "offload_params", "broadcast_buffers", "reshard_after_forward",
+        for flag in ("nvme_direct", "broadcast_buffers", "reshard_after_forward",
                      "overlap_publish",
                      "quantize_weights", "quantize_grads", "offload_activations"):
             if not isinstance(getattr(self, flag), bool):
@@ -189,10 +207,42 @@ class ZeroConfig:
                                            "module classes, class names or qualified module names")
         ParallelDims.of(self).check(self.stage)  # types, combinations, stages: one table (layout.py)
 
+    def _check_offload_devices(self) -> None:
+        """The device forms of the offload knobs, normalized to True / False / "nvme" (what the rest of the
+        engine tests for truth keeps working); nvme_path resolved and checked (exists, writable)."""
+        self.offload_optimizer = OffloadDevice.parse(self.offload_optimizer, "offload_optimizer").knob_value
+        if isinstance(self.offload_params, str) and self.offload_params.lower() == "nvme":
+            raise ValueError("offload_params='nvme' (stage-3 parameter shards in NVMe files) is not available yet. "
+                             "Allowed: offload_params=True / 'cpu' (host memory) or False, with "
+                             "offload_optimizer='nvme' for the masters and optimizer state on NVMe.")
+        self.offload_params = OffloadDevice.parse(self.offload_params, "offload_params", ("none", "cpu")).knob_value
+        if not _is_int(self.nvme_buffer_count) or self.nvme_buffer_count < 2:
+            raise ValueError(f"nvme_buffer_count must be an int >= 2 (host buffers of the NVMe ring; 3 overlaps "
+                             f"read, step and write); got {self.nvme_buffer_count!r}.")
+        if self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
+            raise ValueError(f"nvme_path must be None or a directory path (str); got {self.nvme_path!r}.")
+        if self.offload_device is OffloadDevice.NVME:
+            if self.nvme_path is None:
+                self.nvme_path = os.environ.get(NVME_PATH_ENV) or None
+            if self.nvme_path is None:
+                raise ValueError(f"offload_optimizer='nvme' needs a directory for the scratch files: nvme_path=DIR "
+                                 f"(or the environment variable {NVME_PATH_ENV}). Allowed: an existing, "
+                                 f"writable directory on a local NVMe disk.")
+            self.nvme_path = check_nvme_dir(os.fspath(self.nvme_path))
+            if self.overlap_publish:
+                raise ValueError("overlap_publish=True does not compose with offload_optimizer='nvme' (the masters "
+                                 "are published bucket by bucket while they are in the NVMe ring). Allowed: "
+                                 "overlap_publish with offload_optimizer False / True / 'cpu'.")
+
+    @property
+    def offload_device(self) -> OffloadDevice:
+        """Where the fp32 masters and optimizer state live between steps."""
+        return OffloadDevice.parse(self.offload_optimizer, "offload_optimizer")
+
     def _check_combinations(self) -> None:
         if self.offload_optimizer and self.stage == 0:
             raise ValueError(
-                "offload_optimizer=True needs a sharded optimizer: stage 0 keeps replicated optimizer state. "
+                f"offload_optimizer={self.offload_optimizer!r} needs a sharded optimizer: stage 0 keeps replicated optimizer state. "
                 "Allowed: offload_optimizer with stage 1, 2 or 3."
             )
         if self.offload_kernel not in OFFLOAD_KERNELS:
@@ -255,4 +305,7 @@ PRESETS: dict[str, dict] = {
     "zero2_offload": dict(stage=2, offload_optimizer=True),
     "zero3": dict(stage=3),
     "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
+    # ZeRO-Infinity: masters + optimizer state in NVMe files (nvme_path, or LIGHTNING_ZERO_NVME_PATH)
+    "zero2_offload_nvme": dict(stage=2, offload_optimizer="nvme"),
+    "zero3_offload_nvme": dict(stage=3, offload_optimizer="nvme", offload_params=True),
 }

@@ -31,8 +31,9 @@ from .config import ZeroConfig
 from .engine_state import EngineMode, StepCounters
 from .memory import MemoryReport, measure_model_states
 from .groups import engine_groups, tensor_parallel_mesh
+from .nvme_states import raise_if_any_rank_failed
 from .optimizer import ShardedOptimizer
-from .publish import PublishQueue, publish_masters
+from .publish import PublishQueue, publish_chunk, publish_masters
 from .comm_report import CommReport, StepTraffic
 from .bucket_table import BucketMaker, BucketTable
 from .buffer_sync import BufferBroadcast
@@ -181,8 +182,10 @@ class ZeroEngine:
     def master_rows(self, shardeds=None) -> list[tuple[list[torch.Tensor], Any]]:
         """(masters, bucket) of every bucket of ``shardeds`` (default: all optimizers)."""
         self.ensure_published()  # whole-model views read (or write) what a pending publish writes
-        return [(row, b) for s in (self.shardeds if shardeds is None else shardeds)
-                for row, b in zip(s.masters, s.buckets)]
+        chosen = self.shardeds if shardeds is None else shardeds
+        for s in chosen:  # NVMe offload: the masters (and state) back in memory until the next step
+            s.make_resident()
+        return [(row, b) for s in chosen for row, b in zip(s.masters, s.buckets)]
 
     def sharded_for(self, optimizer) -> ShardedOptimizer:  # param_groups.OptimizerSet
         return self.opts.sharded_for(optimizer)
@@ -276,17 +279,25 @@ class ZeroEngine:
                 s.scale_grads(inv_scale * (s.clip_coef if s.clip_coef is not None else 1.0))
                 if s.clip_value is not None:
                     s.clamp_grads(s.clip_value)
-                s.step()
-            self.publish_params(optimizer)
+                s.step(self._publish_chunk if s.nvme is not None else None)  # NVMe: published as streamed
+            if self.config.offload_optimizer == "nvme":  # an I/O error on one rank stops every rank
+                raise_if_any_rank_failed([s.nvme for s in self.opts.select(optimizer)], self.group,
+                                         self.params[0].device if self.params else None)
+            self.publish_params(optimizer, streamed=False)
         self.zero_grad(optimizer)
         self._traffic.step_done()
         return not skip
 
-    def publish_params(self, optimizer=None) -> None:
-        """Copy the updated masters into the module's parameters, as the plan publishes (publish.py)."""
+    def publish_params(self, optimizer=None, streamed: bool = True) -> None:
+        """Copy the updated masters into the module's parameters, as the plan publishes (publish.py).
+        ``streamed=False``: leave out the NVMe-offloaded optimizers, whose step published each bucket."""
         cfg = self.config
-        publish_masters(self.master_rows(self.opts.select(optimizer)), self.plan, self.table, self.partitioner,
+        chosen = [s for s in self.opts.select(optimizer) if streamed or s.nvme is None]
+        publish_masters(self.master_rows(chosen), self.plan, self.table, self.partitioner,
                         self.publisher, self.shard_group, cfg.offload_optimizer, cfg.quantize_weights)
+
+    def _publish_chunk(self, row: list[torch.Tensor], bucket) -> None:
+        publish_chunk(row, bucket, self.plan, self.table, self.shard_group, self.config.quantize_weights)
 
     def zero_grad(self, optimizer=None) -> None:
         if self.mode is EngineMode.EVAL_ONLY:
@@ -396,3 +407,5 @@ class ZeroEngine:
         if self.publisher is not None:
             self.publisher.remove(wait=hand_back)
             self.publisher = None
+        for s in self.shardeds:  # NVMe scratch files: removed with the engine
+            s.close()

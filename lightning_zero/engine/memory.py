@@ -26,7 +26,7 @@ compare it with both exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Optional, Union
 
 from .plan import ShardingPlan
 from .tensor_parallel import local
@@ -48,7 +48,7 @@ def optimizer_state_bytes_per_param(name: str) -> int:
 
 def rank_model_states(
     stage: int, world_size: int, mixed: bool, numel: float, trainable: Optional[float] = None,
-    state_bytes: int = 8, offload_optimizer: bool = False, offload_params: bool = False,
+    state_bytes: int = 8, offload_optimizer: Union[bool, str] = False, offload_params: bool = False,
     full_grads: Optional[bool] = None, param_shard: Optional[float] = None, grad_shard: Optional[float] = None,
 ) -> dict[str, float]:
     """Bytes of params, grads, master and optimizer state one rank holds, and how many are on the host.
@@ -79,10 +79,13 @@ def rank_model_states(
     separate_master = (mixed or offload_optimizer) and not (host_params and not mixed)
     master = 4 * trainable / div if separate_master else 0.0
     opt = state_bytes * trainable / div
-    host = (master + opt if offload_optimizer else 0.0) + (params if host_params else 0.0)
+    # offload_optimizer="nvme": master + state in the scratch files (the step's ring is not a model state)
+    on_disk = offload_optimizer == "nvme"
+    host = (master + opt if offload_optimizer and not on_disk else 0.0) + (params if host_params else 0.0)
+    nvme = master + opt if on_disk else 0.0
     total = params + grads + master + opt
     return {"params": params, "grads": grads, "master": master, "optimizer_state": opt,
-            "model_states": total, "host": host, "device": total - host}
+            "model_states": total, "host": host, "nvme": nvme, "device": total - host - nvme}
 
 
 def model_state_floor(
@@ -94,7 +97,7 @@ def model_state_floor(
     r = rank_model_states(stage, world_size, mixed, numel, state_bytes=state_bytes,
                           offload_optimizer=offload_optimizer, offload_params=offload_params)
     return {"params": r["params"], "grads": r["grads"], "optimizer": r["master"] + r["optimizer_state"],
-            "device": r["device"], "host": r["host"]}
+            "device": r["device"], "host": r["host"], "nvme": r["nvme"]}
 
 
 def measure_model_states(params, shardeds, reducer=None, partitioner=None, offload_optimizer: bool = False,
@@ -114,8 +117,10 @@ def measure_model_states(params, shardeds, reducer=None, partitioner=None, offlo
         master=sum(s.master_bytes() for s in shardeds),
         optimizer_state=sum(s.state_bytes() for s in shardeds),
     )
-    if offload_optimizer:
-        r.host = r.master + r.optimizer_state
+    if offload_optimizer:  # NVMe: what is only in the scratch files now is on disk, not in host memory
+        r.nvme = sum(s.nvme_bytes() for s in shardeds)
+        r.ring = sum(s.ring_bytes() for s in shardeds)
+        r.host = r.master + r.optimizer_state - r.nvme
     if part is not None and offload_params:
         r.host += part.shard_bytes()
     return r
@@ -131,6 +136,8 @@ class MemoryReport:
     master: int = 0  # fp32 master copies that do not alias the parameters
     optimizer_state: int = 0  # tensors in optimizer.state
     host: int = 0  # bytes of the above that live in CPU memory while compute is on an accelerator
+    nvme: int = 0  # bytes of the above only in NVMe scratch files now (offload_optimizer="nvme")
+    ring: int = 0  # host buffers the NVMe step streams those through (not model states: the bound on them)
 
     @property
     def model_states(self) -> int:

@@ -20,13 +20,14 @@ are refused with an error; :func:`register_shardable_optimizer` admits a custom 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from . import collectives as C
 from . import tensor_parallel as TP
 from .buckets import Bucket
+from .nvme_states import NvmeStates
 from .optimizer_state import consolidate_optimizer_state, load_sharded_optimizer_state
 from .plan import ShardingPlan
 
@@ -84,11 +85,23 @@ class ShardedOptimizer:
 
     def full_state_dict(self, group=None) -> dict:
         """The full (unsharded) optimizer state on rank 0 of ``group``, as a plain optimizer saves it."""
+        self.make_resident()
         return consolidate_optimizer_state(self, group)
 
     def load_full_state_dict(self, full: dict) -> None:
         """Re-slice a full optimizer state (any world size or stage) into this rank's shards."""
+        self.make_resident()
         load_sharded_optimizer_state(self, full)
+
+    def make_resident(self) -> None:
+        """NVMe offload: masters and state back in host memory until the next step (whole views)."""
+        if self.nvme is not None:
+            self.nvme.make_resident()
+
+    def close(self) -> None:
+        """End of the engine: the NVMe scratch file removed (no-op otherwise)."""
+        if self.nvme is not None:
+            self.nvme.close()
 
     def __init__(
         self,
@@ -101,12 +114,15 @@ class ShardedOptimizer:
         fused_on_cpu: bool = True,
         tp_group: Optional[object] = None,
         tp_size: int = 1,
+        nvme: Optional[dict] = None,
     ) -> None:
         """``sources`` (stage 3): per bucket and parameter, this rank's fp32 slice to take the master from
         (the parameter itself no longer holds its values then). ``plan`` ([Note: sharding plan]): whole or
         sliced masters, and ``separate_masters`` (never alias a parameter whose gathered copy is rounded:
         quantized publish). ``fused_on_cpu``: an offloaded step
-        swaps in torch's fused CPU kernel (``ZeroConfig.offload_kernel="fused"``); False keeps the user's."""
+        swaps in torch's fused CPU kernel (``ZeroConfig.offload_kernel="fused"``); False keeps the user's.
+        ``nvme`` (``offload_optimizer="nvme"``): dict(directory, rank, buffer_count): the offloaded masters and
+        state live in a scratch file there between steps and the step streams them (nvme_states.py)."""
         check_shardable(optimizer, plan.stage)
         self.optimizer = optimizer
         self.plan = plan
@@ -120,13 +136,16 @@ class ShardedOptimizer:
         self.device = device  # where the gradients are reduced (the compute device)
         self.master_device = torch.device("cpu") if offload else device
         pin = offload and torch.cuda.is_available()
-        self._pin = pin
+        self._pin = pin and nvme is None  # NVMe: the ring's slots are pinned, not every master
+        self.nvme: Optional[NvmeStates] = None
         self.masters: list[list[torch.Tensor]] = []  # per bucket of self.buckets
         self._aliased: list[bool] = []  # a master aliasing its source costs no extra bytes
         self.buckets: list[Bucket] = []  # this optimizer's buckets (a bucket never spans two optimizers)
         # tensor parallelism (engine/tensor_parallel.py): the TP group the squares are also summed over, and
         # what each parameter's squares count for there (1/T for one every TP rank holds whole)
         self.tp_group, self.tp_size = tp_group, tp_size
+        if nvme is not None:
+            self.nvme = self._nvme_states(nvme, buckets, sources, pin)
         self._rebind(self._add_masters(buckets, sources))
         if self._swap_kernel:
             self._use_fused_cpu_kernels()
@@ -150,7 +169,20 @@ class ShardedOptimizer:
                 by_param[id(p)] = m
             self.masters.append(row)
             self.buckets.append(b)
+            if self.nvme is not None:  # into the file now: setup holds one bucket's masters at a time
+                self.nvme.add_chunk(row, [not a for a in self._aliased[-len(row):]])
         return by_param
+
+    def _nvme_states(self, nvme: dict, buckets: list[Bucket], sources, pin: bool) -> NvmeStates:
+        """The scratch file, its free space checked for every bucket's masters + state before any is written."""
+        numel, swap = [], []
+        for bi, b in enumerate(buckets):
+            numel.append([spec.shard_len if self.plan.shards_optimizer_state else spec.numel for spec in b.specs])
+            # a stage-3 host fp32 shard is the master itself (offload_params): it stays where it is
+            swap.append([not (sources is not None and self._compute_fp32 and sources[bi][pi].dtype == torch.float32
+                              and sources[bi][pi].device.type == "cpu") for pi in range(len(b.params))])
+        return NvmeStates(self.optimizer, nvme["directory"], nvme["rank"], nvme["buffer_count"], pin, numel, swap,
+                          nvme.get("direct", False))
 
     def add_group(self, group: dict, buckets: list[Bucket], sources=None) -> None:
         """``optimizer.add_param_group`` after setup: masters for the new buckets (from the parameters'
@@ -316,10 +348,31 @@ class ShardedOptimizer:
                 m.grad = None
 
     # -- update -------------------------------------------------------------------------------------
-    def step(self) -> None:
-        self.optimizer.step()
+    def step(self, publish_chunk: Optional[Callable[[list[torch.Tensor], Bucket], None]] = None) -> None:
+        """The optimizer's step on the masters. NVMe offload: bucket by bucket through the ring, each bucket
+        published by ``publish_chunk(masters, bucket)`` while its masters are in memory."""
+        if self.nvme is None:
+            self.optimizer.step()
+            return
+        after = (lambda k: publish_chunk(self.masters[k], self.buckets[k])) if publish_chunk is not None else None
+        self.nvme.stream(self._step_bucket, after)
+
+    def _step_bucket(self, k: int) -> None:
+        """The user's optimizer on bucket ``k``'s masters only: every group keeps its hyper-parameters and
+        per-parameter state; an elementwise update of a subset is that subset of the whole update."""
+        mine = {id(m) for m in self.masters[k]}
+        groups = self.optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g, params in zip(groups, saved):
+                g["params"] = [m for m in params if id(m) in mine]
+            self.optimizer.step()
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
 
     def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank owns (NVMe offload: wherever they are; see nvme_bytes)."""
         total = 0
         for st in self.optimizer.state.values():
             for v in st.values():
@@ -331,6 +384,14 @@ class ShardedOptimizer:
         """Bytes of fp32 master storage *separate* from the parameters (0 when masters are views)."""
         flat = (m for row in self.masters for m in row)
         return sum(m.numel() * m.element_size() for m, a in zip(flat, self._aliased) if not a)
+
+    def nvme_bytes(self) -> int:
+        """Bytes of masters and state now only in the NVMe scratch file (0 without NVMe offload)."""
+        return self.nvme.swapped_bytes() if self.nvme is not None else 0
+
+    def ring_bytes(self) -> int:
+        """Host bytes of the NVMe ring buffers (the bound on the states' host memory during a step)."""
+        return self.nvme.ring_bytes if self.nvme is not None else 0
 
 
 def kernel_swap_line(shardeds: list["ShardedOptimizer"]) -> Optional[str]:

@@ -20,6 +20,7 @@ under DDP), so the new collectives line up.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from torch import nn
@@ -78,6 +79,13 @@ def _shared_error(name: str, a: int, b: int) -> str:
             "optimizers over disjoint parameter sets (e.g. a GAN's generator and discriminator).")
 
 
+def _nvme_args(cfg) -> Optional[dict]:
+    """Where an optimizer's states go with offload_optimizer="nvme" (one scratch file per rank and optimizer)."""
+    if cfg.offload_optimizer != "nvme":
+        return None
+    return dict(directory=cfg.nvme_path, rank=C.rank(), buffer_count=cfg.nvme_buffer_count, direct=cfg.nvme_direct)
+
+
 def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None) -> list[ShardedOptimizer]:
     """One :class:`ShardedOptimizer` per optimizer over its own rows of the bucket ``table``; ``tp``: the
     tensor-parallel mesh, whose group the gradient norm also sums over."""
@@ -88,7 +96,8 @@ def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None) -> li
                                     [r.sources for r in rows] if plan.shards_params else None,
                                     fused_on_cpu=cfg.offload_kernel == "fused",
                                     tp_group=tp.tp_group if tp is not None else None,
-                                    tp_size=tp.tp_size if tp is not None else 1))
+                                    tp_size=tp.tp_size if tp is not None else 1,
+                                    nvme=_nvme_args(cfg)))
     swap = kernel_swap_line(out)
     if swap is not None and C.rank() == 0:
         _log.info(swap)

@@ -78,6 +78,20 @@ def publish_masters(rows: list[tuple[list[torch.Tensor], Bucket]], plan: Shardin
 
 
 @torch.no_grad()
+def publish_chunk(row: list[torch.Tensor], b: Bucket, plan: ShardingPlan, table: Any, group: Optional[Any],
+                  quantized: bool) -> None:
+    """One bucket's updated host masters, published while they are in memory (NVMe offload streams the
+    buckets through a ring): into the unit shards (stage 3; the engine's after-step follows the whole
+    step) or by the bucket's all-gather (stages 1-2)."""
+    if plan.publish is Publish.UNIT_SHARDS:
+        for m, src in zip(row, table.sources(b.index)):
+            if m is not src:
+                src.copy_(m)
+    else:
+        publish_blocking([(row, b)], group, True, quantized)
+
+
+@torch.no_grad()
 def publish_blocking(rows: list[tuple[list[torch.Tensor], Bucket]], group: Optional[Any], host: bool,
                      quantized: bool) -> None:
     """The default publish: every bucket's all-gather before ``step()`` returns, at most three in flight

@@ -5,7 +5,7 @@ Design note
 A CPU has no out-of-memory error to probe with, so "fits" is a stated rule, checked against a byte cap:
 
     step bytes = device-side model states held after backward (``engine.memory_report()``: params, grads,
-                 gradient shards, masters, optimizer state, minus what lives on the host when offloaded)
+                 gradient shards, masters, optimizer state, minus what lives on the host or on NVMe when offloaded)
                + at stage 3, the peak of gathered units above what is still gathered then
                + the optimizer state the step itself creates (the first step allocates it while the
                  gradients are still alive; read after the step)
@@ -45,7 +45,7 @@ def step_device_bytes(mem: dict, activations: int, created_state: int = 0) -> in
     """The rule of the module docstring from its measured parts: ``mem`` after backward
     (:func:`engine_memory`), ``activations`` (saved + recompute bytes), ``created_state`` (device bytes
     of optimizer state the step added)."""
-    device = mem["model_states"] - mem.get("host", 0)
+    device = mem["model_states"] - mem.get("host", 0) - mem.get("nvme", 0)  # NVMe offload: on disk
     device += mem.get("peak_gathered", 0) - mem.get("gathered_now", 0)
     return int(device + created_state + activations)
 

@@ -40,8 +40,8 @@ def rank_numbers(engine) -> dict[str, int]:
             grads = sum(b.shard_numel * (engine.config.reduce_dtype or b.params[0].dtype).itemsize
                         for b in engine.buckets)
     mine = {"params": r.params, "grads": grads, "master": r.master,
-            "optimizer_state": r.optimizer_state, "host": r.host}
-    mine["device"] = sum(mine[k] for k, _ in _ROWS) - r.host
+            "optimizer_state": r.optimizer_state, "host": r.host, "nvme": r.nvme, "ring": r.ring}
+    mine["device"] = sum(mine[k] for k, _ in _ROWS) - r.host - r.nvme
     if engine.tensor_parallel is not None:  # DDP's column: this rank's local pieces
         mine["tp_rank"] = engine.tensor_parallel.mesh.get_local_rank(TP.TP_DIM)
         mine["ddp_numel"] = sum({id(p): TP.local_numel(p) for p in engine.module.parameters()}.values())
@@ -72,7 +72,7 @@ def ddp_numbers(engine, ranks: list[dict]) -> dict[str, float]:
         numel = sum({id(p): p.numel() for p in engine.module.parameters()}.values())  # frozen too, tied once
         state = sum(r["optimizer_state"] for r in ranks) if sharded else ranks[0]["optimizer_state"]
     ddp = {"params": size * numel, "grads": size * trainable, "master": 4 * trainable if mixed else 0,
-           "optimizer_state": state, "host": 0}
+           "optimizer_state": state, "host": 0, "nvme": 0, "ring": 0}
     ddp["device"] = sum(ddp[k] for k, _ in _ROWS)
     return ddp
 
@@ -93,7 +93,8 @@ def _ratio(ddp: float, zero: float) -> str:
 def format_table(zero_config, world_size: int, ranks: list[dict], ddp: dict) -> str:
     """One compact table: the largest rank's bytes (and rank 0's when they differ), DDP's, the saving."""
     worst = {k: max(r[k] for r in ranks) for k in ranks[0]}
-    off = [w for w, on in (("optimizer", zero_config.offload_optimizer), ("params", zero_config.offload_params)) if on]
+    nvme = " (NVMe)" if zero_config.offload_optimizer == "nvme" else ""
+    off = [w for w, on in (("optimizer" + nvme, zero_config.offload_optimizer), ("params", zero_config.offload_params)) if on]
     tp = len({r["tp_rank"] for r in ranks}) if "tp_rank" in ranks[0] else None
     head = (f"ZeRO stage {zero_config.stage} on {world_size} rank(s)" + (f", offload {'+'.join(off)}" if off else "")
             + (f", tensor parallel {tp} x data parallel {world_size // tp}" if tp else "")
@@ -104,6 +105,9 @@ def format_table(zero_config, world_size: int, ranks: list[dict], ddp: dict) -> 
         rows.append((label, _mb(worst[key]), _mb(ddp[key]), _ratio(ddp[key], worst[key])))
     rows.append(("device total", _mb(worst["device"]), _mb(ddp["device"]), _ratio(ddp["device"], worst["device"])))
     rows.append(("host (offloaded)", _mb(worst["host"]), _mb(0), ""))
+    if worst.get("nvme"):  # offload_optimizer="nvme": on disk between steps, through the ring during one
+        rows.append(("NVMe (offloaded)", _mb(worst["nvme"]), _mb(0), ""))
+        rows.append(("host NVMe ring", _mb(worst["ring"]), _mb(0), ""))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [head] + ["  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
                       for r in rows]
@@ -115,7 +119,8 @@ def format_table(zero_config, world_size: int, ranks: list[dict], ddp: dict) -> 
 
 def metrics(ranks: list[dict], ddp: dict) -> dict[str, float]:
     worst = {k: max(r[k] for r in ranks) for k in ranks[0]}
-    out = {f"zero/{k}_mb": worst[k] / 2**20 for k in ("params", "grads", "master", "optimizer_state", "host")}
+    out = {f"zero/{k}_mb": worst[k] / 2**20 for k in ("params", "grads", "master", "optimizer_state", "host", "nvme")
+           if k in worst}
     out["zero/model_states_mb"] = worst["device"] / 2**20
     out["zero/ddp_model_states_mb"] = ddp["device"] / 2**20
     out["zero/saving_vs_ddp"] = ddp["device"] / worst["device"] if worst["device"] else float("inf")

@@ -37,8 +37,17 @@ _O = Optional[Any]
 #: the ZeroConfig knobs (named like its fields: ``zero_setup.zero_config`` takes them) and the process knobs
 SHARED: tuple[Arg, ...] = (
     Arg("stage", 2, int, "0 (DDP-equivalent), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters)."),
-    Arg("offload_optimizer", False, bool, "keep fp32 master shards and optimizer state in CPU memory, step there."),
-    Arg("offload_params", False, bool, "stage 3 only: parameter shards live in CPU memory between uses."),
+    Arg("offload_optimizer", False, Union[bool, str], 'keep fp32 master shards and optimizer state off the device and '
+        'step them on the CPU: True / "cpu" (host memory) or "nvme" (ZeRO-Infinity: per-rank scratch files under '
+        '``nvme_path``, streamed through ``nvme_buffer_count`` host buffers each step); False / "none": on the device.'),
+    Arg("offload_params", False, Union[bool, str], 'stage 3 only: parameter shards live in CPU memory between uses '
+                                                   '(True / "cpu").'),
+    Arg("nvme_path", None, Optional[str], "nvme_path, nvme_buffer_count, nvme_direct: offload_optimizer=\"nvme\"'s "
+        "directory (existing, writable, on a local NVMe disk; None = the environment variable "
+        "LIGHTNING_ZERO_NVME_PATH), its ring of host buffers (>= 2; 3 overlaps read, step and write) and O_DIRECT "
+        "I/O (the disk's DMA instead of page-cache copies on the CPU)."),
+    Arg("nvme_buffer_count", 3, int),
+    Arg("nvme_direct", False, bool),
     Arg("bucket_mb", 25.0, float, "size cap of one communication bucket (MiB)."),
     Arg("reduce_dtype", None, _O, 'dtype of gradient reductions (None = compute dtype, or "fp32").'),
     Arg("broadcast_buffers", True, bool, "copy rank 0's buffers to every rank before each training step (as DDP)."),

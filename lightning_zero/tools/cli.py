@@ -178,7 +178,7 @@ def _estimate(args: argparse.Namespace) -> int:
         settings=args.settings.split(",") if args.settings else None, vocab_size=vocab,
         shard_group_size=args.shard_group_size, activation_checkpointing=args.activation_checkpointing,
         offload_activations=args.offload_activations, tensor_parallel_size=args.tensor_parallel_size,
-        activation_probe=probe)
+        activation_probe=probe, nvme_step_time=args.step_time)
     print(est)
     return 0
 
@@ -241,7 +241,9 @@ def _add_estimate(sub) -> None:
     p.add_argument("--tgt-len", type=int, default=128, help="target tokens per sample")
     p.add_argument("--device-memory", type=float, default=None, metavar="GB", help="memory per device: say what fits")
     p.add_argument("--cpu-memory", type=float, default=None, metavar="GB", help="CPU RAM per node (with --device-memory)")
-    p.add_argument("--settings", default=None, help="comma list of settings to show (default: all seven)")
+    p.add_argument("--settings", default=None, help="comma list of settings to show (default: all nine)")
+    p.add_argument("--step-time", type=float, default=1.0, metavar="S",
+                   help="the optimizer step time (s) the NVMe rows' needed disk bandwidth is given for")
     p.add_argument("--shard-group-size", type=int, default=None, metavar="K",
                    help="hybrid sharding: shard over groups of K ranks (e.g. GPUs per node); also shows K = ranks")
     p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="T",

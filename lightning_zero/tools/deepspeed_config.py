@@ -12,7 +12,9 @@ each setting lives here, so nothing is silently dropped:
   step at ``warmup_min_lr``);
 * a key that only tunes DeepSpeed's own machinery (``overlap_comm``, ``sub_group_size``, logging, ...)
   is listed in ``ignored`` with the reason;
-* anything else -- an unknown key, NVMe offload, a non-elementwise optimizer, fp16 and bf16 together --
+* ZeRO-Infinity's ``offload_optimizer.device: "nvme"`` becomes ``offload_optimizer="nvme"`` with its
+  ``nvme_path`` and ``buffer_count`` (``nvme_buffer_count``); the ``aio`` block tunes DeepSpeed's libaio only;
+* anything else -- an unknown key, parameters on NVMe, a non-elementwise optimizer, fp16 and bf16 together --
   is refused with one error that names what is allowed.
 
 ``"auto"`` is HF Trainer's placeholder for "the value of the setting beside it" (its
@@ -40,6 +42,7 @@ from .deepspeed_schedule import DeepSpeedWarmupLR
 # keys that tune DeepSpeed's internals or its own logging; the run is the same without them
 _NO_EFFECT = {
     "steps_per_print": "Lightning logs (log_every_n_steps)",
+    "aio": "NVMe I/O runs through os.preadv/pwritev reader and writer threads (no libaio)",
     "wall_clock_breakdown": "use Lightning's profiler",
     "dump_state": "DeepSpeed debugging",
     "prescale_gradients": "gradients are averaged in the reduction",
@@ -150,7 +153,8 @@ class DeepSpeedTranslation:
     def hydra_overrides(self) -> tuple[list[str], list[str]]:
         """(overrides for ``examples/t5_finetune.py``, notes on what the recipe cannot take as it is)."""
         offload = self.strategy.get("offload_optimizer") or self.strategy.get("offload_params")
-        o = {"strategy.name": f"zero{self.strategy.get('stage', 0)}{'_offload' if offload else ''}"}  # a label
+        nvme = "_nvme" if self.strategy.get("offload_optimizer") == "nvme" else ""
+        o = {"strategy.name": f"zero{self.strategy.get('stage', 0)}{'_offload' + nvme if offload else ''}"}  # a label
         o.update({f"strategy.{k}": v for k, v in self.strategy.items()})
         # no unit_classes: the recipe's default unit policy already makes one unit per T5Block, as its preset
         if self.precision is not None:
@@ -188,8 +192,11 @@ def _hydra(v) -> str:
 _OFFLOAD_NOTES = {
     "pin_memory": "host buffers are always pinned when a CUDA device is used",
     "fast_init": "offloaded state is built shard by shard", "ratio": "the whole optimizer state is offloaded",
-    "buffer_count": "NVMe offload tuning", "buffer_size": "NVMe offload tuning", "max_in_cpu": "NVMe offload tuning",
-    "pipeline": "NVMe offload tuning", "pipeline_read": "NVMe offload tuning", "pipeline_write": "NVMe offload tuning",
+    "buffer_size": "each NVMe ring buffer holds one gradient bucket's masters + state (bucket_mb sets it)",
+    "max_in_cpu": "NVMe offload keeps nothing in host memory beyond the ring",
+    "pipeline": "the NVMe step always overlaps reads, the CPU step and writes",
+    "pipeline_read": "the NVMe step always overlaps reads, the CPU step and writes",
+    "pipeline_write": "the NVMe step always overlaps reads, the CPU step and writes",
 }
 
 
@@ -199,17 +206,29 @@ def _positive_int(value, where: str) -> int:
     return value
 
 
-def _offload(block, key: str, out: "DeepSpeedTranslation") -> bool:
-    """True for device 'cpu', False for 'none'/absent; NVMe and unknown devices are refused."""
+def _offload(block, key: str, out: "DeepSpeedTranslation", nvme: dict):
+    """True for device 'cpu', False for 'none'/absent, "nvme" for the optimizer's (ZeRO-Infinity; its
+    ``nvme_path`` / ``buffer_count`` into ``nvme``); parameters on NVMe and unknown devices are refused."""
     if _unset(block):
         return False
     _check_keys(block, _OFFLOAD_KEYS, f"zero_optimization.{key}")
     device = str(block.get("device", "none")).lower()
-    if device not in ("cpu", "none"):
-        raise DeepSpeedConfigError(
-            f"zero_optimization.{key}.device={device!r} is not supported. Allowed: 'cpu', 'none'.")
-    out.ignored.update({f"zero_optimization.{key}.{k}": why for k, why in _OFFLOAD_NOTES.items() if k in block})
-    return device == "cpu"
+    allowed = ("cpu", "none", "nvme") if key == "offload_optimizer" else ("cpu", "none")
+    if device not in allowed:
+        more = " (parameter shards on NVMe are not available; offload_optimizer.device may be 'nvme')" \
+            if device == "nvme" else ""
+        raise DeepSpeedConfigError(f"zero_optimization.{key}.device={device!r} is not supported{more}. "
+                                   f"Allowed: {', '.join(map(repr, allowed))}.")
+    notes = dict(_OFFLOAD_NOTES)
+    if device == "nvme":
+        if not _unset(block.get("nvme_path")):
+            nvme["nvme_path"] = str(block["nvme_path"])
+        if not _unset(block.get("buffer_count")):
+            nvme["nvme_buffer_count"] = _positive_int(block["buffer_count"], f"zero_optimization.{key}.buffer_count")
+    else:
+        notes.update({k: "NVMe offload tuning (device is not 'nvme')" for k in ("buffer_count", "nvme_path")})
+    out.ignored.update({f"zero_optimization.{key}.{k}": why for k, why in notes.items() if k in block})
+    return "nvme" if device == "nvme" else device == "cpu"
 
 
 def _precision(cfg: dict, out: DeepSpeedTranslation, auto: _Auto) -> None:
@@ -246,9 +265,11 @@ def _zero(cfg: dict, out: DeepSpeedTranslation, elem_bytes: int, auto: _Auto) ->
     zero = cfg.get("zero_optimization") or {}
     _check_keys(zero, _ZERO_KEYS, "zero_optimization")
     stage = 0 if _unset(zero.get("stage")) else zero["stage"]
-    offload_opt = _offload(zero.get("offload_optimizer"), "offload_optimizer", out) or zero.get("cpu_offload") is True
-    offload_par = _offload(zero.get("offload_param"), "offload_param", out) or zero.get("cpu_offload_params") is True
-    s = {"stage": stage, "offload_optimizer": offload_opt, "offload_params": offload_par}
+    nvme: dict = {}
+    offload_opt = (_offload(zero.get("offload_optimizer"), "offload_optimizer", out, nvme)
+                   or zero.get("cpu_offload") is True)
+    offload_par = _offload(zero.get("offload_param"), "offload_param", out, nvme) or zero.get("cpu_offload_params") is True
+    s = {"stage": stage, "offload_optimizer": offload_opt, "offload_params": offload_par, **nvme}
     hidden = lambda v: v.get("hidden_size")  # noqa: E731
     bucket = auto.resolve("zero_optimization.reduce_bucket_size", zero.get("reduce_bucket_size"), "hidden_size",
                           lambda v: hidden(v) and hidden(v) ** 2)

@@ -40,7 +40,7 @@ GiB = 2**30
 MiB = 2**20
 # (stage, offload) -> conf/strategy preset; offload = optimizer offload (+ param shards at stage 3)
 # (stage, offloaded) -> preset name, from the one preset table
-SETTINGS: dict[tuple[int, bool], str] = {(kw["stage"], kw.get("offload_optimizer", False)): name
+SETTINGS: dict[tuple[int, Union[bool, str]], str] = {(kw["stage"], kw.get("offload_optimizer", False)): name
                                          for name, kw in PRESETS.items()}
 PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
 from .t5_dims import (BYTE_VOCAB, RECIPE_VOCAB, T5Dims, t5_activation_bytes, t5_activation_memory, t5_dims,  # noqa: F401
@@ -144,6 +144,7 @@ class Row:
     host_per_rank: float
     cpu_ram_per_node: float
     fits: Optional[bool] = None
+    nvme_per_rank: float = 0.0  # offload_optimizer="nvme": masters + state in the scratch file (read + written per step)
     states_world: Optional[dict] = None  # hybrid sharding: the same setting's model states at K = world size
 
 
@@ -167,6 +168,7 @@ class Estimate:
     activation_parts: Optional[dict] = None  # t5_activation_memory: device, host, saved, recompute
     tensor_parallel: Optional[object] = None  # estimate_tp.TensorParallelSplit (tensor_parallel_size only)
     activation_probe: Optional[object] = None  # estimate_activations.ActivationProbe (measured activations)
+    nvme_step_time: float = 1.0  # seconds per optimizer step the NVMe bandwidth line is computed for
 
     @property
     def ranks_per_node(self) -> int:
@@ -207,6 +209,7 @@ def estimate_model_states(
     tensor_parallel_size: Optional[int] = None,
     tensor_parallel_plan: Optional[dict] = None,
     activation_probe: Optional[object] = None,
+    nvme_step_time: float = 1.0,
 ) -> Estimate:
     """Per-rank device bytes and per-node CPU RAM for every ZeRO stage x offload setting.
 
@@ -224,6 +227,7 @@ def estimate_model_states(
     ``activation_probe`` (:func:`~.estimate_activations.probe_activations`): with ``batch_size``, the
     activations of any model, measured at the probe's micro-batch and scaled linearly (instead of the T5
     formula; without checkpointing or offload, which the probe does not apply).
+    ``nvme_step_time``: the step time (s) the ``*_offload_nvme`` rows' needed disk bandwidth is given for.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}. Allowed: 32-true, bf16-mixed, 16-mixed.")
@@ -285,8 +289,9 @@ def estimate_model_states(
         buf = buffer_bytes(info, stage, offload, shards, mixed, bucket_mb, grad_accumulation > 1)
         peak = st["device"] + max(buf["backward"] + (act or 0.0), buf["step"])
         staging = 4 * info.trainable / shards if offload else 0.0  # fp32 gradient copies for the CPU step
-        host = st["host"] + staging + (parts["host"] if parts else 0)
-        row = Row(name, stage, offload, st, buf, act, peak, host, host * ranks_per_node)
+        host = st["host"] + staging + (parts["host"] if parts else 0) + nvme_ring_bytes(info, offload, shards, k,
+                                                                                        bucket_mb)
+        row = Row(name, stage, offload, st, buf, act, peak, host, host * ranks_per_node, nvme_per_rank=st["nvme"])
         if shards != world_size and stage >= 1:
             row.states_world = model_state_bytes(info, stage, offload, world_size, mixed, k, grad_accumulation > 1)
         if device_memory_gb is not None:
@@ -297,7 +302,29 @@ def estimate_model_states(
                     device_memory_gb * GiB if device_memory_gb is not None else None,
                     cpu_memory_gb * GiB if cpu_memory_gb is not None else None,
                     shard_group_size if shards != world_size else None,
-                    activation_checkpointing, offload_activations, parts, split, activation_probe)
+                    activation_checkpointing, offload_activations, parts, split, activation_probe, nvme_step_time)
+
+
+def nvme_ring_bytes(info: ModelInfo, offload, shards: int, k: int, bucket_mb: float, buffers: int = 3) -> float:
+    """Host bytes of the NVMe step's ring (engine/nvme_states.py): ``buffers`` slots, each one bucket's shard
+    of masters + state (a parameter larger than the cap gets a bucket of its own)."""
+    if offload != "nvme":
+        return 0.0
+    bucket = min(info.trainable, max(bucket_mb * MiB / 4, info.largest_param, info.largest_unit))
+    return buffers * (4 + k) * bucket / shards
+
+
+def _offload_word(offload) -> str:
+    return "nvme" if offload == "nvme" else ("yes" if offload else "no")
+
+
+def nvme_bandwidth_line(rows: list[Row], ranks_per_node: int, step_time: float) -> str:
+    """What the disk must sustain: every step reads and writes each rank's on-disk states once."""
+    parts = [f"{r.setting} {_gib(2 * r.nvme_per_rank)} GiB/rank/step = "
+             f"{2 * r.nvme_per_rank * ranks_per_node / step_time / 1e9:.2f} GB/s per node" for r in rows]
+    return (f"NVMe/rank: masters + optimizer state in the scratch files (offload_optimizer='nvme'); each step reads "
+            f"and writes them once, so at a {step_time:g} s step the disks need: " + "; ".join(parts) + " (sequential "
+            "read + write; host/rank of those rows includes the ring of 3 buffers).")
 
 
 def _gib(x: Optional[float]) -> str:
@@ -329,8 +356,9 @@ def format_estimate(est: Estimate) -> str:
                      "of a --module factory)")
     lines.append("GiB per rank unless noted (M = MiB); states = params + grads + master + optimizer state")
     cap = f" fits {est.device_memory / GiB:g} GiB |" if est.device_memory is not None else ""
-    head = (f"| setting       | stage | offload | params | grads | master+optim | device states | buffers bwd/step "
-            f"| activations | peak device | host/rank | CPU RAM/node |{cap}")
+    w = max([13] + [len(r.setting) for r in est.rows])
+    head = (f"| {'setting':<{w}} | stage | offload | params | grads | master+optim | device states | buffers bwd/step "
+            f"| activations | peak device | host/rank | CPU RAM/node | NVMe/rank |{cap}")
     lines += [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in est.rows:
         st = r.states
@@ -338,10 +366,11 @@ def format_estimate(est: Estimate) -> str:
         mo = 0.0 if r.offload else st["master"] + st["optimizer_state"]
         fits = f" {'yes' if r.fits else 'NO':>{len(cap) - 3}} |" if cap else ""
         lines.append(
-            f"| {r.setting:<13} | {r.stage:>5} | {'yes' if r.offload else 'no':>7} | {_gib(params_dev):>6} "
+            f"| {r.setting:<{w}} | {r.stage:>5} | {_offload_word(r.offload):>7} | {_gib(params_dev):>6} "
             f"| {_gib(st['grads']):>5} | {_gib(mo):>12} | {_gib(st['device']):>13} "
             f"| {_gib(r.buffers['backward']) + '/' + _gib(r.buffers['step']):>16} | {_gib(r.activations):>11} "
-            f"| {_gib(r.peak_device):>11} | {_gib(r.host_per_rank):>9} | {_gib(r.cpu_ram_per_node):>12} |{fits}")
+            f"| {_gib(r.peak_device):>11} | {_gib(r.host_per_rank):>9} | {_gib(r.cpu_ram_per_node):>12} "
+            f"| {_gib(r.nvme_per_rank):>9} |{fits}")
     if est.tensor_parallel is not None:
         from .estimate_tp import tensor_parallel_line
 
@@ -355,6 +384,9 @@ def format_estimate(est: Estimate) -> str:
     lines.append(f"host/rank: offloaded states + fp32 gradient copies for the CPU step; CPU RAM/node = host/rank x "
                  f"{est.ranks_per_node} rank(s) per node (plus {_gib(4 * info.numel * est.ranks_per_node)} GiB/node "
                  "while building an fp32 model eagerly; stage 3 with meta-device init avoids it).")
+    nvme = [r for r in est.rows if r.nvme_per_rank]
+    if nvme:
+        lines.append(nvme_bandwidth_line(nvme, est.ranks_per_node, est.nvme_step_time))
     if est.device_memory is not None:
         ok = [r for r in est.rows if r.fits]
         no = [r for r in est.rows if not r.fits]

@@ -98,8 +98,9 @@ def chosen_settings(stages: Sequence[int] | str = (0, 1, 2, 3), offload: str = "
         stages = [int(s) for s in stages.split(",") if s.strip()]
     if offload not in ("both", "no", "only"):
         raise ValueError(f"offload must be 'both', 'no' or 'only'; got {offload!r}.")
-    return [name for (stage, off), name in SETTINGS.items()
-            if stage in stages and not (offload == "no" and off) and not (offload == "only" and not off)]
+    # the NVMe presets hold on the device what their CPU-offload twins hold: nothing more to measure
+    return [name for (stage, off), name in SETTINGS.items() if off != "nvme"
+            and stage in stages and not (offload == "no" and off) and not (offload == "only" and not off)]
 
 
 def tune_module(spec: str, memory_mb: Optional[float] = None, memory_gb: Optional[float] = None, devices: int = 1,

@@ -222,8 +222,8 @@ def tune(
     cands: list[Candidate] = []
     specs: dict[str, dict] = {}
     for (stage, off), name in SETTINGS.items():
-        if stage not in stages or (offload == "no" and off) or (offload == "only" and not off):
-            continue
+        if stage not in stages or (offload == "no" and off) or (offload == "only" and not off) or off == "nvme":
+            continue  # an NVMe preset's device memory is its CPU-offload twin's: nothing more to measure
         for suffix in (ACTIVATION_VARIANTS if searched else [""]):
             c = Candidate(name + suffix, stage, off,
                           model_state_bytes(info, stage, off, world, mixed, k, accum > 1)["device"])
