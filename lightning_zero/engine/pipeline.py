@@ -40,7 +40,7 @@ from .engine_state import EngineMode
 from .groups import check_pipeline_size, pipeline_layout  # noqa: F401  (the layout's, re-exported)
 from .layout import ParallelDims, PipelineLayout  # noqa: F401
 from .memory import model_state_floor
-from .pipeline_checkpoint import source_names, stage_state_dicts  # noqa: F401
+from .pipeline_state import source_names, stage_state_dicts  # noqa: F401
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 

@@ -58,7 +58,7 @@ import torch
 from ..engine.layout import ParallelDims
 from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size, virtual_stages
 from .compat import MultiProcessingLauncher
-from .pipeline_checkpoint import PipelineCheckpointMixin
+from .pipeline_checkpoint_strategy import PipelineCheckpointMixin
 from .pipeline_chunks import chunk_optimizers, sync_hyperparameters
 from .strategy import TrainerFn, ZeroStrategy
 from .strategy_args import PIPELINE as PIPELINE_ARGS, PIPELINE_ONLY, bind, declare
