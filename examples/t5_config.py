@@ -123,6 +123,9 @@ class DataConf:
     # kind=stdlib only
     summary: str = "sentence"  # target: the docstring's first "sentence" or first "paragraph"
     max_pairs: Optional[int] = 6000
+    # functions longer than this (characters, docstring removed) are left out of the set, not truncated;
+    # the long-input preset (data=stdlib_long) raises it so that whole long functions come in
+    max_source_chars: int = 2000
     stdlib_packages: Optional[List[str]] = None  # restrict to top-level stdlib packages (fast tests)
     cache_dir: Optional[str] = None  # null = ~/.cache/lightning_zero/t5_data
 
@@ -340,8 +343,11 @@ def build_datamodule(cfg: Any, tokenizer: Any = None):
                   max_target_len=d.max_target_len, num_workers=d.num_workers,
                   limit_train=d.limit_train, limit_val=d.limit_val, name_hint=d.name_hint)
     if d.kind == "stdlib":
+        if d.max_source_chars < 1:
+            raise ConfigError(f"data.max_source_chars must be an int >= 1 (the longest function, in characters, the "
+                              f"set keeps); got {d.max_source_chars!r}.")
         stdlib_kwargs = dict(seed=cfg.seed, max_pairs=d.max_pairs, cache_dir=d.cache_dir or default_cache_dir(),
-                             summary=d.summary)
+                             summary=d.summary, max_source_chars=d.max_source_chars)
         if d.stdlib_packages:
             stdlib_kwargs["packages"] = tuple(d.stdlib_packages)
         return Seq2SeqDataModule("stdlib", stdlib_kwargs=stdlib_kwargs, **common)
