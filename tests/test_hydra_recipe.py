@@ -20,7 +20,7 @@ STRATEGIES = {"zero0": (0, False), "zero1": (1, False), "zero1_offload": (1, Tru
               "zero2": (2, False), "zero2_offload": (2, True), "zero3": (3, False), "zero3_offload": (3, True),
               "zero2_offload_nvme": (2, "nvme"), "zero3_offload_nvme": (3, "nvme")}
 MODELS = ["t5_tiny", "t5_mini", "t5_small", "t5_base", "t5_large", "t5_3b"]
-DATA = ["stdlib", "jsonl"]
+DATA = ["stdlib", "stdlib_long", "jsonl"]
 TRAINERS = {"cpu": "fork", "gpu": "popen"}
 
 
@@ -369,3 +369,15 @@ def test_tuner_sizes_the_model_with_the_runs_vocabulary(tmp_path):
     assert tune_model_config(compose_recipe("tokenizer.vocab_size=512")).vocab_size == 512
     T5Config(vocab_size=777, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16).save_pretrained(tmp_path)
     assert tune_model_config(compose_recipe(f"model.pretrained={tmp_path}")).vocab_size == 777
+
+
+def test_long_input_preset_keeps_whole_long_functions_and_bad_lengths_are_refused():
+    """data=stdlib_long: the set keeps functions up to 8000 characters (data=stdlib: 2000) and reads 2048 tokens;
+    data.max_source_chars reaches the set builder; a length below 1 is one clear error."""
+    from t5_config import ConfigError, build_datamodule
+
+    dm = build_datamodule(compose_recipe("data=stdlib_long"))
+    assert dm.stdlib_kwargs["max_source_chars"] == 8000 and dm.max_source_len == 2048
+    assert build_datamodule(compose_recipe()).stdlib_kwargs["max_source_chars"] == 2000
+    with pytest.raises(ConfigError, match=r"data.max_source_chars must be an int >= 1"):
+        build_datamodule(compose_recipe("data.max_source_chars=0"))
