@@ -6,3 +6,9 @@ compressed all-reduce on torch.distributed collectives and its single-process re
 ``zoadam``: the optimizers. See docs/onebit_adam.md.
 """
 
+
+from .adam import OneBitAdam
+from .base import CompressedAdamBase
+from .zoadam import ZeroOneAdam
+
+__all__ = ["CompressedAdamBase", "OneBitAdam", "ZeroOneAdam"]
