@@ -70,7 +70,10 @@ class OneBitAdam(CompressedAdamBase):
         for st, m in zip(states, self.exchange([st["exp_avg"] for st in states])):
             st["exp_avg"].copy_(m)  # the same averaged momentum on every rank
         for p, g, st in zip(params, owner, states):
-            self._update(p, g, st)
+            # no gradient on any rank during the whole warmup: no variance was frozen (v = 0 would divide
+            # the momentum by eps); such a parameter stays as it is, as DDP leaves a parameter without gradient
+            if st["var_step"] > 0:
+                self._update(p, g, st)
         return loss
 
     @staticmethod
