@@ -34,6 +34,10 @@ def _train(rank, world, steps, freeze_step, engine=None, start=1):
 
 def _dist_onebit(rank, world, steps, freeze_step):
     engine, losses, phases, wire = _train(rank, world, steps, freeze_step)
+    by_phase = engine.comm_report().phases  # cumulative: [steps, calls, payload, wire] per phase
+    assert by_phase["warmup"][0] == freeze_step and by_phase["compressed"][0] == steps - freeze_step
+    assert by_phase["compressed"][3] == sum(wire[freeze_step:]) and by_phase["warmup"][3] == sum(wire[:freeze_step])
+    assert "| compressed | " in engine.comm_report().table()
     return losses, [p.detach().clone() for p in engine.module.parameters()], phases, wire
 
 

@@ -68,11 +68,13 @@ class OneBitAdam(CompressedAdamBase):
         for p, g, st in zip(params, owner, states):
             st["exp_avg"].mul_(g["betas"][0]).add_(self.grad_or_zero(p), alpha=1 - g["betas"][0])
         for st, m in zip(states, self.exchange([st["exp_avg"] for st in states])):
-            st["exp_avg"].copy_(m)  # the same averaged momentum on every rank
+            # the same averaged momentum on every rank; one bit cannot say zero, so an element whose frozen
+            # variance is 0 (no gradient on any rank during the whole warmup: an embedding row never seen)
+            # would get +-scale / eps: it keeps momentum 0 and stays as it is, as DDP leaves it (DeepSpeed
+            # asks the user for this mask, ``exp_avg_mask``)
+            st["exp_avg"].copy_(m.mul_(st["exp_avg_sq"] > 0))
         for p, g, st in zip(params, owner, states):
-            # no gradient on any rank during the whole warmup: no variance was frozen (v = 0 would divide
-            # the momentum by eps); such a parameter stays as it is, as DDP leaves a parameter without gradient
-            if st["var_step"] > 0:
+            if st["var_step"] > 0:  # never stepped in warmup: no variance (the mask above zeroed its momentum)
                 self._update(p, g, st)
         return loss
 

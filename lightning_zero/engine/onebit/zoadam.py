@@ -10,8 +10,10 @@ momentum from the average; ``local_step_interval`` starts at 1 and doubles every
 up to ``local_step_clipper``. Between synchronizations the ranks' parameters differ (the algorithm's point).
 
 Unlike DeepSpeed's, the error buffers are zeroed when the variance freezes (they held the gradients'
-compression error, not the updates'). As DeepSpeed's: no bias correction (its ``bias_correction`` flag was never applied), weight decay inside
-the update (AdamW's decoupled arithmetic). The policy counters live in the param groups (checkpointed).
+compression error, not the updates'). As DeepSpeed's: weight decay inside
+the update (AdamW's decoupled arithmetic). ``bias_correction=True`` (the default) corrects the
+variance's bias by its number of updates (the momentum's is left out: the local steps rebuild the momentum
+from the accumulated update, which assumes none); ``False`` is DeepSpeed's update. The policy counters live in the param groups (checkpointed).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ class ZeroOneAdam(CompressedAdamBase):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  var_freeze_step: int = 100000, var_update_scaler: int = 16, local_step_scaler: int = 32678,
-                 local_step_clipper: int = 16, group: Optional[Any] = None) -> None:
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+                 local_step_clipper: int = 16, bias_correction: bool = True, group: Optional[Any] = None) -> None:
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        bias_correction=bool(bias_correction))
         super().__init__(params, defaults, group)
         self.var_freeze_step = _positive_int("var_freeze_step", var_freeze_step)
         self.var_update_scaler = _positive_int("var_update_scaler", var_update_scaler)
@@ -77,8 +80,9 @@ class ZeroOneAdam(CompressedAdamBase):
                 for g, st, grad in zip(owner, states, grads):
                     st["exp_avg_sq"].mul_(g["betas"][1]).addcmul_(grad, grad, value=1 - g["betas"][1])
                     st["var_step"] += 1
-            else:
-                grads = self.exchange([self.grad_or_zero(p) for p in params])
+            else:  # 1 bit cannot say 0: elements without variance yet (never a gradient) get none (adam.py)
+                grads = [g.mul_(st["exp_avg_sq"] > 0) for g, st in
+                         zip(self.exchange([self.grad_or_zero(p) for p in params]), states)]
             for p, g, st, grad in zip(params, owner, states, grads):
                 st["exp_avg"].mul_(g["betas"][0]).add_(grad, alpha=1 - g["betas"][0])
                 st["step"] += 1
@@ -96,12 +100,13 @@ class ZeroOneAdam(CompressedAdamBase):
                 p.add_(upd)
                 st["momentum_accumulator"].add_(upd)
             if t % pol["local_step_interval"] == 0:  # synchronize: undo the local steps, apply the average
-                denoms = [st["exp_avg_sq"].sqrt().add_(g["eps"]) for g, st in zip(owner, states)]
+                denoms = [self._denom(g, st) for g, st in zip(owner, states)]
                 for p, st, d in zip(params, states, denoms):
                     p.sub_(st["momentum_accumulator"])
                     st["momentum_accumulator"].mul_(d)
                 avg = self.exchange([st["momentum_accumulator"] for st in states])
                 for p, st, d, u in zip(params, states, denoms, avg):
+                    u.mul_(st["exp_avg_sq"] > 0)
                     st["exp_avg"].copy_(u).div_(-pol["lrs"])
                     p.add_(u / d)
                     st["momentum_accumulator"].zero_()
@@ -121,9 +126,19 @@ class ZeroOneAdam(CompressedAdamBase):
         return loss
 
     @staticmethod
-    def _update(p: torch.Tensor, g: dict, st: dict) -> torch.Tensor:
-        """DeepSpeed's ``exp_avg / (sqrt(exp_avg_sq) + eps) + weight_decay * p`` (a new tensor)."""
-        upd = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + g["eps"])
+    def _denom(g: dict, st: dict) -> torch.Tensor:
+        """``sqrt(v / (1 - beta2^k)) + eps``, ``k`` the variance updates so far (``bias_correction=False``:
+        DeepSpeed's ``sqrt(v) + eps``; with a short variance phase it makes steps several times too long)."""
+        v = st["exp_avg_sq"]
+        k = float(st["var_step"])
+        if g["bias_correction"] and k > 0:
+            return (v.sqrt() / (1 - g["betas"][1] ** k) ** 0.5).add_(g["eps"])
+        return v.sqrt().add_(g["eps"])
+
+    @classmethod
+    def _update(cls, p: torch.Tensor, g: dict, st: dict) -> torch.Tensor:
+        """DeepSpeed's ``exp_avg / denom + weight_decay * p`` (a new tensor)."""
+        upd = st["exp_avg"] / cls._denom(g, st)
         if g["weight_decay"]:
             upd.add_(p, alpha=g["weight_decay"])
         return upd
