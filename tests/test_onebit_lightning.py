@@ -43,3 +43,4 @@ def test_zero1_refused_with_what_composes(tmp_path):
     with pytest.raises(Exception, match="does not compose with this setup: ZeRO stage 1") as err:
         fit_parity_module(tmp_path, "zero1_fork", "onebit:2")
     assert "zero0" in str(err.value)
+

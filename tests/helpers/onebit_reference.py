@@ -68,3 +68,82 @@ def reference_run(world: int, steps: int, freeze_step: int) -> tuple[list[list[f
                 denom = vk.sqrt() / math.sqrt(1 - b2 ** var_steps) + EPS
                 p.sub_(LR / (1 - b1 ** t) * mk / denom)
     return losses, [p.detach().clone() for p in params]
+
+
+def zero_one_reference(world: int, steps: int, var_freeze_step: int, var_update_scaler: int,
+                       local_step_scaler: int, local_step_clipper: int, lr: float) -> list[list[float]]:
+    """0/1 Adam for ``world`` simulated workers (each its own model copy: local steps make them differ):
+    the losses per step per worker. Variance bias-corrected by its update count, no weight decay."""
+    b1, b2 = BETAS
+    models = [tiny_net() for _ in range(world)]
+    params = [list(m.parameters()) for m in models]
+    n = len(params[0])
+    m = [[torch.zeros_like(p) for p in params[0]] for _ in range(world)]
+    v = [torch.zeros_like(p) for p in params[0]]
+    u = [[torch.zeros_like(p) for p in params[0]] for _ in range(world)]
+    layout = ChunkLayout([p.numel() for p in params[0]], world, torch.device("cpu"))
+
+    def fresh_errors():
+        return [torch.zeros(world, layout.columns) for _ in range(world)], [torch.zeros(1, layout.columns)
+                                                                           for _ in range(world)]
+
+    werr, serr = fresh_errors()
+
+    def one_bit_mean(per_worker):  # per_worker[r][k] -> the averaged tensors, masked where v == 0
+        rows = [layout.to_rows(vals) for vals in per_worker]
+        out = layout.from_rows(reference_all_reduce(layout, rows, werr, serr))
+        return [o[: v[k].numel()].view_as(v[k]) * (v[k] > 0) for k, o in enumerate(out)]
+
+    var_interval, var_counter, local_interval, local_counter, lrs, frozen, var_steps = 1, 0, 1, 0, 0.0, False, 0
+    losses = []
+    for t in range(1, steps + 1):
+        grads, row = [], []
+        for r in range(world):
+            models[r].zero_grad()
+            loss = loss_of(models[r], r, t)
+            loss.backward()
+            row.append(loss.item())
+            grads.append([p.grad.clone() for p in params[r]])
+        losses.append(row)
+        with torch.no_grad():
+            def denom(k):
+                return v[k].sqrt() / math.sqrt(1 - b2 ** var_steps) + EPS if var_steps else v[k].sqrt() + EPS
+            if not frozen:
+                if t % var_interval == 0:
+                    g = [sum(grads[r][k] for r in range(world)) / world for k in range(n)]
+                    for k in range(n):
+                        v[k] = (v[k] * b2).addcmul_(g[k], g[k], value=1 - b2)
+                    var_steps += 1
+                else:
+                    g = one_bit_mean(grads)
+                for r in range(world):
+                    for k in range(n):
+                        m[r][k] = b1 * m[r][k] + (1 - b1) * g[k]
+                        params[r][k].sub_(m[r][k] / denom(k), alpha=lr)
+                if t % var_interval == 0:
+                    var_counter += 1
+                    if var_counter == var_update_scaler:
+                        var_counter, var_interval = 0, var_interval * 2
+            else:
+                lrs += lr
+                for r in range(world):
+                    for k in range(n):
+                        m[r][k] = b1 * m[r][k] + (1 - b1) * grads[r][k]
+                        step = (m[r][k] / denom(k)) * -lr
+                        params[r][k].add_(step)
+                        u[r][k] += step
+                if t % local_interval == 0:
+                    avg = one_bit_mean([[u[r][k] * denom(k) for k in range(n)] for r in range(world)])
+                    for r in range(world):
+                        for k in range(n):
+                            params[r][k].sub_(u[r][k]).add_(avg[k] / denom(k))
+                            m[r][k] = -avg[k] / lrs
+                            u[r][k] = torch.zeros_like(u[r][k])
+                    lrs = 0.0
+                local_counter += 1
+                if local_counter == local_step_scaler:
+                    local_counter, local_interval = 0, min(local_step_clipper, local_interval * 2)
+            if t > var_freeze_step and not frozen:
+                frozen = True
+                werr, serr = fresh_errors()
+    return losses
