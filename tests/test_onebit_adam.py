@@ -161,3 +161,34 @@ def test_bad_knobs_name_what_is_allowed():
         ZeroOneAdam(tiny_net().parameters(), local_step_clipper=0)
     with pytest.raises(ValueError, match="betas"):
         OneBitAdam(tiny_net().parameters(), betas=(1.0, 0.9))
+
+
+def _dist_full_format(rank, world, path):
+    import torch.distributed as dist
+
+    engine, *_ = _train(rank, world, 5, 2)
+    sd = engine.optimizer_state_dict()  # consolidated on rank 0
+    if rank == 0:
+        torch.save(sd, path)
+    dist.barrier()
+    model = tiny_net()
+    fresh = ZeroEngine(model, _onebit(model, 2), ZeroConfig(stage=0))
+    fresh.load_optimizer_state_dict(torch.load(path, weights_only=False))
+    opt = fresh.optimizer
+    first = opt.param_groups[0]["params"][0]
+    moments_back = torch.equal(opt.state[first]["exp_avg_sq"], engine.optimizer.state[
+        engine.optimizer.param_groups[0]["params"][0]]["exp_avg_sq"])
+    no_errors = "worker_error" not in opt.state[first]
+    _train(rank, world, 7, 2, engine=fresh, start=6)  # the compressed phase goes on, errors from zero
+    return opt.steps_taken(), moments_back, no_errors, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_full_format_state_leaves_the_per_rank_errors_out(tmp_path):
+    """One plain optimizer state dict cannot hold per-rank values: the frozen variance, momentum and phase
+    come back, the error buffers restart at zero (DeepSpeed's behaviour on every load), training goes on."""
+    out = run_distributed(_dist_full_format, 2, str(tmp_path / "opt.pt"))
+    for steps, moments_back, no_errors, params in out:
+        assert steps == 7 and moments_back and no_errors
+    for p, q in zip(out[0][3], out[1][3]):
+        assert torch.equal(p, q)

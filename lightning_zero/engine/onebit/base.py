@@ -9,7 +9,9 @@ restores param-group entries, so a resumed run is in the same phase at the same 
 (``worker_error``: this rank's compression loss over the whole padded tensor; ``server_error``: the loss
 on the chunk this rank serves) differ per rank: :attr:`per_rank_state` names them, and the checkpoint
 writes them as one row per rank (checkpoint/sharded_state.py), so resume is exact -- DeepSpeed resets them
-on load. All parameters of all groups travel in one exchange (two collectives per step, not two per tensor).
+on load. A full-format checkpoint (one plain optimizer ``state_dict``, ``checkpoint_format="full"`` or
+``engine.optimizer_state_dict()``) has no place for per-rank values: it leaves them out and they restart at
+zero on load, as DeepSpeed's always did. All parameters of all groups travel in one exchange (two collectives per step, not two per tensor).
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class CompressedAdamBase(torch.optim.Optimizer):
             return [v.clone() for v in values]
         layout = self.layout()
         states = [self.state[p] for p in params]
+        for k, st in enumerate(states):  # absent after a full-format (single optimizer state dict) load
+            if st.get("worker_error") is None or st["worker_error"].numel() != layout.padded[k]:
+                st["worker_error"] = torch.zeros(layout.padded[k], dtype=torch.float32, device=params[k].device)
+                st["server_error"] = torch.zeros(layout.chunks[k], dtype=torch.float32, device=params[k].device)
         werr = layout.to_rows([s["worker_error"] for s in states])
         serr = torch.cat([s["server_error"] for s in states]).unsqueeze(0)
         out = compressed_all_reduce(layout, layout.to_rows(values), werr, serr, self.process_group)
