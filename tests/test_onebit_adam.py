@@ -134,8 +134,8 @@ def test_zero_one_adam_policy_and_synchronized_ranks():
 def _dist_refusal(rank, world, what):
     model = tiny_net()
     opt = _onebit(model, 2)
-    if what == "stage1":
-        ZeroEngine(model, opt, ZeroConfig(stage=1))
+    if what.startswith("stage"):
+        ZeroEngine(model, opt, ZeroConfig(stage=int(what[-1])))
     elif what == "two":
         ZeroEngine(model, [opt, torch.optim.SGD([model[0].bias], lr=0.1)], ZeroConfig(stage=0))
     elif what == "fp16":
@@ -145,6 +145,8 @@ def _dist_refusal(rank, world, what):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("what,match", [("stage1", "ZeRO stage 1 shards the optimizer state"),
+                                        ("stage2", "ZeRO stage 2 shards the optimizer state"),
+                                        ("stage3", "ZeRO stage 3 shards the optimizer state"),
                                         ("two", "starve the other optimizers"),
                                         ("fp16", "fp16 loss scaling")])
 def test_unsupported_combinations_refused(what, match):
