@@ -42,3 +42,41 @@ def test_zero1_refused_with_what_composes(tmp_path):
         fit_parity_module(tmp_path, "zero1_fork", "onebit:2")
     assert "zero0" in str(err.value)
 
+
+
+def _fabric_onebit(rank, world, steps, freeze):
+    from lightning.fabric import Fabric
+
+    from lightning_zero import ZeroFabricStrategy
+    from lightning_zero.optim import OneBitAdam
+    from tests.helpers.onebit_reference import BETAS, EPS, LR, WD, loss_of, tiny_net
+
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=ZeroFabricStrategy(stage=0))
+    fabric.launch()
+    model = tiny_net()
+    opt = OneBitAdam(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, freeze_step=freeze)
+    model, opt = fabric.setup(model, opt)
+    losses = []
+    for t in range(1, steps + 1):
+        loss = loss_of(model, rank, t)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_fabric_onebit_equals_the_reference():
+    """Under Fabric (ZeroFabricStrategy(stage=0)) warmup and compressed phase equal the single-process
+    reference of 1-bit Adam, as the bare engine does."""
+    from lightning_zero.tools.launch import run_ranks
+    from tests.helpers.onebit_reference import reference_run
+
+    steps, freeze = 7, 3
+    ref_losses, ref_params = reference_run(2, steps, freeze)
+    for r, (losses, params) in enumerate(run_ranks(_fabric_onebit, 2, (steps, freeze))):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor([row[r] for row in ref_losses]),
+                                   rtol=1e-6, atol=1e-7)
+        for p, q in zip(params, ref_params):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
