@@ -40,6 +40,8 @@ _PUBLIC = {
     "load_pretrained": ".engine.stage3.pretrained",
     "model_state_floor": ".engine.memory",
     "register_shardable_optimizer": ".engine.optimizer",
+    "OneBitAdam": ".engine.onebit",
+    "ZeroOneAdam": ".engine.onebit",
     "tune": ".tools.tuning.tune",
 }
 _OLD_PATHS = ("strategy", "precision")  # lightning_zero.strategy / .precision: aliases of lightning/*
@@ -167,5 +169,7 @@ __all__ = [
     "load_pretrained",
     "model_state_floor",
     "register_shardable_optimizer",
+    "OneBitAdam",
+    "ZeroOneAdam",
     "tune",
 ]

@@ -48,7 +48,7 @@ from torch import nn
 from ..engine.collectives import barrier as _barrier, rank as _rank
 from . import integrity, tp_state as TS, trust as TR
 from .trust import ConfinedReader, UntrustedCheckpointError, read_dcp_metadata
-from .sharded_state import _canonical, _flat, _managed, sharded_model_state, sharded_optimizer_state  # noqa: F401
+from .sharded_state import _canonical, _flat, _managed, per_rank, sharded_model_state, sharded_optimizer_state  # noqa: F401
 from .files import (  # noqa: F401  (the on-disk names are part of this module's API)
     _OLD, _TMP, DCP_METADATA, FORMAT, INFO_FILE, META_FILE, VERSION, _remove, aside_path, check_state_entries,
     final_of_aside, swap_dirs,
@@ -307,7 +307,9 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
                              f"{have} (another optimizer class or options?).")
         targets[n] = {}
         for k in keys:
-            if not (st[k].dim() > 0 and st[k].shape == m.shape):
+            if k in getattr(opt, "per_rank_state", ()):  # this rank's own row (sharded_state.per_rank)
+                targets[n][k] = per_rank(st[k], process_group)
+            elif not (st[k].dim() > 0 and st[k].shape == m.shape):
                 targets[n][k] = st[k]
             elif natural:  # per parameter (tp_state.py): flat unless the checkpoint is a TP one
                 targets[n][k], copy = TS.load_target(engine, params[n], st[k], spec, shape,

@@ -44,6 +44,20 @@ def _flat(t: torch.Tensor, spec, group=None) -> torch.Tensor:
                               shape=torch.Size([spec.numel]), stride=(1,))
 
 
+def per_rank(t: torch.Tensor, group=None) -> torch.Tensor:
+    """A tensor that differs on every rank (1-bit Adam's error buffers, engine/onebit/base.py): one row per
+    rank of ``group``, a DTensor Shard(0) of the ``[N * numel]`` global tensor, so each rank writes and reads
+    back its own row (a plain tensor would be saved as replicated: rank 0's only)."""
+    flat = t.detach().reshape(-1)
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        return flat
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(flat, _mesh(flat.device.type, world, group), [Shard(0)], run_check=False,
+                              shape=torch.Size([world * flat.numel()]), stride=(1,))
+
+
 def _aliases(module: nn.Module, preferred: Mapping[int, str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensor entries of the state dict under their canonical names, and {alias: canonical} for tied ones."""
     canonical: dict[str, torch.Tensor] = {}
@@ -102,11 +116,15 @@ def sharded_optimizer_state(engine, optimizer=None, group=None) -> dict[str, Any
     entry = _entry_fn(engine, engine.module, group)
     state: dict[str, dict] = {}
     other: dict[str, dict] = {}
+    rank_keys = getattr(opt, "per_rank_state", ())
+    pg = group
     for group in opt.param_groups:
         for m in group["params"]:
             name, spec = name_of[id(m)]
             for k, v in opt.state.get(m, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape:
+                if k in rank_keys:
+                    state.setdefault(name, {})[k] = per_rank(v, pg)
+                elif torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape:
                     state.setdefault(name, {})[k] = entry(v, name, spec)
                 elif torch.is_tensor(v):
                     state.setdefault(name, {})[k] = v.detach()

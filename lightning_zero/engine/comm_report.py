@@ -12,11 +12,16 @@ engines stepping in turn in one process see each other's traffic; measure one en
 ``payload``: the bytes handed to the collective (all-gather: this rank's chunk; reduce-scatter and
 all-to-all: the whole input; quantized collectives: the int8 blocks plus their fp32 scales). ``wire``:
 what this rank sends -- the number that decides speed across nodes.
+
+With a compressed optimizer (1-bit Adam, 0/1 Adam; engine/onebit/) each step is also labelled with its phase
+("warmup": gradients all-reduced in full precision; "compressed": 1-bit exchanges only) and
+``phases`` accumulates steps and bytes per phase since the engine was built.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from . import collectives as C
 
@@ -37,6 +42,15 @@ class CommReport:
 
     rows: dict = field(default_factory=dict)  # (op, group label) -> [calls, payload bytes, wire bytes]
     world_size: int = 1
+    phase: Optional[str] = None  # the last step's phase under a compressed optimizer, else None
+    phases: dict = field(default_factory=dict)  # phase -> [steps, calls, payload bytes, wire bytes], cumulative
+
+    def phase_table(self) -> str:
+        """Bytes per step by phase (warmup vs compressed), averaged over the steps of each phase."""
+        lines = ["| phase | steps | calls/step | payload B/step | wire B/step |", "|---|---:|---:|---:|---:|"]
+        for name, (steps, calls, payload, wire) in self.phases.items():
+            lines.append(f"| {name} | {steps} | {calls / steps:.1f} | {payload / steps:,.0f} | {wire / steps:,.0f} |")
+        return "\n".join(lines)
 
     @property
     def calls(self) -> int:
@@ -64,6 +78,8 @@ class CommReport:
         for (op, group), (calls, payload, wire) in sorted(self.rows.items()):
             lines.append(f"| {op} | {group} | {calls} | {payload:,} | {wire:,} |")
         lines.append(f"| total | | {self.calls} | {self.payload_bytes:,} | {self.wire_bytes:,} |")
+        if self.phases:
+            lines += ["", f"last step: {self.phase}", self.phase_table()]
         return "\n".join(lines)
 
     __str__ = table
@@ -76,10 +92,19 @@ class StepTraffic:
         self._world_size = C.world_size(group)
         self._mark = C.stats.snapshot()
         self._last: dict = {}
+        self._phase: Optional[str] = None
+        self._phases: dict = {}
 
-    def step_done(self) -> None:
+    def step_done(self, phase: Optional[str] = None) -> None:
         now = C.stats.snapshot()
         self._last, self._mark = _diff(now, self._mark), now
+        self._phase = phase
+        if phase is not None:
+            acc = self._phases.setdefault(phase, [0, 0, 0, 0])
+            acc[0] += 1
+            for i in range(3):
+                acc[i + 1] += sum(r[i] for r in self._last.values())
 
     def report(self) -> CommReport:
-        return CommReport({k: list(v) for k, v in self._last.items()}, self._world_size)
+        return CommReport({k: list(v) for k, v in self._last.items()}, self._world_size, self._phase,
+                          {k: list(v) for k, v in self._phases.items()})

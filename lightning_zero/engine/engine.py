@@ -40,6 +40,7 @@ from .buffer_sync import BufferBroadcast
 from .plan import ShardingPlan
 from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
+from .onebit import binding as ONEBIT
 from .stage3.setup import PartitionedParams, stage3_config
 
 _log = logging.getLogger("lightning_zero.engine")
@@ -91,6 +92,8 @@ class ZeroEngine:
         self.shard_group, self.replicate_group = groups.shard, groups.replicate
         self.world_size = C.world_size(self.shard_group)  # the ranks a parameter is sharded over
         self.rank = C.rank(self.shard_group)
+        ONEBIT.check_composes(self.optimizers, plan.stage, cfg, self.tensor_parallel, loss_scaler)  # 1-bit Adam
+        ONEBIT.bind_group(self.optimizers, self.shard_group)
         per_opt = PG.managed_params(module, self.optimizers)
         if not has_meta_params(module):  # a meta model is broadcast unit by unit as it is built
             self.sync_module_states()
@@ -124,6 +127,7 @@ class ZeroEngine:
                 on_end_of_backward=part.end_of_backward if part is not None else self.ensure_published,
                 host_grads=cfg.offload_optimizer, replicate_group=self.replicate_group,
                 mode="int8" if cfg.quantize_grads else C.grad_reduce_mode(cfg.grad_reduce, groups.reduce),
+                local_grads=ONEBIT.local_grads_probe(self.optimizers),
             )
             PG.install_optimizer_methods(self.optimizers, self.add_param_group, self.zero_grad)
         if self._partitioned is not None:
@@ -267,6 +271,7 @@ class ZeroEngine:
         (only when a loss scaler or ``check_finite`` is active); every rank then skips together.
         """
         self.finalize_grads(optimizer)
+        phase = ONEBIT.step_phase(self.optimizers)  # comm_report's warmup / compressed split (None: no 1-bit)
         inv_scale = 1.0 / self.loss_scale  # the scale the gradients carry; update() below may change it
         overflow = False
         if self.check_finite:
@@ -285,7 +290,7 @@ class ZeroEngine:
                                          self.params[0].device if self.params else None)
             self.publish_params(optimizer, streamed=False)
         self.zero_grad(optimizer)
-        self._traffic.step_done()
+        self._traffic.step_done(phase)
         return not skip
 
     def publish_params(self, optimizer=None, streamed: bool = True) -> None:

@@ -47,9 +47,12 @@ def consolidate_optimizer_state(s, group: Optional[Any] = None) -> dict:
     by_bp = {bp: local["state"].get(i, {}) for i, bp in enumerate(local_bp)}
     keys = sorted({k for st in by_bp.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
     full_by_bp: dict[tuple[int, int], dict] = {bp: {} for bp in local_bp}
+    per_rank = getattr(s.optimizer, "per_rank_state", ())  # 1-bit Adam's error buffers: no single full value
     for (bi, pi), st in by_bp.items():
         m = s.masters[bi][pi]
         for k, v in st.items():
+            if k in per_rank:
+                continue
             if not (torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape):
                 full_by_bp[(bi, pi)][k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
             elif not sliced:  # whole masters: their state is whole already
@@ -116,6 +119,8 @@ def _slice_state(s, bp: tuple[int, int], st: dict, pos: int) -> dict:
     spec, p = b.specs[pi], b.params[pi]
     out = {}
     for k, v in st.items():
+        if k in getattr(s.optimizer, "per_rank_state", ()):  # restarts at zero (engine/onebit/base.py)
+            continue
         if torch.is_tensor(v) and v.dim() > 0:
             if v.numel() != p.numel():
                 raise ValueError(

@@ -106,8 +106,12 @@ class GradReducer:
         host_grads: bool = False,
         replicate_group: Optional[Any] = None,
         mode: str = "reduce_scatter",
+        local_grads: Optional[Callable[[], bool]] = None,
     ) -> None:
         self.buckets = buckets
+        # asked before every reduction: True while the optimizer exchanges what it needs itself (1-bit Adam's
+        # compressed phase, engine/onebit/): backward launches nothing and the step takes the local gradients
+        self._local_grads = local_grads
         self.plan = plan  # [Note: sharding plan]: whole or scattered reductions, and when they happen
         self.reduce_dtype = reduce_dtype
         self.group = group
@@ -204,6 +208,8 @@ class GradReducer:
         return hook
 
     def _syncing(self) -> bool:
+        if self._local_grads is not None and self._local_grads():
+            return False
         return self.plan.shards_grads or self.sync is GradSync.BOUNDARY
 
     def _on_grad_ready(self, bi: int) -> None:
@@ -336,6 +342,10 @@ class GradReducer:
         """
         self.wait()
         indices = list(range(len(self.buckets))) if indices is None else list(indices)
+        if self._local_grads is not None and self._local_grads():  # nothing reduced: this rank's own grads
+            self._dirty -= set(indices)
+            return [torch.tensor([p.grad is not None for p in self.buckets[i].params], dtype=torch.bool)
+                    for i in indices]
         if self._dirty & set(indices):  # a step after un-synced backwards only: reduce what accumulated
             self._begin_cycle(only=set(indices))
             self._launch_in_order(upto_ready=False)

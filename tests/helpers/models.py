@@ -82,6 +82,10 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
         return torch.optim.AdamW(param_groups(model), lr=0.05, betas=(0.9, 0.95))
     if kind == "sgd":
         return torch.optim.SGD(param_groups(model), lr=0.1, momentum=0.9)
+    if kind.startswith("onebit:"):  # 1-bit Adam with AdamW's settings above, "onebit:<freeze_step>"
+        from lightning_zero.optim import OneBitAdam
+
+        return OneBitAdam(param_groups(model), lr=0.05, betas=(0.9, 0.95), freeze_step=int(kind.split(":")[1]))
     raise ValueError(kind)
 
 

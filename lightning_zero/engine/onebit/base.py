@@ -1,0 +1,115 @@
+"""What 1-bit Adam and 0/1 Adam share: the error buffers, the exchange over every parameter at once, the
+protocol the engine reads (``uses_local_grads``) and the per-rank state a checkpoint must keep per rank.
+
+Design note
+-----------
+Counters that decide the phase (steps taken, 0/1 Adam's intervals) live in the param groups, not in
+``optimizer.state``: every checkpoint path (torch's ``state_dict``, the engine's sharded directories)
+restores param-group entries, so a resumed run is in the same phase at the same step. The error buffers
+(``worker_error``: this rank's compression loss over the whole padded tensor; ``server_error``: the loss
+on the chunk this rank serves) differ per rank: :attr:`per_rank_state` names them, and the checkpoint
+writes them as one row per rank (checkpoint/sharded_state.py), so resume is exact -- DeepSpeed resets them
+on load. A full-format checkpoint (one plain optimizer ``state_dict``, ``checkpoint_format="full"`` or
+``engine.optimizer_state_dict()``) has no place for per-rank values: it leaves them out and they restart at
+zero on load, as DeepSpeed's always did. All parameters of all groups travel in one exchange (two collectives per step, not two per tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .. import collectives as C
+from .exchange import ChunkLayout, compressed_all_reduce
+
+
+class CompressedAdamBase(torch.optim.Optimizer):
+    """Adam whose communication the optimizer does itself in its compressed phases (see subclasses)."""
+
+    per_rank_state = ("worker_error", "server_error")  # state entries that differ by rank (checkpoints)
+
+    def __init__(self, params, defaults: dict, group: Optional[Any] = None) -> None:
+        lr, (b1, b2), eps = defaults["lr"], defaults["betas"], defaults["eps"]
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate {lr!r}: allowed lr >= 0.")
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"Invalid betas {defaults['betas']!r}: allowed 0 <= beta < 1.")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid eps {eps!r}: allowed eps >= 0.")
+        if defaults.get("weight_decay", 0.0) < 0.0:
+            raise ValueError(f"Invalid weight_decay {defaults['weight_decay']!r}: allowed >= 0.")
+        super().__init__(params, defaults)
+        self.process_group = group  # the data-parallel group the exchange runs over (None: the world)
+        self._layout: Optional[tuple[tuple, ChunkLayout]] = None
+
+    # -- the protocol the engine reads ----------------------------------------------------------------
+    def uses_local_grads(self) -> bool:
+        """Whether the *next* step takes this rank's own (unreduced) gradients: the engine then reduces
+        nothing in backward."""
+        raise NotImplementedError
+
+    def steps_taken(self) -> int:
+        return int(self.param_groups[0].get("steps", 0)) if self.param_groups else 0
+
+    def phase(self) -> str:
+        """"warmup" (gradients all-reduced in full precision) or "compressed" (for comm_report's split)."""
+        return "compressed" if self.uses_local_grads() else "warmup"
+
+    # -- state -----------------------------------------------------------------------------------------
+    def _world(self) -> int:
+        return C.world_size(self.process_group)
+
+    def all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def layout(self) -> ChunkLayout:
+        params = self.all_params()
+        key = tuple((id(p), p.numel()) for p in params) + (self._world(),)
+        if self._layout is None or self._layout[0] != key:
+            device = params[0].device if params else torch.device("cpu")
+            self._layout = (key, ChunkLayout([p.numel() for p in params], self._world(), device))
+        return self._layout[1]
+
+    def init_state(self, p: torch.Tensor, k: int, extra: tuple = ()) -> dict:
+        """The state of parameter ``k`` (its index in :meth:`all_params`), created at its first step with
+        every entry it will ever have, so the set of keys never depends on the phase (checkpoints)."""
+        state = self.state[p]
+        if not state:
+            layout = self.layout()
+            state["step"] = torch.zeros((), dtype=torch.float32)  # momentum updates (its bias correction)
+            state["var_step"] = torch.zeros((), dtype=torch.float32)  # variance updates (frozen: stops)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["worker_error"] = torch.zeros(layout.padded[k], dtype=torch.float32, device=p.device)
+            state["server_error"] = torch.zeros(layout.chunks[k], dtype=torch.float32, device=p.device)
+            for name in extra:
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def exchange(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The error-compensated 1-bit mean of ``values`` (one tensor per parameter of :meth:`all_params`,
+        each this rank's) over the process group; each result has its parameter's shape. One rank: the
+        values themselves (nothing to exchange, nothing compressed; DeepSpeed's rule too)."""
+        params = self.all_params()
+        if self._world() == 1:
+            return [v.clone() for v in values]
+        layout = self.layout()
+        states = [self.state[p] for p in params]
+        for k, st in enumerate(states):  # absent after a full-format (single optimizer state dict) load
+            if st.get("worker_error") is None or st["worker_error"].numel() != layout.padded[k]:
+                st["worker_error"] = torch.zeros(layout.padded[k], dtype=torch.float32, device=params[k].device)
+                st["server_error"] = torch.zeros(layout.chunks[k], dtype=torch.float32, device=params[k].device)
+        werr = layout.to_rows([s["worker_error"] for s in states])
+        serr = torch.cat([s["server_error"] for s in states]).unsqueeze(0)
+        out = compressed_all_reduce(layout, layout.to_rows(values), werr, serr, self.process_group)
+        for s, w, e in zip(states, layout.from_rows(werr), layout.server_split(serr[0])):
+            s["worker_error"].copy_(w)
+            s["server_error"].copy_(e)
+        return [flat[: p.numel()].view_as(p).to(p.dtype) for flat, p in zip(layout.from_rows(out), params)]
+
+    @staticmethod
+    def grad_or_zero(p: torch.Tensor) -> torch.Tensor:
+        """A compressed exchange involves every parameter on every rank (the collectives must match): a
+        parameter this rank did not use contributes a zero gradient."""
+        return p.grad if p.grad is not None else torch.zeros_like(p)
