@@ -181,7 +181,8 @@ def test_t5_preset_rule_equals_the_t5_module_cut():
         m = T5ForConditionalGeneration(T5Config(**t5_presets()["t5_tiny"], feed_forward_proj="relu"))
     a = estimate_model_states(m, world_size=4, precision="bf16-mixed", tensor_parallel_size=2)
     b = estimate_model_states("t5_tiny", world_size=4, precision="bf16-mixed", vocab_size=None, tensor_parallel_size=2)
-    assert [r.setting for r in b.rows] == ["zero0", "zero1", "zero1_offload", "zero2", "zero2_offload"]
+    assert [r.setting for r in b.rows] == ["zero0", "zero1", "zero1_offload", "zero2", "zero2_offload",
+                                           "zero2_offload_nvme"]
     assert [r.states for r in a.rows] == [r.states for r in b.rows]
     tp = b.tensor_parallel
     full = sum(p.numel() for p in m.parameters())

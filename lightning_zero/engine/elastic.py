@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import time
 import uuid
@@ -109,3 +110,9 @@ def destroy_groups_at_exit() -> None:
 def _destroy_at_exit() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    # the groups this package cached (groups.py) would otherwise live until the interpreter's own teardown,
+    # whose destruction of a gloo group is the abort this avoids: let them go while Python is whole
+    from .groups import forget_groups
+
+    forget_groups()
+    gc.collect()

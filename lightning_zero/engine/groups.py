@@ -51,6 +51,11 @@ def _once(kind: str, key: tuple, build: Callable[[], Any], groups_of: Callable[[
     return value
 
 
+def forget_groups() -> None:
+    """Drop every cached group and mesh (at exit, after ``destroy_process_group``: elastic.py)."""
+    _MADE.clear()
+
+
 def cached_groups() -> int:
     """How many groups and meshes this process holds (for tests: later engines must not add any)."""
     return len(_MADE)
