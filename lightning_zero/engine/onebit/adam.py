@@ -45,15 +45,7 @@ class OneBitAdam(CompressedAdamBase):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        compressed = self.uses_local_grads()
-        params = self.all_params()
-        owner = [g for g in self.param_groups for _ in g["params"]]
-        for g in self.param_groups:
-            g["steps"] = g.get("steps", 0) + 1
+        loss, compressed, params, owner = self._begin_step(closure)
         if not compressed:  # AdamW on the reduced gradient, parameters without one skipped (as torch)
             for k, (p, g) in enumerate(zip(params, owner)):
                 if p.grad is None:

@@ -49,6 +49,18 @@ class CompressedAdamBase(torch.optim.Optimizer):
         nothing in backward."""
         raise NotImplementedError
 
+    def _begin_step(self, closure) -> tuple[Any, bool, list[torch.Tensor], list[dict]]:
+        """The closure's loss, whether this step takes local gradients (decided before the step counts), the
+        parameters and each one's param group; the step counted."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        local = self.uses_local_grads()
+        for g in self.param_groups:
+            g["steps"] = g.get("steps", 0) + 1
+        return loss, local, self.all_params(), [g for g in self.param_groups for _ in g["params"]]
+
     def steps_taken(self) -> int:
         return int(self.param_groups[0].get("steps", 0)) if self.param_groups else 0
 

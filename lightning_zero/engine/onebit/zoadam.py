@@ -62,17 +62,10 @@ class ZeroOneAdam(CompressedAdamBase):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         pol = self.policy()
-        full_precision = not self.uses_local_grads()  # the engine all-reduced this step's gradients
-        for g in self.param_groups:
-            g["steps"] = g.get("steps", 0) + 1
+        loss, local, params, owner = self._begin_step(closure)
+        full_precision = not local  # the engine all-reduced this step's gradients
         t = self.steps_taken()
-        params = self.all_params()
-        owner = [g for g in self.param_groups for _ in g["params"]]
         states = [self.init_state(p, k, extra=("momentum_accumulator",)) for k, p in enumerate(params)]
         if not pol["var_frozen"]:
             if full_precision:
