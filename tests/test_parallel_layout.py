@@ -69,7 +69,6 @@ def _train(rank, world_size, how):
     mesh = tensor_parallel_mesh("cpu", 2)
     dp_rank, dp_size = mesh.get_local_rank("data_parallel"), mesh.size(0)
     model = make_gpt()
-    opt = None
     if how != "ddp":
         parallelize(model, mesh["tensor_parallel"])
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
@@ -92,13 +91,9 @@ def _train(rank, world_size, how):
             opt.zero_grad()
         losses.append(loss.item())
     if how != "ddp":  # a second engine of the same layout reuses every group
-        ZeroEngine(make_gpt_parallel(mesh), None, ZeroConfig(stage=1, tensor_parallel_size=2))
+        ZeroEngine(parallelize(make_gpt(), mesh["tensor_parallel"]), None, ZeroConfig(stage=1, tensor_parallel_size=2))
         assert cached_groups() == before, "a second engine made groups"
     return losses, full_state(model)
-
-
-def make_gpt_parallel(mesh):
-    return parallelize(make_gpt(), mesh["tensor_parallel"])
 
 
 @pytest.mark.timeout(180)

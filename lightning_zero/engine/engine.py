@@ -85,8 +85,7 @@ class ZeroEngine:
             device_mesh = tensor_parallel_mesh(where.type, cfg.tensor_parallel_size)
         # [Note: one parallel layout] (layout.py): hybrid sharding's shard / replicate groups, the stage-3
         # reduce-scatter group, the TP view; ``world`` (the group, or the mesh's data-parallel dim) broadcasts
-        self.groups = groups = engine_groups(cfg, plan.shards_optimizer_state, plan.shards_params,
-                                             self.mode is EngineMode.TRAIN, group, device_mesh, module)
+        self.groups = groups = engine_groups(cfg, plan, self.mode is EngineMode.TRAIN, group, device_mesh, module)
         self.tensor_parallel = groups.tensor
         self.group = group = groups.world
         self.shard_group, self.replicate_group = groups.shard, groups.replicate

@@ -97,9 +97,10 @@ def group_mesh(device_type: str, group: Any) -> Any:
                  lambda _: (group,))
 
 
-def tensor_parallel_mesh(device_type: str, size: int) -> Any:
-    """The ("data_parallel", "tensor_parallel") mesh of shape (N // T, T) for ``tensor_parallel_size=T``."""
-    world = dist.get_world_size()
+def tensor_parallel_mesh(device_type: str, size: int, world: Optional[int] = None) -> Any:
+    """The ("data_parallel", "tensor_parallel") mesh of shape (N // T, T) for ``tensor_parallel_size=T``
+    (``world``: N, checked before any collective; default: the default group's size)."""
+    world = dist.get_world_size() if world is None else world
     ParallelDims(tensor=size).check_world(world, ("tensor",))
     return device_mesh(device_type, (world // size, size), (TP.DP_DIM, TP.TP_DIM))
 
@@ -165,20 +166,21 @@ def check_pipeline_size(num_stages: Any, world: int) -> int:
     return num_stages
 
 
-def engine_groups(config: Any, shards: bool, params_sharded: bool, trains: bool, group: Optional[Any],
-                  mesh: Optional[Any], module: Any) -> EngineGroups:
-    """The groups of one engine (layout.py :class:`EngineGroups`) from its config and what it was given:
-    ``group`` (a subgroup to run on; None: the world), ``mesh`` (tensor parallelism's 2-D mesh; built from
-    ``config.tensor_parallel_size`` by the caller that cut the model). ``shards``: the plan shards optimizer
-    state (hybrid groups apply); ``params_sharded`` and ``trains``: stage 3's own reduce-scatter group."""
+def engine_groups(config: Any, plan: Any, trains: bool, group: Optional[Any], mesh: Optional[Any],
+                  module: Any) -> EngineGroups:
+    """The groups of one engine (layout.py :class:`EngineGroups`) from its config, its sharding plan and what
+    it was given: ``group`` (a subgroup to run on; None: the world), ``mesh`` (tensor parallelism's 2-D mesh).
+    Hybrid groups apply where the plan shards optimizer state; a training engine that shards parameters gets
+    stage 3's own reduce-scatter group."""
     dims = ParallelDims(config.shard_group_size, tensor=_mesh_size(mesh, config))
     dims.check(config.stage, knobs={"tensor": "device_mesh"} if mesh is not None else None)
     tensor = TP.tensor_parallel_view(mesh, group, module)
     if tensor is not None:  # ZeRO (shards, broadcasts) runs over the data-parallel dim only
         group = tensor.dp_group
     dims.check_world(world_size(group), ("shard",))
-    shard, replicate, reduce = hybrid_groups(config.shard_group_size, group) if shards else (group, None, None)
-    if params_sharded and trains and world_size(shard) > 1 and reduce is None:
+    shard, replicate, reduce = (hybrid_groups(config.shard_group_size, group) if plan.shards_optimizer_state
+                                else (group, None, None))
+    if plan.shards_params and trains and world_size(shard) > 1 and reduce is None:
         reduce = reduce_scatter_group(group)  # apart from the unit gathers: they interleave differently per rank
     return EngineGroups(world=group, shard=shard, replicate=replicate, reduce=reduce or shard, tensor=tensor)
 

@@ -2,7 +2,7 @@
 
 The strategy builds ``init_device_mesh(device, (N // T, T), mesh_dim_names=("data_parallel",
 "tensor_parallel"))`` once the processes exist (``setup_environment``, as Lightning's ModelParallelStrategy
-does; made once per process, ``engine/groups.py`` ``device_mesh``) and sets it as ``LightningModule.device_mesh`` before ``configure_model``, where the user cuts the
+does; made once per process, ``engine/groups.py`` ``tensor_parallel_mesh``) and sets it as ``LightningModule.device_mesh`` before ``configure_model``, where the user cuts the
 model with ``parallelize_module(..., self.device_mesh["tensor_parallel"], plan)``. The engine gets the
 mesh (``engine/tensor_parallel.py``: ZeRO over the data-parallel dim, norms over both). The sampler splits
 by the data-parallel rank only: the T ranks of one tensor-parallel group must see the same batch.
@@ -16,8 +16,7 @@ from typing import Any, Optional
 import torch
 
 from ..engine import tensor_parallel as TP
-from ..engine.groups import device_mesh
-from ..engine.layout import ParallelDims
+from ..engine.groups import tensor_parallel_mesh
 
 
 class TensorParallelLayout:
@@ -39,9 +38,8 @@ class TensorParallelLayout:
 
     def build(self, world_size: int, device: torch.device) -> Any:
         """The 2-D mesh (collective: every rank calls it, after the process group exists)."""
-        ParallelDims(tensor=self.size).check_world(world_size, ("tensor",))
         # made once per process (engine/groups.py): a mesh per setup_environment leaked its groups' fds
-        self.mesh = device_mesh(device.type, (world_size // self.size, self.size), (TP.DP_DIM, TP.TP_DIM))
+        self.mesh = tensor_parallel_mesh(device.type, self.size, world_size)
         return self.mesh
 
     @property

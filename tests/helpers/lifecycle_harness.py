@@ -27,6 +27,8 @@ STAGES = {
     "zero0": dict(stage=0), "zero1": dict(stage=1), "zero2": dict(stage=2), "zero3": dict(stage=3, **Z3_UNITS),
     "zero2_offload": dict(stage=2, offload_optimizer=True),
     "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True, **Z3_UNITS),
+    # units kept gathered from forward to backward, two prefetched: the whole entry-point chains under the Trainer
+    "zero3_keep": dict(stage=3, reshard_after_forward=False, prefetch=2, **Z3_UNITS),
 }
 
 
