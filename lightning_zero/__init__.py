@@ -85,14 +85,12 @@ def _register_lightning() -> None:
     from .lightning import batch_size_finder, fabric_strategy
     from .lightning.fabric_strategy import ZeroFabricStrategy
     from .lightning.lightning_io import install
-    from .lightning.model_summary import install as install_model_summary
     from .lightning.strategy import ZeroStrategy
 
     ZeroStrategy.register_strategies(StrategyRegistry)
     ZeroFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
-    fabric_strategy.install()  # Fabric's optimizer wrapper: zero_grad / add_param_group through the engine
+    fabric_strategy.install()  # Fabric's module wrapper: model.zero_grad() through the engine
     install()  # LightningModule.load_from_checkpoint(DIR)
-    install_model_summary()  # ModelSummary's "Params per Device" column under stage 3
     batch_size_finder.install()  # Tuner.scale_batch_size under ZeroStrategy: the error names ZeroBatchSizeFinder
 
 

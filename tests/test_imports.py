@@ -61,3 +61,30 @@ def test_pytorch_lightning_is_left_alone():
                   "names = [n for n in pl.strategies.StrategyRegistry.available_strategies() if n.startswith('zero')]\n"
                   "print(json.dumps([names, 'zero3' in lightning.pytorch.strategies.StrategyRegistry]))")
     assert got == [[], True]
+
+
+@pytest.mark.timeout(200)
+def test_import_wraps_only_the_three_functions_without_a_seam():
+    """docs/ARCHITECTURE.md lists the three Lightning functions ``import lightning_zero`` wraps, each with no
+    extension point; every other class the adapter works with (the optimizer wrappers, ModelSummary, the
+    checkpoint IO) is exactly Lightning's after the import."""
+    got = _python(
+        "import json, lightning\n"
+        "from lightning.pytorch.core.optimizer import LightningOptimizer\n"
+        "from lightning.fabric import wrappers\n"
+        "from lightning.pytorch.callbacks import ModelSummary\n"
+        "from lightning.pytorch.plugins.io import TorchCheckpointIO\n"
+        "from lightning.pytorch.core import saving\n"
+        "from lightning.pytorch.tuner import tuning\n"
+        "classes = {'LightningOptimizer': LightningOptimizer, '_FabricOptimizer': wrappers._FabricOptimizer,\n"
+        "           '_FabricModule': wrappers._FabricModule, 'ModelSummary': ModelSummary,\n"
+        "           'TorchCheckpointIO': TorchCheckpointIO}\n"
+        "before = {n: dict(vars(c)) for n, c in classes.items()}\n"
+        "funcs = {'pl_load': (saving, 'pl_load'), 'tuning': (tuning, '_check_scale_batch_size_configuration')}\n"
+        "fbefore = {n: getattr(m, a) for n, (m, a) in funcs.items()}\n"
+        "import lightning_zero\n"
+        "changed = sorted(f'{n}.{k}' for n, c in classes.items() for k in set(vars(c)) | set(before[n])\n"
+        "                 if vars(c).get(k) is not before[n].get(k))\n"
+        "fchanged = sorted(n for n, (m, a) in funcs.items() if getattr(m, a) is not fbefore[n])\n"
+        "print(json.dumps([changed, fchanged]))")
+    assert got == [["_FabricModule.zero_grad"], ["pl_load", "tuning"]], got

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import collectives as C, full_state as FS, grad_norm as GN, param_groups as PG, tensor_parallel as TP
+from .optimizer_routes import install_optimizer_methods, remove_optimizer_methods
 from .activations import ActivationMemory, activation_memory
 from .stage3.deferred_init import compute_device, has_meta_params
 from .config import ZeroConfig
@@ -128,7 +129,7 @@ class ZeroEngine:
                 mode="int8" if cfg.quantize_grads else C.grad_reduce_mode(cfg.grad_reduce, groups.reduce),
                 local_grads=ONEBIT.local_grads_probe(self.optimizers),
             )
-            PG.install_optimizer_methods(self.optimizers, self.add_param_group, self.zero_grad)
+            install_optimizer_methods(self.optimizers, self.add_param_group, self.zero_grad)
         if self._partitioned is not None:
             self._partitioned.release_by_buckets(
                 self.table, lambda: self.reducer is not None and self.reducer.in_backward)
@@ -407,7 +408,7 @@ class ZeroEngine:
                 self._partitioned = None
         if self.mode is EngineMode.TRAIN:
             self.reducer.remove_hooks()
-            PG.remove_optimizer_methods(self.optimizers)
+            remove_optimizer_methods(self.optimizers)
         if self.publisher is not None:
             self.publisher.remove(wait=hand_back)
             self.publisher = None

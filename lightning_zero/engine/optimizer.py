@@ -28,6 +28,7 @@ from . import collectives as C
 from . import tensor_parallel as TP
 from .buckets import Bucket
 from .nvme_states import NvmeStates
+from .optimizer_routes import user_class
 from .optimizer_state import consolidate_optimizer_state, load_sharded_optimizer_state
 from .plan import ShardingPlan
 
@@ -192,7 +193,7 @@ class ShardedOptimizer:
         params = list(group["params"])
         self.group_layout.append([by_param.get(id(p)) for p in params])
         self.group_params.append(params)
-        type(self.optimizer).add_param_group(
+        user_class(self.optimizer).add_param_group(
             self.optimizer, {**group, "params": [by_param[id(p)] for p in params if id(p) in by_param]})
         if self._swap_kernel:
             self._use_fused_cpu_kernels()

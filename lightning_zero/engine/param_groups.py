@@ -104,21 +104,6 @@ def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None) -> li
     return out
 
 
-def install_optimizer_methods(optimizers, add_param_group, zero_grad) -> None:
-    """Route each managed optimizer's ``add_param_group`` and ``zero_grad`` to the engine's (instance
-    attributes): torch's would add module parameters next to masters, or clear only the masters' ``.grad``
-    while the reduced gradient shards of that optimizer's buckets live on."""
-    for opt in optimizers:
-        opt.add_param_group = lambda group, _opt=opt: add_param_group(_opt, group)
-        opt.zero_grad = lambda set_to_none=True, _opt=opt: zero_grad(_opt)
-
-
-def remove_optimizer_methods(optimizers) -> None:
-    for opt in optimizers:
-        opt.__dict__.pop("add_param_group", None)
-        opt.__dict__.pop("zero_grad", None)
-
-
 def new_group_params(module: nn.Module, shardeds: list[ShardedOptimizer], group) -> tuple[list, list]:
     """``optimizer.add_param_group(group)`` checked: ``group["params"]`` must be module parameters no
     optimizer holds yet. Returns (the group's parameters as given, the same in module order)."""

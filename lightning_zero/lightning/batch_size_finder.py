@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -9,7 +9,7 @@ one. The adapter reaches them through :func:`private` / :func:`private_attr`, wh
 evaluation join of stage 3, which reads the active loop's batch progress). Three kinds are only listed,
 not wrapped, because a move already fails loudly where they are used: the protected ``DDPStrategy``
 members the strategies override or call (``_configure_launcher``, ``_setup_distributed``, ...), the
-class attributes the import-time patches of ``lightning_io.py`` / ``model_summary.py`` read, and the
+class attributes ``lightning_io.py``'s import-time wrap and ``model_summary.py``'s per-fit binding read, and the
 names outside this layer (the engine's torch privates, :data:`TORCH_CANARIES`: ``engine/`` imports nothing
 from here; the transformers tables of ``tools/export_hf.py``). ``tests/test_compat_canaries.py`` resolves
 every entry of :data:`CANARIES` and the other tables, so an upgrade that moves one fails there first,
@@ -83,9 +83,9 @@ Stateful = private(f"{_FABRIC}.utilities.types", "_Stateful")
 TunerExitException = private(f"{_PL}.utilities.exceptions", "_TunerExitException")
 
 
-def fabric_wrappers() -> tuple[type, type]:
-    """Fabric's ``_FabricOptimizer`` and ``_FabricModule`` (their methods are completed in fabric_strategy.py)."""
-    return (private(f"{_FABRIC}.wrappers", "_FabricOptimizer"), private(f"{_FABRIC}.wrappers", "_FabricModule"))
+def fabric_module_wrapper() -> type:
+    """Fabric's ``_FabricModule`` (its ``zero_grad`` is completed in fabric_strategy.py)."""
+    return private(f"{_FABRIC}.wrappers", "_FabricModule")
 
 
 def batch_size_scaling() -> Any:
@@ -169,7 +169,6 @@ CANARIES: tuple[tuple[str, str], ...] = (
     (f"{_FABRIC}.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher"),
     (f"{_FABRIC}.strategies.strategy", "_BackwardSyncControl"),
     (f"{_FABRIC}.utilities.types", "_Stateful"),
-    (f"{_FABRIC}.wrappers", "_FabricOptimizer"),
     (f"{_FABRIC}.wrappers", "_FabricModule"),
     (f"{_PL}.utilities.exceptions", "_TunerExitException"),
     (f"{_PL}.tuner.tuning", "_check_scale_batch_size_configuration"),

@@ -45,11 +45,14 @@ _FABRIC_KEY = "lightning_zero_fabric"  # which entries were the model / optimize
 _PRECISION_KEY = ZeroPrecision.__qualname__  # where the Trainer keeps (and restores) the plugin's state
 
 
-class ZeroFabricCheckpointMixin:
-    """``save_checkpoint`` / ``load_checkpoint`` of :class:`ZeroFabricStrategy` (expects its ``_model_of(module)``
-    and its precision plugin's ``engine_for(optimizer)``)."""
+class FabricCheckpoints:
+    """What ``ZeroFabricStrategy.save_checkpoint`` / ``load_checkpoint`` do. ``host`` is the strategy: it gives
+    ``_model_of(module)`` (the set-up model holding a module), ``precision`` (its ``engine_for(optimizer)`` and
+    state), ``broadcast`` / ``barrier`` and ``checkpoint_io`` (single files); nothing else is read from it."""
 
-    trust_checkpoint = False  # the host's knob (ZeroFabricStrategy's argument; docs/security.md)
+    def __init__(self, host: Any, trust_checkpoint: bool) -> None:
+        self.host = host
+        self.trust_checkpoint = trust_checkpoint  # the strategy's knob (docs/security.md)
 
     def _split_state(self, state: dict) -> tuple[list[tuple[str, Module]], list[tuple[str, Optimizer]], dict]:
         modules = [(k, v) for k, v in state.items() if isinstance(v, Module)]
@@ -58,19 +61,19 @@ class ZeroFabricCheckpointMixin:
         return modules, optimizers, others
 
     def _engine_of(self, module: Module):
-        model = self._model_of(module)
+        model = self.host._model_of(module)
         return model.engine if model is not None else None
 
     def _optimizer_engine(self, optimizer: Optimizer, key) -> tuple[Any, int]:
         """The engine sharding ``optimizer`` and the optimizer's index in it."""
-        engine = self.precision.engine_for(optimizer)
+        engine = self.host.precision.engine_for(optimizer)
         if engine is None:
             raise ValueError(f"state[{key!r}] is not an optimizer set up with a model of this Fabric. Allowed: the "
                              "optimizers returned by fabric.setup(model, optimizer, ...).")
         return engine, next(k for k, opt in enumerate(engine.optimizers) if opt is optimizer)
 
     # -- save -------------------------------------------------------------------------------------------
-    def save_checkpoint(self, path, state: dict, storage_options: Optional[Any] = None,
+    def save(self, path, state: dict, storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         if storage_options is not None or filter:
             raise ValueError("ZeroFabricStrategy writes sharded checkpoint directories, every tensor from every "
@@ -85,18 +88,18 @@ class ZeroFabricCheckpointMixin:
         added = [k for k, v in (("pytorch-lightning_version", lightning.__version__), ("lr_schedulers", []))
                  if meta.setdefault(k, v) is v]
         if _PRECISION_KEY not in meta:
-            meta[_PRECISION_KEY] = self.precision.state_dict()
+            meta[_PRECISION_KEY] = self.host.precision.state_dict()
             added.append(_PRECISION_KEY)
-        path = Path(self.broadcast(str(path)))
+        path = Path(self.host.broadcast(str(path)))
         if len(saved) > 1:  # one directory per model inside one atomic directory (checkpoint/models_dir.py)
             meta[_FABRIC_KEY] = {"added": added}
-            save_models_checkpoint(path, saved, meta, barrier=self.barrier)
+            save_models_checkpoint(path, saved, meta, barrier=self.host.barrier)
             return
         (one,) = saved  # one model: the Trainer's own directory, as before
         meta[_FABRIC_KEY] = {"module": one.key, "optimizers": [k for k, _ in one.optimizers], "added": added}
         opt_states = [sharded_optimizer_state(one.engine, opt) for _, opt in one.optimizers] or None
         save_checkpoint_dir(path, sharded_model_state(one.module, one.engine), one.module, one.engine,
-                            opt_states, meta, barrier=self.barrier)
+                            opt_states, meta, barrier=self.host.barrier)
 
     def _saved_models(self, modules, optimizers) -> list[SavedModel]:
         """Each model of the state with its optimizers (all of them, in the engine's order, or none)."""
@@ -120,8 +123,8 @@ class ZeroFabricCheckpointMixin:
         return saved
 
     # -- load -------------------------------------------------------------------------------------------
-    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None) -> dict:
-        path = resolve_checkpoint_dir(self.broadcast(str(path)))
+    def load(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None) -> dict:
+        path = resolve_checkpoint_dir(self.host.broadcast(str(path)))
         if not path.is_dir():
             return self._load_file(path, state, strict, weights_only)
         trust = trusted(self.trust_checkpoint, weights_only)
@@ -168,7 +171,7 @@ class ZeroFabricCheckpointMixin:
         holds = lambda k: (len(modules) == 1 or k == names.get("module")) if k in modules else True  # noqa: E731
         remainder = self._restore(state, meta, strict, load_module, load_optimizer, holds)
         if precision_state is not None:
-            self.precision.load_state_dict(precision_state)
+            self.host.precision.load_state_dict(precision_state)
         return remainder
 
     def _load_models(self, path: Path, state, strict: bool, trust: bool) -> dict:
@@ -214,12 +217,12 @@ class ZeroFabricCheckpointMixin:
         remainder = self._restore(state, meta, strict, load_module, load_optimizer,
                                   lambda k: k in models or k in saved_opts)
         if precision_state is not None:
-            self.precision.load_state_dict(precision_state)
+            self.host.precision.load_state_dict(precision_state)
         return remainder
 
     def _load_file(self, path: Path, state, strict: bool, weights_only: Optional[bool]) -> dict:
         """A single file (Fabric's DDP, ``torch.save``): full tensors, into the engines' masters and shards."""
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        checkpoint = self.host.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         if not state:
             return checkpoint
 

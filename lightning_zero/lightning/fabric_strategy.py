@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -48,17 +48,16 @@ from torch.optim import Optimizer
 from ..engine.plan import ShardingPlan
 from ..engine import ZeroEngine, collectives
 from ..engine.stage3.deferred_init import has_meta_params, meta_init
-from .compat import BackwardSyncControl, FabricSubprocessScriptLauncher, fabric_wrappers
-from .fabric_checkpoint import ZeroFabricCheckpointMixin
+from .compat import BackwardSyncControl, FabricSubprocessScriptLauncher, fabric_module_wrapper
+from .fabric_checkpoint import FabricCheckpoints
 from .fabric_precision import ZeroFabricPrecision
-from .optimizers import delegate_to_wrapped
-from .tensor_parallel import TensorParallelLayout, TensorParallelMixin
+from .tensor_parallel import TensorParallelLayout
 from .strategy_args import FABRIC as FABRIC_ARGS, bind, declare
 from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
                          setup_default_group, register_presets, zero_config)
 
 
-class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStrategy):
+class ZeroFabricStrategy(DDPStrategy):
     """ZeRO data parallelism for Fabric: ``Fabric(strategy=ZeroFabricStrategy(stage=3, ...))`` or a
     registered name (``"zero0"`` ... ``"zero3_offload"``, each also ``_spawn`` / ``_fork``). The arguments
     mean what they mean for :class:`~lightning_zero.ZeroStrategy` (``lightning/strategy_args.py``)."""
@@ -75,7 +74,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
             raise ValueError("parallelize_fn needs tensor_parallel_size=T (it is called with the 2-D device mesh). "
                              "Allowed: ZeroFabricStrategy(tensor_parallel_size=T, parallelize_fn=...).")
         self._parallelize_fn = parallelize_fn
-        self.trust_checkpoint = bool(knobs["trust_checkpoint"])  # as ZeroStrategy's (docs/security.md)
+        self.checkpoints = FabricCheckpoints(self, bool(knobs["trust_checkpoint"]))  # docs/security.md
         super().__init__(**{k: knobs[k] for k in ("accelerator", "parallel_devices", "cluster_environment",
                                                   "checkpoint_io", "precision", "process_group_backend", "timeout",
                                                   "start_method")})
@@ -113,7 +112,20 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
 
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._build_device_mesh()  # tensor_parallel_size: fabric.strategy.device_mesh from fabric.launch() on
+        if self.tensor_parallel is not None:  # fabric.strategy.device_mesh from fabric.launch() on
+            self.tensor_parallel.build(self.world_size, self.root_device)
+
+    # -- tensor parallelism: the layout is a collaborator (lightning/tensor_parallel.py) ---------------------------
+    @property
+    def device_mesh(self) -> Any:
+        """The ("data_parallel", "tensor_parallel") DeviceMesh (``tensor_parallel_size`` only)."""
+        return TensorParallelLayout.device_mesh_of(self.tensor_parallel, type(self).__name__)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.tensor_parallel is not None:  # the TP ranks of one data-parallel rank see the same batches
+            return self.tensor_parallel.sampler_kwargs()
+        return super().distributed_sampler_kwargs
 
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Stage 3 with ``empty_init=True``: the model is built on the meta device and materialized by the
@@ -232,7 +244,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
         module = model.module
         try:
             engine = build_engine(module, optimizers, self.zero_config, self.precision, self.root_device,
-                                  device_mesh=self._device_mesh)
+                                  device_mesh=TensorParallelLayout.mesh_of(self.tensor_parallel))
         except BaseException:
             if model in self._models:  # a failed setup adopts nothing: a corrected model can be set up next
                 self._models.remove(model)
@@ -290,6 +302,18 @@ class ZeroFabricStrategy(ZeroFabricCheckpointMixin, TensorParallelMixin, DDPStra
 
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
         self._training_engine("fabric.clip_gradients", module, optimizer).clip_grad_value_(clip_val, optimizer)
+
+    # -- checkpoints: Fabric's hooks, the work in FabricCheckpoints (fabric_checkpoint.py) ---------------------
+    @property
+    def trust_checkpoint(self) -> bool:
+        return self.checkpoints.trust_checkpoint
+
+    def save_checkpoint(self, path, state: dict, storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        self.checkpoints.save(path, state, storage_options, filter)
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None) -> dict:
+        return self.checkpoints.load(path, state, strict, weights_only)
 
     def get_optimizer_state(self, optimizer: Optimizer) -> dict:
         """``optimizer.state_dict()``: the full state, consolidated from the shards (collective)."""
@@ -350,11 +374,8 @@ class _ZeroBackwardSyncControl(BackwardSyncControl):
 
 
 def install() -> None:
-    """``optimizer.zero_grad()`` / ``add_param_group`` on Fabric's optimizer wrapper go to the wrapped
-    optimizer's own (the engine installs them on it): the wrapper subclasses the optimizer's class, so
-    torch's methods would otherwise run on the master shards, past the engine's gradient shards. The same
-    call for every other strategy: those optimizers' methods are torch's."""
-    delegate_to_wrapped(fabric_wrappers()[0])  # _FabricOptimizer
+    """``model.zero_grad()`` on Fabric's module wrapper reaches the engine (the optimizer wrapper needs nothing:
+    the engine routes the optimizer's own methods, engine/optimizer_routes.py)."""
     _install_module_zero_grad()
 
 
@@ -362,7 +383,7 @@ def _install_module_zero_grad() -> None:
     """``model.zero_grad()`` on Fabric's module wrapper reaches the engine under ZeroFabricStrategy
     (:meth:`ZeroFabricStrategy.zero_grad_module`): torch's would clear ``param.grad`` only, not the reduced
     gradient shards a backward left in the engine. torch's own ``Module.zero_grad`` for every other strategy."""
-    _, _FabricModule = fabric_wrappers()
+    _FabricModule = fabric_module_wrapper()
 
     if "zero_grad" in _FabricModule.__dict__:
         return

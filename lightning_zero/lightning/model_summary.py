@@ -4,8 +4,9 @@ summary has.
 Design note
 -----------
 Lightning's ``ModelSummary`` callback picks its summary class in ``_summary`` by asking whether the strategy
-is DeepSpeed's; ``import lightning_zero`` wraps that method (both copies of Lightning) so a ZeroStrategy at
-stage 3 gets :class:`ZeroStage3Summary`, and every other strategy Lightning's own choice. The summary runs
+is DeepSpeed's. A ZeroStrategy at stage 3 answers on the callback objects of its own Trainer, for one fit
+(:func:`bind`: an instance attribute, removed at teardown), so they build :class:`ZeroStage3Summary`; no
+class of Lightning is changed and every other Trainer keeps Lightning's own choice. The summary runs
 at ``on_fit_start``, after the engine has partitioned the model: the stage-3 parameters keep their full
 shapes (the "Params" column stays the whole count) and each one's per-rank length comes from its unit's
 shard layout (``ShardSpec.shard_len``: what this rank stores, padding excluded).
@@ -14,6 +15,7 @@ shard layout (``ShardSpec.shard_len``: what this rank stores, padding excluded).
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 _COLUMN = "Params per Device"  # Lightning's spelling: RichModelSummary lays out a column of this name
 
@@ -47,27 +49,19 @@ def _summary_class(ModelSummary, get_human_readable_count, NOT_APPLICABLE):
     return ZeroStage3Summary
 
 
-def _wrap(callback_module, summary_module) -> None:
-    ModelSummaryCallback = callback_module.ModelSummary
-    original = ModelSummaryCallback._summary
-    if getattr(original, "_lightning_zero", False):
-        return
-    cls = _summary_class(summary_module.ModelSummary, summary_module.get_human_readable_count,
-                         summary_module.NOT_APPLICABLE)
-
-    @functools.wraps(original)
-    def _summary(self, trainer, pl_module):
-        engine = getattr(trainer.strategy, "engine", None)
-        if getattr(engine, "partitioner", None) is not None:
-            return cls(pl_module, engine, max_depth=self._max_depth)
-        return original(self, trainer, pl_module)
-
-    _summary._lightning_zero = True
-    ModelSummaryCallback._summary = _summary
-
-
-def install() -> None:
-    from lightning.pytorch.callbacks import model_summary as callback_module
+def bind(trainer, engine) -> Callable[[], None]:
+    """The trainer's ``ModelSummary`` callbacks (Rich's too) summarize ``engine``'s partitioned module for this
+    fit; returns the undo for teardown."""
+    from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
     from lightning.pytorch.utilities.model_summary import model_summary as summary_module
 
-    _wrap(callback_module, summary_module)
+    cls = _summary_class(summary_module.ModelSummary, summary_module.get_human_readable_count,
+                         summary_module.NOT_APPLICABLE)
+    bound = [cb for cb in trainer.callbacks if isinstance(cb, ModelSummaryCallback)]
+    for cb in bound:  # through compat's canary: ModelSummary._summary(trainer, pl_module) is the seam
+        cb._summary = functools.partial(_summary, cb, cls, engine)
+    return lambda: [cb.__dict__.pop("_summary", None) for cb in bound]
+
+
+def _summary(cb, cls, engine, trainer, pl_module):
+    return cls(pl_module, engine, max_depth=cb._max_depth)

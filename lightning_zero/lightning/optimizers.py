@@ -7,13 +7,9 @@ module's parameters. Lightning code that thinks in module parameters is pointed 
 of each group (``ShardedOptimizer.group_params``):
 
 * ``LightningOptimizer`` (what ``self.optimizers()`` returns) subclasses the optimizer's class, so its
-  ``zero_grad`` / ``add_param_group`` would be torch's, run on the wrapper, bypassing the engine's
-  (installed on the raw optimizer object): a GAN's ``opt_d.zero_grad()`` would then keep the discriminator
-  gradient the generator's backward left in the reducer. Lightning rebuilds the wrappers whenever
-  ``strategy.optimizers`` is assigned (``setup_precision_plugin`` after ``setup``, unpickling under spawn),
-  so per-wrapper bindings do not last: :func:`install` gives ``LightningOptimizer`` itself methods that
-  call the wrapped optimizer's own, which every wrapper, however late it is built, reaches first in its MRO
-  (as ``fabric_strategy.install`` does for Fabric's wrapper).
+  ``zero_grad`` / ``add_param_group`` would be torch's: the engine gives the optimizer object a routed class
+  of its own while it manages it (engine/optimizer_routes.py), which every wrapper, however late Lightning
+  rebuilds it, finds first in its MRO. Nothing here touches Lightning's classes.
 * ``LightningModule.toggle_optimizer`` / ``untoggle_optimizer`` flip ``requires_grad`` of the module
   parameters of the other optimizers (Lightning's own would flip the masters', which autograd never sees).
 * ``BaseFinetuning`` maps the optimizer's parameters back to module names and filters new parameters
@@ -35,37 +31,10 @@ def raw_optimizer(optimizer):
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-_DELEGATED = ("zero_grad", "add_param_group")
-
-
-def install() -> None:
-    """``zero_grad`` / ``add_param_group`` on any ``LightningOptimizer`` call the wrapped optimizer's (the
-    engine's where it installed them, else torch's own: the same behaviour for every other strategy).
-    Idempotent; class-level, so no rebuild of the wrappers can lose it."""
-    delegate_to_wrapped(LightningOptimizer)
-
-
-def delegate_to_wrapped(wrapper_cls: type) -> None:
-    """``zero_grad`` / ``add_param_group`` of an optimizer wrapper class (Lightning's, Fabric's) call its
-    ``_optimizer``'s, once per class."""
-    for name in _DELEGATED:
-        if name not in wrapper_cls.__dict__:
-            setattr(wrapper_cls, name, _delegate(name))
-
-
-def _delegate(name: str):
-    def method(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._optimizer, name)(*args, **kwargs)
-
-    method.__name__ = name
-    return method
-
-
 def bind(strategy, trainer) -> Callable[[], None]:
     """Install the glue after the engine exists; returns the undo for teardown."""
     engine, module = strategy.engine, strategy.lightning_module
     undo: list[Callable[[], None]] = []
-    install()
 
     def module_params(opt) -> list:
         return [p for g in engine.sharded_for(raw_optimizer(opt)).group_params for p in g]

@@ -1,4 +1,4 @@
-"""The checkpoint hooks of ZeroPipelineStrategy: the pipeline's checkpoint directory with Lightning's metadata.
+"""What ZeroPipelineStrategy's checkpoint hooks do: the pipeline's checkpoint directory with Lightning's metadata.
 
 Design note
 -----------
@@ -21,45 +21,33 @@ from ..checkpoint.trust import trusted
 _LOADED_KEY = "lightning_zero_pipeline_dir"
 
 
-class PipelineCheckpointMixin:
-    """Checkpoint hooks for a strategy holding ``pipe`` (the fit's PipelineZero) and ``_forward_pipe``."""
+class PipelineCheckpoints:
+    """ZeroPipelineStrategy's checkpoint directory: its hooks call this with the pipe to save or load."""
 
-    trust_checkpoint = False  # the host's knob (ZeroStrategy's argument; docs/security.md)
-    _zero_trust = False  # this load's decision: trust_checkpoint, or Lightning's weights_only=False
+    def __init__(self, trust_checkpoint: bool) -> None:
+        self.trust_checkpoint = trust_checkpoint  # the strategy's knob (docs/security.md)
+        self._trust = False  # this load's decision: trust_checkpoint, or Lightning's weights_only=False
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the stage directories hold the weights
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}  # ... and the optimizer state
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if self.pipe is None:
+    @staticmethod
+    def save(pipe: Optional[Any], checkpoint: dict[str, Any], path: Path, storage_options: Optional[Any]) -> None:
+        """Collective: each stage's group writes its own shards, Lightning's other entries go to ``meta.pt``."""
+        if pipe is None:
             raise RuntimeError("save_checkpoint with pipeline_parallel_size needs a fit's pipeline (call it during "
                                "or after trainer.fit).")
         if storage_options is not None:
             raise TypeError("storage_options are not supported for pipeline checkpoints (no CheckpointIO).")
-        path = Path(self.broadcast(str(filepath)))
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_pipeline_checkpoint(self.pipe, str(path), meta)  # collective; each stage's group writes its own shards
+        save_pipeline_checkpoint(pipe, str(path), meta)
 
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # into the stage engines' masters, which exist after setup
-
-    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = resolve_checkpoint_dir(self.broadcast(str(checkpoint_path)))
+    def read(self, checkpoint_path, weights_only: Optional[bool]) -> dict[str, Any]:
+        path = resolve_checkpoint_dir(checkpoint_path)
         read_manifest(path)  # one clear error for anything that is not a pipeline checkpoint
-        self._zero_trust = trusted(self.trust_checkpoint, weights_only)
-        meta = read_meta(path, trust_checkpoint=self._zero_trust)  # loops, callbacks: restricted unless trusted
+        self._trust = trusted(self.trust_checkpoint, weights_only)
+        meta = read_meta(path, trust_checkpoint=self._trust)  # loops, callbacks: restricted unless trusted
         meta["optimizer_states"] = [{}]  # in the stage directories; Lightning checks the key exists
         meta[_LOADED_KEY] = str(path)
         return meta
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._stale = False
-        load_pipeline_checkpoint(self._forward_pipe, checkpoint[_LOADED_KEY],  # model + optimizer, any DP size
-                                 trust_checkpoint=self._zero_trust)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # loaded with the model above
+    def load(self, pipe, checkpoint: Mapping[str, Any]) -> None:
+        """Model and optimizer state into ``pipe``'s stage engines, resharded to any data-parallel size."""
+        load_pipeline_checkpoint(pipe, checkpoint[_LOADED_KEY], trust_checkpoint=self._trust)

@@ -51,18 +51,20 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from typing import Any, Generator, Optional
+from pathlib import Path
+from typing import Any, Generator, Mapping, Optional
 
 import torch
 
 from ..engine.layout import ParallelDims
 from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size, virtual_stages
 from .compat import MultiProcessingLauncher
-from .pipeline_checkpoint_strategy import PipelineCheckpointMixin
+from .pipeline_launcher import TRAINED_ELSEWHERE, PipelineLauncher
+from .pipeline_checkpoint_strategy import PipelineCheckpoints
 from .pipeline_chunks import chunk_optimizers, sync_hyperparameters
 from .strategy import TrainerFn, ZeroStrategy
+from .zero_setup import guard_scheduler
 from .strategy_args import PIPELINE as PIPELINE_ARGS, PIPELINE_ONLY, bind, declare
-_TRAINED_ELSEWHERE = "_lightning_zero_pipeline_trained_elsewhere"
 
 
 def _check_int(name: str, value: Any) -> int:
@@ -93,7 +95,7 @@ def _check_pipeline_knobs(config, max_imbalance: Any) -> None:
                          f"the smallest's) or None (no check); got {max_imbalance!r}.")
 
 
-class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
+class ZeroPipelineStrategy(ZeroStrategy):
     """ZeRO stage 0, 1 or 2 over the data-parallel replicas of each of P pipeline stages:
     ``Trainer(strategy=ZeroPipelineStrategy(stage=1, pipeline_parallel_size=P, pipeline_microbatches=M))``.
     ZeroStrategy's arguments mean the same here; those a pipeline cannot honour are refused (stage 3,
@@ -127,11 +129,12 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
         self.pipeline_schedule = pipeline_schedule
         self.pipeline_max_imbalance = pipeline_max_imbalance
         self.pipeline_chunks = chunks
+        self.pipeline_checkpoints = PipelineCheckpoints(self.trust_checkpoint)  # the checkpoint hooks below use it
         self.pipe: Optional[PipelineZero] = None  # the fit's (kept after it: save_checkpoint writes its state)
         self._eval_pipe: Optional[PipelineZero] = None  # validate / test / predict outside fit
         self._live: list[PipelineZero] = []  # pipes whose engines still hold hooks (removed at teardown)
         self._chunk_opts: list = []  # several chunks: one optimizer per chunk (pipeline_chunks.py)
-        self._stale = False  # evaluating a module whose training happened in other processes (see _PipelineLauncher)
+        self._stale = False  # evaluating a module whose training happened in other processes (see PipelineLauncher)
         self.last_loss: Optional[torch.Tensor] = None  # the last batch's loss (global batch mean), every rank
         self._boundary = False  # Lightning's loop is inside optimizer_step: this batch ends with a step
 
@@ -163,8 +166,8 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
         # the world is known here (devices x nodes), before any process starts: one error, in the caller
         check_pipeline_size(self.pipeline_parallel_size, self.num_nodes * len(self.parallel_devices or [None]))
         super()._configure_launcher()
-        if type(self._launcher) is MultiProcessingLauncher:  # fork / spawn: see _PipelineLauncher
-            self._launcher = _PipelineLauncher(self, start_method=self._start_method)
+        if type(self._launcher) is MultiProcessingLauncher:  # fork / spawn: see PipelineLauncher
+            self._launcher = PipelineLauncher(self, start_method=self._start_method)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -192,7 +195,7 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
             device=self.root_device)
         stage_arg = stages if len(stages) > 1 else module
         if not fitting:  # evaluation only: fp32 weights, mixed precision under autocast (as ZeroStrategy)
-            self._stale = getattr(module, _TRAINED_ELSEWHERE, False)  # until a checkpoint loads
+            self._stale = getattr(module, TRAINED_ELSEWHERE, False)  # until a checkpoint loads
             self._eval_pipe = PipelineZero(stage_arg, self.pipeline_parallel_size, loss_fn, None,
                                            self.pipeline_microbatches, **common)
             self._live.append(self._eval_pipe)
@@ -213,7 +216,8 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
                                  check_finite=prec.check_finite, **common)
         self._live.append(self.pipe)
         self._attach_precision()
-        self._guard_scheduler()
+        # a step skipped for overflow (on any stage: on all of them) does not advance the LR schedule
+        self._unguard = guard_scheduler(module, lambda: self.pipe.last_step_skipped)
         # Lightning zeroes gradients after the first training_step of an accumulation window, assuming its
         # backward comes next; here that step's backward has already run inside the schedule. The engines
         # clear their gradients after each optimizer step themselves.
@@ -242,16 +246,6 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
             engine.counters = prec.counters
             if prec.mixed:
                 prec._cast_hooks += _cast_inputs_to_param_dtype(engine.module)
-
-    def _guard_scheduler(self) -> None:
-        """A step skipped for overflow (on any stage: on all of them) does not advance the LR schedule."""
-        module, original = self.lightning_module, self.lightning_module.lr_scheduler_step
-
-        def lr_scheduler_step(scheduler, metric=None):
-            return None if self.pipe.last_step_skipped else original(scheduler, metric)
-
-        module.lr_scheduler_step = lr_scheduler_step  # instance attribute; removed at teardown (ZeroStrategy's)
-        self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
 
     @property
     def _forward_pipe(self) -> PipelineZero:
@@ -337,6 +331,30 @@ class ZeroPipelineStrategy(PipelineCheckpointMixin, ZeroStrategy):
             out = self._forward_pipe.predict(inputs)
         return self.precision_plugin.convert_output(out)
 
+    # -- checkpoints: the pipeline's directory (pipeline_checkpoint_strategy.py), not ZeroStrategy's -------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the stage directories hold the weights
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # ... and the optimizer state
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        self.pipeline_checkpoints.save(self.pipe, checkpoint, Path(self.broadcast(str(filepath))), storage_options)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # into the stage engines' masters, which exist after setup
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self.pipeline_checkpoints.read(self.broadcast(str(checkpoint_path)), weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._stale = False
+        self.pipeline_checkpoints.load(self._forward_pipe, checkpoint)  # the fit's pipe or the evaluation one
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded with the model above
+
     def on_train_end(self) -> None:
         super().on_train_end()
         if self.pipe is not None:  # bf16/fp16: the module back in fp32 with the master values
@@ -363,22 +381,3 @@ def _child_prefixes(module: torch.nn.Module) -> dict[str, str]:
         for local, source in (getattr(child, "source_prefixes", None) or {}).items() if child is not module else ():
             out[f"{name}.{local}"] = source
     return out
-
-
-class _PipelineLauncher(MultiProcessingLauncher):
-    """Lightning's fork/spawn launcher, which also marks the main process's module after a fit.
-
-    The launcher hands rank 0's module state back to the main process, but under pipeline parallelism rank 0
-    holds stage 0 only, and the main process's module (whose stages ``configure_model`` built in the workers)
-    none: a later ``trainer.validate(model)`` would silently evaluate freshly built stages. The mark makes
-    that one clear error instead (unless a ``ckpt_path`` loads the trained weights)."""
-
-    def get_extra_results(self, trainer) -> dict[str, Any]:
-        extra = super().get_extra_results(trainer)
-        extra[_TRAINED_ELSEWHERE] = trainer.state.fn == TrainerFn.FITTING
-        return extra
-
-    def update_main_process_results(self, trainer, extra: dict[str, Any]) -> None:
-        if extra.pop(_TRAINED_ELSEWHERE, False):
-            setattr(trainer.lightning_module, _TRAINED_ELSEWHERE, True)
-        super().update_main_process_results(trainer, extra)

@@ -11,22 +11,24 @@ consolidated (and re-sliced on load), so a run saved on N ranks at one stage res
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Generator, Optional
+from pathlib import Path
+from typing import Any, Callable, Generator, Mapping, Optional
 
-import torch
 
 from ..engine.plan import ShardingPlan
 from ..engine import ZeroEngine
 from ..engine.stage3.deferred_init import has_meta_params, meta_init
 from ..engine.stage3.pretrained import load_pretrained, outermost_hf_model
 from ..engine.engine_state import EngineMode
+from ..checkpoint.format import resolve_checkpoint_dir
 from .compat import (SubprocessScriptLauncher, is_last_batch, module_trainer, set_module_device_mesh,
                      sync_module_states, wrap_rank_zero_results)
 from .callback_checks import check_callbacks, check_no_lightning_finder, weight_readers
 from .even_inputs import check_even_inputs
-from .checkpoint_strategy import ZeroCheckpointMixin
+from .checkpoint_strategy import TrainerCheckpoints
 from .memory_summary import report as memory_report
-from .tensor_parallel import TensorParallelLayout, TensorParallelMixin
+from .model_summary import bind as bind_summary
+from .tensor_parallel import TensorParallelLayout
 from .optimizers import bind as bind_optimizers
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.environments import ClusterEnvironment
@@ -38,8 +40,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .precision import ZeroPrecision
 from .strategy_args import TRAINER as TRAINER_ARGS, bind, declare
-from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
-                         setup_default_group, register_presets, zero_config)
+from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, checked_weights_path,
+                         external_launcher, guard_scheduler, is_whole, setup_default_group, register_presets,
+                         zero_config)
 
 _LIGHTNING_TYPES = dict(accelerator=Accelerator, cluster_environment=ClusterEnvironment,  # the knob -> its class
                         checkpoint_io=CheckpointIO)
@@ -47,24 +50,7 @@ _DDP_ARGS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoi
              "process_group_backend", "timeout", "start_method")  # Lightning's DDPStrategy takes these
 
 
-def _whole(module: torch.nn.Module) -> bool:
-    """Every parameter has its full storage (a stage-3 engine that did not hand the module back has not)."""
-    return all(p.untyped_storage().nbytes() >= p.numel() * p.element_size() for p in module.parameters())
-
-
-def _checked_weights_path(path: Any) -> Optional[str]:
-    """``load_weights_from``: None, or a path that exists (a save_pretrained directory or a state-dict file)."""
-    import os
-
-    if path is None:
-        return None
-    if not isinstance(path, (str, os.PathLike)) or not os.path.exists(path):
-        raise ValueError(f"load_weights_from={path!r}: no such directory or file. Allowed: None, a save_pretrained "
-                         "directory (safetensors, sharded or not; pytorch_model.bin) or a state-dict file.")
-    return os.fspath(path)
-
-
-class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
+class ZeroStrategy(DDPStrategy):
     """ZeRO data parallelism for Lightning: ``Trainer(strategy=ZeroStrategy(stage=3, ...))`` or a registered name
     (``"zero0"`` ... ``"zero3_offload"``, each also ``_spawn`` / ``_fork``). Pipeline parallelism is
     :class:`~lightning_zero.lightning.pipeline_strategy.ZeroPipelineStrategy` (the same arguments, plus
@@ -80,8 +66,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         checkpoint_format, tensor_parallel_size = knobs["checkpoint_format"], knobs["tensor_parallel_size"]
         self.zero_config = zero_config(knobs)  # the arguments named like ZeroConfig fields
         check_strategy_knobs(type(self).__name__, knobs, _LIGHTNING_TYPES)  # and the strategy's own
-        self.checkpoint_format = checkpoint_format
-        self.trust_checkpoint = bool(knobs["trust_checkpoint"])
+        self.checkpoints = TrainerCheckpoints(checkpoint_format, bool(knobs["trust_checkpoint"]))  # the hooks use it
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config,  # None without TP
                                                        checkpoint_format)
         super().__init__(**{k: knobs[k] for k in _DDP_ARGS})
@@ -89,17 +74,29 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         self._trained_engine: Optional[ZeroEngine] = None  # see [Note: the trained state outlives fit]
         self._failed = False
         self.memory_summary = knobs["memory_summary"]
-        self.load_weights_from = _checked_weights_path(knobs["load_weights_from"])
+        self.load_weights_from = checked_weights_path(knobs["load_weights_from"])
         self._weights_loaded = False
         self._memory_reported = False
         self.memory_table: Optional[str] = None  # global rank 0: the table printed by this fit
         self._even_checked: Optional[tuple] = None  # (trainer, epoch) whose batch counts were compared
         self._unguard: Optional[Callable[[], None]] = None  # undoes the LR-scheduler guard of this setup
-        self._unbind_optimizers: Optional[Callable[[], None]] = None  # undoes optimizers.bind
+        self._unbind_optimizers: Optional[Callable[[], None]] = None  # undoes optimizers.bind (+ model_summary.bind)
 
     @property
     def stage(self) -> int:
         return self.zero_config.stage
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.checkpoints.checkpoint_format
+
+    @checkpoint_format.setter
+    def checkpoint_format(self, value: str) -> None:
+        self.checkpoints.checkpoint_format = value
+
+    @property
+    def trust_checkpoint(self) -> bool:
+        return self.checkpoints.trust_checkpoint
 
     @property
     def plan(self) -> ShardingPlan:
@@ -137,11 +134,15 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
             self.setup_optimizers(trainer)
             # several optimizers: each sharded on its own (disjoint parameters; see optimizers.py)
             self.engine = build_engine(self.lightning_module, self.optimizers, self.zero_config, precision,
-                                       self.root_device, device_mesh=self._device_mesh)
+                                       self.root_device, device_mesh=TensorParallelLayout.mesh_of(self.tensor_parallel))
             self._memory_reported = not self.memory_summary
             self._publish_before_hooks(trainer)
-            self._guard_scheduler_on_skipped_steps()
+            engine = self.engine  # a step skipped for overflow does not advance the LR schedule (as DeepSpeed)
+            self._unguard = guard_scheduler(self.lightning_module, lambda: engine.last_step_skipped)
             self._unbind_optimizers = bind_optimizers(self, trainer)
+            if self.plan.shards_params:  # ModelSummary's "Params per Device" column, as DeepSpeed stage 3's
+                unbind_summary, unbind_opts = bind_summary(trainer, self.engine), self._unbind_optimizers
+                self._unbind_optimizers = lambda: (unbind_opts(), unbind_summary())
         else:
             # evaluation only: no optimizer. Weights stay fp32 (mixed precision runs under autocast, see
             # ZeroPrecision.forward_context), so validate/test/predict never round the user's model.
@@ -165,30 +166,29 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
             rank_zero_info(f"overlap_publish: {', '.join(readers)} may read the weights between steps, so each "
                            "optimizer step completes its parameter all-gather before the hooks run.")
 
-    def _guard_scheduler_on_skipped_steps(self) -> None:
-        """A step skipped for overflow must not advance the LR schedule (as in DeepSpeed)."""
-        module, engine = self.lightning_module, self.engine
-        original = module.lr_scheduler_step
-
-        def lr_scheduler_step(scheduler, metric=None):
-            if engine.last_step_skipped:
-                return None
-            return original(scheduler, metric)
-
-        module.lr_scheduler_step = lr_scheduler_step  # instance attribute; removed at teardown
-        self._unguard = lambda: module.__dict__.pop("lr_scheduler_step", None)
-
     def setup_distributed(self) -> None:
         setup_default_group(self, super().setup_distributed)  # torchrun restarts, teardown at exit
 
-    # -- tensor parallelism: device_mesh and the sampler split in TensorParallelMixin ------------------
+    # -- tensor parallelism: the layout is a collaborator (lightning/tensor_parallel.py) ---------------------------
+    @property
+    def device_mesh(self) -> Any:
+        """The ("data_parallel", "tensor_parallel") DeviceMesh (``tensor_parallel_size`` only)."""
+        return TensorParallelLayout.device_mesh_of(self.tensor_parallel, type(self).__name__)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.tensor_parallel is not None:  # the TP ranks of one data-parallel rank see the same batches
+            return self.tensor_parallel.sampler_kwargs()
+        return super().distributed_sampler_kwargs
+
     def setup_environment(self) -> None:
         trainer = module_trainer(self.lightning_module)
         if trainer is not None:  # before Lightning's BatchSizeFinder.setup refuses with no way out
             check_no_lightning_finder(trainer.callbacks)
         super().setup_environment()
         if self.tensor_parallel is not None:  # LightningModule.device_mesh in configure_model, as Lightning's
-            set_module_device_mesh(self.lightning_module, self._build_device_mesh())
+            set_module_device_mesh(self.lightning_module, self.tensor_parallel.build(self.world_size,
+                                                                                    self.root_device))
 
     def _configure_launcher(self) -> None:
         if not external_launcher(self, SubprocessScriptLauncher, rank_zero_info):
@@ -317,7 +317,7 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         failed, self._failed = self._failed, False
         self.precision_plugin.attach(None)
         module = self.lightning_module
-        if module is not None and (has_meta_params(module) or (failed and not _whole(module))):
+        if module is not None and (has_meta_params(module) or (failed and not is_whole(module))):
             # a stage-3 setup that stopped before every unit had its values (or a failed run whose engine
             # kept its shards): nothing to move to the CPU -- meta tensors cannot be copied -- and the error
             # that stopped the run must stay the one the user sees
@@ -333,6 +333,63 @@ class ZeroStrategy(ZeroCheckpointMixin, TensorParallelMixin, DDPStrategy):
         # teardown must not start collectives (handing a stage-3 module back) that dead ranks never join
         self._failed = True
         super().on_exception(exception)
+
+    # -- checkpoints: Lightning's hooks, the ZeRO work in TrainerCheckpoints (checkpoint_strategy.py) ------------
+    def _engine_to_save(self) -> Optional[ZeroEngine]:
+        """The engine whose state a save writes: the live one, else the detached one a finished fit left
+        ([Note: the trained state outlives fit]), which first adopts the module's values (a method, not a
+        property: it writes the masters): once fit is over the whole module is what the user holds."""
+        if self.engine is not None:
+            return self.engine
+        trained = self._trained_engine
+        if trained is not None:
+            trained.load_masters_from_module()
+        return trained
+
+    def _optimizer_engine(self) -> Optional[ZeroEngine]:
+        """The engine holding the optimizers' shards: the live training engine, else a finished fit's."""
+        engine = self.engine
+        return engine if engine is not None and engine.mode is EngineMode.TRAIN else self._trained_engine
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.checkpoints.module_state(self.lightning_module, self._engine_to_save(),
+                                             super().lightning_module_state_dict)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        engine = self._optimizer_engine()
+        return super().optimizer_state(optimizer) if engine is None else self.checkpoints.optimizer_state(engine,
+                                                                                                           optimizer)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if not self.checkpoints.sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint(..., storage_options=...) is not supported for sharded "
+                            "checkpoints (they do not go through CheckpointIO).")
+        self.checkpoints.save(Path(self.broadcast(str(filepath))), checkpoint, self.lightning_module,
+                              self._engine_to_save(), self._optimizer_engine(), self.barrier)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            TrainerCheckpoints.remove(filepath)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # sharded: load into the engine's masters, which exist only after setup (as FSDPStrategy does)
+        return self.checkpoints.sharded or super().restore_checkpoint_after_setup
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = resolve_checkpoint_dir(self.broadcast(str(checkpoint_path)))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        return self.checkpoints.read(path, weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self.checkpoints.load_model(checkpoint, self.lightning_module, self.engine, strict):
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self.checkpoints.load_optimizers(checkpoint, self.lightning_module, self.engine)
 
     # -- names ------------------------------------------------------------------------------------
     @classmethod

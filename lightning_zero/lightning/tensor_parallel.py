@@ -42,6 +42,18 @@ class TensorParallelLayout:
         self.mesh = tensor_parallel_mesh(device.type, self.size, world_size)
         return self.mesh
 
+    @staticmethod
+    def mesh_of(layout: Optional["TensorParallelLayout"]) -> Optional[Any]:
+        """The built mesh a strategy hands its engine (None without TP)."""
+        return layout.mesh if layout is not None else None
+
+    @staticmethod
+    def device_mesh_of(layout: Optional["TensorParallelLayout"], owner: str) -> Any:
+        """A strategy's ``device_mesh``: the ("data_parallel", "tensor_parallel") DeviceMesh."""
+        if layout is None:
+            raise AttributeError(f"{owner}.device_mesh exists with tensor_parallel_size=T only.")
+        return layout.device_mesh
+
     @property
     def device_mesh(self) -> Any:
         if self.mesh is None:
@@ -75,35 +87,3 @@ class TensorParallelLayout:
     def sync_module_states(self, module: torch.nn.Module) -> None:
         """Rank 0's values on every data-parallel replica (an evaluation without an engine)."""
         TP.broadcast_module_states(module, self.device_mesh.get_group(TP.DP_DIM))
-
-
-class TensorParallelMixin:
-    """What the Trainer's and Fabric's strategies share under ``tensor_parallel_size``: ``device_mesh``, the
-    mesh built once the processes exist and the data split by the data-parallel rank. Placed before
-    Lightning's ``DDPStrategy`` in the bases (its sampler split is the fallback); the strategy sets
-    ``self.tensor_parallel`` (``TensorParallelLayout.of``, None without TP)."""
-
-    tensor_parallel: Optional[TensorParallelLayout] = None
-
-    @property
-    def _device_mesh(self) -> Optional[Any]:
-        return self.tensor_parallel.mesh if self.tensor_parallel is not None else None
-
-    @property
-    def device_mesh(self) -> Any:
-        """The ("data_parallel", "tensor_parallel") DeviceMesh (``tensor_parallel_size`` only)."""
-        if self.tensor_parallel is None:
-            raise AttributeError(f"{type(self).__name__}.device_mesh exists with tensor_parallel_size=T only.")
-        return self.tensor_parallel.device_mesh
-
-    def _build_device_mesh(self) -> Optional[Any]:
-        """The 2-D mesh (None without TP); collective, called from ``setup_environment``."""
-        if self.tensor_parallel is None:
-            return None
-        return self.tensor_parallel.build(self.world_size, self.root_device)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self.tensor_parallel is not None:  # the TP ranks of one data-parallel rank see the same batches
-            return self.tensor_parallel.sampler_kwargs()
-        return super().distributed_sampler_kwargs

@@ -10,8 +10,9 @@ Lightning: the callers pass their own distribution's classes and registry.
 from __future__ import annotations
 
 import dataclasses
+import os
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -150,3 +151,30 @@ def setup_default_group(strategy, lightning_setup) -> None:
                                device_id=device if device.type != "cpu" else None)
     lightning_setup()
     destroy_groups_at_exit()
+
+
+def is_whole(module: torch.nn.Module) -> bool:
+    """Every parameter has its full storage (a stage-3 engine that did not hand the module back has not)."""
+    return all(p.untyped_storage().nbytes() >= p.numel() * p.element_size() for p in module.parameters())
+
+
+def checked_weights_path(path: Any) -> Optional[str]:
+    """``load_weights_from``: None, or a path that exists (a save_pretrained directory or a state-dict file)."""
+    if path is None:
+        return None
+    if not isinstance(path, (str, os.PathLike)) or not os.path.exists(path):
+        raise ValueError(f"load_weights_from={path!r}: no such directory or file. Allowed: None, a save_pretrained "
+                         "directory (safetensors, sharded or not; pytorch_model.bin) or a state-dict file.")
+    return os.fspath(path)
+
+
+def guard_scheduler(module, skipped: Callable[[], bool]) -> Callable[[], None]:
+    """A step skipped for fp16 overflow must not advance the LR schedule (as in DeepSpeed): the module's
+    ``lr_scheduler_step`` skips while ``skipped()``; returns the undo for teardown (an instance attribute)."""
+    original = module.lr_scheduler_step
+
+    def lr_scheduler_step(scheduler, metric=None):
+        return None if skipped() else original(scheduler, metric)
+
+    module.lr_scheduler_step = lr_scheduler_step
+    return lambda: module.__dict__.pop("lr_scheduler_step", None)
