@@ -29,8 +29,8 @@ class StrategyConf:
     stage: int = 2
     # false | true (= cpu) | cpu | nvme (ZeRO-Infinity: masters + optimizer state in scratch files under nvme_path)
     offload_optimizer: Any = False
-    offload_params: Any = False  # stage 3 only: false | true (= cpu)
-    nvme_path: Optional[str] = None  # offload_optimizer=nvme: an existing, writable directory (null: $LIGHTNING_ZERO_NVME_PATH)
+    offload_params: Any = False  # stage 3 only: false | true (= cpu) | nvme (parameter shards in scratch files)
+    nvme_path: Optional[str] = None  # offload_optimizer / offload_params=nvme: an existing, writable directory (null: $LIGHTNING_ZERO_NVME_PATH)
     nvme_buffer_count: int = 3  # host buffers of the NVMe ring (>= 2)
     nvme_direct: bool = False  # O_DIRECT scratch files (the disk's DMA instead of page-cache copies)
     # the offloaded step's kernel: fused (torch's fused CPU AdamW, faster, ~1 ulp/step from DDP) | user (DDP-exact)

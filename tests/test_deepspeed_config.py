@@ -86,9 +86,11 @@ def test_train_batch_size_derives_and_checks_the_micro_batch():
     ({"zero_optimization": {"stage": 4}}, "Allowed stages: 0, 1, 2, 3"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, "offload_params with stage 3 only"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, "stage 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
-     "offload_param.device='nvme' is not supported \\(parameter shards on NVMe are not available; "
-     "offload_optimizer.device may be 'nvme'\\). Allowed: 'cpu', 'none'"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "disk"}}},
+     "offload_param.device='disk' is not supported. Allowed: 'cpu', 'none', 'nvme'"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/y"},
+                            "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}},
+     "offload_param.nvme_path='/y' differs from the optimizer's '/x'. Allowed: one nvme_path for both"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "disk"}}},
      "offload_optimizer.device='disk' is not supported. Allowed: 'cpu', 'none', 'nvme'"),
     ({"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 8}}, r"unsupported key\(s\) \['zero_hpz"),
@@ -334,3 +336,28 @@ def test_zero_infinity_optimizer_offload_translates(tmp_path):
     overrides, _ = t.hydra_overrides()
     assert "strategy.name=zero3_offload_nvme" in overrides and "strategy.offload_optimizer=nvme" in overrides
     assert f"strategy.nvme_path={tmp_path}" in overrides
+
+
+def test_zero_infinity_parameter_offload_translates(tmp_path):
+    """Lightning's deepspeed_stage_3_offload_nvme config (offload_param and offload_optimizer on "nvme", one
+    nvme_path, its buffer counts and sizes): parameter shards on NVMe too, what has no effect listed."""
+    block = {"nvme_path": str(tmp_path), "pin_memory": False}
+    cfg = {"zero_optimization": {"stage": 3,
+                                 "offload_optimizer": {"device": "nvme", "buffer_count": 4, **block},
+                                 "offload_param": {"device": "nvme", "buffer_count": 5, "buffer_size": 1e8,
+                                                   "max_in_cpu": 1e9, **block}}}
+    t = from_deepspeed_config(cfg)
+    assert t.strategy == {"stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme",
+                          "nvme_path": str(tmp_path), "nvme_buffer_count": 4}
+    assert {"zero_optimization.offload_param.buffer_count", "zero_optimization.offload_param.buffer_size",
+            "zero_optimization.offload_param.max_in_cpu"} <= set(t.ignored)
+    assert "prefetch + nvme_buffer_count" in t.ignored["zero_optimization.offload_param.buffer_count"]
+    from lightning_zero import ZeroStrategy
+
+    z = ZeroStrategy(**t.strategy).zero_config
+    assert (z.offload_params, z.offload_optimizer, z.nvme_path) == ("nvme", "nvme", str(tmp_path))
+    only_params = from_deepspeed_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", **block}}})
+    assert only_params.strategy == {"stage": 3, "offload_optimizer": False, "offload_params": "nvme",
+                                    "nvme_path": str(tmp_path)}
+    overrides, _ = only_params.hydra_overrides()
+    assert "strategy.name=zero3_offload_nvme" in overrides and "strategy.offload_params=nvme" in overrides

@@ -33,7 +33,9 @@ def _measure(rank, world_size, stage, offload, dtype_name):
     model = _model()
     info = info_from_module(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=bool(offload) and stage == 3,
+    # the presets' rule: zero3_offload_nvme keeps the parameter shards on NVMe too
+    params = (offload if offload == "nvme" else bool(offload)) if stage == 3 else False
+    cfg = ZeroConfig(stage=stage, offload_optimizer=offload, offload_params=params,
                      bucket_mb=0.05, nvme_path=tempfile.gettempdir() if offload == "nvme" else None)
     engine = ZeroEngine(model, opt, cfg, compute_dtype=dtype)
     x = torch.randn(8, 64, dtype=dtype, generator=torch.Generator().manual_seed(rank))

@@ -61,7 +61,8 @@ def test_strategy_presets_build(preset, trainer, tmp_path, monkeypatch):
     assert isinstance(strategy, ZeroStrategy)
     assert strategy.stage == stage and strategy.zero_config.offload_optimizer == offload
     assert strategy.zero_config.nvme_path == (str(tmp_path) if offload == "nvme" else None)
-    assert strategy.zero_config.offload_params is (offload and stage == 3) and strategy.zero_config.bucket_mb == 25.0
+    params = (offload if offload == "nvme" else offload is True) if stage == 3 else False  # zero3_offload_nvme: "nvme"
+    assert strategy.zero_config.offload_params == params and strategy.zero_config.bucket_mb == 25.0
     if stage == 3:  # units from the model's declaration (T5Block), as for `strategy.stage=3`
         assert strategy.zero_config.unit_classes is None and strategy.zero_config.persist_numel is None
     assert strategy._start_method == TRAINERS[trainer]

@@ -68,10 +68,13 @@ CONFIG = {
         (True, r"Allowed: offload_optimizer with stage 1, 2 or 3", dict(stage=0)),
         ("nvme", r"Allowed: offload_optimizer with stage 1, 2 or 3", dict(stage=0, nvme_path=TMP)),
         ("nvme", r"offload_optimizer='nvme' needs a directory for the scratch files: nvme_path=DIR")], dict(stage=1)),
-    "offload_params": Knob([True, False, "cpu"], [("yes", BOOL), (True, r"Allowed: offload_params with stage 3 only",
-                                                                  dict(stage=2)),
-                                                  ("nvme", r"offload_params='nvme' .* is not available yet. Allowed: "
-                                                           r"offload_params=True / 'cpu'")], dict(stage=3)),
+    "offload_params": Knob([True, False, "cpu", "nvme", "NVMe"], [
+        ("yes", BOOL), ("disk", r"or one of 'none', 'cpu', 'nvme'"),
+        (True, r"Allowed: offload_params with stage 3 only", dict(stage=2)),
+        ("nvme", r"offload_params='nvme' needs partitioned parameters \(stage 3\).*Allowed: offload_params with stage 3 "
+                 r"only", dict(stage=2)),
+        ("nvme", r"offload_params='nvme' needs a directory for the scratch files: nvme_path=DIR", dict(nvme_path=None))],
+        dict(stage=3, nvme_path=TMP)),
     "nvme_path": Knob([TMP, Path(TMP)], [("/no/such/dir", r"nvme_path='/no/such/dir' does not exist .*Allowed: an "
                                                           r"existing, writable directory"),
                                          ("/proc", r"nvme_path='/proc' is not writable by this process"),

@@ -73,7 +73,10 @@ class ZeroConfig:
         between steps, streamed through a ring of ``nvme_buffer_count`` host buffers during the step
         (engine/nvme_states.py); False or "none": on the compute device. Read back normalized: True, False
         or "nvme".
-    offload_params: stage 3 only -- parameter shards live in CPU memory between uses (True or "cpu").
+    offload_params: stage 3 only -- where parameter shards live between uses: True or "cpu" (host memory),
+        "nvme" (ZeRO-Infinity: per-rank scratch files under ``nvme_path``, each unit's shard read ahead of its
+        gather in the recorded unit order through a ring of ``prefetch + nvme_buffer_count`` host buffers,
+        engine/stage3/nvme_params.py), False. Read back normalized: True, False or "nvme".
     nvme_path: the directory of the NVMe scratch files (must exist and be writable); None = the
         environment variable LIGHTNING_ZERO_NVME_PATH (how the registered ``*_offload_nvme`` presets get it).
     nvme_buffer_count: host buffers of the NVMe ring (>= 2; 3 overlaps reading the next chunk, stepping
@@ -211,25 +214,22 @@ class ZeroConfig:
         """The device forms of the offload knobs, normalized to True / False / "nvme" (what the rest of the
         engine tests for truth keeps working); nvme_path resolved and checked (exists, writable)."""
         self.offload_optimizer = OffloadDevice.parse(self.offload_optimizer, "offload_optimizer").knob_value
-        if isinstance(self.offload_params, str) and self.offload_params.lower() == "nvme":
-            raise ValueError("offload_params='nvme' (stage-3 parameter shards in NVMe files) is not available yet. "
-                             "Allowed: offload_params=True / 'cpu' (host memory) or False, with "
-                             "offload_optimizer='nvme' for the masters and optimizer state on NVMe.")
-        self.offload_params = OffloadDevice.parse(self.offload_params, "offload_params", ("none", "cpu")).knob_value
+        self.offload_params = OffloadDevice.parse(self.offload_params, "offload_params").knob_value
         if not _is_int(self.nvme_buffer_count) or self.nvme_buffer_count < 2:
             raise ValueError(f"nvme_buffer_count must be an int >= 2 (host buffers of the NVMe ring; 3 overlaps "
                              f"read, step and write); got {self.nvme_buffer_count!r}.")
         if self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
             raise ValueError(f"nvme_path must be None or a directory path (str); got {self.nvme_path!r}.")
-        if self.offload_device is OffloadDevice.NVME:
+        on_nvme = [k for k in ("offload_optimizer", "offload_params") if getattr(self, k) == "nvme"]
+        if on_nvme:
             if self.nvme_path is None:
                 self.nvme_path = os.environ.get(NVME_PATH_ENV) or None
             if self.nvme_path is None:
-                raise ValueError(f"offload_optimizer='nvme' needs a directory for the scratch files: nvme_path=DIR "
+                raise ValueError(f"{on_nvme[0]}='nvme' needs a directory for the scratch files: nvme_path=DIR "
                                  f"(or the environment variable {NVME_PATH_ENV}). Allowed: an existing, "
                                  f"writable directory on a local NVMe disk.")
             self.nvme_path = check_nvme_dir(os.fspath(self.nvme_path))
-            if self.overlap_publish:
+            if self.overlap_publish and self.offload_device is OffloadDevice.NVME:
                 raise ValueError("overlap_publish=True does not compose with offload_optimizer='nvme' (the masters "
                                  "are published bucket by bucket while they are in the NVMe ring). Allowed: "
                                  "overlap_publish with offload_optimizer False / True / 'cpu'.")
@@ -251,7 +251,7 @@ class ZeroConfig:
                              f"got {self.offload_kernel!r}.")
         if self.offload_params and self.stage != 3:
             raise ValueError(
-                f"offload_params=True needs partitioned parameters (stage 3); got stage {self.stage}. "
+                f"offload_params={self.offload_params!r} needs partitioned parameters (stage 3); got stage {self.stage}. "
                 "Allowed: offload_params with stage 3 only (use offload_optimizer for stages 1-2)."
             )
         if self.quantize_grads and self.stage == 0:
@@ -307,5 +307,6 @@ PRESETS: dict[str, dict] = {
     "zero3_offload": dict(stage=3, offload_optimizer=True, offload_params=True),
     # ZeRO-Infinity: masters + optimizer state in NVMe files (nvme_path, or LIGHTNING_ZERO_NVME_PATH)
     "zero2_offload_nvme": dict(stage=2, offload_optimizer="nvme"),
-    "zero3_offload_nvme": dict(stage=3, offload_optimizer="nvme", offload_params=True),
+    # stage 3 also the parameter shards, as Lightning's deepspeed_stage_3_offload_nvme (offload_param.device "nvme")
+    "zero3_offload_nvme": dict(stage=3, offload_optimizer="nvme", offload_params="nvme"),
 }

@@ -117,6 +117,9 @@ class ZeroEngine:
             if self._partitioned is not None and train:
                 self.partitioner.cast_shards(compute_dtype)
                 self.table.repoint_sources()  # new shard tensors: publish into them, not the fp32 originals
+        if self._partitioned is not None and cfg.offload_params == "nvme":  # the shards into their file now
+            self.partitioner.spill_shards()
+            raise_if_any_rank_failed([self.partitioner.nvme], group, self.partitioner.device)
         self.reducer: Optional[GradReducer] = None
         self.publisher = PublishQueue(module) if plan.overlap_publish and train else None  # publish.py
         if train:
@@ -285,13 +288,23 @@ class ZeroEngine:
                 if s.clip_value is not None:
                     s.clamp_grads(s.clip_value)
                 s.step(self._publish_chunk if s.nvme is not None else None)  # NVMe: published as streamed
-            if self.config.offload_optimizer == "nvme":  # an I/O error on one rank stops every rank
-                raise_if_any_rank_failed([s.nvme for s in self.opts.select(optimizer)], self.group,
-                                         self.params[0].device if self.params else None)
             self.publish_params(optimizer, streamed=False)
+        self._agree_on_nvme_io(optimizer)
         self.zero_grad(optimizer)
         self._traffic.step_done(phase)
         return not skip
+
+    def _agree_on_nvme_io(self, optimizer=None) -> None:
+        """NVMe offload: an I/O error on one rank (the step's reads / writes, the parameter shards' reads in
+        forward and backward) stops every rank with one error (nvme_states.raise_if_any_rank_failed)."""
+        params_store = self.partitioner.nvme if self.partitions_params else None
+        if self.config.offload_optimizer != "nvme" and params_store is None:
+            return
+        raise_if_any_rank_failed([s.nvme for s in self.opts.select(optimizer)] + [params_store], self.group,
+                                 self.params[0].device if self.params else None,
+                                 knob="offload_optimizer" if self.config.offload_optimizer == "nvme" else "offload_params")
+        if params_store is not None:
+            params_store.failure = None
 
     def publish_params(self, optimizer=None, streamed: bool = True) -> None:
         """Copy the updated masters into the module's parameters, as the plan publishes (publish.py).
@@ -302,7 +315,8 @@ class ZeroEngine:
                         self.publisher, self.shard_group, cfg.offload_optimizer, cfg.quantize_weights)
 
     def _publish_chunk(self, row: list[torch.Tensor], bucket) -> None:
-        publish_chunk(row, bucket, self.plan, self.table, self.shard_group, self.config.quantize_weights)
+        publish_chunk(row, bucket, self.plan, self.table, self.shard_group, self.config.quantize_weights,
+                      self.partitioner)
 
     def zero_grad(self, optimizer=None) -> None:
         if self.mode is EngineMode.EVAL_ONLY:
@@ -347,6 +361,8 @@ class ZeroEngine:
     def _unpartition(self) -> None:
         masters = dict(zip(map(id, self.bucket_params), self.full_master_params()))  # {} if EVAL_ONLY
         FS.unpartition(self.module, self.partitioner, masters)
+        if self.partitioner.nvme is not None:  # the module is whole: the parameter scratch file is spent
+            self.partitioner.nvme.close()
         if self.mode is EngineMode.TRAIN:
             self.reducer.remove_hooks()
         self._partitioned = None
@@ -371,10 +387,13 @@ class ZeroEngine:
         """Stage 3: (name, unit-shard slice, spec, shape) of each parameter without a master; else empty."""
         if not self.partitions_params:
             return []
+        self.partitioner.resident_shards()  # NVMe: read back until the next step (checkpoints write / load them)
         return FS.unmanaged_shard_items(self.module, self.partitioner.units, set(map(id, self.bucket_params)))
 
     def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
         """A full state dict into the module, the masters and (stage 3) the unit shards; then published."""
+        if self.partitions_params:
+            self.partitioner.resident_shards()  # NVMe: written back at the publish's end (after_step)
         FS.load_full_state_dict(self.module, state_dict, strict, self.partitions_params,
                                 self.master_items() + self.unmanaged_shard_items())
         if self.mode is EngineMode.TRAIN:
@@ -396,6 +415,7 @@ class ZeroEngine:
     def remove(self, hand_back: bool = True) -> None:
         """Detach hooks; a stage-3 module is first handed back whole (see restore_fp32_module), unless
         ``hand_back=False``: after a failure other ranks may be gone, and that collective would hang."""
+        params_store = self.partitioner.nvme if self.partitions_params else None  # closed once handed back
         if self.activations is not None:
             self.activations.remove()
             self.activations = None
@@ -414,3 +434,5 @@ class ZeroEngine:
             self.publisher = None
         for s in self.shardeds:  # NVMe scratch files: removed with the engine
             s.close()
+        if params_store is not None:
+            params_store.close()

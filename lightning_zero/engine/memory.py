@@ -48,7 +48,7 @@ def optimizer_state_bytes_per_param(name: str) -> int:
 
 def rank_model_states(
     stage: int, world_size: int, mixed: bool, numel: float, trainable: Optional[float] = None,
-    state_bytes: int = 8, offload_optimizer: Union[bool, str] = False, offload_params: bool = False,
+    state_bytes: int = 8, offload_optimizer: Union[bool, str] = False, offload_params: Union[bool, str] = False,
     full_grads: Optional[bool] = None, param_shard: Optional[float] = None, grad_shard: Optional[float] = None,
 ) -> dict[str, float]:
     """Bytes of params, grads, master and optimizer state one rank holds, and how many are on the host.
@@ -58,7 +58,8 @@ def rank_model_states(
     exact ``numel / N`` and ``trainable / N``; the engine's flat shards pad each parameter to a multiple of
     N). ``full_grads``: full-size gradients (default: stages 0-1; stage 1 reducing during backward, without
     accumulation, holds shards like stage 2). ``offload_params`` (stage 3): the parameter shards live on the
-    host, and in fp32 such a shard *is* the master (no separate copy).
+    host, and in fp32 such a shard *is* the master (no separate copy); ``offload_params="nvme"``: in the
+    scratch files, with a separate fp32 master (the shard's memory is empty between uses).
     """
     n = world_size
     plan = ShardingPlan.for_stage(stage)  # [Note: sharding plan]
@@ -74,15 +75,17 @@ def rank_model_states(
     else:
         grads = p * trainable / n if grad_shard is None else p * grad_shard
     div = n if plan.shards_optimizer_state else 1
-    host_params = plan.shards_params and offload_params
-    # a separate fp32 master: mixed precision, or offloaded (the host copy), unless it is the host shard
-    separate_master = (mixed or offload_optimizer) and not (host_params and not mixed)
+    disk_params = plan.shards_params and offload_params == "nvme"
+    host_params = plan.shards_params and bool(offload_params) and not disk_params
+    # a separate fp32 master: mixed precision, or offloaded (the host copy), unless it is the host shard;
+    # parameter shards on NVMe never hold a master
+    separate_master = ((mixed or offload_optimizer) and not (host_params and not mixed)) or disk_params
     master = 4 * trainable / div if separate_master else 0.0
     opt = state_bytes * trainable / div
     # offload_optimizer="nvme": master + state in the scratch files (the step's ring is not a model state)
     on_disk = offload_optimizer == "nvme"
     host = (master + opt if offload_optimizer and not on_disk else 0.0) + (params if host_params else 0.0)
-    nvme = master + opt if on_disk else 0.0
+    nvme = (master + opt if on_disk else 0.0) + (params if disk_params else 0.0)
     total = params + grads + master + opt
     return {"params": params, "grads": grads, "master": master, "optimizer_state": opt,
             "model_states": total, "host": host, "nvme": nvme, "device": total - host - nvme}
@@ -121,8 +124,10 @@ def measure_model_states(params, shardeds, reducer=None, partitioner=None, offlo
         r.nvme = sum(s.nvme_bytes() for s in shardeds)
         r.ring = sum(s.ring_bytes() for s in shardeds)
         r.host = r.master + r.optimizer_state - r.nvme
-    if part is not None and offload_params:
-        r.host += part.shard_bytes()
+    if part is not None and offload_params:  # NVMe: the shards only in the file now are on disk, the ring aside
+        r.host += part.shard_bytes() - part.nvme_shard_bytes()
+        r.nvme += part.nvme_shard_bytes()
+        r.ring += part.nvme.ring_bytes if part.nvme is not None else 0
     return r
 
 

@@ -13,6 +13,7 @@ of nvme_states.py release the GIL inside the system call, so the CPU step runs m
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import errno
 import os
@@ -64,13 +65,13 @@ def check_nvme_dir(path: str) -> str:
     return full
 
 
-def check_free_space(path: str, needed: int, what: str) -> None:
+def check_free_space(path: str, needed: int, what: str, knob: str = "offload_optimizer") -> None:
     """Refuse at setup, with the number, a disk that cannot hold ``needed`` more bytes."""
     free = shutil.disk_usage(path).free
     if free < needed:
         raise ValueError(f"nvme_path={path!r} has {free:,} bytes free; {what} need {needed:,} bytes "
                          f"({needed / 2**30:.2f} GiB). Allowed: a directory on a disk with at least that much free "
-                         f"space (or offload_optimizer=True to keep them in host memory).")
+                         f"space (or {knob}=True to keep them in host memory).")
 
 
 def _remove(path: str, fd: int) -> None:
@@ -120,7 +121,10 @@ class ScratchFile:
     def _view(t: torch.Tensor) -> memoryview:
         if not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError("NVMe I/O needs contiguous host tensors")
-        return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        # a ctypes view of the bytes: Tensor.numpy() would mark the storage non-resizable for good, and a
+        # stage-3 shard's storage is resized to 0 between uses (stage3/nvme_params.py)
+        n = t.numel() * t.element_size()
+        return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
 
     def write(self, buf: torch.Tensor, offset: int) -> None:
         view = self._view(buf)

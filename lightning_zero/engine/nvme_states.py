@@ -103,6 +103,8 @@ class _Chunk:
 class NvmeStates:
     """One ShardedOptimizer's masters and optimizer state, on disk between steps."""
 
+    knob = "offload_optimizer"  # what an I/O error names
+
     def __init__(self, optimizer: torch.optim.Optimizer, directory: str, rank: int, buffer_count: int,
                  pin: bool, planned_numel: list[list[int]], planned_swap: list[list[bool]], direct: bool = False) -> None:
         """``planned_*``: per bucket, the master sizes and whether each lives in the file: the free space
@@ -326,13 +328,17 @@ class NvmeStates:
         self.state = NvmeState.CLOSED
 
 
-def raise_if_any_rank_failed(states: list[Optional["NvmeStates"]], group=None,
-                             device: Optional[torch.device] = None) -> None:
+def raise_if_any_rank_failed(states: list, group=None, device: Optional[torch.device] = None,
+                             knob: str = "offload_optimizer") -> None:
     """After an NVMe step: one agreement over ``group`` (a 1-element all-reduce on ``device``, the compute
     device: NCCL reduces device tensors), so that a read or write that failed on one rank stops the run with
     one error on every rank, naming the rank, instead of the others hanging in their next collective. The
-    step's update is not trusted anywhere then; checkpoints already saved are separate directories."""
-    mine = next((s.failure for s in states if s is not None and s.failure is not None), None)
+    step's update is not trusted anywhere then; checkpoints already saved are separate directories.
+    ``states``: NvmeStates and stage 3's NvmeParams (anything with a ``failure`` and a ``knob``, None skipped);
+    ``knob``: the error's prefix where no state of this rank failed."""
+    failed_here = next((s for s in states if s is not None and s.failure is not None), None)
+    mine = failed_here.failure if failed_here is not None else None
+    knob = failed_here.knob if failed_here is not None else knob
     rank = C.rank(group)
     failed = torch.tensor([rank + 1 if mine is not None else 0], dtype=torch.int64, device=device)
     if C.world_size(group) > 1:
@@ -341,5 +347,5 @@ def raise_if_any_rank_failed(states: list[Optional["NvmeStates"]], group=None,
     if who < 0:
         return
     what = f"on rank {rank}, {mine}" if mine is not None else f"the NVMe I/O of rank {who} failed (its error names the file)"
-    raise RuntimeError(f"offload_optimizer='nvme': {what}. The run stops on every rank; this step's update is "
+    raise RuntimeError(f"{knob}='nvme': {what}. The run stops on every rank; this step's update is "
                        f"lost, the checkpoints already saved are intact.")

@@ -116,6 +116,7 @@ class ShardedOptimizer:
         tp_group: Optional[object] = None,
         tp_size: int = 1,
         nvme: Optional[dict] = None,
+        alias_sources: bool = True,
     ) -> None:
         """``sources`` (stage 3): per bucket and parameter, this rank's fp32 slice to take the master from
         (the parameter itself no longer holds its values then). ``plan`` ([Note: sharding plan]): whole or
@@ -123,7 +124,9 @@ class ShardedOptimizer:
         quantized publish). ``fused_on_cpu``: an offloaded step
         swaps in torch's fused CPU kernel (``ZeroConfig.offload_kernel="fused"``); False keeps the user's.
         ``nvme`` (``offload_optimizer="nvme"``): dict(directory, rank, buffer_count): the offloaded masters and
-        state live in a scratch file there between steps and the step streams them (nvme_states.py)."""
+        state live in a scratch file there between steps and the step streams them (nvme_states.py).
+        ``alias_sources=False`` (``offload_params="nvme"``): a master never aliases its stage-3 source, whose
+        storage is empty whenever the unit shard is on disk; the masters are separate fp32 tensors."""
         check_shardable(optimizer, plan.stage)
         self.optimizer = optimizer
         self.plan = plan
@@ -131,7 +134,8 @@ class ShardedOptimizer:
         self._swap_kernel = offload and fused_on_cpu
         # a master may alias its parameter only if the parameter stays fp32 on the compute device
         self._compute_fp32 = compute_dtype in (None, torch.float32)  # else the shards are cast later
-        self._may_alias = self._compute_fp32 and not offload and not plan.separate_masters
+        self._alias_sources = alias_sources
+        self._may_alias = self._compute_fp32 and not offload and not plan.separate_masters and alias_sources
         params = [p for b in buckets for p in b.params]
         device = params[0].device if params else torch.device("cpu")
         self.device = device  # where the gradients are reduced (the compute device)
@@ -180,7 +184,8 @@ class ShardedOptimizer:
         for bi, b in enumerate(buckets):
             numel.append([spec.shard_len if self.plan.shards_optimizer_state else spec.numel for spec in b.specs])
             # a stage-3 host fp32 shard is the master itself (offload_params): it stays where it is
-            swap.append([not (sources is not None and self._compute_fp32 and sources[bi][pi].dtype == torch.float32
+            swap.append([not (sources is not None and self._alias_sources and self._compute_fp32
+                              and sources[bi][pi].dtype == torch.float32
                               and sources[bi][pi].device.type == "cpu") for pi in range(len(b.params))])
         return NvmeStates(self.optimizer, nvme["directory"], nvme["rank"], nvme["buffer_count"], pin, numel, swap,
                           nvme.get("direct", False))
@@ -204,7 +209,7 @@ class ShardedOptimizer:
             src = TP.local_data(p).view(-1)[spec.lo : spec.hi] if self.plan.shards_optimizer_state else TP.local(p)
         # stage 3 sources are this rank's unit shards: an fp32 shard already where the master must live
         # (host memory with offload_params) is the master; no second copy
-        may_alias = self._may_alias or (sources_given and self.offload and self._compute_fp32)
+        may_alias = self._may_alias or (sources_given and self.offload and self._compute_fp32 and self._alias_sources)
         alias = may_alias and src.dtype == torch.float32 and src.device == self.master_device
         self._aliased.append(alias)
         if alias:

@@ -97,7 +97,7 @@ def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None) -> li
                                     fused_on_cpu=cfg.offload_kernel == "fused",
                                     tp_group=tp.tp_group if tp is not None else None,
                                     tp_size=tp.tp_size if tp is not None else 1,
-                                    nvme=_nvme_args(cfg)))
+                                    nvme=_nvme_args(cfg), alias_sources=cfg.offload_params != "nvme"))
     swap = kernel_swap_line(out)
     if swap is not None and C.rank() == 0:
         _log.info(swap)

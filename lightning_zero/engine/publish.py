@@ -62,9 +62,7 @@ def publish_masters(rows: list[tuple[list[torch.Tensor], Bucket]], plan: Shardin
     """
     if plan.publish is Publish.UNIT_SHARDS and partitioner is not None:
         for row, b in rows:
-            for m, src in zip(row, table.sources(b.index)):
-                if m is not src:
-                    src.copy_(m, non_blocking=True)
+            into_unit_shards(row, b, table, partitioner)
         partitioner.after_step()
     elif plan.publish is Publish.COPY:
         for row, b in rows:
@@ -79,16 +77,34 @@ def publish_masters(rows: list[tuple[list[torch.Tensor], Bucket]], plan: Shardin
 
 @torch.no_grad()
 def publish_chunk(row: list[torch.Tensor], b: Bucket, plan: ShardingPlan, table: Any, group: Optional[Any],
-                  quantized: bool) -> None:
+                  quantized: bool, partitioner: Optional[Any] = None) -> None:
     """One bucket's updated host masters, published while they are in memory (NVMe offload streams the
     buckets through a ring): into the unit shards (stage 3; the engine's after-step follows the whole
     step) or by the bucket's all-gather (stages 1-2)."""
     if plan.publish is Publish.UNIT_SHARDS:
-        for m, src in zip(row, table.sources(b.index)):
-            if m is not src:
-                src.copy_(m)
+        into_unit_shards(row, b, table, partitioner, non_blocking=False)
     else:
         publish_blocking([(row, b)], group, True, quantized)
+
+
+@torch.no_grad()
+def into_unit_shards(row: list[torch.Tensor], b: Bucket, table: Any, partitioner: Optional[Any],
+                     non_blocking: bool = True) -> None:
+    """Stage 3: one bucket's masters into their unit-shard sources (the bucket table's), a master that *is*
+    its source (fp32 host shards) already there; with ``offload_params="nvme"`` into the unit's region of
+    the parameter file (stage3/nvme_params.py), or its shard when that is in memory. ``non_blocking=False``:
+    the masters' memory is reused right after (the NVMe optimizer ring)."""
+    store = partitioner.nvme if partitioner is not None else None
+    by_unit: dict[int, list] = {}
+    for m, src, p in zip(row, table.sources(b.index), b.params):
+        if m is src:
+            continue
+        if store is None:
+            src.copy_(m, non_blocking=non_blocking)
+        else:
+            by_unit.setdefault(partitioner.unit_of[id(p)].index, []).append((src, m))
+    for index, pairs in by_unit.items():
+        store.write_slices(partitioner.units[index], pairs)
 
 
 @torch.no_grad()

@@ -94,7 +94,9 @@ def format_table(zero_config, world_size: int, ranks: list[dict], ddp: dict) -> 
     """One compact table: the largest rank's bytes (and rank 0's when they differ), DDP's, the saving."""
     worst = {k: max(r[k] for r in ranks) for k in ranks[0]}
     nvme = " (NVMe)" if zero_config.offload_optimizer == "nvme" else ""
-    off = [w for w, on in (("optimizer" + nvme, zero_config.offload_optimizer), ("params", zero_config.offload_params)) if on]
+    pnvme = " (NVMe)" if zero_config.offload_params == "nvme" else ""
+    off = [w for w, on in (("optimizer" + nvme, zero_config.offload_optimizer), ("params" + pnvme,
+                                                                                  zero_config.offload_params)) if on]
     tp = len({r["tp_rank"] for r in ranks}) if "tp_rank" in ranks[0] else None
     head = (f"ZeRO stage {zero_config.stage} on {world_size} rank(s)" + (f", offload {'+'.join(off)}" if off else "")
             + (f", tensor parallel {tp} x data parallel {world_size // tp}" if tp else "")

@@ -40,12 +40,13 @@ SHARED: tuple[Arg, ...] = (
     Arg("offload_optimizer", False, Union[bool, str], 'keep fp32 master shards and optimizer state off the device and '
         'step them on the CPU: True / "cpu" (host memory) or "nvme" (ZeRO-Infinity: per-rank scratch files under '
         '``nvme_path``, streamed through ``nvme_buffer_count`` host buffers each step); False / "none": on the device.'),
-    Arg("offload_params", False, Union[bool, str], 'stage 3 only: parameter shards live in CPU memory between uses '
-                                                   '(True / "cpu").'),
-    Arg("nvme_path", None, Optional[str], "nvme_path, nvme_buffer_count, nvme_direct: offload_optimizer=\"nvme\"'s "
-        "directory (existing, writable, on a local NVMe disk; None = the environment variable "
-        "LIGHTNING_ZERO_NVME_PATH), its ring of host buffers (>= 2; 3 overlaps read, step and write) and O_DIRECT "
-        "I/O (the disk's DMA instead of page-cache copies on the CPU)."),
+    Arg("offload_params", False, Union[bool, str], 'stage 3 only: where parameter shards live between uses: True / '
+        '"cpu" (host memory) or "nvme" (per-rank scratch files under ``nvme_path``, each unit\'s shard read ahead of its '
+        'gather in the recorded unit order through ``prefetch + nvme_buffer_count`` host buffers).'),
+    Arg("nvme_path", None, Optional[str], "nvme_path, nvme_buffer_count, nvme_direct: the directory of the \"nvme\" "
+        "offloads' scratch files (existing, writable, on a local NVMe disk; None = the environment variable "
+        "LIGHTNING_ZERO_NVME_PATH), the optimizer's ring of host buffers (>= 2; 3 overlaps read, step and write) and "
+        "O_DIRECT I/O for the optimizer's file (the disk's DMA instead of page-cache copies on the CPU)."),
     Arg("nvme_buffer_count", 3, int),
     Arg("nvme_direct", False, bool),
     Arg("bucket_mb", 25.0, float, "size cap of one communication bucket (MiB)."),

@@ -13,8 +13,9 @@ each setting lives here, so nothing is silently dropped:
 * a key that only tunes DeepSpeed's own machinery (``overlap_comm``, ``sub_group_size``, logging, ...)
   is listed in ``ignored`` with the reason;
 * ZeRO-Infinity's ``offload_optimizer.device: "nvme"`` becomes ``offload_optimizer="nvme"`` with its
-  ``nvme_path`` and ``buffer_count`` (``nvme_buffer_count``); the ``aio`` block tunes DeepSpeed's libaio only;
-* anything else -- an unknown key, parameters on NVMe, a non-elementwise optimizer, fp16 and bf16 together --
+  ``nvme_path`` and ``buffer_count`` (``nvme_buffer_count``), ``offload_param.device: "nvme"`` becomes
+  ``offload_params="nvme"`` (one ``nvme_path`` for both); the ``aio`` block tunes DeepSpeed's libaio only;
+* anything else -- an unknown key, a non-elementwise optimizer, fp16 and bf16 together --
   is refused with one error that names what is allowed.
 
 ``"auto"`` is HF Trainer's placeholder for "the value of the setting beside it" (its
@@ -153,7 +154,7 @@ class DeepSpeedTranslation:
     def hydra_overrides(self) -> tuple[list[str], list[str]]:
         """(overrides for ``examples/t5_finetune.py``, notes on what the recipe cannot take as it is)."""
         offload = self.strategy.get("offload_optimizer") or self.strategy.get("offload_params")
-        nvme = "_nvme" if self.strategy.get("offload_optimizer") == "nvme" else ""
+        nvme = "_nvme" if "nvme" in (self.strategy.get("offload_optimizer"), self.strategy.get("offload_params")) else ""
         o = {"strategy.name": f"zero{self.strategy.get('stage', 0)}{'_offload' + nvme if offload else ''}"}  # a label
         o.update({f"strategy.{k}": v for k, v in self.strategy.items()})
         # no unit_classes: the recipe's default unit policy already makes one unit per T5Block, as its preset
@@ -207,23 +208,31 @@ def _positive_int(value, where: str) -> int:
 
 
 def _offload(block, key: str, out: "DeepSpeedTranslation", nvme: dict):
-    """True for device 'cpu', False for 'none'/absent, "nvme" for the optimizer's (ZeRO-Infinity; its
-    ``nvme_path`` / ``buffer_count`` into ``nvme``); parameters on NVMe and unknown devices are refused."""
+    """True for device 'cpu', False for 'none'/absent, "nvme" (ZeRO-Infinity; ``nvme_path`` and, for the
+    optimizer, ``buffer_count`` into ``nvme``); unknown devices are refused."""
     if _unset(block):
         return False
     _check_keys(block, _OFFLOAD_KEYS, f"zero_optimization.{key}")
     device = str(block.get("device", "none")).lower()
-    allowed = ("cpu", "none", "nvme") if key == "offload_optimizer" else ("cpu", "none")
+    allowed = ("cpu", "none", "nvme")
     if device not in allowed:
-        more = " (parameter shards on NVMe are not available; offload_optimizer.device may be 'nvme')" \
-            if device == "nvme" else ""
-        raise DeepSpeedConfigError(f"zero_optimization.{key}.device={device!r} is not supported{more}. "
+        raise DeepSpeedConfigError(f"zero_optimization.{key}.device={device!r} is not supported. "
                                    f"Allowed: {', '.join(map(repr, allowed))}.")
     notes = dict(_OFFLOAD_NOTES)
     if device == "nvme":
         if not _unset(block.get("nvme_path")):
-            nvme["nvme_path"] = str(block["nvme_path"])
-        if not _unset(block.get("buffer_count")):
+            path = str(block["nvme_path"])
+            if nvme.get("nvme_path", path) != path:
+                raise DeepSpeedConfigError(f"zero_optimization.{key}.nvme_path={path!r} differs from the optimizer's "
+                                           f"{nvme['nvme_path']!r}. Allowed: one nvme_path for both (each rank's "
+                                           f"scratch files are named apart in it).")
+            nvme["nvme_path"] = path
+        if key == "offload_param":  # the parameter ring: prefetch + nvme_buffer_count slots of the largest unit
+            notes["buffer_count"] = ("the parameter ring has prefetch + nvme_buffer_count slots "
+                                     "(offload_optimizer.buffer_count sets nvme_buffer_count)")
+            notes["buffer_size"] = "each parameter ring slot holds the largest unit's shard"
+            notes["max_in_cpu"] = "parameter shards in host memory are the ring's slots only"
+        elif not _unset(block.get("buffer_count")):
             nvme["nvme_buffer_count"] = _positive_int(block["buffer_count"], f"zero_optimization.{key}.buffer_count")
     else:
         notes.update({k: "NVMe offload tuning (device is not 'nvme')" for k in ("buffer_count", "nvme_path")})

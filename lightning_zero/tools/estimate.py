@@ -104,7 +104,8 @@ def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: in
     """
     return rank_model_states(
         stage, world_size, mixed, info.numel, info.trainable, state_bytes, offload_optimizer=offload,
-        offload_params=offload and stage == 3, full_grads=stage == 0 or (stage == 1 and accumulating),
+        offload_params=(offload if offload == "nvme" else bool(offload)) if stage == 3 else False,  # the presets' rule
+        full_grads=stage == 0 or (stage == 1 and accumulating),
         param_shard=info.padded(world_size, False), grad_shard=info.padded(world_size, True))
 
 

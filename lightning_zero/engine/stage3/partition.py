@@ -46,6 +46,7 @@ from .deferred_init import has_meta_params, materialize
 from .pretrained import fill_shards, marked
 from .guard import ReleasedParamGuard
 from .lifecycle import OrderCheck, OrderState, UnitState
+from .nvme_params import NvmeParams
 from .join import RankDivergenceError, agreed_unit, announce, serve_until_all_joined  # noqa: F401 (re-export)
 from .units import Unit
 
@@ -64,7 +65,11 @@ class ParamPartitioner:
         init_group: Optional[Any] = None,
         quantize: bool = False,
         reshard_after_forward: bool = True,
+        nvme: Optional[dict] = None,
     ) -> None:
+        """``offload_params``: False, True (host shards) or "nvme" with ``nvme`` = dict(directory, rank, slots,
+        shard_dtype): the shards in a scratch file between uses (nvme_params.py), read ahead of their gathers
+        along the same recorded order that drives ``prefetch``."""
         self.module = module
         self.init_group = init_group if init_group is not None else group  # deferred init broadcasts from rank 0 of it
         # qwZ: training and evaluation gathers travel as int8 blocks (engine/quantize.py); gathered()
@@ -97,7 +102,11 @@ class ParamPartitioner:
         # called as a unit's backward begins: this backward's end must release what it gathers even when
         # none of the engine's parameters gets a gradient (setup.py, PartitionedParams._backward_begins)
         self.on_backward: Optional[Callable[[], None]] = None
+        self.nvme: Optional[NvmeParams] = None
         self._shard_all()
+        if nvme is not None:  # checks the free space for every shard before any is written (spill_shards)
+            self.nvme = NvmeParams(units, nvme["shard_dtype"], nvme["directory"], nvme["rank"], nvme["slots"],
+                                   pin=torch.cuda.is_available() and device.type == "cuda")
         self._install_hooks()
 
     # -- shards -----------------------------------------------------------------------------------
@@ -126,6 +135,10 @@ class ParamPartitioner:
         """``chunk``: this rank's fp32 slices of the unit, rank-major; the parameters keep no storage."""
         if not self.offload:
             chunk = chunk.to(self.device)
+        elif self.offload == "nvme":  # own storage of its size: spilling frees exactly it; the ring is pinned
+            chunk = chunk.cpu()
+            if chunk.untyped_storage().nbytes() != chunk.numel() * chunk.element_size():
+                chunk = chunk.clone()
         else:
             chunk = chunk.cpu().pin_memory() if torch.cuda.is_available() else chunk.cpu()
         u.shard = chunk
@@ -145,11 +158,28 @@ class ParamPartitioner:
         for u in self.units:
             if u.shard is not None and u.shard.dtype != dtype:
                 u.shard = u.shard.to(dtype)
-                if self.offload and torch.cuda.is_available():
+                if self.offload is True and torch.cuda.is_available():
                     u.shard = u.shard.pin_memory()
 
     def shard_bytes(self) -> int:
+        """Bytes of this rank's unit shards, wherever they are (with NVMe: see :meth:`nvme_shard_bytes`)."""
         return sum(u.shard.numel() * u.shard.element_size() for u in self.units if u.shard is not None)
+
+    def nvme_shard_bytes(self) -> int:
+        """Bytes of unit shards only in the NVMe scratch file now (0 without ``offload_params="nvme"``)."""
+        return self.nvme.on_disk_bytes() if self.nvme is not None else 0
+
+    def spill_shards(self) -> None:
+        """``offload_params="nvme"``: every shard in memory written to the file and freed (setup's end, after
+        every step: the publish wrote the new values, a whole view may have read them back)."""
+        if self.nvme is not None:
+            self.nvme.spill()
+
+    def resident_shards(self) -> None:
+        """``offload_params="nvme"``: every shard in memory (whole views read or write them), until the next
+        :meth:`spill_shards`."""
+        if self.nvme is not None:
+            self.nvme.make_resident()
 
     def gathered_bytes(self) -> int:
         """Bytes of full parameters held now, counting all-gather buffers still in flight (kept as a
@@ -165,7 +195,10 @@ class ParamPartitioner:
         self._launch_gather_unannounced(u, exact)
 
     def _launch_gather_unannounced(self, u: Unit, exact: bool = False) -> None:
-        send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
+        if self.nvme is not None:
+            send = self.nvme.send_of(u, self.device)  # from the ring slot its read ahead filled
+        else:
+            send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
         out = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=self.device)
         gather = Q.all_gather_int8 if self.quantize and not exact else C.all_gather
         u.inflight = (gather(out, send, group=self.group, async_op=True), out)
@@ -217,6 +250,8 @@ class ParamPartitioner:
             return
         work, out = u.inflight
         work.wait()
+        if self.nvme is not None:
+            self.nvme.gather_done(u)
         for p, n in zip(u.params, u.nbytes_full):
             p.data.untyped_storage().resize_(n)
         u.layout.unpack_rank_major(out, [p.data for p in u.params])
@@ -285,8 +320,7 @@ class ParamPartitioner:
                 self._track_forward(u)
             self.gather(u)
             if self._tracking(u) and self.order_state is OrderState.VERIFIED:
-                for k in range(self._pos, min(self._pos + self.prefetch, len(self._order))):
-                    self._prefetch(self.units[self._order[k]])
+                self._prefetch_next(self._order[self._pos:])
 
         return hook
 
@@ -335,10 +369,19 @@ class ParamPartitioner:
         if self.on_backward is not None:
             self.on_backward()
         self.gather(u)  # a no-op for a unit kept since its forward
-        if self.order_state is OrderState.VERIFIED and self.prefetch and u.index in self._order:
+        if self.order_state is OrderState.VERIFIED and (self.prefetch or self.nvme) and u.index in self._order:
             i = len(self._order) - 1 - self._order[::-1].index(u.index)
-            for k in range(i - 1, max(i - 1 - self.prefetch, -1), -1):
-                self._prefetch(self.units[self._order[k]])
+            self._prefetch_next(self._order[:i][::-1])
+
+    def _prefetch_next(self, upcoming: list[int]) -> None:
+        """``upcoming``: the recorded order from the next unit on (forward, or reversed for backward): the
+        first ``prefetch`` units are gathered ahead; with NVMe the shards of the ones after them are read
+        ahead, as far as the ring has free slots."""
+        for k in upcoming[: self.prefetch]:
+            self._prefetch(self.units[k])
+        if self.nvme is not None:
+            for k in upcoming[self.prefetch : self.prefetch + len(self.nvme.ring)]:
+                self.nvme.read_ahead(self.units[k])
 
     def _prefetch(self, u: Unit) -> None:
         if u.state is UnitState.SHARDED and u.params:
@@ -355,6 +398,8 @@ class ParamPartitioner:
         # the root stays whole through forward and backward; between backward and the next forward
         # (optimizer step, next micro-batch's data loading) only shards need to exist
         self.release(self.root, force=True)
+        if self.nvme is not None:
+            self.nvme.drop_reads()
         self._pos = 0
         if self._order:
             self._order_done()
@@ -362,6 +407,7 @@ class ParamPartitioner:
     def after_step(self) -> None:
         """Shards changed: every gathered copy is stale. Verify the recorded order once."""
         self.release_all(include_persistent=True)
+        self.spill_shards()
         self._pos = 0
         if self._order and self.order_state is not OrderState.VERIFIED:
             self._order_done()
@@ -391,6 +437,8 @@ class ParamPartitioner:
                 self.release_all(include_persistent=True)
             for u in self.units:
                 self._launch_gather(u, exact=True)
+                if self.nvme is not None:  # one unit's shard in the ring at a time
+                    self._finish_gather(u)
             for u in self.units:
                 self._finish_gather(u)
         self._gathered_depth += 1

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
+from .. import collectives as C
 from ..config import ZeroConfig
 from .deferred_init import compute_device
 from .lifecycle import OrderCheck
@@ -35,6 +36,17 @@ def stage3_config(cfg: ZeroConfig, n_optimizers: int) -> ZeroConfig:
     return cfg
 
 
+def _nvme_params_args(cfg: ZeroConfig, compute_dtype: Optional[torch.dtype], eval_only: bool) -> Optional[dict]:
+    """Where ``offload_params="nvme"`` keeps the shards: the file's dtype is the one they are spilled in (a
+    training engine casts them to the compute dtype), the ring one slot per unit gathered ahead, one for the
+    unit being gathered and ``nvme_buffer_count - 1`` for reads ahead of those."""
+    if cfg.offload_params != "nvme":
+        return None
+    cast = not eval_only and compute_dtype not in (None, torch.float32)
+    return dict(directory=cfg.nvme_path, rank=C.rank(), slots=cfg.prefetch_depth + cfg.nvme_buffer_count,
+                shard_dtype=compute_dtype if cast else torch.float32)
+
+
 class PartitionedParams:
     def __init__(self, module: nn.Module, cfg: ZeroConfig, world_size: int, rank: int,
                  compute_dtype: Optional[torch.dtype], device: Optional[torch.device], shard_group: Any,
@@ -47,7 +59,8 @@ class PartitionedParams:
         self.partitioner = ParamPartitioner(module, self.units, compute_dtype, device, cfg.offload_params,
                                             shard_group, cfg.prefetch_depth, cfg.order_check, init_group=init_group,
                                             quantize=cfg.quantize_weights,
-                                            reshard_after_forward=cfg.reshard_after_forward)
+                                            reshard_after_forward=cfg.reshard_after_forward,
+                                            nvme=_nvme_params_args(cfg, compute_dtype, eval_only))
         self.partitioner.guard.eval_only = eval_only
         self.partitioner.on_backward = self._backward_begins
         self.releaser: Optional[BackwardReleaser] = None

@@ -1,0 +1,321 @@
+"""ZeRO-Infinity parameter offload: offload_params="nvme" (engine/stage3/nvme_params.py).
+
+* Exact: HF GPT-2 (from a config) at 2 ranks with gradient accumulation, norm clipping and a LambdaLR schedule:
+  zero3 with the parameter shards on NVMe (optimizer on NVMe, on the host, or on the device) equals torch DDP
+  (fp32 rtol 1e-5, the user's AdamW kernel on both sides) and is bit for bit the CPU parameter offload; bf16
+  compute too (against the CPU parameter offload).
+* Checkpoints resume across offload_params none / cpu / nvme (the normal sharded directory; no scratch file in it).
+* Host memory, counted in tensor bytes: while training, the bytes held for parameter shards are the ring (its
+  stated bound), the gathered units stay within the working set of the units gathered at once, and the shards
+  on disk are >= 10x the ring; the reads are issued ahead of their gathers in the recorded order.
+* Clear errors: no nvme_path, too little free space (with the bytes needed), a failed read mid-run on one rank
+  (one error on every rank). The scratch files are removed at teardown (engine, several Trainer fits).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero import checkpoint as ck
+from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.engine import nvme as NV
+from tests.helpers.accum_runs import zoo_run, zoo_setup, zoo_steps
+from tests.helpers.dist_utils import run_distributed
+from tests.helpers.parity import check_parity
+
+STEPS = 3
+
+
+def _cfg(params, optimizer, path: str, stage: int = 3, **kw) -> ZeroConfig:
+    on_disk = "nvme" in (params, optimizer)
+    return ZeroConfig(stage=stage, offload_optimizer=optimizer, offload_params=params if stage == 3 else False,
+                      nvme_path=path if on_disk else None, offload_kernel="user", bucket_mb=0.01, **kw)
+
+
+def _swaps(path: str) -> list[str]:
+    return sorted(f for f in os.listdir(path) if f.endswith(".swap"))
+
+
+# -- exact --------------------------------------------------------------------------------------------------------
+OPTIMIZER_HOMES = ("nvme", True, False)
+
+
+def _parity_runs(rank, world_size, path):
+    out = {"ddp": zoo_run(rank, None, STEPS), "cpu": zoo_run(rank, _cfg(True, True, path), STEPS)}
+    for opt_home in OPTIMIZER_HOMES:
+        out["nvme", opt_home] = zoo_run(rank, _cfg("nvme", opt_home, path), STEPS)
+    out["nvme", "prefetch2"] = zoo_run(rank, _cfg("nvme", "nvme", path, prefetch=2), STEPS)
+    out["nvme", "noreshard"] = zoo_run(rank, _cfg("nvme", "nvme", path, reshard_after_forward=False), STEPS)
+    torch.distributed.barrier()  # every rank's engines torn down
+    out["left"] = _swaps(path)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_zero3_param_nvme_offload_equals_ddp_and_the_cpu_param_offload_bit_for_bit(tmp_path):
+    for r in run_distributed(_parity_runs, 2, str(tmp_path)):
+        (cl, cn, cs) = r["cpu"]
+        for key in [("nvme", o) for o in OPTIMIZER_HOMES] + [("nvme", "prefetch2"), ("nvme", "noreshard")]:
+            check_parity(r[key], r["ddp"], f"zero3 offload_params='nvme' {key[1]}")
+            nl, nn_, ns = r[key]
+            assert nl == cl and nn_ == cn, f"{key}: losses / norms differ from the CPU parameter offload"
+            assert all(torch.equal(ns[k], cs[k]) for k in cs), f"{key}: not the CPU parameter offload bit for bit"
+        assert r["left"] == [], r["left"]
+
+
+class Stack(nn.Module):
+    """``layers`` equal Linear units: the shards on disk are many times the ring (a few units' shards)."""
+
+    def __init__(self, layers: int = 40, width: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+    def forward(self, x):
+        return self.layers(x).float().pow(2).mean()
+
+
+STACK_UNITS = dict(unit_classes=["Linear"], persist_numel=0)
+
+
+def _bf16(rank, world_size, path):
+    out = {}
+    for params in (True, "nvme"):
+        torch.manual_seed(0)
+        model = Stack(6, 16)
+        engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                            _cfg(params, "nvme", path, **STACK_UNITS), compute_dtype=torch.bfloat16)
+        for step in range(3):
+            engine.prepare_forward()
+            model(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)).bfloat16()).backward()
+            engine.step()
+        out[params, "rep"] = engine.memory_report().as_dict()
+        out[params] = [m.clone() for m in engine.full_master_params()]
+        engine.remove()
+        out[params, "module"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_bf16_compute_param_nvme_offload_is_the_cpu_param_offload_bit_for_bit(tmp_path):
+    """bf16 shards in the file (the compute dtype), fp32 masters in the optimizer's: the same run."""
+    for r in run_distributed(_bf16, 2, str(tmp_path)):
+        assert all(torch.equal(a, b) for a, b in zip(r["nvme"], r[True]))
+        assert all(torch.equal(a, b) for a, b in zip(r["nvme", "module"], r[True, "module"]))
+        rep = r["nvme", "rep"]
+        numel = sum(m.numel() for m in r["nvme"]) // 2  # this rank's shard of every parameter
+        # on disk: masters + AdamW state (12 bytes) and the bf16 parameter shards (2 bytes) of each element
+        assert rep["nvme"] == 14 * numel and rep["host"] == 0 and rep["ring"] > 0, rep
+    assert _swaps(str(tmp_path)) == []
+
+
+# -- checkpoints across parameter offload devices -----------------------------------------------------------------
+RESUMES = [((False, False), ("nvme", "nvme")), (("nvme", "nvme"), (True, True)), ((True, True), ("nvme", False)),
+           (("nvme", True), (False, False))]
+
+
+def _resume_runs(rank, world_size, path):
+    out = {"ddp": zoo_run(rank, None, 2 * STEPS)}
+    for i, (a, b) in enumerate(RESUMES):
+        ckpt = os.path.join(path, f"ckpt{i}")
+        model, opt, sched, engine = zoo_setup(_cfg(*a, path))
+        losses, norms = zoo_steps(rank, model, opt, sched, engine, range(STEPS))
+        ck.save_engine_checkpoint(ckpt, model, engine, {"step": STEPS})
+        engine.remove(hand_back=False)
+        model, opt, sched, engine = zoo_setup(_cfg(*b, path))
+        ck.load_checkpoint_dir(ckpt, model, engine)
+        for _ in range(STEPS):  # the schedule's position (not in an engine checkpoint)
+            sched.step()
+        more = zoo_steps(rank, model, opt, sched, engine, range(STEPS, 2 * STEPS))
+        engine.restore_fp32_module()
+        engine.remove(hand_back=False)
+        torch.distributed.barrier()
+        out[i, "ckpt_files"] = sorted(f for _, _, fs in os.walk(ckpt) for f in fs)
+        out[i] = (losses + more[0], norms + more[1], {k: v.detach().clone() for k, v in model.state_dict().items()})
+    out["left"] = _swaps(path)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_checkpoints_resume_across_param_offload_none_cpu_nvme(tmp_path):
+    for r in run_distributed(_resume_runs, 2, str(tmp_path)):
+        for i, (a, b) in enumerate(RESUMES):
+            check_parity(r[i], r["ddp"], f"offload (params, optimizer) {a} -> {b}")
+            assert not [f for f in r[i, "ckpt_files"] if f.endswith(".swap")]
+        assert r["left"] == []
+
+
+# -- host memory bounded by the ring ------------------------------------------------------------------------------
+def _shard_host_bytes(part) -> int:
+    """Host bytes held for parameter shards: the shards' own storages (0 while on disk) and the ring's buffers."""
+    return (sum(u.shard.untyped_storage().nbytes() for u in part.units if u.shard is not None)
+            + sum(s.buf.numel() for s in part.nvme.ring))
+
+
+def _bounded(rank, world_size, path):
+    torch.manual_seed(0)
+    model = Stack()
+    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        _cfg("nvme", "nvme", path, nvme_buffer_count=2, **STACK_UNITS))
+    part, store = engine.partitioner, engine.partitioner.nvme
+    seen = {"shards": [], "gathered": []}
+
+    def probe(*_):
+        seen["shards"].append(_shard_host_bytes(part))
+        seen["gathered"].append(part.gathered_bytes())
+
+    for layer in model.layers:  # after the engine's hooks: in forward, with the unit gathered
+        layer.register_forward_pre_hook(probe)
+    pre_backward = part._pre_backward
+
+    def probed_pre_backward(u):  # in backward, with the unit gathered again
+        pre_backward(u)
+        probe()
+
+    part._pre_backward = probed_pre_backward
+    counts = []
+    for step in range(3):
+        engine.prepare_forward()
+        model(torch.randn(4, 32, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
+        engine.step()
+        counts.append((store.reads_ahead, store.reads_waited, store.bytes_read, store.bytes_written))
+        probe()  # between steps
+    rep = engine.memory_report().as_dict()
+    unit_full = max(u.full_bytes for u in part.units)
+    files = [f for f in _swaps(path) if f"-params-rank{rank}-" in f]
+    out = dict(seen=seen, rep=rep, ring=store.ring_bytes, slots=len(store.ring), slot=store.slot_bytes,
+               unit_full=unit_full, units=len(part.units), counts=counts, shard_bytes=part.shard_bytes(),
+               file=os.path.getsize(os.path.join(path, files[0])) if files else 0, files=len(files))
+    engine.remove()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_host_memory_for_parameter_shards_is_bounded_by_the_ring(tmp_path):
+    for r in run_distributed(_bounded, 2, str(tmp_path)):
+        rep, seen = r["rep"], r["seen"]
+        assert r["units"] >= 40 and r["slots"] == 1 + 2  # prefetch 1 + nvme_buffer_count 2
+        assert r["ring"] == r["slots"] * r["slot"]
+        # the shards on disk: all of this rank's, >= 10x the ring
+        assert rep["nvme"] >= r["shard_bytes"] >= 10 * r["ring"], r
+        assert r["files"] == 1 and r["file"] >= r["shard_bytes"]
+        # in forward, backward and between steps: the host bytes for parameter shards are the ring, no more ...
+        assert len(seen["shards"]) >= 3 * 2 * 40 and max(seen["shards"]) <= r["ring"], (max(seen["shards"]), r["ring"])
+        # ... and what is gathered is the working set: the unit in use and the one prefetched
+        assert max(seen["gathered"]) <= 2 * r["unit_full"], (max(seen["gathered"]), r["unit_full"])
+        assert rep["ring"] >= r["ring"] and rep["host"] == 0  # the optimizer's ring and this one; nothing else
+        # reads ahead once the order is recorded: after the first step nearly every gather finds its shard read
+        (a1, w1, rd1, wr1), (a2, w2, rd2, wr2) = r["counts"][0], r["counts"][1]
+        assert a2 - a1 >= 2 * 40 - 4 and w2 - w1 <= 4, r["counts"]
+        # per step: every shard read for forward and backward, written once by the step
+        assert rd2 - rd1 == 2 * r["shard_bytes"] and wr2 - wr1 == r["shard_bytes"], r["counts"]
+    assert os.listdir(tmp_path) == []
+
+
+# -- errors -------------------------------------------------------------------------------------------------------
+def _engine(path, **kw):
+    torch.manual_seed(0)
+    model = Stack(4, 16)
+    return model, ZeroEngine(model, torch.optim.AdamW(model.parameters()), ZeroConfig(
+        stage=3, offload_params="nvme", nvme_path=path, **STACK_UNITS, **kw))
+
+
+def test_no_nvme_path_is_refused(monkeypatch):
+    monkeypatch.delenv(NV.NVME_PATH_ENV, raising=False)
+    with pytest.raises(ValueError, match=r"offload_params='nvme' needs a directory for the scratch files: nvme_path="):
+        ZeroConfig(stage=3, offload_params="nvme")
+
+
+def test_too_little_free_space_is_refused_at_setup_with_the_bytes_needed(tmp_path, monkeypatch):
+    real = NV.shutil.disk_usage
+    monkeypatch.setattr(NV.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    with pytest.raises(ValueError, match=r"has 1,000 bytes free; rank 0's stage-3 parameter shards \(4 bytes per "
+                                         r"element\) need ([\d,]+) bytes.*offload_params=True") as err:
+        _engine(str(tmp_path))
+    needed = int(err.value.args[0].split(" need ")[1].split(" bytes")[0].replace(",", ""))
+    numel = sum(p.numel() for p in Stack(4, 16).parameters())
+    assert 4 * numel <= needed <= 4 * numel + 4096 * 5  # the shards, each unit's region page-aligned
+    assert os.listdir(tmp_path) == []  # nothing was created
+
+
+def _one_rank_fails_to_read(rank, world_size, path):
+    model, engine = _engine(path)
+    model(torch.randn(2, 16)).backward()
+    engine.step()
+    if rank == 0:  # rank 0's parameter file becomes unreadable in the next forward
+        real = NV.ScratchFile.read
+
+        def failing(self, buf, offset):
+            if "-params-" in self.path:
+                raise OSError(errno.EIO, "Input/output error")
+            return real(self, buf, offset)
+
+        NV.ScratchFile.read = failing
+    model(torch.randn(2, 16)).backward()
+    try:
+        engine.step()
+    except RuntimeError as e:
+        return str(e), _swaps(path)
+    return None, None
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_read_on_one_rank_stops_every_rank_with_one_error(tmp_path):
+    (first, _), (second, _) = run_distributed(_one_rank_fails_to_read, 2, str(tmp_path))
+    assert first is not None and "offload_params='nvme': on rank 0, the read of" in first and "-params-rank0-" in first
+    assert "Input/output error" in first, first
+    assert second is not None and "the NVMe I/O of rank 0 failed" in second, second
+    assert all("The run stops on every rank" in m for m in (first, second))
+
+
+def test_a_failed_write_of_the_updated_shards_stops_the_step(tmp_path, monkeypatch):
+    model, engine = _engine(str(tmp_path))
+    model(torch.randn(2, 16)).backward()
+
+    def full_disk(self, buf, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(NV.ScratchFile, "write", full_disk)
+    with pytest.raises(RuntimeError, match=r"offload_params='nvme': on rank 0, the write of .*-params-rank0-.*\.swap "
+                                           r"failed: .*No space left.*The run stops on every rank"):
+        engine.step()
+    monkeypatch.undo()
+    engine.remove(hand_back=False)
+    assert os.listdir(tmp_path) == []
+
+
+# -- Lightning: the preset, several fits in one process -----------------------------------------------------------
+@pytest.mark.timeout(400)
+def test_trainer_preset_zero3_offload_nvme_offloads_params_and_equals_zero3_offload(tmp_path, monkeypatch):
+    from lightning.pytorch import Callback, Trainer
+
+    from tests.helpers.lightning_models import ParityModule, load_rank_files, trainer_kwargs
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv(NV.NVME_PATH_ENV, str(scratch))  # inherited by the forked ranks
+
+    class SeeScratchFiles(Callback):  # in the ranks: this rank's files while training (optimizer, parameters)
+        def on_train_batch_end(self, trainer, *args):
+            mine = sorted(f.split("-")[1] for f in os.listdir(scratch) if f"-rank{trainer.global_rank}-" in f)
+            (tmp_path / f"seen{trainer.global_rank}").write_text(",".join(mine))
+
+    res = {}
+    for name in ("zero3_offload_nvme_fork", "zero3_offload_fork", "zero3_offload_nvme_fork"):  # two nvme fits
+        trainer = Trainer(strategy=name, callbacks=[SeeScratchFiles()],
+                          **trainer_kwargs(devices=2, max_steps=3, accum=2, clip=0.5))
+        z = trainer.strategy.zero_config
+        assert (z.offload_params, z.offload_optimizer) == (("nvme", "nvme") if "nvme" in name else (True, True))
+        trainer.fit(ParityModule(str(tmp_path), tag=name))
+        res.setdefault(name, []).append(load_rank_files(str(tmp_path), name, "train", 2))
+        want = "optimizer,params" if "nvme" in name else ""
+        assert [(tmp_path / f"seen{r}").read_text() for r in (0, 1)] == [want, want]
+        assert os.listdir(scratch) == []  # removed at the strategy's teardown
+    for runs in (res["zero3_offload_nvme_fork"][0], res["zero3_offload_nvme_fork"][1]):
+        for nvme, cpu in zip(runs, res["zero3_offload_fork"][0]):
+            assert nvme["losses"] == cpu["losses"]
+            assert all(torch.equal(nvme["params"][k], cpu["params"][k]) for k in cpu["params"])
