@@ -295,6 +295,7 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
     check_state_entries(path, kinds, managed, _optim_key(index), trust_checkpoint)
     _init_state(opt, [managed[n][0] for n in kinds if n in managed])
     targets: dict[str, dict[str, torch.Tensor]] = {}
+    rank_keys = _per_rank_keys(opt, info, process_group)
     natural = TS.needs_natural_load(engine, info)
     params = TS.params_of(engine.module)
     after: list[Callable[[], None]] = []
@@ -308,7 +309,10 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
         targets[n] = {}
         for k in keys:
             if k in getattr(opt, "per_rank_state", ()):  # this rank's own row (sharded_state.per_rank)
-                targets[n][k] = per_rank(st[k], process_group)
+                if rank_keys:
+                    targets[n][k] = per_rank(st[k], process_group)
+                else:  # saved at another world size: no row of this rank's; the error memory restarts
+                    st[k].zero_()
             elif not (st[k].dim() > 0 and st[k].shape == m.shape):
                 targets[n][k] = st[k]
             elif natural:  # per parameter (tp_state.py): flat unless the checkpoint is a TP one
@@ -328,6 +332,24 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
         opt.state[managed[n][0]].update(extra)
     for g, s in zip(opt.param_groups, saved_groups):
         g.update({k: v for k, v in s.items() if k not in _IMPL_KEYS})
+    if hasattr(opt, "state_restored"):  # 1-bit Adam: what it derived from the state before is stale
+        opt.state_restored()
+
+
+def _per_rank_keys(opt, info: Mapping[str, Any], process_group=None) -> tuple:
+    """The per-rank state entries (1-bit Adam's error buffers, one row per rank) that this load restores: all
+    of them at the world size they were saved at; none at another (each rank's row has no counterpart
+    there): they restart at zero, as DeepSpeed's did on every load, with a warning."""
+    keys = tuple(getattr(opt, "per_rank_state", ()))
+    saved = info.get("world_size")
+    world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
+    if not keys or saved is None or int(saved) == world:
+        return keys
+    warnings.warn(f"{type(opt).__name__}: the checkpoint was saved on {saved} ranks and is loaded on {world}; "
+                  f"its per-rank error-feedback buffers ({', '.join(keys)}) have no counterpart at this world size "
+                  "and restart at zero (moments, frozen variance and phase are resharded and kept). Resume on "
+                  f"{saved} ranks for an exact continuation.", stacklevel=3)
+    return ()
 
 
 def check_optimizer_count(path: _PathLike, saved: int, current: int) -> None:

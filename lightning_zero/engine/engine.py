@@ -92,7 +92,7 @@ class ZeroEngine:
         self.shard_group, self.replicate_group = groups.shard, groups.replicate
         self.world_size = C.world_size(self.shard_group)  # the ranks a parameter is sharded over
         self.rank = C.rank(self.shard_group)
-        ONEBIT.check_composes(self.optimizers, plan.stage, cfg, self.tensor_parallel, loss_scaler)  # 1-bit Adam
+        ONEBIT.check_composes(self.optimizers, plan, cfg, self.tensor_parallel, loss_scaler)  # 1-bit Adam
         ONEBIT.bind_group(self.optimizers, self.shard_group)
         per_opt = PG.managed_params(module, self.optimizers)
         if not has_meta_params(module):  # a meta model is broadcast unit by unit as it is built
@@ -112,6 +112,7 @@ class ZeroEngine:
         self.shardeds: list[ShardedOptimizer] = self.opts.shardeds
         self.params: list[nn.Parameter] = self.opts.params  # managed, optimizer by optimizer; add_param_group appends
         self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
+        ONEBIT.bind_shards(self.shardeds, plan)  # stage 1: 1-bit Adam steps master slices
         if compute_dtype is not None and compute_dtype != torch.float32:
             module.to(compute_dtype)  # params (released ones too) and floating buffers, like module.half()
             if self._partitioned is not None and train:

@@ -159,6 +159,10 @@ class ShardedOptimizer:
     def reset_step_state(self) -> None:
         """Per-step bookkeeping of this optimizer's gradients (several optimizers step independently)."""
         self.grads_final = False
+        # 1-bit Adam's compressed phase at stage 1: nothing was reduced, and the optimizer takes this rank's
+        # whole local gradients (fp32, keyed by master) instead of slices ([Note: 1-bit Adam at stage 1])
+        self.whole_grads: dict[int, torch.Tensor] = {}
+        self.takes_whole = False
         self.clip_coef: Optional[float] = None
         self.clip_value: Optional[float] = None
         self.sq_norm: Optional[torch.Tensor] = None
@@ -278,6 +282,9 @@ class ShardedOptimizer:
         """Complete the reductions of this optimizer's buckets and point the masters' ``.grad`` at this
         rank's reduced gradients (parameters no rank used keep ``grad=None``, as under DDP)."""
         masks = reducer.finalize([b.index for b in self.buckets])
+        if self.plan.shards_optimizer_state and reducer.takes_local_grads():
+            self._take_whole_local_grads(masks)
+            return
         grads: list[list[Optional[torch.Tensor]]] = []
         for b, mask in zip(self.buckets, masks):
             if not self.plan.shards_optimizer_state:  # stage 0: the all-reduced whole gradients
@@ -290,6 +297,18 @@ class ShardedOptimizer:
             grads.append(row)
         self.assign_grads(grads)
         self.grads_final = True
+
+    def _take_whole_local_grads(self, masks: list[torch.Tensor]) -> None:
+        """No reduction ran (the optimizer exchanges what it needs itself): each master's ``.grad`` stays None
+        and :attr:`whole_grads` holds this rank's whole gradient of its parameter, in fp32 as stage 0 casts
+        it; the norm, clipping and scaling below act on these (each rank's own, as at stage 0)."""
+        self.clear_grads()
+        for row, b, mask in zip(self.masters, self.buckets, masks):
+            for m, p, used in zip(row, b.params, mask.tolist()):
+                if used:
+                    g = TP.local_grad(p)
+                    self.whole_grads[id(m)] = g if g.dtype == torch.float32 else g.float()
+        self.takes_whole = self.grads_final = True
 
     def assign_grads(self, grads: list[list[Optional[torch.Tensor]]]) -> None:
         """Point each master's ``.grad`` at its reduced gradient (fp32, on the master's device)."""
@@ -309,6 +328,8 @@ class ShardedOptimizer:
             torch.cuda.current_stream(self.device).synchronize()
 
     def grads(self) -> list[torch.Tensor]:
+        if self.takes_whole:
+            return [self.whole_grads[id(m)] for row in self.masters for m in row if id(m) in self.whole_grads]
         return [m.grad for row in self.masters for m in row if m.grad is not None]
 
     def local_sq_norm(self) -> torch.Tensor:
@@ -328,7 +349,7 @@ class ShardedOptimizer:
         stages 1-3 are disjoint, so their squares add (one all-reduce, on ``device``: the compute device)."""
         if self.sq_norm is None:
             sq = self.local_sq_norm()
-            if self.plan.shards_optimizer_state:
+            if self.plan.shards_optimizer_state and not self.takes_whole:  # whole local grads: this rank's own
                 sq_dev = sq.to(device if device is not None else sq.device)
                 C.all_reduce(sq_dev, group=group)
                 sq = sq_dev.to(sq.device)
@@ -349,6 +370,7 @@ class ShardedOptimizer:
             g.clamp_(-value, value)
 
     def clear_grads(self) -> None:
+        self.whole_grads, self.takes_whole = {}, False
         for row in self.masters:
             for m in row:
                 m.grad = None

@@ -45,9 +45,10 @@ def consolidate_optimizer_state(s, group: Optional[Any] = None) -> dict:
     # torch numbers the masters in param_groups order: map them to (bucket, index)
     local_bp = [bp for bp in positions if bp is not None]
     by_bp = {bp: local["state"].get(i, {}) for i, bp in enumerate(local_bp)}
-    keys = sorted({k for st in by_bp.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
-    full_by_bp: dict[tuple[int, int], dict] = {bp: {} for bp in local_bp}
     per_rank = getattr(s.optimizer, "per_rank_state", ())  # 1-bit Adam's error buffers: no single full value
+    keys = sorted({k for st in by_bp.values() for k, v in st.items()
+                   if torch.is_tensor(v) and v.dim() > 0 and k not in per_rank})
+    full_by_bp: dict[tuple[int, int], dict] = {bp: {} for bp in local_bp}
     for (bi, pi), st in by_bp.items():
         m = s.masters[bi][pi]
         for k, v in st.items():

@@ -207,8 +207,12 @@ class GradReducer:
 
         return hook
 
+    def takes_local_grads(self) -> bool:
+        """This step's optimizer takes this rank's own gradients (1-bit Adam's compressed phase): no reduction."""
+        return self._local_grads is not None and self._local_grads()
+
     def _syncing(self) -> bool:
-        if self._local_grads is not None and self._local_grads():
+        if self.takes_local_grads():
             return False
         return self.plan.shards_grads or self.sync is GradSync.BOUNDARY
 
@@ -342,7 +346,7 @@ class GradReducer:
         """
         self.wait()
         indices = list(range(len(self.buckets))) if indices is None else list(indices)
-        if self._local_grads is not None and self._local_grads():  # nothing reduced: this rank's own grads
+        if self.takes_local_grads():  # nothing reduced: this rank's own grads
             self._dirty -= set(indices)
             return [torch.tensor([p.grad is not None for p in self.buckets[i].params], dtype=torch.bool)
                     for i in indices]

@@ -32,7 +32,13 @@ def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
 
 
 def reference_run(world: int, steps: int, freeze_step: int) -> tuple[list[list[float]], list[torch.Tensor]]:
-    """(losses per step per worker, final parameters) of 1-bit Adam over ``world`` simulated workers."""
+    """(losses per step per worker, final parameters) of 1-bit Adam over ``world`` simulated workers.
+
+    Written with the same tensor operations, in the same order, as torch's single-tensor AdamW (``lerp_``,
+    ``addcmul_``, ``addcdiv_``) and the gradients averaged in rank order (``((g0 + g1) + g2 ...) / N``, which
+    is the engine's stage-1 reduction on gloo -- each row divided by N, a power of two, then summed in rank
+    order): a distributed run whose reduction sums in that order must equal it bit for bit (stage 1); stage
+    0's ring all-reduce at 4 ranks sums in another order (last-ulp differences)."""
     model = tiny_net()
     params = list(model.parameters())
     m = [torch.zeros_like(p) for p in params]
@@ -55,18 +61,18 @@ def reference_run(world: int, steps: int, freeze_step: int) -> tuple[list[list[f
             if t <= freeze_step:  # AdamW on the averaged gradient
                 for k in range(len(params)):
                     g = sum(gr[k] for gr in grads) / world
-                    m[k] = b1 * m[k] + (1 - b1) * g
-                    v[k] = b2 * v[k] + (1 - b2) * g * g
+                    m[k].lerp_(g, 1 - b1)
+                    v[k].mul_(b2).addcmul_(g, g, value=1 - b2)
                 var_steps = t
-            else:
-                local = [layout.to_rows([b1 * m[k] + (1 - b1) * grads[r][k] for k in range(len(params))])
-                         for r in range(world)]
+            else:  # each worker's own momentum, averaged by the 1-bit exchange, masked where v == 0
+                local = [layout.to_rows([m[k].clone().mul_(b1).add_(grads[r][k], alpha=1 - b1)
+                                         for k in range(len(params))]) for r in range(world)]
                 avg = layout.from_rows(reference_all_reduce(layout, local, werr, serr))
-                m = [a[: p.numel()].view_as(p) for a, p in zip(avg, params)]
+                m = [a[: p.numel()].view_as(p).mul_(vk > 0) for a, p, vk in zip(avg, params, v)]
             for p, mk, vk in zip(params, m, v):
                 p.mul_(1 - LR * WD)
-                denom = vk.sqrt() / math.sqrt(1 - b2 ** var_steps) + EPS
-                p.sub_(LR / (1 - b1 ** t) * mk / denom)
+                denom = (vk.sqrt() / math.sqrt(1 - b2 ** float(var_steps))).add_(EPS)
+                p.addcdiv_(mk, denom, value=-LR / (1 - b1 ** float(t)))
     return losses, [p.detach().clone() for p in params]
 
 

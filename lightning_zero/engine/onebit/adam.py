@@ -57,9 +57,14 @@ class OneBitAdam(CompressedAdamBase):
                 self._update(p, g, st)
             return loss
         states = [self.init_state(p, k) for k, p in enumerate(params)]
-        for p, g, st in zip(params, owner, states):
-            st["exp_avg"].mul_(g["betas"][0]).add_(self.grad_or_zero(p), alpha=1 - g["betas"][0])
-        for st, m in zip(states, self.exchange([st["exp_avg"] for st in states])):
+        if self.shards is None:  # stage 0: this rank's momentum is the state itself (replaced below)
+            momenta = [st["exp_avg"] for st in states]
+        else:  # stage 1: the whole averaged momentum, kept at one bit ([Note: 1-bit Adam at stage 1])
+            momenta = self.whole_momentum.whole(self.layout(), states, self.shards.specs(params),
+                                                self.steps_taken() - 1, self.process_group)
+        for w, g, grad in zip(momenta, owner, self.local_grads()):
+            w.mul_(g["betas"][0]).add_(grad, alpha=1 - g["betas"][0])
+        for st, m in zip(states, self.exchange(momenta)):
             # the same averaged momentum on every rank; one bit cannot say zero, so an element whose frozen
             # variance is 0 (no gradient on any rank during the whole warmup: an embedding row never seen)
             # would get +-scale / eps: it keeps momentum 0 and stays as it is, as DDP leaves it (DeepSpeed

@@ -12,6 +12,10 @@ writes them as one row per rank (checkpoint/sharded_state.py), so resume is exac
 on load. A full-format checkpoint (one plain optimizer ``state_dict``, ``checkpoint_format="full"`` or
 ``engine.optimizer_state_dict()``) has no place for per-rank values: it leaves them out and they restart at
 zero on load, as DeepSpeed's always did. All parameters of all groups travel in one exchange (two collectives per step, not two per tensor).
+
+At ZeRO stage 1 (the engine binds :class:`~.sharded.ShardBinding`, [Note: 1-bit Adam at stage 1]) the params
+are master *slices*: the exchange runs over the whole parameters (the worker error is whole, the server error
+one chunk per tensor) and hands each rank its slice of the result.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from typing import Any, Optional
 import torch
 
 from .. import collectives as C
-from .exchange import ChunkLayout, compressed_all_reduce
+from .exchange import ChunkLayout, compressed_all_reduce, compressed_exchange, gathered_result
+from .sharded import ShardBinding, WholeMomentum
 
 
 class CompressedAdamBase(torch.optim.Optimizer):
@@ -42,6 +47,22 @@ class CompressedAdamBase(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.process_group = group  # the data-parallel group the exchange runs over (None: the world)
         self._layout: Optional[tuple[tuple, ChunkLayout]] = None
+        self.shards: Optional[ShardBinding] = None  # ZeRO stage 1: the params are master slices (sharded.py)
+        self.whole_momentum = WholeMomentum()  # stage 1: the last exchange's result, kept at one bit
+
+    def bind_shards(self, binding: Optional[ShardBinding]) -> None:
+        """ZeRO stage 1 (binding.py): the params are slices of whole parameters, described by ``binding``."""
+        self.shards = binding
+        self._layout = None
+        self.whole_momentum.invalidate()
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self.whole_momentum.invalidate()  # derived from the state just replaced
+
+    def state_restored(self) -> None:
+        """The state tensors were written in place (a sharded checkpoint load, checkpoint/format.py)."""
+        self.whole_momentum.invalidate()
 
     # -- the protocol the engine reads ----------------------------------------------------------------
     def uses_local_grads(self) -> bool:
@@ -75,12 +96,18 @@ class CompressedAdamBase(torch.optim.Optimizer):
     def all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    def whole_numels(self) -> list[int]:
+        """Elements of the whole parameter behind each param (stage 1: a master slice's parameter)."""
+        params = self.all_params()
+        return [s.numel for s in self.shards.specs(params)] if self.shards is not None else [p.numel() for p in params]
+
     def layout(self) -> ChunkLayout:
         params = self.all_params()
-        key = tuple((id(p), p.numel()) for p in params) + (self._world(),)
+        numels = self.whole_numels()
+        key = tuple((id(p), k) for p, k in zip(params, numels)) + (self._world(),)
         if self._layout is None or self._layout[0] != key:
             device = params[0].device if params else torch.device("cpu")
-            self._layout = (key, ChunkLayout([p.numel() for p in params], self._world(), device))
+            self._layout = (key, ChunkLayout(numels, self._world(), device))
         return self._layout[1]
 
     def init_state(self, p: torch.Tensor, k: int, extra: tuple = ()) -> dict:
@@ -101,11 +128,12 @@ class CompressedAdamBase(torch.optim.Optimizer):
 
     def exchange(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
         """The error-compensated 1-bit mean of ``values`` (one tensor per parameter of :meth:`all_params`,
-        each this rank's) over the process group; each result has its parameter's shape. One rank: the
-        values themselves (nothing to exchange, nothing compressed; DeepSpeed's rule too)."""
+        each this rank's, whole) over the process group; each result has its param's shape (stage 1: the
+        slice of the mean that this rank's master is). One rank: the values themselves (nothing to exchange,
+        nothing compressed; DeepSpeed's rule too)."""
         params = self.all_params()
         if self._world() == 1:
-            return [v.clone() for v in values]
+            return self._mine([v.clone() for v in values])
         layout = self.layout()
         states = [self.state[p] for p in params]
         for k, st in enumerate(states):  # absent after a full-format (single optimizer state dict) load
@@ -114,11 +142,30 @@ class CompressedAdamBase(torch.optim.Optimizer):
                 st["server_error"] = torch.zeros(layout.chunks[k], dtype=torch.float32, device=params[k].device)
         werr = layout.to_rows([s["worker_error"] for s in states])
         serr = torch.cat([s["server_error"] for s in states]).unsqueeze(0)
-        out = compressed_all_reduce(layout, layout.to_rows(values), werr, serr, self.process_group)
+        if self.shards is None:
+            out = compressed_all_reduce(layout, layout.to_rows(values), werr, serr, self.process_group)
+        else:  # keep the packed result: the next step's whole momentum (sharded.py)
+            rows = compressed_exchange(layout, layout.to_rows(values), werr, serr, self.process_group)
+            self.whole_momentum.keep(rows, self.steps_taken())
+            out = gathered_result(layout, rows)
         for s, w, e in zip(states, layout.from_rows(werr), layout.server_split(serr[0])):
             s["worker_error"].copy_(w)
             s["server_error"].copy_(e)
-        return [flat[: p.numel()].view_as(p).to(p.dtype) for flat, p in zip(layout.from_rows(out), params)]
+        return self._mine(layout.from_rows(out))
+
+    def _mine(self, wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The part of each parameter's whole (flat or shaped) value this rank steps: all of it, or its slice."""
+        params = self.all_params()
+        if self.shards is None:
+            return [w.reshape(-1)[: p.numel()].view_as(p).to(p.dtype) for w, p in zip(wholes, params)]
+        return [w.reshape(-1)[s.lo: s.hi].view_as(p) for w, p, s in zip(wholes, params, self.shards.specs(params))]
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's own gradient of every param (whole: stage 1 reads the parameter's, flat, not the slice's)."""
+        params = self.all_params()
+        if self.shards is None:
+            return [self.grad_or_zero(p) for p in params]
+        return [self.shards.whole_grad(p, n) for p, n in zip(params, self.whole_numels())]
 
     @staticmethod
     def grad_or_zero(p: torch.Tensor) -> torch.Tensor:

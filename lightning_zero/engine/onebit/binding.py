@@ -5,37 +5,53 @@ Design note
 -----------
 The seam is one question the reducer asks before every reduction, ``optimizer.uses_local_grads()``: while it
 is True the backward launches no collective and the step hands the optimizer this rank's own gradients; the
-optimizer exchanges its momentum itself. The optimizer steps whole parameters that it updates identically on
-every rank (the exchange's result is the same everywhere), which is stage 0's layout. Sharded stages are
-refused: their master shards would need every rank's whole local gradient and the whole frozen variance to
-apply the 1-bit-averaged momentum, and publishing the updated shards would cost an uncompressed all-gather
-per step (half of DDP's bytes), undoing the 1/32; see docs/onebit_adam.md.
+optimizer exchanges its momentum itself. At stage 0 the optimizer steps whole parameters that it updates
+identically on every rank (the exchange's result is the same everywhere). At stage 1 (1-bit Adam only) it
+steps master slices: the engine hands it each step's whole local gradients (``ShardedOptimizer.whole_grads``)
+and the slices' specs (:func:`bind_shards`), and publishes the updated slices as for any optimizer
+([Note: 1-bit Adam at stage 1], sharded.py). Stages 2-3 are refused: the compressed phase needs each rank's
+whole local gradient, which they never hold (their point); 0/1 Adam at stage 1 too: its local steps move each
+rank's parameters by its own gradient, which one owner per master slice cannot do. See docs/onebit_adam.md.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from ..optimizer import register_shardable_optimizer
+from .adam import OneBitAdam
 from .base import CompressedAdamBase
+from .sharded import ShardBinding
+
+# not elementwise (its exchange spans whole tensors), but at stage 1 it steps its slices through the
+# ShardBinding below; stages 2-3 are refused in check_composes before the engine shards anything
+register_shardable_optimizer(OneBitAdam)
 
 
 def compressed(optimizers: list) -> list[CompressedAdamBase]:
     return [o for o in optimizers if isinstance(o, CompressedAdamBase)]
 
 
-def check_composes(optimizers: list, stage: int, config: Any, tensor_parallel: Any, loss_scaler: Any) -> None:
+def check_composes(optimizers: list, plan: Any, config: Any, tensor_parallel: Any, loss_scaler: Any) -> None:
     """One clear error for every combination a compressed optimizer does not compose with."""
     found = compressed(optimizers)
     if not found:
         return
     name = type(found[0]).__name__
-    allowed = ('Allowed: ZeroStrategy(stage=0) / strategy="zero0" (DDP layout, any world size), precision '
-               '"32-true" or "bf16-mixed", gradient accumulation and clipping, as the only optimizer.')
+    allowed = ('Allowed: ZeroStrategy(stage=0) / strategy="zero0" (DDP layout) for OneBitAdam and ZeroOneAdam, '
+               'ZeroStrategy(stage=1) / strategy="zero1" (optimizer state sharded) for OneBitAdam; any world '
+               'size, precision "32-true" or "bf16-mixed", gradient accumulation and clipping, as the only '
+               'optimizer, without optimizer offload or hybrid sharding.')
     why = None
-    if stage != 0:
-        why = (f"ZeRO stage {stage} shards the optimizer state, and {name}'s compressed phase updates whole "
-               "parameters from the 1-bit-averaged momentum over the whole frozen variance (a sharded "
-               "update would need an uncompressed parameter all-gather per step, half of DDP's bytes)")
+    if plan.shards_grads:
+        why = (f"ZeRO stage {plan.stage} shards the gradients, and {name}'s compressed phase forms each rank's "
+               "own momentum from its whole local gradient (reduced nowhere), which that stage never holds")
+    elif plan.shards_optimizer_state and not isinstance(found[0], OneBitAdam):
+        why = (f"ZeRO stage {plan.stage} gives every master slice one owner, and {name}'s local steps move "
+               "each rank's parameters by its own gradient between synchronizations")
+    elif plan.shards_optimizer_state and (config.offload_optimizer or config.shard_group_size is not None):
+        why = (f"{name} at ZeRO stage {plan.stage} exchanges over the shard group with its state on the compute "
+               "device: optimizer offload and hybrid sharding (shard_group_size) are not built for it")
     elif len(optimizers) > 1:
         why = f"{name} decides when the engine reduces gradients, which would starve the other optimizers"
     elif loss_scaler is not None:
@@ -45,6 +61,15 @@ def check_composes(optimizers: list, stage: int, config: Any, tensor_parallel: A
         why = f"{name} exchanges whole local tensors over the world, not DTensor pieces over data_parallel"
     if why is not None:
         raise ValueError(f"{name} does not compose with this setup: {why}. {allowed}")
+
+
+def bind_shards(shardeds: list, plan: Any) -> None:
+    """Stage 1: each compressed optimizer learns which slice of which parameter its params are (sharded.py)."""
+    if not plan.shards_optimizer_state:
+        return
+    for s in shardeds:
+        if isinstance(s.optimizer, CompressedAdamBase):
+            s.optimizer.bind_shards(ShardBinding(s))
 
 
 def bind_group(optimizers: list, group: Optional[Any]) -> None:

@@ -15,12 +15,24 @@ import torch
 _SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
 
 
+def pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """A bool tensor (numel a multiple of 8) as bits, 8 per byte -> uint8 of ``numel / 8``."""
+    if flags.numel() % 8:
+        raise ValueError(f"pack_bits needs a multiple of 8 elements, got {flags.numel()}")
+    bits = flags.reshape(-1, 8).to(torch.uint8)
+    return (bits << _SHIFTS.to(flags.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_bits`: uint8 of ``m`` -> bool of ``8 m``."""
+    return ((packed.reshape(-1, 1) >> _SHIFTS.to(packed.device)) & 1).reshape(-1).bool()
+
+
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
     """``x >= 0`` as bits, 8 per byte: ``x`` (numel a multiple of 8) -> uint8 of ``numel / 8``."""
     if x.numel() % 8:
         raise ValueError(f"pack_signs needs a multiple of 8 elements, got {x.numel()}")
-    bits = (x.reshape(-1, 8) >= 0).to(torch.uint8)
-    return (bits << _SHIFTS.to(x.device)).sum(dim=1, dtype=torch.uint8)
+    return pack_bits(x >= 0)
 
 
 def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

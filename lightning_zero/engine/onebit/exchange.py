@@ -109,6 +109,13 @@ def compressed_all_reduce(layout: ChunkLayout, rows: torch.Tensor, worker_error:
     """The error-compensated 1-bit mean of ``rows`` (``[N, C]``, this rank's values) over ``group``.
     ``worker_error`` (``[N, C]``) and ``server_error`` (``[1, C]``: this rank's chunks) are updated in place.
     Returns the ``[N, C]`` result, identical on every rank. Two collectives: an all-to-all, an all-gather."""
+    return gathered_result(layout, compressed_exchange(layout, rows, worker_error, server_error, group))
+
+
+def compressed_exchange(layout: ChunkLayout, rows: torch.Tensor, worker_error: torch.Tensor,
+                        server_error: torch.Tensor, group: Optional[Any] = None) -> torch.Tensor:
+    """:func:`compressed_all_reduce` up to the decompression: every server's packed row ``[N, row_bytes]``
+    (what ZeRO stage 1 keeps of the whole averaged momentum: one bit per element, onebit/sharded.py)."""
     n, r = layout.world_size, C.rank(group)
     send = worker_compress(layout, rows, worker_error)
     received = torch.empty(n, layout.row_bytes, dtype=torch.uint8, device=rows.device)
@@ -118,7 +125,7 @@ def compressed_all_reduce(layout: ChunkLayout, rows: torch.Tensor, worker_error:
     mine = server_compress(layout, server_average(layout, received), server_error)
     gathered = torch.empty(n, layout.row_bytes, dtype=torch.uint8, device=rows.device)
     C.all_gather(gathered, mine.view(-1), group=group)
-    return gathered_result(layout, gathered)
+    return gathered
 
 
 def reference_all_reduce(layout: ChunkLayout, rows: list[torch.Tensor], worker_errors: list[torch.Tensor],
