@@ -23,7 +23,7 @@ BAD = [
     (dict(unit_mb="8"), r"unit_mb must be a positive number of MiB"),
     (dict(unit_mb=True), r"unit_mb must be a positive number of MiB"),
     (dict(stage=1, offload_optimizer="yes"), r"offload_optimizer must be True or False, or one of 'none', 'cpu', 'nvme' \(True = 'cpu'\); got 'yes'"),
-    (dict(stage=3, offload_params=1), r"offload_params must be True or False, or one of 'none', 'cpu' \(True = 'cpu'\); got 1"),
+    (dict(stage=3, offload_params=1), r"offload_params must be True or False, or one of 'none', 'cpu', 'nvme' \(True = 'cpu'\); got 1"),
     (dict(prefetch="false"), r"prefetch must be True \(1 unit ahead\), False \(none\) or an int >= 0"),
     (dict(broadcast_buffers=None), r"broadcast_buffers must be True or False"),
 ]
