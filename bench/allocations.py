@@ -13,46 +13,21 @@ Counted, not timed, so the load of the machine does not change the numbers.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-_STEP_CALL = "optimizer.py"  # the engine's call of the user's optimizer: its allocations are the optimizer's
-
-
-class AllocationCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count, self.nbytes, self.engine = 0, 0, collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(a.untyped_storage()) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
-        for t in tree_leaves(out):
-            if (isinstance(t, torch.Tensor) and not t._is_view() and t.untyped_storage().nbytes()
-                    and id(t.untyped_storage()) not in inputs):
-                self.count += 1
-                self.nbytes += t.untyped_storage().nbytes()
-                ours = [f for f in traceback.extract_stack()[:-2] if "lightning_zero" in f.filename]
-                if ours and not (ours[-1].filename.endswith(_STEP_CALL) and "step" in ours[-1].line):
-                    self.engine[f"{os.path.relpath(ours[-1].filename)}:{ours[-1].lineno} {func}"] += 1
-        return out
-
 
 def _rank(rank: int, world: int, method: str, width: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     from lightning_zero.engine import ZeroConfig, ZeroEngine
+    from tests.helpers.allocations import AllocationCounter
     from tests.helpers.zoo_models import gpt2
 
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .buckets import Bucket, build_buckets
+from .buffer_pool import BufferPool
 from .stage3.units import grad_buckets_for_units
 
 
@@ -34,11 +35,13 @@ class BucketTable:
     def __init__(self) -> None:
         self.rows: list[BucketRow] = []
         self.buckets: list[Bucket] = []
+        self.pool = BufferPool()  # every bucket's transient flat buffers ([Note: kept communication buffers])
 
     def add(self, rows: list[BucketRow]) -> list[Bucket]:
         """Append ``rows`` (numbered after the existing ones); returns their buckets."""
         for i, r in enumerate(rows):
             r.bucket.index = len(self.rows) + i
+            r.bucket.pool = self.pool
         self.rows.extend(rows)
         new = [r.bucket for r in rows]
         self.buckets.extend(new)

@@ -23,17 +23,22 @@ Copies are exact, so the numbers are bit for bit those of the per-parameter loop
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
 from . import collectives as C
 from . import quantize as Q
 from . import tensor_parallel as TP
+from .buffer_pool import BufferPool
 from .sharding import ShardSpec
 
 
+@functools.lru_cache(maxsize=None)
 def _zeros(dtype: torch.dtype, device) -> torch.Tensor:
+    # one read-only scalar per (dtype, device), only ever expanded as an input of a copy: no allocation a call
     return torch.zeros((), dtype=dtype, device=device)
 
 
@@ -56,6 +61,7 @@ class Bucket:
     specs: list[ShardSpec]
     offsets: list[int] = field(default_factory=list)  # column of each param inside a rank's chunk
     full_offsets: list[int] = field(default_factory=list)  # offset of each param in a param-major buffer
+    pool: Optional[BufferPool] = None  # the table's: where the flat buffers below come from and go back to
 
     def __post_init__(self) -> None:
         col = full = 0
@@ -64,6 +70,16 @@ class Bucket:
             self.full_offsets.append(full)
             col += spec.shard_numel
             full += spec.numel
+
+    def new_flat(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A transient flat buffer on the bucket's device; give it back with :meth:`done_with` once nothing
+        reads it (after its collective's wait and the copies out of it)."""
+        dev = self.params[0].device
+        return self.pool.take(numel, dtype, dev) if self.pool is not None else torch.empty(numel, dtype=dtype, device=dev)
+
+    def done_with(self, flat: torch.Tensor) -> None:
+        if self.pool is not None:
+            self.pool.give(flat)
 
     @property
     def world_size(self) -> int:
@@ -88,12 +104,23 @@ class Bucket:
         should travel with the collective). [Note: one copy per bucket]
         """
         width = self.shard_numel + extra
-        flat = torch.empty(self.world_size * width, dtype=dtype, device=self.params[0].device)
+        flat = self.new_flat(self.world_size * width, dtype)
         grid = flat.view(self.world_size, width)
-        parts = [as_rank_major(t, spec, dtype, flat.device) for t, spec in zip(tensors, self.specs)]
+        parts, staged = [], []
+        for t, spec in zip(tensors, self.specs):
+            if t is not None and spec.numel != spec.world_size * spec.shard_numel:  # the padded tail: staged
+                stage = self.new_flat(spec.world_size * spec.shard_numel, dtype)
+                stage[: spec.numel].copy_(t.reshape(-1))
+                stage[spec.numel :].zero_()
+                staged.append(stage)
+                parts.append(stage.view(spec.world_size, spec.shard_numel))
+            else:
+                parts.append(as_rank_major(t, spec, dtype, flat.device))
         if extra:  # zeros the caller overwrites: the output stays the whole (contiguous) grid
             parts.append(_zeros(dtype, flat.device).expand(self.world_size, extra))
         torch.cat(parts, dim=1, out=grid)
+        for stage in staged:
+            self.done_with(stage)
         return flat
 
     def unpack_rank_major(self, flat: torch.Tensor, outs: list[torch.Tensor], skip_rank: int | None = None) -> None:
@@ -110,7 +137,7 @@ class Bucket:
             if spec.numel == w * s and t.dtype == flat.dtype and t.is_contiguous():
                 views.append(t.view(w, s))
             else:  # the padded tail (or a cast) goes through a staging chunk
-                views.append(torch.empty(w, s, dtype=flat.dtype, device=flat.device))
+                views.append(self.new_flat(w * s, flat.dtype).view(w, s))
                 padded.append((t, views[-1], spec, off))
         sizes = [s.shard_numel for s in self.specs]
         spans = [(0, w)] if skip_rank is None else [(0, skip_rank), (skip_rank + 1, w)]
@@ -121,13 +148,14 @@ class Bucket:
             if skip_rank is not None:  # the staging chunk is written whole into ``t``: its own row too
                 stage[skip_rank].copy_(grid[skip_rank, off : off + spec.shard_numel])
             t.copy_(stage.view(-1)[: spec.numel].view_as(t))
+            self.done_with(stage)
 
     def local_views(self, chunk: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter unpadded views of this rank's chunk (a reduce-scatter output)."""
         return [chunk[off : off + spec.shard_len] for off, spec in zip(self.offsets, self.specs)]
 
     def all_gather(self, local: list[torch.Tensor | None], dtype: torch.dtype, group=None, host: bool = False,
-                   async_op: bool = False, quantized: bool = False):
+                   async_op: bool = False, quantized: bool = False, pooled: bool = False):
         """The one all-gather of a bucket (publish, full-parameter views, optimizer-state consolidation).
 
         This rank's slices ``local`` (one per parameter, ``None`` counts as zeros) go into a padded chunk --
@@ -135,9 +163,12 @@ class Bucket:
         rank's chunk lands in one rank-major buffer. Returns ``(work, flat)``; read ``flat`` with
         :meth:`unpack_rank_major` or :meth:`full_tensors` after ``work.wait()`` (``work`` is None when
         ``async_op`` is False). ``quantized``: the chunks travel as int8 blocks (qwZ, :mod:`.quantize`).
+        ``pooled``: ``flat`` comes from the bucket's pool and the caller gives it back (:meth:`done_with`) once
+        it has been unpacked; callers that keep views of ``flat`` (full-state views) leave it False.
         """
         dev = self.params[0].device
-        flat = torch.empty(self.world_size * self.shard_numel, dtype=dtype, device=dev)
+        flat = self.new_flat(self.world_size * self.shard_numel, dtype) if pooled else torch.empty(
+            self.world_size * self.shard_numel, dtype=dtype, device=dev)
         # this rank's chunk is packed in place, into its own row of the output, where the collective takes
         # it so (an in-place all-gather); else, or from the host, into a chunk of its own
         if host:
@@ -167,7 +198,7 @@ class Bucket:
 
     # -- param-major layout (stage 0) -----------------------------------------------------------
     def pack_full(self, tensors: list[torch.Tensor | None], dtype: torch.dtype, extra: int = 0) -> torch.Tensor:
-        flat = torch.empty(self.numel + extra, dtype=dtype, device=self.params[0].device)
+        flat = self.new_flat(self.numel + extra, dtype)
         torch.cat([t.reshape(-1) if t is not None else _zeros(dtype, flat.device).expand(spec.numel)
                    for t, spec in zip(tensors, self.specs)], out=flat[: self.numel])
         return flat

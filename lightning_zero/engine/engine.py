@@ -342,8 +342,10 @@ class ZeroEngine:
         """The tensor bytes this rank holds now, by kind (exact: tests compare them with the floors)."""
         managed = {id(p) for p in self.params}
         frozen = [p for p in self.module.parameters() if id(p) not in managed]  # tied ones once
-        return measure_model_states(self.params, self.shardeds, self.reducer, self.partitioner,
-                                    self.config.offload_optimizer, self.config.offload_params, frozen)
+        report = measure_model_states(self.params, self.shardeds, self.reducer, self.partitioner,
+                                      self.config.offload_optimizer, self.config.offload_params, frozen)
+        report.comm_buffers = self.table.pool.nbytes
+        return report
 
     # -- whole-model views: plain functions in full_state.py --------------------------------------------
     def full_master_params(self) -> list[torch.Tensor]:

@@ -143,6 +143,7 @@ class MemoryReport:
     host: int = 0  # bytes of the above that live in CPU memory while compute is on an accelerator
     nvme: int = 0  # bytes of the above only in NVMe scratch files now (offload_optimizer="nvme")
     ring: int = 0  # host buffers the NVMe step streams those through (not model states: the bound on them)
+    comm_buffers: int = 0  # flat collective buffers kept across steps (buffer_pool.py; not model states)
 
     @property
     def model_states(self) -> int:

@@ -115,7 +115,8 @@ def publish_blocking(rows: list[tuple[list[torch.Tensor], Bucket]], group: Optio
     into a pinned host chunk, then one asynchronous host->device copy per bucket."""
     pending: list[tuple[Bucket, Any, torch.Tensor, Optional[int]]] = []
     for row, b in rows:
-        work, flat = b.all_gather(row, b.params[0].dtype, group, host=host, async_op=True, quantized=quantized)
+        work, flat = b.all_gather(row, b.params[0].dtype, group, host=host, async_op=True,
+                                  quantized=quantized, pooled=True)
         pending.append((b, work, flat, _own_row_in_place(row, b, quantized)))
         if len(pending) > 2:
             _unpack(*pending.pop(0))
@@ -141,6 +142,7 @@ def _own_row_in_place(masters: list[torch.Tensor], b: Bucket, quantized: bool) -
 def _unpack(b: Bucket, work: Any, flat: torch.Tensor, skip_rank: Optional[int] = None) -> None:
     work.wait()
     b.unpack_rank_major(flat, [local_data(p) for p in b.params], skip_rank=skip_rank)
+    b.done_with(flat)  # copied out: [Note: kept communication buffers]
 
 
 class PublishQueue:
@@ -170,7 +172,8 @@ class PublishQueue:
         """Issue the all-gather of every bucket of ``rows`` (masters, bucket), first-used first; no wait."""
         self.ensure()
         for row, b in sorted(rows, key=lambda rb: -rb[1].index):
-            work, flat = b.all_gather(row, b.params[0].dtype, group, host=host, async_op=True, quantized=quantized)
+            work, flat = b.all_gather(row, b.params[0].dtype, group, host=host, async_op=True,
+                                  quantized=quantized, pooled=True)
             self._pending[b.index] = (b, work, flat, _own_row_in_place(row, b, quantized))
             for p in b.params:
                 self._bucket_of[id(p)] = b.index

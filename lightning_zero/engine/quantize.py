@@ -115,7 +115,7 @@ def all_gather_int8(output: torch.Tensor, input: torch.Tensor, group: Optional[A
 
 def reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] = None,
                                  async_op: bool = False, quantized: bool = False,
-                                 segments: Optional[Sequence[int]] = None):
+                                 segments: Optional[Sequence[int]] = None, pool: Optional[Any] = None):
     """:func:`collectives.reduce_scatter` as one all-to-all of the rank-major rows, summed in fp32 on arrival.
 
     Row ``j`` of ``input`` goes to rank ``j`` (this rank's own row stays in place); the ``N`` rows for this
@@ -123,7 +123,8 @@ def reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, grou
     wire are a reduce-scatter's ((N-1)/N of the input, half of an all-reduce's), through gloo's all-to-all,
     which is fast where its reduce-scatter is not (``grad_reduce="all_to_all"``). Extra memory: the
     ``N - 1`` received rows. ``quantized`` (qgZ): the rows travel as int8 blocks, ``segments`` saying how
-    one row (``output.numel()`` elements) splits into separately scaled parts.
+    one row (``output.numel()`` elements) splits into separately scaled parts. ``pool``: the received rows
+    are borrowed from this :class:`~lightning_zero.engine.buffer_pool.BufferPool` and given back once summed.
     """
     n, r = C.world_size(group), C.rank(group)
     if n == 1:
@@ -132,13 +133,17 @@ def reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, grou
     if quantized:  # this rank's own row is rounded too, so every rank's shard sums N dequantized rows
         segments = list(segments) if segments is not None else [output.numel()]
         rows = pack(rows, segments)
-    recv = torch.empty((n - 1, rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    shape = (n - 1, rows.shape[1])
+    recv = (pool.take((n - 1) * rows.shape[1], rows.dtype, rows.device).view(shape) if pool is not None
+            else torch.empty(shape, dtype=rows.dtype, device=rows.device))
     work = C.all_to_all_rows(recv, rows, group=group, async_op=True)
 
     def finish() -> None:
         others = unpack(recv, segments) if quantized else recv
         own = unpack(rows[r : r + 1], segments)[0] if quantized else rows[r]
         _sum_rows(output, [others[j - (j > r)] if j != r else own for j in range(n)])  # rank order
+        if pool is not None:
+            pool.give(recv)
 
     handle = _Then(work, finish)
     if async_op:

@@ -279,6 +279,8 @@ class GradReducer:
                 out = torch.empty(b.shard_numel + n, dtype=dtype, device=flat.device)
                 # int8: the used-parameter counts get scales of their own
                 kw = dict(segments=[b.shard_numel, n]) if self.mode == "int8" else {}
+                if self.mode == "all_to_all":  # its received rows come from the bucket's pool too
+                    kw = dict(pool=b.pool)
                 work = _SHARD_REDUCTIONS[self.mode](out, flat, group=self.group, async_op=True, **kw)
                 for p in b.params:  # the full gradient is now inside ``flat``: free it
                     if p.grad is not None and self._stream is not None:
@@ -289,15 +291,16 @@ class GradReducer:
                 self._complete(self._pending.pop())
 
     def _complete(self, item: tuple) -> None:
-        b, work, _flat, out = item
+        b, work, flat, out = item
         work.wait()
         if self.replicate_group is not None:  # [Note: hybrid reduction]
             acc = self._unreplicated[b.index]
             self._unreplicated[b.index] = out if acc is None else acc.add_(out)
             if self.sync is GradSync.BOUNDARY:
                 self._replicate(b)
-            return
-        self._add_shard(b, out)
+        else:
+            self._add_shard(b, out)
+        b.done_with(flat)  # read to the end; ``out`` is a separate buffer whenever it is kept (stages 1-3)
 
     def _replicate(self, b: Bucket) -> None:
         out, self._unreplicated[b.index] = self._unreplicated[b.index], None
@@ -309,6 +312,8 @@ class GradReducer:
             out.div_(self._post)
         n = len(b.params)
         counts = out[-n:].float()
+        if not self.plan.shards_optimizer_state and counts.data_ptr() == out[-n:].data_ptr():
+            counts = counts.clone()  # stage 0's ``out`` is its pooled pack buffer: the counts outlive it
         self._used[b.index] = counts if self._used[b.index] is None else self._used[b.index] + counts
         out = out[:-n]
         if not self.plan.shards_optimizer_state:

@@ -1,0 +1,73 @@
+"""Flat communication buffers kept from one step to the next.
+
+[Note: kept communication buffers]
+Every step, each bucket needs the same transient flat buffers: the packed gradients its reduction reads,
+the rows an all-to-all reduce-scatter receives, the rank-major buffer its publish all-gather fills. Made
+fresh each time they are the engine's own allocations on the hot path (bench/allocations.py counted 7 a
+step at stages 1-2), and on a CPU rank a fresh buffer of a few MB costs its page faults again every step,
+which a reused one does not. DDP keeps its buckets for the whole run, and DeepSpeed keeps its reduction and
+all-gather buckets too. A :class:`BufferPool` keeps the last ``keep`` buffers given back and lends the
+smallest one that is large enough.
+
+The rules that keep this exact:
+* A buffer is given back only where its last reader has finished: after the collective's ``wait()``, and
+  after the unpack that copies out of it. Nothing the engine hands out (gradients, gradient shards,
+  parameters, full-state views) is a view of a pooled buffer, so reusing one cannot change a value
+  anyone still reads. A buffer that outlives the step, such as the reduced gradient shard, is never pooled.
+* CPU only. On an accelerator the caching allocator already reuses blocks and knows which stream last used
+  one; a pool of ours would have to repeat that bookkeeping (``record_stream``). There, :meth:`take` is
+  ``torch.empty``.
+* Bounded: at most ``keep`` (6) free buffers are held, each at most one bucket's pack buffer (``bucket_mb``,
+  or a stage-3 unit); when more come back, the smallest is dropped. Six cover one step of a stage-1/2
+  bucket (pack, receive rows, gather) twice over, and a stage-3 model's in-flight units (bench/allocations.py:
+  no pool allocation in a steady step at either). Their bytes appear in ``memory_report().comm_buffers``,
+  not in the model states. With one bucket that is its pack buffer (the gather reuses it) and its receive
+  rows, about 2 - 1/N times the bucket's bytes between steps; DDP holds every gradient's bucket for good.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BufferPool:
+    def __init__(self, keep: int = 6) -> None:
+        self.keep = keep
+        self._free: list[torch.Tensor] = []  # flat 1-D blocks, any dtype (lent reinterpreted by dtype)
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its block
+        self.allocations = 0  # blocks made (a steady state makes none)
+
+    def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """An uninitialised flat buffer of ``numel`` elements of ``dtype``: a view of a kept block if one is
+        large enough, else a new block. Give it back with :meth:`give` once nothing reads it any more."""
+        device = torch.device(device)
+        if device.type != "cpu" or numel == 0:
+            return torch.empty(numel, dtype=dtype, device=device)
+        need = numel * dtype.itemsize
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= need]
+        if fits:  # by position: ``list.remove`` would compare tensors by value
+            block = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+        else:
+            block = torch.empty(need, dtype=torch.uint8)
+            self.allocations += 1
+        view = block[:need].view(dtype)
+        self._lent[view.data_ptr()] = block
+        return view
+
+    def give(self, t: torch.Tensor) -> None:
+        """Return a buffer :meth:`take` lent (anything else is ignored: an accelerator's, or a plain tensor)."""
+        block = self._lent.pop(t.data_ptr(), None) if t.device.type == "cpu" else None
+        if block is None:
+            return
+        self._free.append(block)
+        if len(self._free) > self.keep:
+            self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now: kept blocks and lent ones."""
+        return sum(b.numel() for b in self._free) + sum(b.numel() for b in self._lent.values())
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._lent.clear()
