@@ -21,6 +21,64 @@ from tests.helpers.zoo_models import ZOO
 
 
 # -- round trip --------------------------------------------------------------------------------------------
+def _reference_pack(x: torch.Tensor, segments) -> torch.Tensor:
+    """The format written out pass by pass: pad, abs, amax, divide, round, clamp, nan -> 0, cast, concatenate."""
+    parts, lo = [], 0
+    for seg in segments:
+        rows = x[:, lo : lo + seg].float()
+        nb = max(1, -(-seg // Q.BLOCK))
+        xp = torch.nn.functional.pad(rows, (0, nb * Q.BLOCK - seg)).view(rows.shape[0], nb, Q.BLOCK)
+        scale = xp.abs().amax(dim=2) / 127
+        q = (xp / torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(2)).round().clamp(-127, 127)
+        parts += [q.nan_to_num(0.0).to(torch.int8).view(rows.shape[0], -1).view(torch.uint8),
+                  scale.contiguous().view(torch.uint8)]
+        lo += seg
+    return torch.cat(parts, dim=1)
+
+
+def _blocks(kind: str, shape) -> torch.Tensor:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    if kind == "special":  # inf and nan blocks, an all-zero block
+        x[0, min(3, shape[1] - 1)], x[-1, -1] = float("inf"), float("nan")
+        x[0, 256:300] = 0
+    return x * 1e-43 if kind == "subnormal" else x  # scales in the subnormals: the clamp matters
+
+
+@pytest.mark.parametrize("kind", ["normal", "special", "subnormal"])
+@pytest.mark.parametrize("shape,segments", [((1, 300), [297, 3]), ((2, 5000), [4990, 10]), ((3, 256), [256]),
+                                            ((2, 1), [1]), ((2, 513), [512, 1])])
+def test_pack_and_unpack_are_the_pass_by_pass_format_bit_for_bit(shape, segments, kind):
+    """[Note: quantize in place]: quantizing into the wire buffer gives the same bytes as the format written
+    pass by pass, and unpacking is the widening multiply of each block by its scale."""
+    x = _blocks(kind, shape)
+    buf = Q.pack(x, segments)
+    assert torch.equal(buf, _reference_pack(x, segments))
+    lo, off, want = 0, 0, []
+    for seg in segments:
+        nb = max(1, -(-seg // Q.BLOCK))
+        q = buf[:, off : off + nb * Q.BLOCK].contiguous().view(torch.int8).float().view(shape[0], nb, Q.BLOCK)
+        s = buf[:, off + nb * Q.BLOCK : off + Q.packed_numel(seg)].contiguous().view(torch.float32)
+        want.append((q * s.unsqueeze(2)).view(shape[0], -1)[:, :seg])
+        lo, off = lo + seg, off + Q.packed_numel(seg)
+    got, want = Q.unpack(buf, segments), torch.cat(want, dim=1)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+def test_pack_makes_two_buffers_of_the_data_size_and_unpack_one():
+    """The wire buffer and the quotient; no padded copy, no separate cast, no concatenation (the pass-by-pass
+    format makes five: padded copy, abs, quotient, int8 cast, concatenation)."""
+    from tests.helpers.allocations import AllocationCounter
+
+    x = torch.randn(2, 4096)
+    with AllocationCounter() as packing:
+        buf = Q.pack(x, [4096])
+    with AllocationCounter() as unpacking:
+        Q.unpack(buf, [4096])
+    # the large ones: at least the int8 payload's size (the scales, the masks and the finite check are small)
+    assert sum(1 for n in packing.sizes if n >= x.numel()) == 2, packing.sizes
+    assert sum(1 for n in unpacking.sizes if n >= x.numel()) == 1, unpacking.sizes
+
+
 @pytest.mark.parametrize("numel", [1, 255, 256, 1000, 4097])
 def test_round_trip_error_is_at_most_half_a_step_of_its_block(numel):
     g = torch.Generator().manual_seed(numel)

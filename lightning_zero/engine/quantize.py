@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from . import collectives as C
 
@@ -40,18 +39,45 @@ def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.T
     rows = x.reshape(1, -1) if x.dim() == 1 else x
     r, n = rows.shape
     nb = max(1, -(-n // block))
-    xp = F.pad(rows.float(), (0, nb * block - n)).view(r, nb, block)
-    scale = xp.abs().amax(dim=2) / _QMAX
-    # an all-zero block keeps scale 0 (it dequantizes to zeros); divide by 1 there instead of 0
-    q = (xp / torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(2)).round_()
-    q = q.clamp_(-_QMAX, _QMAX).nan_to_num_(0.0).to(torch.int8)
-    return q.view(r, nb * block), scale
+    q = torch.empty(r, nb * block, dtype=torch.int8, device=x.device)
+    scale = torch.empty(r, nb, dtype=torch.float32, device=x.device)
+    _quantize_into(rows, q, scale, block)
+    return q, scale
+
+
+def _quantize_into(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: int = BLOCK) -> None:
+    """[Note: quantize in place] ``rows`` ``[r, n]`` into int8 ``q`` ``[r, nb * block]`` and fp32 ``scale``
+    ``[r, nb]``, both possibly views into a packed wire buffer. The whole blocks are read where they lie
+    (no padded copy), and the quotient goes into the buffer ``abs`` made. The int8 cast writes straight into
+    ``q`` (no separate cast or concatenation). ``nan_to_num`` runs only when a scale is not finite, which
+    on CPU costs a check instead of a pass. The values are bit for bit those of pad -> abs -> amax -> div ->
+    round -> clamp -> nan_to_num -> cast -> cat."""
+    r, n = rows.shape
+    full = n // block
+    spans = []
+    if full:
+        spans.append((rows[:, : full * block].reshape(r, full, block), q[:, : full * block].view(r, full, block),
+                      scale[:, :full]))
+    if q.shape[1] > full * block:  # the last block, zero-padded (the only copy of input values)
+        tail = torch.zeros(r, 1, block, dtype=torch.float32, device=rows.device)
+        tail[:, 0, : n - full * block] = rows[:, full * block :]
+        spans.append((tail, q[:, full * block :].view(r, 1, block), scale[:, full:]))
+    for x3, q3, s2 in spans:
+        x3 = x3.float()
+        quot = x3.abs()
+        torch.div(quot.amax(dim=2), _QMAX, out=s2)
+        # an all-zero block keeps scale 0 (it dequantizes to zeros); divide by 1 there instead of 0
+        torch.div(x3, torch.where(s2 > 0, s2, 1.0).unsqueeze(2), out=quot)
+        quot.round_().clamp_(-_QMAX, _QMAX)
+        if not (quot.device.type == "cpu" and bool(torch.isfinite(s2).all())):
+            quot.nan_to_num_(0.0)
+        q3.copy_(quot)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, numel: int, block: int = BLOCK) -> torch.Tensor:
     """fp32 rows ``[rows, numel]`` from :func:`quantize`'s output."""
     r = scale.shape[0]
-    x = q.view(r, -1, block).float() * scale.unsqueeze(2)
+    x = torch.mul(q.view(r, -1, block), scale.unsqueeze(2))  # int8 * fp32 is fp32: one pass, exact widening
     return x.view(r, -1)[:, :numel]
 
 
@@ -61,26 +87,43 @@ def packed_numel(numel: int, block: int = BLOCK) -> int:
     return nb * block + 4 * nb
 
 
+def _segment_views(buf: torch.Tensor, off: int, seg: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 blocks and the fp32 scales of one segment inside a packed ``[rows, width]`` uint8 buffer
+    (every segment's width is a multiple of 4, so the scales' view is aligned)."""
+    nb = max(1, -(-seg // BLOCK))
+    return (buf[:, off : off + nb * BLOCK].view(torch.int8),
+            buf[:, off + nb * BLOCK : off + nb * BLOCK + 4 * nb].view(torch.float32))
+
+
 def pack(x: torch.Tensor, segments: Sequence[int]) -> torch.Tensor:
-    """Rows of ``x`` as uint8 ``[rows, sum(packed_numel(s))]``, each segment quantized on its own."""
-    parts, lo = [], 0
+    """Rows of ``x`` as uint8 ``[rows, sum(packed_numel(s))]``, each segment quantized on its own, written in
+    place ([Note: quantize in place])."""
+    buf = torch.empty(x.shape[0], sum(packed_numel(s) for s in segments), dtype=torch.uint8, device=x.device)
+    lo = off = 0
     for seg in segments:
-        q, scale = quantize(x[:, lo : lo + seg])
-        parts += [q.view(torch.uint8), scale.contiguous().view(torch.uint8)]
+        _quantize_into(x[:, lo : lo + seg], *_segment_views(buf, off, seg))
         lo += seg
-    return torch.cat(parts, dim=1)
+        off += packed_numel(seg)
+    return buf
 
 
-def unpack(buf: torch.Tensor, segments: Sequence[int]) -> torch.Tensor:
-    """fp32 rows ``[rows, sum(segments)]`` from :func:`pack`'s output."""
-    outs, lo = [], 0
+def unpack(buf: torch.Tensor, segments: Sequence[int], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fp32 rows ``[rows, sum(segments)]`` from :func:`pack`'s output, dequantized straight into ``out``
+    (given, or new): one multiply per segment, no copies of the blocks or scales."""
+    r = buf.shape[0]
+    out = torch.empty(r, sum(segments), dtype=torch.float32, device=buf.device) if out is None else out
+    lo = off = 0
     for seg in segments:
-        nb = max(1, -(-seg // BLOCK))
-        q = buf[:, lo : lo + nb * BLOCK].contiguous().view(torch.int8)
-        scale = buf[:, lo + nb * BLOCK : lo + nb * BLOCK + 4 * nb].contiguous().view(torch.float32)
-        outs.append(dequantize(q, scale, seg))
-        lo += packed_numel(seg)
-    return torch.cat(outs, dim=1)
+        q, scale = _segment_views(buf, off, seg)
+        full = seg // BLOCK
+        if full:
+            torch.mul(q[:, : full * BLOCK].view(r, full, BLOCK), scale[:, :full].unsqueeze(2),
+                      out=out[:, lo : lo + full * BLOCK].view(r, full, BLOCK))
+        if seg > full * BLOCK:
+            torch.mul(q[:, full * BLOCK : seg], scale[:, full:], out=out[:, lo + full * BLOCK : lo + seg])
+        lo += seg
+        off += packed_numel(seg)
+    return out
 
 
 class _Then:
@@ -106,7 +149,15 @@ def all_gather_int8(output: torch.Tensor, input: torch.Tensor, group: Optional[A
     send = pack(input.reshape(1, -1), [numel]).view(-1)
     recv = torch.empty(n * send.numel(), dtype=torch.uint8, device=input.device)
     work = C.all_gather(recv, send, group=group, async_op=True)
-    handle = _Then(work, lambda: output.view(n, -1).copy_(unpack(recv.view(n, -1), [numel])))
+    rows = output.view(n, -1)
+
+    def finish() -> None:
+        if rows.dtype == torch.float32:
+            unpack(recv.view(n, -1), [numel], out=rows)
+        else:
+            rows.copy_(unpack(recv.view(n, -1), [numel]))
+
+    handle = _Then(work, finish)
     if async_op:
         return handle
     handle.wait()

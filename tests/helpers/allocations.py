@@ -22,6 +22,7 @@ class AllocationCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.count, self.nbytes, self.engine = 0, 0, collections.Counter()
+        self.sizes: list[int] = []  # bytes of each allocation, in order
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -31,6 +32,7 @@ class AllocationCounter(TorchDispatchMode):
                     and id(t.untyped_storage()) not in inputs):
                 self.count += 1
                 self.nbytes += t.untyped_storage().nbytes()
+                self.sizes.append(t.untyped_storage().nbytes())
                 ours = [f for f in traceback.extract_stack()[:-2] if _ENGINE in f.filename]
                 if ours and not (ours[-1].filename.endswith(_STEP_CALL) and "step" in ours[-1].line):
                     self.engine[f"{os.path.relpath(ours[-1].filename)}:{ours[-1].lineno} {func}"] += 1
