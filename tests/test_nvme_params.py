@@ -9,7 +9,7 @@
   stated bound), the gathered units stay within the working set of the units gathered at once, and the shards
   on disk are >= 10x the ring; the reads are issued ahead of their gathers in the recorded order.
 * Clear errors: no nvme_path, too little free space (with the bytes needed), a failed read mid-run on one rank
-  (one error on every rank). The scratch files are removed at teardown (engine, several Trainer fits).
+  (one error on every rank), also in an evaluation-only engine (at the gather, or at the end of evaluation). The scratch files are removed at teardown (engine, several Trainer fits).
 """
 
 from __future__ import annotations
@@ -270,6 +270,61 @@ def test_a_failed_read_on_one_rank_stops_every_rank_with_one_error(tmp_path):
     assert "Input/output error" in first, first
     assert second is not None and "the NVMe I/O of rank 0 failed" in second, second
     assert all("The run stops on every rank" in m for m in (first, second))
+
+
+def _failing_param_reads():
+    real = NV.ScratchFile.read
+
+    def failing(self, buf, offset):
+        if "-params-" in self.path:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self, buf, offset)
+
+    return failing
+
+
+def _eval_only(path):
+    torch.manual_seed(0)
+    model = Stack(4, 16).eval()
+    return model, ZeroEngine(model, None, ZeroConfig(stage=3, offload_params="nvme", nvme_path=path, **STACK_UNITS))
+
+
+def test_an_evaluation_engine_raises_a_failed_read_at_the_gather(tmp_path, monkeypatch):
+    """No step agrees on an evaluation-only engine's I/O: one rank stops at the gather whose read failed."""
+    model, engine = _eval_only(str(tmp_path))
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+        monkeypatch.setattr(NV.ScratchFile, "read", _failing_param_reads())
+        with pytest.raises(RuntimeError, match=r"offload_params='nvme': on rank 0, the read of .*-params-rank0-.*"
+                                               r"Input/output error.*outputs since the failure are not trusted"):
+            model(torch.randn(2, 16))
+        monkeypatch.undo()
+        model(torch.randn(2, 16))  # one error per failure; the ring has every slot back
+        assert engine.join() == 0
+    engine.remove(hand_back=False)
+    assert os.listdir(tmp_path) == []
+
+
+def _eval_read_fails_on_one_rank(rank, world_size, path):
+    model, engine = _eval_only(path)
+    if rank == 0:
+        NV.ScratchFile.read = _failing_param_reads()
+    with torch.no_grad():
+        for _ in range(2 + rank):  # uneven batches: the gathers still match, served by the joined rank
+            model(torch.randn(2, 16))
+        try:
+            engine.join()  # the end of this rank's evaluation loop
+        except RuntimeError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_an_evaluation_engine_raises_a_failed_read_on_every_rank_at_the_end_of_evaluation(tmp_path):
+    first, second = run_distributed(_eval_read_fails_on_one_rank, 2, str(tmp_path))
+    assert first is not None and "offload_params='nvme': on rank 0, the read of" in first, first
+    assert second is not None and "the NVMe I/O of rank 0 failed" in second, second
+    assert all("The run stops on every rank; the evaluation's outputs" in m for m in (first, second))
 
 
 def test_a_failed_write_of_the_updated_shards_stops_the_step(tmp_path, monkeypatch):

@@ -179,7 +179,8 @@ class ZeroEngine:
 
     def join(self) -> int:
         """End of this rank's evaluation work (stage 3): serve the gathers of ranks that still have batches
-        until every rank has called it ([Note: evaluation join]). A no-op below stage 3."""
+        until every rank has called it ([Note: evaluation join]). A no-op below stage 3. With
+        ``offload_params="nvme"`` a parameter read that failed on any rank raises here, on every rank."""
         return self.partitioner.join() if self.partitions_params else 0
 
     @property

@@ -22,8 +22,10 @@ as a released parameter does. What needs the values:
 So the host bytes held for parameter shards are the ring, :attr:`NvmeParams.ring_bytes` = ``slots`` x the
 largest unit shard, whatever the model size (plus, on the CPU, the gathered units themselves: the working
 set). Setup holds this rank's shards once before the first :meth:`spill`, as the CPU offload does. I/O
-errors are recorded in :attr:`failure` (a gather still runs, on whatever the slot holds) and the engine's
-one agreement after the step raises on every rank (``nvme_states.raise_if_any_rank_failed``).
+errors are recorded in :attr:`failure` (a gather still runs, on whatever the slot holds: its peers wait in
+it) and one agreement raises on every rank (``nvme_states.raise_if_any_rank_failed``): the engine's after the
+step, or, evaluating, the partitioner's at the end of the evaluation (``join``) -- an evaluation-only engine
+on one rank raises at the gather itself.
 
 The file uses the page cache (``nvme_direct`` is the optimizer file's): the publish writes unaligned
 slices of a region.

@@ -46,6 +46,7 @@ from .deferred_init import has_meta_params, materialize
 from .pretrained import fill_shards, marked
 from .guard import ReleasedParamGuard
 from .lifecycle import OrderCheck, OrderState, UnitState
+from ..nvme_states import raise_if_any_rank_failed
 from .nvme_params import NvmeParams
 from .join import RankDivergenceError, agreed_unit, announce, serve_until_all_joined  # noqa: F401 (re-export)
 from .units import Unit
@@ -103,6 +104,7 @@ class ParamPartitioner:
         # none of the engine's parameters gets a gradient (setup.py, PartitionedParams._backward_begins)
         self.on_backward: Optional[Callable[[], None]] = None
         self.nvme: Optional[NvmeParams] = None
+        self.eval_only = False  # no step of this engine agrees on the NVMe I/O: evaluation does (setup.py)
         self._shard_all()
         if nvme is not None:  # checks the free space for every shard before any is written (spill_shards)
             self.nvme = NvmeParams(units, nvme["shard_dtype"], nvme["directory"], nvme["rank"], nvme["slots"],
@@ -197,6 +199,9 @@ class ParamPartitioner:
     def _launch_gather_unannounced(self, u: Unit, exact: bool = False) -> None:
         if self.nvme is not None:
             send = self.nvme.send_of(u, self.device)  # from the ring slot its read ahead filled
+            if self.nvme.failure is not None and self.eval_only and self.world_size == 1:
+                self.nvme.gather_done(u)  # no peer waits in this gather: stop before computing on the slot
+                self.raise_nvme_failure()
         else:
             send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
         out = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=self.device)
@@ -231,6 +236,7 @@ class ParamPartitioner:
         gathers served.
         """
         if self.world_size == 1 or self.order_check is OrderCheck.OFF:
+            self.raise_nvme_failure()
             return 0
 
         def serve(index: int) -> None:
@@ -243,7 +249,20 @@ class ParamPartitioner:
 
         served = serve_until_all_joined(self.world_size, self.group, self.device, self._describe, serve)
         self.release_all(include_persistent=True)
+        self.raise_nvme_failure()
         return served
+
+    def raise_nvme_failure(self) -> None:
+        """``offload_params="nvme"``: a read that failed on any rank since the last agreement stops every rank
+        with one error (every rank calls this at the end of its evaluation: :meth:`join`). A gather whose read
+        failed ran on whatever its ring slot held, so the evaluation's outputs since are not trusted."""
+        if self.nvme is None:
+            return
+        try:
+            raise_if_any_rank_failed([self.nvme], self.group, self.device, knob="offload_params",
+                                     lost="the evaluation's outputs since the failure are not trusted")
+        finally:
+            self.nvme.failure = None  # one error per failure
 
     def _finish_gather(self, u: Unit) -> None:
         if u.state is not UnitState.GATHERING:
