@@ -216,6 +216,67 @@ def test_host_memory_for_parameter_shards_is_bounded_by_the_ring(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("optimizer", ["nvme", True])
+def test_setup_holds_one_unit_shard_at_a_time(tmp_path, monkeypatch, dtype, optimizer):
+    """Setup, counted at every scratch-file read / write and every master taken: the host bytes of parameter
+    shards never exceed the largest unit's fp32 shard (cut, then spilled; read back for its masters; read back
+    for the cast to the compute dtype), though this rank's shards are 40 units."""
+    from lightning_zero.engine.optimizer import ShardedOptimizer
+    from lightning_zero.engine.stage3 import nvme_params as NP
+
+    units, seen = [], []
+
+    def held() -> int:
+        return sum(u.shard.untyped_storage().nbytes() for u in units if u.shard is not None)
+
+    real_init = NP.NvmeParams.__init__
+
+    def init(self, us, *a, **kw):
+        units.extend(us)
+        real_init(self, us, *a, **kw)
+
+    def sampled(fn):
+        def wrapper(*a, **kw):
+            seen.append(held())
+            return fn(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(NP.NvmeParams, "__init__", init)
+    for cls, name in ((NV.ScratchFile, "read"), (NV.ScratchFile, "write"), (ShardedOptimizer, "_make_master")):
+        monkeypatch.setattr(cls, name, sampled(getattr(cls, name)))
+    torch.manual_seed(0)
+    model = Stack()
+    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                        _cfg("nvme", optimizer, str(tmp_path), **STACK_UNITS), compute_dtype=dtype)
+    seen.append(held())
+    store = engine.partitioner.nvme
+    unit_fp32 = max(u.layout.shard_numel for u in units if u.params) * 4
+    total_fp32 = sum(u.layout.shard_numel for u in units if u.params) * 4
+    monkeypatch.undo()
+    assert len(seen) >= 40 * 2 and total_fp32 >= 40 * unit_fp32 * 0.9, (len(seen), total_fp32)
+    assert max(seen) <= unit_fp32, (max(seen), unit_fp32, total_fp32)
+    assert seen[-1] == 0 and store.on_disk_bytes() == engine.partitioner.shard_bytes()
+    # the fp32 staging regions given back once every shard is cast
+    assert os.path.getsize(store.file.path) == store.file_bytes
+    for step in range(2):  # and the run is the same as one set up whole (bit for bit: the CPU parameter offload)
+        engine.prepare_forward()
+        model(torch.randn(4, 32, generator=torch.Generator().manual_seed(step)).to(dtype)).backward()
+        engine.step()
+    torch.manual_seed(0)
+    ref_model = Stack()
+    ref = ZeroEngine(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-3),
+                     _cfg(True, optimizer, str(tmp_path), **STACK_UNITS), compute_dtype=dtype)
+    for step in range(2):
+        ref.prepare_forward()
+        ref_model(torch.randn(4, 32, generator=torch.Generator().manual_seed(step)).to(dtype)).backward()
+        ref.step()
+    assert all(torch.equal(a, b) for a, b in zip(engine.full_master_params(), ref.full_master_params()))
+    engine.remove()
+    ref.remove()
+    assert _swaps(str(tmp_path)) == []
+
+
 # -- errors -------------------------------------------------------------------------------------------------------
 def _engine(path, **kw):
     torch.manual_seed(0)

@@ -19,6 +19,8 @@ under DDP), so the new collectives line up.
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from typing import Optional
 
@@ -86,18 +88,25 @@ def _nvme_args(cfg) -> Optional[dict]:
     return dict(directory=cfg.nvme_path, rank=C.rank(), buffer_count=cfg.nvme_buffer_count, direct=cfg.nvme_direct)
 
 
-def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None) -> list[ShardedOptimizer]:
+def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, unit_scope=None) -> list[ShardedOptimizer]:
     """One :class:`ShardedOptimizer` per optimizer over its own rows of the bucket ``table``; ``tp``: the
-    tensor-parallel mesh, whose group the gradient norm also sums over."""
+    tensor-parallel mesh, whose group the gradient norm also sums over; ``unit_scope(unit)`` (stage 3): a
+    context in which the unit's shard can be read (the partitioner's ``shard_readable``)."""
     out = []
     for k, opt in enumerate(optimizers):
         rows = table.of_optimizer(k)
+        scope = None
+        if unit_scope is not None:
+            unit_of = {id(r.bucket): r.unit for r in rows if r.unit is not None}
+            scope = (lambda b, unit_of=unit_of: unit_scope(unit_of[id(b)]) if id(b) in unit_of
+                     else contextlib.nullcontext())
         out.append(ShardedOptimizer(opt, [r.bucket for r in rows], plan, cfg.offload_optimizer, compute_dtype,
                                     [r.sources for r in rows] if plan.shards_params else None,
                                     fused_on_cpu=cfg.offload_kernel == "fused",
                                     tp_group=tp.tp_group if tp is not None else None,
                                     tp_size=tp.tp_size if tp is not None else 1,
-                                    nvme=_nvme_args(cfg), alias_sources=cfg.offload_params != "nvme"))
+                                    nvme=_nvme_args(cfg), alias_sources=cfg.offload_params != "nvme",
+                                    source_scope=scope))
     swap = kernel_swap_line(out)
     if swap is not None and C.rank() == 0:
         _log.info(swap)

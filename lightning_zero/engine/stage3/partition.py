@@ -105,10 +105,10 @@ class ParamPartitioner(UnitHooks):
         self.on_backward: Optional[Callable[[], None]] = None
         self.nvme: Optional[NvmeParams] = None
         self.eval_only = False  # no step of this engine agrees on the NVMe I/O: evaluation does (setup.py)
-        self._shard_all()
-        if nvme is not None:  # checks the free space for every shard before any is written (spill_shards)
+        if nvme is not None:  # checks the free space for every shard before any is cut: each is spilled as cut
             self.nvme = NvmeParams(units, nvme["shard_dtype"], nvme["directory"], nvme["rank"], nvme["slots"],
                                    pin=torch.cuda.is_available() and device.type == "cuda")
+        self._shard_all()
         self._install_hooks()
 
     # -- shards -----------------------------------------------------------------------------------
@@ -144,6 +144,8 @@ class ParamPartitioner(UnitHooks):
         else:
             chunk = chunk.cpu().pin_memory() if torch.cuda.is_available() else chunk.cpu()
         u.shard = chunk
+        if self.nvme is not None:  # into the file now: setup holds one unit's shard at a time
+            self.nvme.stage(u)
         for p in u.params:
             # own storage of exactly the param's size, so releasing frees exactly it
             dtype = self.compute_dtype if (self.compute_dtype and p.is_floating_point()) else p.dtype
@@ -159,6 +161,8 @@ class ParamPartitioner(UnitHooks):
         """Drop the flat shards to the compute dtype once masters have been taken from them."""
         for u in self.units:
             if u.shard is not None and u.shard.dtype != dtype:
+                if self.nvme is not None and self.nvme.cast(u, dtype):  # from the file, one unit at a time
+                    continue
                 u.shard = u.shard.to(dtype)
                 if self.offload is True and torch.cuda.is_available():
                     u.shard = u.shard.pin_memory()
@@ -170,6 +174,11 @@ class ParamPartitioner(UnitHooks):
     def nvme_shard_bytes(self) -> int:
         """Bytes of unit shards only in the NVMe scratch file now (0 without ``offload_params="nvme"``)."""
         return self.nvme.on_disk_bytes() if self.nvme is not None else 0
+
+    def shard_readable(self, u: Unit) -> "contextlib.AbstractContextManager":
+        """A block that reads ``u``'s shard values (setup takes the masters from them): with NVMe, the shard
+        read back into memory of its own for the block."""
+        return self.nvme.unit_resident(u) if self.nvme is not None else contextlib.nullcontext()
 
     def spill_shards(self) -> None:
         """``offload_params="nvme"``: every shard in memory written to the file and freed (setup's end, after
