@@ -275,6 +275,28 @@ def test_setup_holds_one_unit_shard_at_a_time(tmp_path, monkeypatch, dtype, opti
     assert _swaps(str(tmp_path)) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_param_group_after_setup_takes_masters_from_the_shards_on_disk(tmp_path, dtype):
+    """A group added between steps gets its masters from shards that are only in the file: read back one unit
+    at a time, the same run as with the shards on the host."""
+    out = {}
+    for params in (True, "nvme"):
+        torch.manual_seed(0)
+        model = Stack(4, 16)
+        opt = torch.optim.AdamW([p for layer in model.layers[:2] for p in layer.parameters()], lr=1e-2)
+        engine = ZeroEngine(model, opt, _cfg(params, "nvme", str(tmp_path), **STACK_UNITS), compute_dtype=dtype)
+        for step in range(4):
+            if step == 2:
+                opt.add_param_group({"params": [p for layer in model.layers[2:] for p in layer.parameters()]})
+            engine.prepare_forward()
+            model(torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).to(dtype)).backward()
+            engine.step()
+        out[params] = [m.clone() for m in engine.full_master_params()]
+        engine.remove()
+    assert len(out["nvme"]) == 8 and all(torch.equal(a, b) for a, b in zip(out["nvme"], out[True]))
+    assert _swaps(str(tmp_path)) == []
+
+
 # -- Lightning: the preset, several fits in one process -----------------------------------------------------------
 @pytest.mark.timeout(400)
 def test_trainer_preset_zero3_offload_nvme_offloads_params_and_equals_zero3_offload(tmp_path, monkeypatch):

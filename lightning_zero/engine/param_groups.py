@@ -95,11 +95,7 @@ def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, unit_
     out = []
     for k, opt in enumerate(optimizers):
         rows = table.of_optimizer(k)
-        scope = None
-        if unit_scope is not None:
-            unit_of = {id(r.bucket): r.unit for r in rows if r.unit is not None}
-            scope = (lambda b, unit_of=unit_of: unit_scope(unit_of[id(b)]) if id(b) in unit_of
-                     else contextlib.nullcontext())
+        scope = _bucket_scope(table, unit_scope) if unit_scope is not None else None
         out.append(ShardedOptimizer(opt, [r.bucket for r in rows], plan, cfg.offload_optimizer, compute_dtype,
                                     [r.sources for r in rows] if plan.shards_params else None,
                                     fused_on_cpu=cfg.offload_kernel == "fused",
@@ -111,6 +107,16 @@ def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, unit_
     if swap is not None and C.rank() == 0:
         _log.info(swap)
     return out
+
+
+def _bucket_scope(table, unit_scope):
+    """``unit_scope`` by bucket: the unit of the bucket's row in ``table``, looked up when asked, so buckets
+    that ``add_param_group`` adds later (after the table took their rows) find theirs too."""
+    def scope(bucket):
+        unit = next((r.unit for r in table.rows if r.bucket is bucket and r.unit is not None), None)
+        return unit_scope(unit) if unit is not None else contextlib.nullcontext()
+
+    return scope
 
 
 def new_group_params(module: nn.Module, shardeds: list[ShardedOptimizer], group) -> tuple[list, list]:

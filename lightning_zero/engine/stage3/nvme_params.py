@@ -15,9 +15,11 @@ as a released parameter does. What needs the values:
 * the step's publish (publish.py): :meth:`write_slices` writes each updated master, cast to the shard's
   dtype, straight into its place in the region (``os.pwritev``; no read-modify-write: a source is a
   contiguous slice of its unit's shard), so the step ends with the file holding the new shards;
-* whole views (checkpoints, a full state dict loaded, ``add_param_group``): :meth:`make_resident` gives each
-  shard its own memory again (``ShardHome.RESIDENT``; views stay valid: the storage is resized in place);
-  the next step's end (:meth:`spill`) writes them back and frees them.
+* whole views (checkpoints, a full state dict loaded): :meth:`make_resident` gives each shard its own memory
+  again (``ShardHome.RESIDENT``; views stay valid: the storage is resized in place); the next step's end
+  (:meth:`spill`) writes them back and frees them;
+* masters taken from the shards (setup, ``add_param_group``): :meth:`unit_resident` reads one unit's shard
+  back for the block that copies them (the optimizer's ``source_scope``).
 
 So the host bytes held for parameter shards are the ring, :attr:`NvmeParams.ring_bytes` = ``slots`` x the
 largest unit shard, whatever the model size (plus, on the CPU, the gathered units themselves: the working
