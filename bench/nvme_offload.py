@@ -2,24 +2,36 @@
 
 One process (the states of one rank), a stack of ``--layers`` Linear(``--width``, ``--width``) layers (stage-3
 units by class, one gradient bucket per layer), torch's fused CPU AdamW (the offloaded default), ``--threads``
-intra-op threads. Per setting: ``--warmup`` untimed steps (the first creates the optimizer state), then
-``--steps`` timed ones, interleaved (cpu, nvme, cpu, nvme, ...), each timed around ``engine.step()`` (the
-optimizer step with its publish; forward and backward are the same for both and not timed).
+intra-op threads. Three settings, each with ``--warmup`` untimed steps (the first creates the optimizer state)
+then ``--steps`` timed ones, interleaved (cpu, nvme, cpu, nvme, ...):
+
+* ``zero3_offload``: parameter shards and optimizer on the host (the baseline);
+* ``opt_nvme``: optimizer (master + state) on NVMe, parameter shards on the host (``offload_params=True``);
+* ``zero3_offload_nvme``: both on NVMe (``offload_params="nvme"``, what the preset does).
+
+Each step is timed in two parts: forward + backward, and ``engine.step()`` (the optimizer step with its
+publish). The optimizer-only table compares ``engine.step()`` (forward and backward are the same for both);
+the parameter table compares whole steps, because the parameter shards are read during forward and backward.
+
+Bytes moved are counted, not derived: every ``ScratchFile.read`` / ``write`` the engine issues during the
+timed steps is summed per file (parameters / optimizer).
 
 The physical limit is measured the way the engine moves the bytes: ``os.pwritev`` then ``os.preadv`` of one
-file of the states' size, in chunks of the ring slot's size (best of 3 passes), in the same directory (``--path``, default
-/tmp). Reported: bytes moved per step (read + write of every on-disk state byte), the NVMe step's achieved
-GB/s, its fraction of the measured disk bandwidth, the step-time ratio NVMe / CPU, and whether the overlap
-shows: NVMe step < read time + write time + the CPU step's compute (the zero3_offload step).
+file of the states' size, in chunks of the optimizer ring slot's size (best of 3 passes), in the same directory
+(``--path``, default /tmp). The disk's time for a step's I/O is ``read bytes / read GB/s + written bytes /
+write GB/s``; the fraction of the disk a setting reaches is that time over its step time (the achieved GB/s
+over the disk's GB/s for that read/write mix), and the overlap shows when the step is shorter than that I/O
+time + the ``zero3_offload`` step's compute.
 
 The disk figures go through the page cache, as the engine's I/O does (no O_DIRECT): on a host whose RAM
 holds the scratch file they are memory-bound; ``--drop-cache`` adds ``os.fsync`` + ``POSIX_FADV_DONTNEED``
 after the disk test's write, to show the device itself; ``--direct`` runs the engine with
-``nvme_direct=True`` and the disk test with O_DIRECT too (the device's DMA on both sides, no page-cache copy).
+``nvme_direct=True`` (the optimizer file; the parameter file always uses the page cache) and the disk test
+with O_DIRECT too, plus a page-cache pass that the parameter file's bytes are held against.
 
 Run::
 
-    python bench/nvme_offload.py                      # ~1 minute on 2 loaded cores (25M params, 300 MB on disk)
+    python bench/nvme_offload.py                      # ~1 minute on 2 loaded cores (25M params)
     python bench/nvme_offload.py --layers 8 --width 512 --steps 3
 """
 
@@ -32,33 +44,67 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
+from lightning_zero.engine import nvme as NV  # noqa: E402
 from lightning_zero.engine.nvme import DIRECT_ALIGN, ScratchFile, aligned_empty  # noqa: E402
 
+SETTINGS = {"zero3_offload": (True, True), "opt_nvme": (True, "nvme"), "zero3_offload_nvme": ("nvme", "nvme")}
+MOVED: Counter = Counter()  # (file kind, "read"/"write") -> bytes the engine's I/O asked for
 
-def build(layers: int, width: int, offload, path: str, direct: bool = False) -> tuple[nn.Module, ZeroEngine]:
+
+def _kind(path: str) -> str:
+    return "params" if "-params-" in path else ("optimizer" if "-optimizer-" in path else "other")
+
+
+def _count_io() -> None:
+    """Wrap ScratchFile.read / write (the only I/O of the engine's scratch files) with a byte counter."""
+    real_read, real_write = ScratchFile.read, ScratchFile.write
+
+    def read(self, buf, offset):
+        MOVED[_kind(self.path), "read"] += buf.numel() * buf.element_size()
+        return real_read(self, buf, offset)
+
+    def write(self, buf, offset):
+        MOVED[_kind(self.path), "write"] += buf.numel() * buf.element_size()
+        return real_write(self, buf, offset)
+
+    NV.ScratchFile.read, NV.ScratchFile.write = read, write
+
+
+def build(layers: int, width: int, params, optimizer, path: str, direct: bool = False) -> tuple[nn.Module, ZeroEngine]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     bucket_mb = (width * width + width) * 4 / 2**20  # one layer per bucket: the ring's slot
-    cfg = ZeroConfig(stage=3, offload_optimizer=offload, offload_params=True, unit_classes=["Linear"],
-                     bucket_mb=bucket_mb, nvme_path=path if offload == "nvme" else None,
-                     nvme_direct=direct and offload == "nvme")
+    on_disk = "nvme" in (params, optimizer)
+    cfg = ZeroConfig(stage=3, offload_optimizer=optimizer, offload_params=params, unit_classes=["Linear"],
+                     persist_numel=0, bucket_mb=bucket_mb, nvme_path=path if on_disk else None,
+                     nvme_direct=direct and optimizer == "nvme")
     return model, ZeroEngine(model, opt, cfg)
 
 
-def one_step(model: nn.Module, engine: ZeroEngine, width: int, step: int) -> float:
+def shard_host_bytes(engine: ZeroEngine) -> int:
+    """Host bytes held for parameter shards now: the shards' own storages (0 while on disk) + the ring."""
+    part = engine.partitioner
+    ring = sum(s.buf.numel() for s in part.nvme.ring) if part.nvme is not None else 0
+    return sum(u.shard.untyped_storage().nbytes() for u in part.units if u.shard is not None) + ring
+
+
+def one_step(model: nn.Module, engine: ZeroEngine, width: int, step: int) -> tuple[float, float]:
+    """(forward + backward seconds, engine.step() seconds)."""
+    t0 = time.perf_counter()
     engine.prepare_forward()
     x = torch.randn(8, width, generator=torch.Generator().manual_seed(step))
     model(x).pow(2).mean().backward()
-    t0 = time.perf_counter()
+    t1 = time.perf_counter()
     engine.step()
-    return time.perf_counter() - t0
+    return t1 - t0, time.perf_counter() - t1
 
 
 def disk_bandwidth(path: str, nbytes: int, chunk: int, drop_cache: bool, direct: bool = False) -> dict:
@@ -91,6 +137,18 @@ def disk_bandwidth(path: str, nbytes: int, chunk: int, drop_cache: bool, direct:
             "rw_gbs": 2 * moved / (t2 - t0) / 1e9}
 
 
+def io_row(parts: list, step_s: float, cpu_s: float) -> dict:
+    """A setting's bytes against the disk: the disk's own time for them, the fraction reached, the overlap.
+    ``parts``: (read bytes, written bytes, the disk figures of the file's I/O mode) per scratch file."""
+    io_s = sum(r / d["read_gbs"] / 1e9 + w / d["write_gbs"] / 1e9 for r, w, d in parts)
+    reads, writes = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    moved = reads + writes
+    return {"read_bytes": reads, "write_bytes": writes, "bytes": moved, "step_s": step_s,
+            "achieved_gbs": moved / step_s / 1e9, "disk_gbs": moved / io_s / 1e9 if io_s else 0.0,
+            "fraction_of_disk": io_s / step_s, "io_s": io_s, "serial_s": io_s + cpu_s,
+            "ratio": step_s / cpu_s, "overlap_visible": step_s < io_s + cpu_s}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
@@ -104,48 +162,106 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    _count_io()
 
-    runs = {name: build(args.layers, args.width, off, args.path, args.direct) for name, off in
-            (("zero3_offload", True), ("zero3_offload_nvme", "nvme"))}
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    runs = {name: build(args.layers, args.width, p, o, args.path, args.direct) for name, (p, o) in SETTINGS.items()}
+    fb = {name: [] for name in runs}
+    st = {name: [] for name in runs}
+    moved = {name: Counter() for name in runs}
+    held = {name: [] for name in runs}
+    for name, (model, engine) in runs.items():  # host bytes for parameter shards, in forward and backward
+        def probe(*_, e=engine, n=name):
+            held[n].append(shard_host_bytes(e))
+
+        for layer in model:  # after the engine's hooks: with the unit gathered
+            layer.register_forward_pre_hook(probe)
+        pre_backward = engine.partitioner._pre_backward
+        engine.partitioner._pre_backward = lambda u, pb=pre_backward, pr=probe: (pb(u), pr())
     for step in range(args.warmup + args.steps):
         for name, (model, engine) in runs.items():
-            t = one_step(model, engine, args.width, step)
+            before = MOVED.copy()
+            t_fb, t_st = one_step(model, engine, args.width, step)
             if step >= args.warmup:
-                times[name].append(t)
-    nv = runs["zero3_offload_nvme"][1].sharded
-    rep = runs["zero3_offload_nvme"][1].memory_report()
-    on_disk = rep.nvme
-    cpu_s, nvme_s = statistics.median(times["zero3_offload"]), statistics.median(times["zero3_offload_nvme"])
-    # the physical limit: the best of three passes (the VM's disk is noisy)
-    disk = min((disk_bandwidth(args.path, on_disk, nv.nvme.slot_bytes, args.drop_cache, args.direct)
-                for _ in range(3)), key=lambda d: d["read_s"] + d["write_s"])
+                fb[name].append(t_fb)
+                st[name].append(t_st)
+                moved[name] += MOVED - before
+                held[name].append(shard_host_bytes(engine))  # between steps
+    med = {n: {"fwd_bwd": statistics.median(fb[n]), "step": statistics.median(st[n]),
+               "whole": statistics.median(a + b for a, b in zip(fb[n], st[n]))} for n in runs}
+    per = {n: {k: v / args.steps for k, v in moved[n].items()} for n in runs}
+    reps = {n: e.memory_report() for n, (_, e) in runs.items()}
+    part = runs["zero3_offload_nvme"][1].partitioner
+    params_on_disk = part.nvme_shard_bytes()
+    opt_on_disk = reps["opt_nvme"].nvme
+    slot = max(e.sharded.nvme.slot_bytes for n, (_, e) in runs.items() if n != "zero3_offload")
+
+    def best_of_3(direct: bool) -> dict:  # the VM's disk is noisy
+        return min((disk_bandwidth(args.path, opt_on_disk + params_on_disk, slot, args.drop_cache, direct)
+                    for _ in range(3)), key=lambda d: d["read_s"] + d["write_s"])
+
+    disk = best_of_3(args.direct)
+    # the parameter file always goes through the page cache: its bytes against that mode's figures
+    disk_params = best_of_3(False) if args.direct else disk
+    ring = part.nvme.ring_bytes
     for _, engine in runs.values():
         engine.remove(hand_back=False)
-    moved = 2 * on_disk
-    achieved = moved / nvme_s / 1e9
-    io_s = (disk["read_s"] + disk["write_s"]) * on_disk / disk["bytes"]
+
+    def rw(n, kind):
+        return per[n].get((kind, "read"), 0.0), per[n].get((kind, "write"), 0.0)
+
+    opt_r, opt_w = rw("opt_nvme", "optimizer")
+    old = io_row([(opt_r, opt_w, disk)], med["opt_nvme"]["step"], med["zero3_offload"]["step"])
+    (pr, pw), (orr, ow) = rw("zero3_offload_nvme", "params"), rw("zero3_offload_nvme", "optimizer")
+    new = io_row([(pr, pw, disk_params), (orr, ow, disk)], med["zero3_offload_nvme"]["whole"],
+                 med["zero3_offload"]["whole"])
     out = {
-        "params": sum(p.numel() for p in runs["zero3_offload"][0].parameters()),
-        "on_disk_bytes": on_disk, "ring_bytes": rep.ring, "bytes_per_step": moved,
-        "cpu_step_s": cpu_s, "nvme_step_s": nvme_s, "ratio": nvme_s / cpu_s,
-        "disk": disk, "achieved_gbs": achieved, "fraction_of_disk": achieved / disk["rw_gbs"],
-        "read_plus_write_s": io_s, "serial_sum_s": io_s + cpu_s, "overlap_visible": nvme_s < io_s + cpu_s,
-        "threads": args.threads, "path": args.path, "drop_cache": args.drop_cache, "direct": args.direct,
+        "params": sum(p.numel() for p in runs["zero3_offload"][0].parameters()), "medians": med, "per_step": {
+            n: {f"{k}_{op}": v for (k, op), v in d.items()} for n, d in per.items()},
+        "opt_on_disk_bytes": opt_on_disk, "params_on_disk_bytes": params_on_disk,
+        "params_ring_bytes": ring, "params_held_max": max(held["zero3_offload_nvme"]),
+        "params_held_cpu_max": max(held["zero3_offload"]), "optimizer_only": old, "params_and_optimizer": new,
+        "disk": disk, "disk_params_file": disk_params, "threads": args.threads, "path": args.path, "drop_cache": args.drop_cache,
+        "direct": args.direct, "load_average": os.getloadavg(),
     }
-    print(f"{out['params']:,} params; on disk {on_disk / 2**20:.1f} MiB (ring {rep.ring / 2**20:.2f} MiB, "
-          f"{on_disk / max(rep.ring, 1):.0f}x smaller); disk {args.path}: write {disk['write_gbs']:.2f} GB/s, "
-          f"read {disk['read_gbs']:.2f} GB/s, read+write {disk['rw_gbs']:.2f} GB/s")
-    print("| setting | step (s) | bytes moved / step | achieved GB/s | of disk read+write | step ratio |")
-    print("|---|---|---|---|---|---|")
-    print(f"| zero3_offload | {cpu_s:.3f} | 0 | - | - | 1.00 |")
-    print(f"| zero3_offload_nvme | {nvme_s:.3f} | {moved / 2**20:.1f} MiB | {achieved:.2f} | "
-          f"{100 * out['fraction_of_disk']:.0f}% | {out['ratio']:.2f} |")
-    print(f"read + write alone {io_s:.3f} s, + the CPU step {cpu_s:.3f} s = {io_s + cpu_s:.3f} s serial; "
-          f"NVMe step {nvme_s:.3f} s: overlap {'visible' if out['overlap_visible'] else 'NOT visible'}")
+    mib = 2**20
+    print(f"{out['params']:,} params; disk {args.path}: write {disk['write_gbs']:.2f} GB/s, read "
+          f"{disk['read_gbs']:.2f} GB/s, read+write {disk['rw_gbs']:.2f} GB/s"
+          + (f" (O_DIRECT; page cache, the parameter file's: write {disk_params['write_gbs']:.2f}, read "
+             f"{disk_params['read_gbs']:.2f} GB/s)" if args.direct else "") + "; load average "
+          + " ".join(f"{x:.2f}" for x in out["load_average"]))
+    print(f"optimizer on NVMe, parameter shards on the host: on disk {opt_on_disk / mib:.1f} MiB, ring "
+          f"{reps['opt_nvme'].ring / mib:.2f} MiB; engine.step() timed")
+    print("| setting | step (s) | bytes moved / step | achieved GB/s | of disk | step ratio | overlap |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| zero3_offload | {med['zero3_offload']['step']:.3f} | 0 | - | - | 1.00 | - |")
+    print(f"| optimizer nvme, params cpu | {old['step_s']:.3f} | {old['bytes'] / mib:.1f} MiB | "
+          f"{old['achieved_gbs']:.2f} | {100 * old['fraction_of_disk']:.0f}% | {old['ratio']:.2f} | "
+          f"{old['io_s']:.3f} + {med['zero3_offload']['step']:.3f} = {old['serial_s']:.3f}: "
+          f"{'visible' if old['overlap_visible'] else 'not visible'} |")
+    print(f"zero3_offload_nvme (parameter shards and optimizer on NVMe): on disk {params_on_disk / mib:.1f} MiB "
+          f"params + {reps['zero3_offload_nvme'].nvme / mib - params_on_disk / mib:.1f} MiB optimizer; "
+          f"whole step (forward + backward + step) timed")
+    print("| setting | fwd+bwd (s) | step() (s) | whole (s) | params read / written per step | optimizer read / "
+          "written per step | achieved GB/s | disk GB/s (this mix) | of disk | step ratio | I/O + CPU step, serial"
+          " (s) | overlap |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    m = med["zero3_offload"]
+    print(f"| zero3_offload | {m['fwd_bwd']:.3f} | {m['step']:.3f} | {m['whole']:.3f} | 0 | 0 | - | - | - | 1.00 "
+          f"| - | - |")
+    m = med["zero3_offload_nvme"]
+    print(f"| zero3_offload_nvme | {m['fwd_bwd']:.3f} | {m['step']:.3f} | {m['whole']:.3f} | {pr / mib:.1f} / "
+          f"{pw / mib:.1f} MiB | {orr / mib:.1f} / {ow / mib:.1f} MiB | {new['achieved_gbs']:.2f} | "
+          f"{new['disk_gbs']:.2f} | {100 * new['fraction_of_disk']:.0f}% | {new['ratio']:.2f} | {new['io_s']:.3f} + "
+          f"{med['zero3_offload']['whole']:.3f} = {new['serial_s']:.3f} | "
+          f"{'visible' if new['overlap_visible'] else 'not visible'} |")
+    print(f"parameter reads per step = {pr / max(params_on_disk, 1):.2f} x the shards on disk, writes "
+          f"{pw / max(params_on_disk, 1):.2f} x; host bytes for parameter shards (max seen in forward, backward, "
+          f"between steps): {out['params_held_max'] / mib:.2f} MiB (ring {ring / mib:.2f} MiB) "
+          f"vs {params_on_disk / mib:.1f} MiB on disk ({params_on_disk / max(ring, 1):.1f}x); "
+          f"zero3_offload holds {out['params_held_cpu_max'] / mib:.1f} MiB of shards")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+            json.dump(out, fh, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -165,12 +165,68 @@ def test_nvme_rows_put_the_offloaded_states_on_disk_and_state_the_bandwidth_they
     est = estimate_model_states("t5_3b", world_size=8, num_nodes=1, precision="bf16-mixed", nvme_step_time=10.0)
     for stage in (2, 3):
         nvme, cpu = est.row(f"zero{stage}_offload_nvme"), est.row(f"zero{stage}_offload")
-        moved = cpu.states["master"] + cpu.states["optimizer_state"]  # what the CPU twin keeps in host memory
+        optimizer = cpu.states["master"] + cpu.states["optimizer_state"]  # what the CPU twin keeps in host memory
+        moved, per_step = optimizer, 2 * optimizer  # read + written once per step
         if stage == 3:  # the preset puts the parameter shards on NVMe too (deepspeed_stage_3_offload_nvme)
-            moved += cpu.states["params"]
+            params, root = cpu.states["params"], 2 * est.info.root_unit / 8
+            moved += params
+            per_step += 3 * params - root  # read for forward and backward (the root once), written once
         assert nvme.nvme_per_rank == nvme.states["nvme"] == moved > 0
+        assert nvme.nvme_moved_per_step == pytest.approx(per_step)
         assert nvme.states["device"] == cpu.states["device"] and nvme.peak_device == cpu.peak_device
         assert nvme.host_per_rank < cpu.host_per_rank  # the ring and the gradient copies, not the states
-        gbs = 2 * moved * 8 / 10.0 / 1e9  # read + written once per step, 8 ranks on the node, a 10 s step
+        gbs = per_step * 8 / 10.0 / 1e9  # 8 ranks on the node, a 10 s step
         assert f"zero{stage}_offload_nvme" in str(est) and f"{gbs:.2f} GB/s per node" in str(est)
     assert any(ln.startswith("| setting") and "| NVMe/rank |" in ln for ln in str(est).splitlines())
+
+
+class _WithRoot(nn.Module):
+    """Linear units and a parameter of the root's own (gathered once per step, kept through backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 128), nn.Linear(128, 64))
+        self.scale = nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        return (self.layers(x) * self.scale).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_nvme_bytes_per_step_are_what_the_engine_reads_and_writes(tmp_path, monkeypatch, precision):
+    """zero3_offload_nvme's bandwidth line against the bytes the engine's scratch files are asked for in a
+    step (ScratchFile.read / write counted): the parameter shards read twice (the root's once) and written
+    once, the masters + state read and written once."""
+    from lightning_zero.engine import nvme as NV
+
+    model, mixed = _WithRoot(), precision != "32-true"
+    dtype = torch.bfloat16 if mixed else torch.float32
+    cfg = ZeroConfig(stage=3, offload_optimizer="nvme", offload_params="nvme", unit_classes=["Linear"],
+                     persist_numel=0, bucket_mb=0.05, nvme_path=str(tmp_path))
+    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg, compute_dtype=dtype)
+    moved = {"read": 0, "write": 0}
+    real_read, real_write = NV.ScratchFile.read, NV.ScratchFile.write
+
+    def counted(op, real):
+        def io(self, buf, offset):
+            moved[op] += buf.numel() * buf.element_size()
+            return real(self, buf, offset)
+        return io
+
+    monkeypatch.setattr(NV.ScratchFile, "read", counted("read", real_read))
+    monkeypatch.setattr(NV.ScratchFile, "write", counted("write", real_write))
+    per_step = []
+    for step in range(3):  # the first creates the optimizer state and records the order
+        before = sum(moved.values())
+        engine.prepare_forward()
+        model(torch.randn(4, 64, generator=torch.Generator().manual_seed(step)).to(dtype)).backward()
+        engine.step()
+        per_step.append(sum(moved.values()) - before)
+    engine.remove(hand_back=False)
+    info = info_from_module(_WithRoot(), unit_classes=["Linear"])
+    assert info.root_unit == 64  # the root holds a parameter: read once per step
+    row = estimate_model_states(info, precision=precision, settings=["zero3_offload_nvme"]).rows[0]
+    assert per_step[1] == per_step[2] == row.nvme_moved_per_step > 2 * row.nvme_per_rank, (per_step, row)
+    line = str(estimate_model_states(info, precision=precision, settings=["zero3_offload_nvme"], nvme_step_time=1e-6))
+    assert f"{per_step[2] / 1e-6 / 1e9:.2f} GB/s per node" in line

@@ -108,7 +108,8 @@ class ZeroEngine:
         self.table: BucketTable = maker.table(module, per_opt)
         # masters are cut from the fp32 values before the module drops to the compute dtype
         self.opts = PG.OptimizerSet(self.optimizers, per_opt, self.table, maker, PG.shard_optimizers(
-            self.optimizers, self.table, plan, cfg, compute_dtype, self.tensor_parallel))
+            self.optimizers, self.table, plan, cfg, compute_dtype, self.tensor_parallel,
+            self._partitioned.partitioner.shard_readable if self._partitioned is not None else None))
         self.shardeds: list[ShardedOptimizer] = self.opts.shardeds
         self.params: list[nn.Parameter] = self.opts.params  # managed, optimizer by optimizer; add_param_group appends
         self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
@@ -179,7 +180,8 @@ class ZeroEngine:
 
     def join(self) -> int:
         """End of this rank's evaluation work (stage 3): serve the gathers of ranks that still have batches
-        until every rank has called it ([Note: evaluation join]). A no-op below stage 3."""
+        until every rank has called it ([Note: evaluation join]). A no-op below stage 3. With
+        ``offload_params="nvme"`` a parameter read that failed on any rank raises here, on every rank."""
         return self.partitioner.join() if self.partitions_params else 0
 
     @property

@@ -328,14 +328,17 @@ class NvmeStates:
         self.state = NvmeState.CLOSED
 
 
+STEP_LOST = "this step's update is lost, the checkpoints already saved are intact"
+
+
 def raise_if_any_rank_failed(states: list, group=None, device: Optional[torch.device] = None,
-                             knob: str = "offload_optimizer") -> None:
+                             knob: str = "offload_optimizer", lost: str = STEP_LOST) -> None:
     """After an NVMe step: one agreement over ``group`` (a 1-element all-reduce on ``device``, the compute
     device: NCCL reduces device tensors), so that a read or write that failed on one rank stops the run with
     one error on every rank, naming the rank, instead of the others hanging in their next collective. The
     step's update is not trusted anywhere then; checkpoints already saved are separate directories.
     ``states``: NvmeStates and stage 3's NvmeParams (anything with a ``failure`` and a ``knob``, None skipped);
-    ``knob``: the error's prefix where no state of this rank failed."""
+    ``knob``: the error's prefix where no state of this rank failed; ``lost``: what is not to be trusted."""
     failed_here = next((s for s in states if s is not None and s.failure is not None), None)
     mine = failed_here.failure if failed_here is not None else None
     knob = failed_here.knob if failed_here is not None else knob
@@ -347,5 +350,4 @@ def raise_if_any_rank_failed(states: list, group=None, device: Optional[torch.de
     if who < 0:
         return
     what = f"on rank {rank}, {mine}" if mine is not None else f"the NVMe I/O of rank {who} failed (its error names the file)"
-    raise RuntimeError(f"{knob}='nvme': {what}. The run stops on every rank; this step's update is "
-                       f"lost, the checkpoints already saved are intact.")
+    raise RuntimeError(f"{knob}='nvme': {what}. The run stops on every rank; {lost}.")

@@ -20,6 +20,7 @@ are refused with an error; :func:`register_shardable_optimizer` admits a custom 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -117,6 +118,7 @@ class ShardedOptimizer:
         tp_size: int = 1,
         nvme: Optional[dict] = None,
         alias_sources: bool = True,
+        source_scope: Optional[Callable] = None,
     ) -> None:
         """``sources`` (stage 3): per bucket and parameter, this rank's fp32 slice to take the master from
         (the parameter itself no longer holds its values then). ``plan`` ([Note: sharding plan]): whole or
@@ -126,7 +128,10 @@ class ShardedOptimizer:
         ``nvme`` (``offload_optimizer="nvme"``): dict(directory, rank, buffer_count): the offloaded masters and
         state live in a scratch file there between steps and the step streams them (nvme_states.py).
         ``alias_sources=False`` (``offload_params="nvme"``): a master never aliases its stage-3 source, whose
-        storage is empty whenever the unit shard is on disk; the masters are separate fp32 tensors."""
+        storage is empty whenever the unit shard is on disk; the masters are separate fp32 tensors.
+        ``source_scope(bucket)``: a context in which that bucket's ``sources`` can be read (NVMe: its unit's
+        shard read back for the block, so setup holds one unit's shard at a time)."""
+        self._source_scope = source_scope
         check_shardable(optimizer, plan.stage)
         self.optimizer = optimizer
         self.plan = plan
@@ -171,11 +176,13 @@ class ShardedOptimizer:
         by_param: dict[int, torch.Tensor] = {}
         for bi, b in enumerate(buckets):
             row = []
-            for pi, (p, spec) in enumerate(zip(b.params, b.specs)):
-                src = sources[bi][pi] if sources is not None else None
-                m = self._make_master(p, spec, self._pin, src)
-                row.append(m)
-                by_param[id(p)] = m
+            scope = self._source_scope if sources is not None and self._source_scope is not None else None
+            with scope(b) if scope is not None else contextlib.nullcontext():
+                for pi, (p, spec) in enumerate(zip(b.params, b.specs)):
+                    src = sources[bi][pi] if sources is not None else None
+                    m = self._make_master(p, spec, self._pin, src)
+                    row.append(m)
+                    by_param[id(p)] = m
             self.masters.append(row)
             self.buckets.append(b)
             if self.nvme is not None:  # into the file now: setup holds one bucket's masters at a time

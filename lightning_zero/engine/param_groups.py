@@ -19,6 +19,8 @@ under DDP), so the new collectives line up.
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from typing import Optional
 
@@ -86,22 +88,35 @@ def _nvme_args(cfg) -> Optional[dict]:
     return dict(directory=cfg.nvme_path, rank=C.rank(), buffer_count=cfg.nvme_buffer_count, direct=cfg.nvme_direct)
 
 
-def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None) -> list[ShardedOptimizer]:
+def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, unit_scope=None) -> list[ShardedOptimizer]:
     """One :class:`ShardedOptimizer` per optimizer over its own rows of the bucket ``table``; ``tp``: the
-    tensor-parallel mesh, whose group the gradient norm also sums over."""
+    tensor-parallel mesh, whose group the gradient norm also sums over; ``unit_scope(unit)`` (stage 3): a
+    context in which the unit's shard can be read (the partitioner's ``shard_readable``)."""
     out = []
     for k, opt in enumerate(optimizers):
         rows = table.of_optimizer(k)
+        scope = _bucket_scope(table, unit_scope) if unit_scope is not None else None
         out.append(ShardedOptimizer(opt, [r.bucket for r in rows], plan, cfg.offload_optimizer, compute_dtype,
                                     [r.sources for r in rows] if plan.shards_params else None,
                                     fused_on_cpu=cfg.offload_kernel == "fused",
                                     tp_group=tp.tp_group if tp is not None else None,
                                     tp_size=tp.tp_size if tp is not None else 1,
-                                    nvme=_nvme_args(cfg), alias_sources=cfg.offload_params != "nvme"))
+                                    nvme=_nvme_args(cfg), alias_sources=cfg.offload_params != "nvme",
+                                    source_scope=scope))
     swap = kernel_swap_line(out)
     if swap is not None and C.rank() == 0:
         _log.info(swap)
     return out
+
+
+def _bucket_scope(table, unit_scope):
+    """``unit_scope`` by bucket: the unit of the bucket's row in ``table``, looked up when asked, so buckets
+    that ``add_param_group`` adds later (after the table took their rows) find theirs too."""
+    def scope(bucket):
+        unit = next((r.unit for r in table.rows if r.bucket is bucket and r.unit is not None), None)
+        return unit_scope(unit) if unit is not None else contextlib.nullcontext()
+
+    return scope
 
 
 def new_group_params(module: nn.Module, shardeds: list[ShardedOptimizer], group) -> tuple[list, list]:

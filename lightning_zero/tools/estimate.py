@@ -43,6 +43,7 @@ MiB = 2**20
 SETTINGS: dict[tuple[int, Union[bool, str]], str] = {(kw["stage"], kw.get("offload_optimizer", False)): name
                                          for name, kw in PRESETS.items()}
 PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
+from .estimate_nvme import nvme_bandwidth_line, nvme_ring_bytes, nvme_step_bytes
 from .t5_dims import (BYTE_VOCAB, RECIPE_VOCAB, T5Dims, t5_activation_bytes, t5_activation_memory, t5_dims,  # noqa: F401
                       t5_dims_from_config)
 
@@ -145,7 +146,8 @@ class Row:
     host_per_rank: float
     cpu_ram_per_node: float
     fits: Optional[bool] = None
-    nvme_per_rank: float = 0.0  # offload_optimizer="nvme": masters + state in the scratch file (read + written per step)
+    nvme_per_rank: float = 0.0  # *_offload_nvme: masters + state (+ stage 3's parameter shards) in the scratch files
+    nvme_moved_per_step: float = 0.0  # bytes those files move per step (nvme_step_bytes)
     states_world: Optional[dict] = None  # hybrid sharding: the same setting's model states at K = world size
 
 
@@ -292,7 +294,8 @@ def estimate_model_states(
         staging = 4 * info.trainable / shards if offload else 0.0  # fp32 gradient copies for the CPU step
         host = st["host"] + staging + (parts["host"] if parts else 0) + nvme_ring_bytes(info, offload, shards, k,
                                                                                         bucket_mb)
-        row = Row(name, stage, offload, st, buf, act, peak, host, host * ranks_per_node, nvme_per_rank=st["nvme"])
+        row = Row(name, stage, offload, st, buf, act, peak, host, host * ranks_per_node, nvme_per_rank=st["nvme"],
+                  nvme_moved_per_step=nvme_step_bytes(info, st, stage, offload, shards, mixed))
         if shards != world_size and stage >= 1:
             row.states_world = model_state_bytes(info, stage, offload, world_size, mixed, k, grad_accumulation > 1)
         if device_memory_gb is not None:
@@ -306,26 +309,8 @@ def estimate_model_states(
                     activation_checkpointing, offload_activations, parts, split, activation_probe, nvme_step_time)
 
 
-def nvme_ring_bytes(info: ModelInfo, offload, shards: int, k: int, bucket_mb: float, buffers: int = 3) -> float:
-    """Host bytes of the NVMe step's ring (engine/nvme_states.py): ``buffers`` slots, each one bucket's shard
-    of masters + state (a parameter larger than the cap gets a bucket of its own)."""
-    if offload != "nvme":
-        return 0.0
-    bucket = min(info.trainable, max(bucket_mb * MiB / 4, info.largest_param, info.largest_unit))
-    return buffers * (4 + k) * bucket / shards
-
-
 def _offload_word(offload) -> str:
     return "nvme" if offload == "nvme" else ("yes" if offload else "no")
-
-
-def nvme_bandwidth_line(rows: list[Row], ranks_per_node: int, step_time: float) -> str:
-    """What the disk must sustain: every step reads and writes each rank's on-disk states once."""
-    parts = [f"{r.setting} {_gib(2 * r.nvme_per_rank)} GiB/rank/step = "
-             f"{2 * r.nvme_per_rank * ranks_per_node / step_time / 1e9:.2f} GB/s per node" for r in rows]
-    return (f"NVMe/rank: masters + optimizer state in the scratch files (offload_optimizer='nvme'); each step reads "
-            f"and writes them once, so at a {step_time:g} s step the disks need: " + "; ".join(parts) + " (sequential "
-            "read + write; host/rank of those rows includes the ring of 3 buffers).")
 
 
 def _gib(x: Optional[float]) -> str:

@@ -15,15 +15,24 @@ as a released parameter does. What needs the values:
 * the step's publish (publish.py): :meth:`write_slices` writes each updated master, cast to the shard's
   dtype, straight into its place in the region (``os.pwritev``; no read-modify-write: a source is a
   contiguous slice of its unit's shard), so the step ends with the file holding the new shards;
-* whole views (checkpoints, a full state dict loaded, ``add_param_group``): :meth:`make_resident` gives each
-  shard its own memory again (``ShardHome.RESIDENT``; views stay valid: the storage is resized in place);
-  the next step's end (:meth:`spill`) writes them back and frees them.
+* whole views (checkpoints, a full state dict loaded): :meth:`make_resident` gives each shard its own memory
+  again (``ShardHome.RESIDENT``; views stay valid: the storage is resized in place); the next step's end
+  (:meth:`spill`) writes them back and frees them;
+* masters taken from the shards (setup, ``add_param_group``): :meth:`unit_resident` reads one unit's shard
+  back for the block that copies them (the optimizer's ``source_scope``).
 
 So the host bytes held for parameter shards are the ring, :attr:`NvmeParams.ring_bytes` = ``slots`` x the
 largest unit shard, whatever the model size (plus, on the CPU, the gathered units themselves: the working
-set). Setup holds this rank's shards once before the first :meth:`spill`, as the CPU offload does. I/O
-errors are recorded in :attr:`failure` (a gather still runs, on whatever the slot holds) and the engine's
-one agreement after the step raises on every rank (``nvme_states.raise_if_any_rank_failed``).
+set). Setup is bounded too, unit by unit: each unit's fp32 shard goes into the file as soon as it is cut
+(:meth:`stage`; deferred init cuts them as the module is built), the masters are taken from one unit read
+back at a time (:meth:`unit_resident`), and a training engine's cast to the compute dtype reads one fp32
+shard, writes it in the compute dtype into its region and frees it (:meth:`cast`). A compute dtype other than
+fp32 stages the fp32 shards in regions after the final ones, which the file gives back (``ftruncate``) once
+every shard is cast; the free-space check counts both. I/O
+errors are recorded in :attr:`failure` (a gather still runs, on whatever the slot holds: its peers wait in
+it) and one agreement raises on every rank (``nvme_states.raise_if_any_rank_failed``): the engine's after the
+step, or, evaluating, the partitioner's at the end of the evaluation (``join``) -- an evaluation-only engine
+on one rank raises at the gather itself.
 
 The file uses the page cache (``nvme_direct`` is the optimizer file's): the publish writes unaligned
 slices of a region.
@@ -31,7 +40,9 @@ slices of a region.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
@@ -50,6 +61,7 @@ def _up(n: int, a: int) -> int:
 class ShardHome(enum.Enum):
     RESIDENT = "resident"  # the shard's own storage holds the values (setup, whole views)
     ON_DISK = "on_disk"  # only in the file; the shard's storage holds 0 bytes
+    STAGED = "staged"  # setup, before the cast to the compute dtype: fp32, in its staging region
 
 
 class SlotUse(enum.Enum):
@@ -81,21 +93,30 @@ class NvmeParams:
     def __init__(self, units, shard_dtype: torch.dtype, directory: str, rank: int, slots: int,
                  pin: bool = False) -> None:
         """``shard_dtype``: the dtype the shards will have when spilled (the compute dtype of a training
-        engine); ``slots``: ring buffers, each of the largest unit shard. Free space is checked (with the
-        bytes needed) and the file reserved before anything is written."""
-        self.units = {u.index: u for u in units if u.shard is not None and u.shard.numel()}
+        engine); ``slots``: ring buffers, each of the largest unit shard. Planned before the shards are cut
+        (from the units' layouts): free space is checked (with the bytes needed) and the file reserved before
+        anything is written."""
+        self.units = {u.index: u for u in units if u.params and u.layout.shard_numel}
         esize = torch.empty((), dtype=shard_dtype).element_size()
         self.regions: dict[int, _Region] = {}
         end = 0
         for i, u in self.units.items():
-            self.regions[i] = _Region(end, u.shard.numel() * esize)
-            end += _up(u.shard.numel() * esize, _ALIGN)
-        check_free_space(directory, end, f"rank {rank}'s stage-3 parameter shards ({esize} bytes per element)",
-                         knob="offload_params")
+            self.regions[i] = _Region(end, u.layout.shard_numel * esize)
+            end += _up(u.layout.shard_numel * esize, _ALIGN)
+        self.staging = self.regions  # where a unit's fp32 shard waits for the cast (setup)
+        total = end
+        if shard_dtype != torch.float32:
+            self.staging = {}
+            for i, u in self.units.items():
+                self.staging[i] = _Region(total, u.layout.shard_numel * 4)
+                total += _up(u.layout.shard_numel * 4, _ALIGN)
+        staged = "" if total == end else f", and {total - end:,} bytes more in fp32 during setup"
+        check_free_space(directory, total, f"rank {rank}'s stage-3 parameter shards ({esize} bytes per element"
+                                           f"{staged})", knob="offload_params")
         self.file = ScratchFile(directory, rank, tag="params")
-        self.file.reserve(end)
+        self.file.reserve(total)
         self.file_bytes = end
-        self.home = {i: ShardHome.RESIDENT for i in self.units}
+        self.home = {i: ShardHome.RESIDENT for i in self.units}  # the shards are cut next: stage()
         self.slot_bytes = max((r.nbytes for r in self.regions.values()), default=0)
         self.ring = [_Slot(aligned_empty(self.slot_bytes, pin)) for _ in range(slots)]
         self._reader: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, thread_name_prefix="lightning_zero-params")
@@ -118,12 +139,72 @@ class NvmeParams:
 
     def on_disk_bytes(self) -> int:
         """Bytes of parameter shards only in the file now."""
-        return sum(self.regions[i].nbytes for i, h in self.home.items() if h is ShardHome.ON_DISK)
+        return sum(self._region(i).nbytes for i, h in self.home.items() if h is not ShardHome.RESIDENT)
+
+    def _region(self, i: int) -> _Region:
+        return self.staging[i] if self.home[i] is ShardHome.STAGED else self.regions[i]
+
+    # -- setup, unit by unit ------------------------------------------------------------------------
+    @torch.no_grad()
+    def stage(self, u) -> None:
+        """``u``'s fp32 shard, just cut, into the file and its memory freed (a failed write keeps it: the
+        setup's agreement raises)."""
+        if u.index not in self.units:
+            return
+        r = self.staging[u.index]
+        if u.shard.dtype != torch.float32 or u.shard.numel() * 4 != r.nbytes:
+            raise RuntimeError(f"offload_params='nvme': unit '{u.name}' was cut as {u.shard.numel()} "
+                               f"{u.shard.dtype} elements, not the fp32 shard its file region was planned for")
+        if self._io(self.file.write, self._bytes_of(u), r.offset, "write"):
+            self.bytes_written += r.nbytes
+            u.shard.untyped_storage().resize_(0)
+            self.home[u.index] = ShardHome.ON_DISK if self.staging is self.regions else ShardHome.STAGED
+
+    @contextlib.contextmanager
+    def unit_resident(self, u):
+        """``u``'s shard in memory of its own for a block that reads it (the masters are taken from it),
+        freed again after; read errors raise (setup)."""
+        i = u.index
+        if i not in self.units or self.home[i] is ShardHome.RESIDENT:
+            yield
+            return
+        r = self._region(i)
+        u.shard.untyped_storage().resize_(r.nbytes)
+        try:
+            self.file.read(self._bytes_of(u), r.offset)
+            self.bytes_read += r.nbytes
+            yield
+        finally:
+            u.shard.untyped_storage().resize_(0)
+
+    @torch.no_grad()
+    def cast(self, u, dtype: torch.dtype) -> bool:
+        """A staged unit's shard as ``dtype`` into its region, one unit in memory (False: not staged here)."""
+        if u.index not in self.units or self.home[u.index] is not ShardHome.STAGED:
+            return False
+        with self.unit_resident(u):
+            new = u.shard.to(dtype)
+        u.shard = new
+        self.home[u.index] = ShardHome.RESIDENT  # a failed write keeps it so: the setup's agreement raises
+        if self._io(self.file.write, self._bytes_of(u), self.regions[u.index].offset, "write"):
+            self.bytes_written += self.regions[u.index].nbytes
+            new.untyped_storage().resize_(0)
+            self.home[u.index] = ShardHome.ON_DISK
+        self._drop_staging()
+        return True
+
+    def _drop_staging(self) -> None:
+        if self.staging is not self.regions and ShardHome.STAGED not in self.home.values():
+            os.ftruncate(self.file.fd, self.file_bytes)  # every shard cast: the staging regions are spent
+            self.staging = self.regions
 
     @torch.no_grad()
     def spill(self) -> None:
         """Every resident shard into its region, its memory freed (setup's end, the end of every step)."""
         self.drop_reads()
+        if ShardHome.STAGED in self.home.values():
+            raise RuntimeError("offload_params='nvme': shards staged in fp32 were not cast to the compute dtype")
+        self._drop_staging()
         for i, u in self.units.items():
             if self.home[i] is not ShardHome.RESIDENT:
                 continue
@@ -143,9 +224,10 @@ class NvmeParams:
         for i, u in self.units.items():
             if self.home[i] is ShardHome.RESIDENT:
                 continue
-            u.shard.untyped_storage().resize_(self.regions[i].nbytes)
-            self.file.read(self._bytes_of(u), self.regions[i].offset)
-            self.bytes_read += self.regions[i].nbytes
+            r = self._region(i)
+            u.shard.untyped_storage().resize_(r.nbytes)
+            self.file.read(self._bytes_of(u), r.offset)
+            self.bytes_read += r.nbytes
             self.home[i] = ShardHome.RESIDENT
 
     # -- the ring -----------------------------------------------------------------------------------

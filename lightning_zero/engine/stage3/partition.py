@@ -17,7 +17,9 @@ Lifecycle in a training step::
     grads complete      reduce-scatter (GradReducer, on its own process group) ... release
     end of backward     release whatever is still gathered; after the step all units are stale
 
-The states and their moves: [Note: unit lifecycle] and [Note: order recording] in lifecycle.py.
+The states and their moves: [Note: unit lifecycle] and [Note: order recording] in lifecycle.py. The hooks that
+run these moves (and record and check the order) are :class:`~.hooks.UnitHooks` (hooks.py), which this class
+inherits.
 
 Order: the first training forward is recorded; while recording, every gather is preceded by a tiny
 all-gather of the unit index, so ranks that run different units fail with :class:`RankDivergenceError`
@@ -37,21 +39,20 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from .. import collectives as C
-from ..activations import recomputing
 from .. import quantize as Q
 from .deferred_init import has_meta_params, materialize
 from .pretrained import fill_shards, marked
-from .guard import ReleasedParamGuard
 from .lifecycle import OrderCheck, OrderState, UnitState
+from ..nvme_states import raise_if_any_rank_failed
 from .nvme_params import NvmeParams
 from .join import RankDivergenceError, agreed_unit, announce, serve_until_all_joined  # noqa: F401 (re-export)
+from .hooks import UnitHooks
 from .units import Unit
 
 
-class ParamPartitioner:
+class ParamPartitioner(UnitHooks):
     def __init__(
         self,
         module: nn.Module,
@@ -103,10 +104,11 @@ class ParamPartitioner:
         # none of the engine's parameters gets a gradient (setup.py, PartitionedParams._backward_begins)
         self.on_backward: Optional[Callable[[], None]] = None
         self.nvme: Optional[NvmeParams] = None
-        self._shard_all()
-        if nvme is not None:  # checks the free space for every shard before any is written (spill_shards)
+        self.eval_only = False  # no step of this engine agrees on the NVMe I/O: evaluation does (setup.py)
+        if nvme is not None:  # checks the free space for every shard before any is cut: each is spilled as cut
             self.nvme = NvmeParams(units, nvme["shard_dtype"], nvme["directory"], nvme["rank"], nvme["slots"],
                                    pin=torch.cuda.is_available() and device.type == "cuda")
+        self._shard_all()
         self._install_hooks()
 
     # -- shards -----------------------------------------------------------------------------------
@@ -142,6 +144,8 @@ class ParamPartitioner:
         else:
             chunk = chunk.cpu().pin_memory() if torch.cuda.is_available() else chunk.cpu()
         u.shard = chunk
+        if self.nvme is not None:  # into the file now: setup holds one unit's shard at a time
+            self.nvme.stage(u)
         for p in u.params:
             # own storage of exactly the param's size, so releasing frees exactly it
             dtype = self.compute_dtype if (self.compute_dtype and p.is_floating_point()) else p.dtype
@@ -157,6 +161,8 @@ class ParamPartitioner:
         """Drop the flat shards to the compute dtype once masters have been taken from them."""
         for u in self.units:
             if u.shard is not None and u.shard.dtype != dtype:
+                if self.nvme is not None and self.nvme.cast(u, dtype):  # from the file, one unit at a time
+                    continue
                 u.shard = u.shard.to(dtype)
                 if self.offload is True and torch.cuda.is_available():
                     u.shard = u.shard.pin_memory()
@@ -168,6 +174,11 @@ class ParamPartitioner:
     def nvme_shard_bytes(self) -> int:
         """Bytes of unit shards only in the NVMe scratch file now (0 without ``offload_params="nvme"``)."""
         return self.nvme.on_disk_bytes() if self.nvme is not None else 0
+
+    def shard_readable(self, u: Unit) -> "contextlib.AbstractContextManager":
+        """A block that reads ``u``'s shard values (setup takes the masters from them): with NVMe, the shard
+        read back into memory of its own for the block."""
+        return self.nvme.unit_resident(u) if self.nvme is not None else contextlib.nullcontext()
 
     def spill_shards(self) -> None:
         """``offload_params="nvme"``: every shard in memory written to the file and freed (setup's end, after
@@ -197,6 +208,9 @@ class ParamPartitioner:
     def _launch_gather_unannounced(self, u: Unit, exact: bool = False) -> None:
         if self.nvme is not None:
             send = self.nvme.send_of(u, self.device)  # from the ring slot its read ahead filled
+            if self.nvme.failure is not None and self.eval_only and self.world_size == 1:
+                self.nvme.gather_done(u)  # no peer waits in this gather: stop before computing on the slot
+                self.raise_nvme_failure()
         else:
             send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
         out = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=self.device)
@@ -231,6 +245,7 @@ class ParamPartitioner:
         gathers served.
         """
         if self.world_size == 1 or self.order_check is OrderCheck.OFF:
+            self.raise_nvme_failure()
             return 0
 
         def serve(index: int) -> None:
@@ -243,7 +258,20 @@ class ParamPartitioner:
 
         served = serve_until_all_joined(self.world_size, self.group, self.device, self._describe, serve)
         self.release_all(include_persistent=True)
+        self.raise_nvme_failure()
         return served
+
+    def raise_nvme_failure(self) -> None:
+        """``offload_params="nvme"``: a read that failed on any rank since the last agreement stops every rank
+        with one error (every rank calls this at the end of its evaluation: :meth:`join`). A gather whose read
+        failed ran on whatever its ring slot held, so the evaluation's outputs since are not trusted."""
+        if self.nvme is None:
+            return
+        try:
+            raise_if_any_rank_failed([self.nvme], self.group, self.device, knob="offload_params",
+                                     lost="the evaluation's outputs since the failure are not trusted")
+        finally:
+            self.nvme.failure = None  # one error per failure
 
     def _finish_gather(self, u: Unit) -> None:
         if u.state is not UnitState.GATHERING:
@@ -279,114 +307,6 @@ class ParamPartitioner:
     def release_all(self, include_persistent: bool = False) -> None:
         for u in self.units:
             self.release(u, force=include_persistent)
-
-    # -- hooks --------------------------------------------------------------------------------------
-    def _install_hooks(self) -> None:
-        for u in self.units[:-1]:
-            self._handles.append(u.module.register_forward_pre_hook(self._make_pre_forward(u)))
-            self._handles.append(u.module.register_forward_hook(self._make_post_forward(u)))
-        # root parameters are used by plain modules (and attributes) anywhere: gather on first touch
-        owners = {id(m): m for m in self.module.modules() for p in m.parameters(recurse=False)
-                  if self.unit_of.get(id(p)) is self.root}
-        owners[id(self.module)] = self.module
-        for m in owners.values():
-            self._handles.append(m.register_forward_pre_hook(lambda *_: self.gather(self.root)))
-        self._handles.append(self.module.register_load_state_dict_pre_hook(self._refuse_load_into_released))
-        self.guard = ReleasedParamGuard(self)  # modules reached around the unit hooks: gather or one clear error
-
-    def _refuse_load_into_released(self, module, state_dict, prefix, *_args) -> None:
-        """``load_state_dict`` would copy into parameters whose storage is released (a crash, or values
-        lost at the next release): point to the loader that writes into the shards instead."""
-        released = [n for n, p in module.named_parameters(prefix.rstrip("."))  # names carry the prefix
-                    if n in state_dict and p.numel() and p.untyped_storage().nbytes() == 0]
-        if released and not self._gathered_depth:
-            raise RuntimeError(
-                f"ZeRO-3 holds {len(released)} of these parameters only as shards (e.g. '{released[0]}'); "
-                "load_state_dict cannot write into them. Use engine.load_full_state_dict(state_dict) "
-                "(trainer.strategy.engine under Lightning) or fit/validate(ckpt_path=...)."
-            )
-
-    def _tracking(self, u: Unit) -> bool:
-        # a checkpointed region recomputed in backward re-runs the forwards of the units inside it: not part
-        # of the recorded order (activations.py)
-        return (self.order_check is OrderCheck.STRICT and u.module.training and torch.is_grad_enabled()
-                and not self._gathered_depth and not recomputing())
-
-    def _make_pre_forward(self, u: Unit):
-        def hook(_module, _args):
-            if recomputing() and not u.gathered:  # its own pre-backward hook has not run yet: see post-forward
-                self._recompute_gathered.add(u.index)
-            if self._tracking(u):
-                self._track_forward(u)
-            self.gather(u)
-            if self._tracking(u) and self.order_state is OrderState.VERIFIED:
-                self._prefetch_next(self._order[self._pos:])
-
-        return hook
-
-    def _track_forward(self, u: Unit) -> None:
-        if self.order_state is OrderState.RECORDING:
-            self._order.append(u.index)
-            return
-        expected = self._order[self._pos] if self._pos < len(self._order) else None
-        if expected != u.index:
-            raise RankDivergenceError(
-                f"rank {self.rank}: ZeRO-3 unit '{u.name}' ran where the recorded order has "
-                f"'{self.units[expected].name if expected is not None else '<end of forward>'}' "
-                f"(position {self._pos}). Forward order must be the same every step and on every rank; "
-                "wrap generation or other data-dependent control flow in strategy.gathered_params()."
-            )
-        self._pos += 1
-
-    def _make_post_forward(self, u: Unit):
-        def hook(_module, _args, output):
-            if recomputing():
-                # a region holding several units is recomputed at its first backward node: a unit whose own
-                # pre-backward hook is still to come is released (that hook gathers it again); one that hook has
-                # gathered already stays for its backward. No hooks: the recomputed graph is discarded.
-                if u.index in self._recompute_gathered:
-                    self._recompute_gathered.discard(u.index)
-                    self.release(u)
-                return output
-            if self.reshard_after_forward or not self._keeps_for_backward(u):
-                self.release(u)
-            if torch.is_grad_enabled() and not self._gathered_depth:
-                tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-                if tensors:
-                    torch.autograd.graph.register_multi_grad_hook(
-                        tensors, lambda _grads: self._pre_backward(u), mode="any"
-                    )
-            return output
-
-        return hook
-
-    def _keeps_for_backward(self, u: Unit) -> bool:
-        """``reshard_after_forward=False``: a training forward that autograd will differentiate keeps its
-        unit gathered; the backward releaser (or the end of backward) releases it."""
-        return u.module.training and torch.is_grad_enabled() and not self._gathered_depth
-
-    def _pre_backward(self, u: Unit) -> None:
-        if self.on_backward is not None:
-            self.on_backward()
-        self.gather(u)  # a no-op for a unit kept since its forward
-        if self.order_state is OrderState.VERIFIED and (self.prefetch or self.nvme) and u.index in self._order:
-            i = len(self._order) - 1 - self._order[::-1].index(u.index)
-            self._prefetch_next(self._order[:i][::-1])
-
-    def _prefetch_next(self, upcoming: list[int]) -> None:
-        """``upcoming``: the recorded order from the next unit on (forward, or reversed for backward): the
-        first ``prefetch`` units are gathered ahead; with NVMe the shards of the ones after them are read
-        ahead, as far as the ring has free slots."""
-        for k in upcoming[: self.prefetch]:
-            self._prefetch(self.units[k])
-        if self.nvme is not None:
-            for k in upcoming[self.prefetch : self.prefetch + len(self.nvme.ring)]:
-                self.nvme.read_ahead(self.units[k])
-
-    def _prefetch(self, u: Unit) -> None:
-        if u.state is UnitState.SHARDED and u.params:
-            self.prefetches += 1
-            self._launch_gather(u)
 
     # -- step boundaries ------------------------------------------------------------------------------
     def end_of_backward(self) -> None:
@@ -448,9 +368,3 @@ class ParamPartitioner:
             self._gathered_depth -= 1
             if self._gathered_depth == 0:
                 self.release_all(include_persistent=True)
-
-    def remove_hooks(self) -> None:
-        self.guard.remove()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()

@@ -61,7 +61,7 @@ class PartitionedParams:
                                             quantize=cfg.quantize_weights,
                                             reshard_after_forward=cfg.reshard_after_forward,
                                             nvme=_nvme_params_args(cfg, compute_dtype, eval_only))
-        self.partitioner.guard.eval_only = eval_only
+        self.partitioner.guard.eval_only = self.partitioner.eval_only = eval_only
         self.partitioner.on_backward = self._backward_begins
         self.releaser: Optional[BackwardReleaser] = None
         self._in_reduction: Callable[[], bool] = lambda: False

@@ -55,6 +55,13 @@ class Unit:
         return sum(self.nbytes_full)
 
     def local_views(self) -> list[torch.Tensor]:
+        storage = self.shard.untyped_storage()
+        if storage.nbytes() == 0 and self.shard.numel():  # on NVMe: a view is cut only within its storage's
+            storage.resize_(self.shard.numel() * self.shard.element_size())  # size (never written: no copy)
+            try:
+                return self.layout.local_views(self.shard)
+            finally:
+                storage.resize_(0)
         return self.layout.local_views(self.shard)
 
 
