@@ -39,11 +39,12 @@ def test_only_cpu_buffers_are_pooled():
     assert pool.allocations == 0 and pool.nbytes == 0
 
 
-def _steady_step(rank, world, stage, grad_reduce, keep=None):
+def _steady_step(rank, world, stage, grad_reduce, keep=None, reshard=True):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 8))  # 33: padded
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, grad_reduce=grad_reduce))
+    extra = dict(unit_classes=["Linear"], reshard_after_forward=reshard) if stage == 3 else {}
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=stage, grad_reduce=grad_reduce, **extra))
     if keep is not None:  # keep=0: every buffer made fresh, as before the pool
         engine.table.pool.keep = keep
     losses = []
@@ -61,20 +62,25 @@ def _steady_step(rank, world, stage, grad_reduce, keep=None):
     with AllocationCounter() as seen:
         step(3)
     sites = [k.split("lightning_zero/engine/")[-1] for k, n in seen.engine.items() for _ in range(n)]
-    return sites, losses, engine.memory_report().comm_buffers, [p.detach().clone() for p in model.parameters()]
+    # full_master_params: stage 3 holds no parameter storage between steps (a released parameter is empty)
+    return sites, losses, engine.memory_report().comm_buffers, engine.full_master_params()
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage,grad_reduce", [(1, "all_to_all"), (2, "all_to_all"), (2, "reduce_scatter"), (0, "auto")])
-def test_a_steady_step_makes_no_flat_buffer_anew(stage, grad_reduce):
-    """After warm-up the pack, receive and gather buffers are the kept ones: what the engine still allocates
-    is the reduced gradient shard (it lives until the step) and the once-a-step used-parameter mask."""
-    fresh = run_distributed(_steady_step, 2, stage, grad_reduce, 0)
+@pytest.mark.parametrize("stage,grad_reduce,reshard", [
+    (1, "all_to_all", True), (2, "all_to_all", True), (2, "reduce_scatter", True), (0, "auto", True),
+    (3, "all_to_all", True), (3, "all_to_all", False)])
+def test_a_steady_step_makes_no_flat_buffer_anew(stage, grad_reduce, reshard):
+    """After warm-up the pack, receive and gather buffers (stage 3: the unit gathers too) are the kept ones:
+    what the engine still allocates is the reduced gradient shard of each bucket (it lives until the step)
+    and the once-a-step used-parameter mask."""
+    fresh = run_distributed(_steady_step, 2, stage, grad_reduce, 0, reshard)
     for (sites, losses, kept, params), (_, f_losses, _, f_params) in zip(
-            run_distributed(_steady_step, 2, stage, grad_reduce), fresh):
+            run_distributed(_steady_step, 2, stage, grad_reduce, None, reshard), fresh):
         flat = [s for s in sites if not s.startswith("reducer.py")]
         assert flat == [], flat
-        assert len(sites) <= 3, sites
+        buckets = 3 if stage == 3 else 1  # stage 3: a bucket per unit (two Linears and the root)
+        assert len(sites) <= buckets + 2, sites
         assert kept > 0
         assert losses == f_losses  # reusing a buffer changes no value: bit for bit the fresh-buffer run
         assert all(torch.equal(p, q) for p, q in zip(params, f_params))

@@ -2,7 +2,8 @@
 
 [Note: kept communication buffers]
 Every step, each bucket needs the same transient flat buffers: the packed gradients its reduction reads,
-the rows an all-to-all reduce-scatter receives, the rank-major buffer its publish all-gather fills. Made
+the rows an all-to-all reduce-scatter receives, the rank-major buffer its publish all-gather fills; at stage
+3 each unit's gather needs its output buffer, given back once unpacked into the parameters' storage. Made
 fresh each time they are the engine's own allocations on the hot path (bench/allocations.py counted 7 a
 step at stages 1-2), and on a CPU rank a fresh buffer of a few MB costs its page faults again every step,
 which a reused one does not. DDP keeps its buckets for the whole run, and DeepSpeed keeps its reduction and

@@ -106,6 +106,8 @@ class ZeroEngine:
         maker = BucketMaker(self.world_size, self.rank, cfg.bucket_bytes, plan.shards_optimizer_state,
                             self._partitioned.units if self._partitioned is not None else None)
         self.table: BucketTable = maker.table(module, per_opt)
+        if self._partitioned is not None:  # the unit gathers borrow from the buckets' pool too
+            self._partitioned.partitioner.use_pool(self.table.pool)
         # masters are cut from the fp32 values before the module drops to the compute dtype
         self.opts = PG.OptimizerSet(self.optimizers, per_opt, self.table, maker, PG.shard_optimizers(
             self.optimizers, self.table, plan, cfg, compute_dtype, self.tensor_parallel,

@@ -50,6 +50,7 @@ from .nvme_params import NvmeParams
 from .join import RankDivergenceError, agreed_unit, announce, serve_until_all_joined  # noqa: F401 (re-export)
 from .hooks import UnitHooks
 from .units import Unit
+from ..buffer_pool import BufferPool
 
 
 class ParamPartitioner(UnitHooks):
@@ -76,6 +77,7 @@ class ParamPartitioner(UnitHooks):
         # qwZ: training and evaluation gathers travel as int8 blocks (engine/quantize.py); gathered()
         # (export, generate, handing the module back) stays exact
         self.quantize = quantize
+        self.pool: Optional[BufferPool] = None  # the engine's (bucket table's): the gather buffers come from it
         self.units = units
         self.root = units[-1]
         self.device = device
@@ -132,6 +134,7 @@ class ParamPartitioner(UnitHooks):
         full = [p.detach().float() for p in u.params]
         packed = u.layout.pack_rank_major(full, torch.float32)
         self._install_shard(u, packed.view(self.world_size, -1)[self.rank].clone())
+        u.layout.done_with(packed)
 
     def _install_shard(self, u: Unit, chunk: torch.Tensor) -> None:
         """``chunk``: this rank's fp32 slices of the unit, rank-major; the parameters keep no storage."""
@@ -213,7 +216,9 @@ class ParamPartitioner(UnitHooks):
                 self.raise_nvme_failure()
         else:
             send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
-        out = torch.empty(self.world_size * send.numel(), dtype=send.dtype, device=self.device)
+        n = self.world_size * send.numel()  # [Note: kept communication buffers]
+        out = self.pool.take(n, send.dtype, self.device) if self.pool is not None else torch.empty(
+            n, dtype=send.dtype, device=self.device)
         gather = Q.all_gather_int8 if self.quantize and not exact else C.all_gather
         u.inflight = (gather(out, send, group=self.group, async_op=True), out)
         u.move(UnitState.GATHERING)
@@ -284,11 +289,20 @@ class ParamPartitioner(UnitHooks):
             p.data.untyped_storage().resize_(n)
         u.layout.unpack_rank_major(out, [p.data for p in u.params])
         u.inflight = None
+        if self.pool is not None:  # unpacked into the parameters' storage: nothing reads it any more
+            self.pool.give(out)
         self.in_flight -= 1
         u.move(UnitState.UNSHARDED)
         self._held += u.full_bytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held)
         self._held -= out.numel() * out.element_size()  # the gather buffer is dropped on return
+
+    def use_pool(self, pool: BufferPool) -> None:
+        """Take each gather's output buffer, and each unit's padded-parameter staging, from ``pool``."""
+        self.pool = pool
+        for u in self.units:
+            if u.layout is not None:  # a unit without parameters (the root, often) has no layout
+                u.layout.pool = pool
 
     def gather(self, u: Unit) -> None:
         self._launch_gather(u)
