@@ -44,8 +44,10 @@ def run(method: str, args, out: str) -> dict:
         f"trainer.val_check_interval={args.steps}", "trainer.enable_progress_bar=false",
         "trainer.validate_before_fit=false", "model.num_gen_batches=0", "model.num_samples=0", f"optim.freeze_step={args.freeze}",
         f"optim.warmup_steps={args.freeze if args.warmup is None else args.warmup}", f"seed={args.seed}",
-        # 0/1 Adam: the GPT-2 bench's knobs (its local-step interval grows to 4 within the run)
-        "optim.var_update_scaler=8", f"optim.local_step_scaler={max(1, args.steps // 8)}", "optim.local_step_clipper=4",
+        # 0/1 Adam: by default the GPT-2 bench's knobs (its local-step interval grows to 4 within the run)
+        f"optim.var_update_scaler={args.var_update_scaler}",
+        f"optim.local_step_scaler={args.local_step_scaler or max(1, args.steps // 8)}",
+        f"optim.local_step_clipper={args.local_step_clipper}",
         "output.tensorboard=false", "output.export_hf=false", "output.save_top_k=0", "output.save_last=false",
         f"output.dir={out}/{method}"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -63,6 +65,10 @@ def main() -> None:
     ap.add_argument("--freeze", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=None, help="LR warmup steps (default: --freeze, DeepSpeed's "
                     "guidance: the variance freezes where the LR warmup ends)")
+    ap.add_argument("--var-update-scaler", type=int, default=8, help="0/1 Adam (DeepSpeed's default: 16)")
+    ap.add_argument("--local-step-scaler", type=int, default=None,
+                    help="0/1 Adam (default: steps // 8; DeepSpeed's: 32678, i.e. no local steps in a short run)")
+    ap.add_argument("--local-step-clipper", type=int, default=4, help="0/1 Adam (DeepSpeed's default: 16)")
     ap.add_argument("--model", default="t5_mini")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--methods", default="adamw_zero0,onebit_zero0,zeroone_zero0,onebit_zero1")
