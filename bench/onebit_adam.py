@@ -7,13 +7,17 @@ entropy), each rank its own batches, the same held-out batches for the validatio
 - ``adamw_ddp``: torch DDP + torch AdamW (step time reference; bytes: the ring all-reduce of every fp32 grad);
 - ``adamw_zero0``: AdamW on lightning_zero's stage 0 (its bytes from ``comm_report()``);
 - ``onebit``: ``OneBitAdam(freeze_step=F)`` on stage 0;
-- ``zeroone``: ``ZeroOneAdam(var_freeze_step=F, ...)`` on stage 0.
+- ``zeroone``: ``ZeroOneAdam(var_freeze_step=F, ...)`` on stage 0;
+- ``adamw_zero1``: AdamW on stage 1 (state sharded: reduce-scatter + parameter all-gather);
+- ``onebit_zero1``: ``OneBitAdam(freeze_step=F)`` on stage 1 (compressed reduce-scatter, compressed all-gather
+  of the momentum, parameter all-gather).
 
 Reported per method: final val loss, wire bytes per step (this rank) after the warmup and their ratio to DDP,
 median step time after the warmup. Run::
 
     python bench/onebit_adam.py                 # 300 steps, freeze at 60: a few minutes on 2 cores
     python bench/onebit_adam.py --steps 100 --freeze 20
+    python bench/onebit_adam.py --methods adamw_zero1,onebit_zero1
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VOCAB, SEQ, BATCH = 512, 64, 8
+STAGES = {"adamw_zero0": 0, "onebit": 0, "zeroone": 0, "adamw_zero1": 1, "onebit_zero1": 1}  # else: torch DDP
 
 
 def gpt2():
@@ -55,7 +60,7 @@ def bigram_batch(seed: int) -> torch.Tensor:
 def make_optimizer(method: str, params, args):
     from lightning_zero.optim import OneBitAdam, ZeroOneAdam
 
-    if method == "onebit":
+    if method.startswith("onebit"):
         return OneBitAdam(params, lr=args.lr, freeze_step=args.freeze)
     if method == "zeroone":
         return ZeroOneAdam(params, lr=args.lr, var_freeze_step=args.freeze, var_update_scaler=8,
@@ -75,7 +80,7 @@ def body(rank: int, world: int, method: str, args) -> dict:
     if method == "adamw_ddp":
         ddp = DDP(model)
     else:
-        engine = ZeroEngine(model, opt, ZeroConfig(stage=0))
+        engine = ZeroEngine(model, opt, ZeroConfig(stage=STAGES[method]))
     run = ddp if ddp is not None else model
     times, wire = [], []
     for step in range(1, args.steps + 1):
@@ -95,8 +100,11 @@ def body(rank: int, world: int, method: str, args) -> dict:
     with torch.no_grad():
         val = statistics.fmean(model(t, labels=t).loss.item() for t in (bigram_batch(-1 - i) for i in range(8)))
     after = slice(args.freeze + 1, None)  # 0/1 Adam still syncs variance some steps before its freeze
+    report = engine.comm_report() if engine is not None else None
+    # a compressed optimizer's phases; AdamW's last step by collective (a stage-1 step: reduce-scatter + all-gather)
+    detail = "" if report is None else report.phase_table() if report.phases else report.table()
     return dict(val=val, wire=statistics.fmean(wire[after]), time=statistics.median(times[after]),
-                n_params=n_params, phases=engine.comm_report().phase_table() if method in ("onebit", "zeroone") else "")
+                n_params=n_params, phases=detail if method != "adamw_zero0" else "")
 
 
 def main() -> None:
@@ -106,10 +114,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--freeze", type=int, default=60)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--methods", default="adamw_ddp,adamw_zero0,onebit,zeroone")
+    ap.add_argument("--methods", default="adamw_ddp,adamw_zero0,onebit,zeroone,adamw_zero1,onebit_zero1")
     args = ap.parse_args()
     rows = {}
-    for method in args.methods.split(","):
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m != "adamw_ddp" and m not in STAGES]
+    if unknown:
+        ap.error(f"unknown method(s) {', '.join(unknown)}: allowed adamw_ddp, {', '.join(STAGES)}")
+    for method in methods:
         t0 = time.perf_counter()
         rows[method] = run_ranks(body, 2, (method, args), timeout_s=3600)[0]
         print(f"{method}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -124,7 +136,8 @@ def main() -> None:
               f"1/{base['wire'] / r['wire']:.1f} | {1000 * r['time']:.1f} ms | {r['time'] / base['time']:.2f}x |")
     for m, r in rows.items():
         if r["phases"]:
-            print(f"\n{m} (rank 0, comm_report phases):\n{r['phases']}")
+            what = "phases" if "phase |" in r["phases"] else "last step"
+            print(f"\n{m} (rank 0, comm_report {what}):\n{r['phases']}")
 
 
 if __name__ == "__main__":

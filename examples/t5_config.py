@@ -159,6 +159,15 @@ class TrainerConf:
 
 @dataclass
 class OptimConf:
+    # adamw (torch.optim.AdamW) | onebit_adam | zeroone_adam: the communication-compressed Adams of
+    # lightning_zero.optim (docs/onebit_adam.md): strategy stage 0 for both, stage 1 for onebit_adam too
+    name: str = "adamw"
+    # onebit_adam: AdamW steps before the variance freezes and the momentum exchange turns 1-bit;
+    # zeroone_adam: its var_freeze_step. null = 20% of the run's total steps (DeepSpeed: the LR warmup's end)
+    freeze_step: Optional[int] = None
+    var_update_scaler: int = 16  # zeroone_adam: variance updates before its update interval doubles
+    local_step_scaler: int = 32678  # zeroone_adam: steps before its local-step interval doubles
+    local_step_clipper: int = 16  # zeroone_adam: the longest local-step interval
     lr: float = 3e-3
     weight_decay: float = 0.01
     warmup_steps: int = 50

@@ -42,6 +42,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from t5_config import (  # noqa: E402,F401  (importing registers the schemas in the ConfigStore)
     ConfigError, build_datamodule, build_strategy, build_tokenizer, strategy_kwargs, validate_schema)
+from t5_optim import check_optimizer, optimizer_kwargs  # noqa: E402
 from t5_run import (  # noqa: E402,F401  (resolve_start_method, output_dir: part of this app's API)
     checked_ckpt_path, eval_trainer, fit_and_report, fmt_metric, make_trainer, one_line_per_message, output_dir,
     resolve_start_method, run_report, set_cpu_threads, summary_lines)
@@ -67,7 +68,7 @@ def build_model(cfg: DictConfig, tok, out: str):
             samples_path=os.path.join(out, "samples.jsonl"),
             predictions_path=cfg.output.predictions or os.path.join(out, "test_predictions.jsonl"),
             attention=cfg.model.attention, sparse_attention=OmegaConf.to_container(cfg.model.sparse, resolve=True),
-            **OmegaConf.to_container(cfg.model.config_overrides, resolve=True))
+            **optimizer_kwargs(cfg), **OmegaConf.to_container(cfg.model.config_overrides, resolve=True))
     except FileNotFoundError as e:
         raise ConfigError(f"model.pretrained: {e}") from e
     except ValueError as e:
@@ -87,6 +88,7 @@ def train(cfg: DictConfig) -> Optional[dict]:
     one_line_per_message()
     resolve_start_method(cfg)
     strategy = build_strategy(cfg)  # ConfigError names the allowed values
+    check_optimizer(cfg, strategy)  # optim.name and its knobs, and whether it composes with that strategy
     out = output_dir(cfg)
     set_cpu_threads(cfg)
 

@@ -32,6 +32,7 @@ from torchmetrics.text import CHRFScore, SacreBLEUScore  # noqa: E402
 from torchmetrics.text.rouge import ROUGEScore  # noqa: E402
 from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration  # noqa: E402
 
+from t5_optim import OPTIMIZERS, make_optimizer  # noqa: E402
 from t5_samples import append_jsonl, gather_rows, markdown_table, write_jsonl  # noqa: E402
 from t5_tokenizer import bytes_tokenizer, check_vocab_matches, tokenizer_vocab  # noqa: E402
 
@@ -93,8 +94,12 @@ class T5FineTuner(L.LightningModule):
                  predictions_path: str | None = None, model_config: dict | None = None,
                  label_smoothing: float = 0.0, lr_schedule: str = "linear",
                  attention: str = "dense", sparse_attention: dict | None = None,
+                 optimizer: str = "adamw", freeze_step: int | None = None, var_update_scaler: int = 16,
+                 local_step_scaler: int = 32678, local_step_clipper: int = 16,
                  **config_overrides: Any):
         super().__init__()
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optim.name={optimizer!r}: allowed {', '.join(OPTIMIZERS)}.")
         if lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"optim.schedule={lr_schedule!r}: allowed {', '.join(LR_SCHEDULES)}.")
         if not 0.0 <= label_smoothing < 1.0:
@@ -270,12 +275,13 @@ class T5FineTuner(L.LightningModule):
             {"params": [p for p in params if id(p) in no_decay_ids], "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]]
-        opt = torch.optim.AdamW(groups, lr=self.hparams.lr)
-
         total = self.hparams.total_steps
         if total is None:
             est = self.trainer.estimated_stepping_batches
             total = int(est) if est is not None and math.isfinite(est) else 10_000
+        h = self.hparams
+        opt = make_optimizer(groups, h.lr, total, h.optimizer, h.freeze_step, h.var_update_scaler,
+                             h.local_step_scaler, h.local_step_clipper)
         warmup = min(self.hparams.warmup_steps, max(total - 1, 0))
 
         kind = self.hparams.lr_schedule

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from t5_config import (  # noqa: E402
     ConfigError, T5PretrainConf, build_datamodule, build_strategy, build_tokenizer, default_cache_dir,
     validate_schema)
+from t5_optim import check_optimizer, optimizer_kwargs  # noqa: E402
 from t5_run import (  # noqa: E402
     checked_ckpt_path, fit_and_report, fmt_metric, make_trainer, one_line_per_message, output_dir, resolve_start_method, run_report,
     set_cpu_threads, summary_lines)
@@ -46,6 +47,7 @@ def pretrain(cfg: DictConfig) -> Optional[dict]:
     one_line_per_message()
     resolve_start_method(cfg)
     strategy = build_strategy(cfg)
+    check_optimizer(cfg, strategy)
     out = output_dir(cfg, "t5_pretrain")
     set_cpu_threads(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -75,7 +77,7 @@ def pretrain(cfg: DictConfig) -> Optional[dict]:
             total_steps=cfg.optim.total_steps, lr_schedule=cfg.optim.schedule,
             label_smoothing=cfg.optim.label_smoothing, num_gen_batches=0, num_samples=0,
             max_new_tokens=cfg.model.max_new_tokens, dropout_rate=cfg.model.dropout_rate,
-            **OmegaConf.to_container(cfg.model.config_overrides, resolve=True))
+            **optimizer_kwargs(cfg), **OmegaConf.to_container(cfg.model.config_overrides, resolve=True))
     except FileNotFoundError as e:
         raise ConfigError(f"model.pretrained: {e}") from e
     except ValueError as e:

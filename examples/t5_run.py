@@ -229,6 +229,8 @@ def run_report(out: str, tokenizer: Any, export_hf: bool):
             engine = getattr(trainer.strategy, "engine", None)
             if engine is not None:
                 mine = engine.memory_report().as_dict()
+                comm = engine.comm_report()  # the last step's bytes; a compressed Adam's totals per phase
+                mine["comm"] = {"last_step_wire_bytes": comm.wire_bytes, "phases": comm.phases}
             else:
                 n = sum(p.numel() * p.element_size() for p in pl_module.parameters())
                 mine = {"model_states": n}
@@ -276,6 +278,10 @@ def summary_lines(app: str, cfg: DictConfig, strategy: Any, s: dict) -> list[str
     if ranks:
         mem = ", ".join(f"rank {i} {fmt_bytes(r['model_states'])}" for i, r in enumerate(ranks))
         lines.append(f"model states: {mem} (params + grads + optimizer state, per rank)")
+        phases = ranks[0].get("comm", {}).get("phases")
+        if phases:  # optim.name=onebit_adam / zeroone_adam: the bytes before and after the 1-bit phase began
+            lines.append("comm (rank 0): " + ", ".join(
+                f"{name} {steps} steps {fmt_bytes(wire / steps)}/step" for name, (steps, _c, _p, wire) in phases.items()))
         if "units" in ranks[0]:
             lines.append(f"stage-3 units built: {ranks[0]['units']} ({ranks[0]['persistent_units']} persistent)")
     lines += [f"outputs:      {s['output_dir']}",

@@ -1,5 +1,7 @@
-"""The T5 recipe's optimisation levers (examples/t5_module.py): the learning-rate schedules after warmup and
-the label-smoothed training loss, each checked against a formula written out here."""
+"""The T5 recipe's optimisation levers (examples/t5_module.py, examples/t5_optim.py): the learning-rate schedules
+after warmup and the label-smoothed training loss, each checked against a formula written out here; the optimizer
+choice (``optim.name``: AdamW, 1-bit Adam, 0/1 Adam), its config errors, and 1-bit Adam's warmup equal to AdamW
+in a 2-rank recipe fit."""
 import math
 import os
 import sys
@@ -13,7 +15,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.helpers.hydra_recipe import compose_recipe, pairs_file  # noqa: E402,F401  (fixture)
+from t5_config import ConfigError, build_strategy  # noqa: E402
 from t5_module import LR_SCHEDULES, T5FineTuner  # noqa: E402
+from t5_optim import OPTIMIZERS, check_optimizer  # noqa: E402
+
+from lightning_zero.optim import OneBitAdam, ZeroOneAdam  # noqa: E402
 
 PEAK, WARMUP, TOTAL = 1e-2, 10, 110
 
@@ -73,3 +80,103 @@ def test_bad_schedule_and_smoothing_are_refused():
         T5FineTuner("t5_tiny", lr_schedule="step")
     with pytest.raises(ValueError, match="0 <= value < 1"):
         T5FineTuner("t5_tiny", label_smoothing=1.0)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_optimizer_choice_keeps_the_decay_groups_and_the_schedule(name):
+    model = T5FineTuner("t5_tiny", lr=PEAK, weight_decay=0.05, warmup_steps=WARMUP, total_steps=TOTAL,
+                        optimizer=name)
+    conf = model.configure_optimizers()
+    opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
+    assert type(opt) is {"adamw": torch.optim.AdamW, "onebit_adam": OneBitAdam, "zeroone_adam": ZeroOneAdam}[name]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    assert sched.optimizer is opt and opt.param_groups[0]["lr"] == pytest.approx(PEAK / (WARMUP + 1))
+    if name == "onebit_adam":
+        assert opt.freeze_step == round(0.2 * TOTAL)  # null: 20% of the run
+    if name == "zeroone_adam":
+        assert (opt.var_freeze_step, opt.var_update_scaler, opt.local_step_scaler) == (round(0.2 * TOTAL), 16, 32678)
+    explicit = T5FineTuner("t5_tiny", total_steps=TOTAL, optimizer=name, freeze_step=7, var_update_scaler=3,
+                           local_step_scaler=5, local_step_clipper=2).configure_optimizers()["optimizer"]
+    if name == "onebit_adam":
+        assert explicit.freeze_step == 7
+    if name == "zeroone_adam":
+        assert explicit.var_freeze_step == 7
+        assert (explicit.var_update_scaler, explicit.local_step_scaler, explicit.local_step_clipper) == (3, 5, 2)
+
+
+def _refused(*overrides):
+    cfg = compose_recipe(*overrides)
+    with pytest.raises(ConfigError) as e:
+        check_optimizer(cfg, build_strategy(cfg))
+    return str(e.value)
+
+
+def test_bad_optimizer_config_is_refused_naming_what_is_allowed():
+    with pytest.raises(ValueError, match="allowed adamw, onebit_adam, zeroone_adam"):
+        T5FineTuner("t5_tiny", optimizer="lamb")
+    assert "Allowed: adamw, onebit_adam, zeroone_adam" in _refused("optim.name=lamb")
+    assert "freeze_step 0: allowed an int >= 1" in _refused("optim.name=onebit_adam", "strategy=zero0",
+                                                           "optim.freeze_step=0")
+    assert "local_step_clipper 0: allowed an int >= 1" in _refused("optim.name=zeroone_adam", "strategy=zero0",
+                                                                  "optim.local_step_clipper=0")
+    # the engine's refusal, before any process starts: what composes is named
+    allowed = 'strategy="zero1" (optimizer state sharded) for OneBitAdam'
+    msg = _refused("optim.name=zeroone_adam", "strategy=zero1")
+    assert "optim.name=zeroone_adam with strategy=zero1 (stage 1)" in msg and "one owner" in msg and allowed in msg
+    msg = _refused("optim.name=onebit_adam")  # the recipe's default strategy, zero2
+    assert "stage 2 shards the gradients" in msg and allowed in msg
+    assert "offload" in _refused("optim.name=onebit_adam", "strategy=zero1_offload")
+    assert "fp16 loss scaling" in _refused("optim.name=onebit_adam", "strategy=zero0", "trainer.precision=16-mixed")
+    for ok in (("optim.name=adamw",), ("optim.name=onebit_adam", "strategy=zero0"),
+               ("optim.name=onebit_adam", "strategy=zero1"), ("optim.name=zeroone_adam", "strategy=zero0")):
+        cfg = compose_recipe(*ok)
+        check_optimizer(cfg, build_strategy(cfg))
+    from t5_finetune import train
+
+    with pytest.raises(ConfigError, match="one owner"):  # the app checks before it loads data or forks
+        train(compose_recipe("optim.name=zeroone_adam", "strategy=zero1"))
+
+
+def _fit(tmp_path, pairs_file, name, *overrides):
+    from t5_finetune import train
+
+    out = tmp_path / name
+    summary = train(compose_recipe(
+        "model=t5_tiny", "trainer=cpu", "trainer.devices=2", "data=jsonl", f"data.path={pairs_file}",
+        "data.source_field=code", "data.target_field=doc", "data.batch_size=4", "data.limit_train=32",
+        "data.limit_val=8", "data.max_source_len=48", "data.max_target_len=16", "tokenizer.vocab_size=400",
+        "trainer.max_steps=3", "trainer.val_check_interval=3", "trainer.enable_progress_bar=false",
+        "model.num_gen_batches=0", "optim.warmup_steps=1", "output.tensorboard=false", f"output.dir={out}",
+        *overrides))
+    from transformers import T5ForConditionalGeneration
+
+    return summary, T5ForConditionalGeneration.from_pretrained(summary["run_info"]["hf_model"]).state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_onebit_adam_warmup_is_the_recipes_adamw(tmp_path, pairs_file, restore_threads):
+    """freeze_step beyond the run: every step is the warmup's AdamW on the all-reduced gradient (with the
+    recipe's clipping, weight-decay groups and schedule), so the weights equal AdamW's bit for bit."""
+    _, adamw = _fit(tmp_path, pairs_file, "adamw", "strategy=zero0", "optim.name=adamw")
+    summary, onebit = _fit(tmp_path, pairs_file, "onebit", "strategy=zero0", "optim.name=onebit_adam",
+                           "optim.freeze_step=100")
+    assert adamw.keys() == onebit.keys()
+    assert all(torch.equal(adamw[k], onebit[k]) for k in adamw), \
+        max((adamw[k] - onebit[k]).abs().max().item() for k in adamw)
+    phases = summary["run_info"]["ranks"][0]["comm"]["phases"]
+    assert list(phases) == ["warmup"] and phases["warmup"][:2] == [3, 3]  # 3 steps, one all-reduce each
+
+
+@pytest.mark.timeout(300)
+def test_recipe_reports_the_compressed_phase_bytes(tmp_path, pairs_file, restore_threads, capsys):
+    """1-bit Adam at stage 1 in the recipe: one warmup step, then the compressed phase; the summary prints the
+    bytes per step of each phase (rank 0's comm_report). A compressed step moves about half the warmup's
+    bytes (the first one more: it rebuilds the whole momentum, engine/onebit/sharded.py)."""
+    summary, _ = _fit(tmp_path, pairs_file, "zero1", "strategy=zero1", "optim.name=onebit_adam",
+                      "optim.freeze_step=1")
+    phases = summary["run_info"]["ranks"][0]["comm"]["phases"]
+    assert set(phases) == {"warmup", "compressed"} and phases["warmup"][0] == 1 and phases["compressed"][0] == 2
+    last = summary["run_info"]["ranks"][0]["comm"]["last_step_wire_bytes"]  # a compressed step
+    assert 0.4 * phases["warmup"][3] < last < 0.6 * phases["warmup"][3]
+    assert "comm (rank 0): warmup 1 steps " in capsys.readouterr().out
