@@ -17,13 +17,13 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_zero import checkpoint as ck
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import nvme as NV
 from tests.helpers.accum_runs import zoo_run, zoo_setup, zoo_steps
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.nvme_models import STACK_UNITS, Stack, swap_files
 from tests.helpers.parity import check_parity
 
 STEPS = 3
@@ -33,10 +33,6 @@ def _cfg(params, optimizer, path: str, stage: int = 3, **kw) -> ZeroConfig:
     on_disk = "nvme" in (params, optimizer)
     return ZeroConfig(stage=stage, offload_optimizer=optimizer, offload_params=params if stage == 3 else False,
                       nvme_path=path if on_disk else None, offload_kernel="user", bucket_mb=0.01, **kw)
-
-
-def _swaps(path: str) -> list[str]:
-    return sorted(f for f in os.listdir(path) if f.endswith(".swap"))
 
 
 # -- exact --------------------------------------------------------------------------------------------------------
@@ -50,7 +46,7 @@ def _parity_runs(rank, world_size, path):
     out["nvme", "prefetch2"] = zoo_run(rank, _cfg("nvme", "nvme", path, prefetch=2), STEPS)
     out["nvme", "noreshard"] = zoo_run(rank, _cfg("nvme", "nvme", path, reshard_after_forward=False), STEPS)
     torch.distributed.barrier()  # every rank's engines torn down
-    out["left"] = _swaps(path)
+    out["left"] = swap_files(path)
     return out
 
 
@@ -66,18 +62,6 @@ def test_zero3_param_nvme_offload_equals_ddp_and_the_cpu_param_offload_bit_for_b
         assert r["left"] == [], r["left"]
 
 
-class Stack(nn.Module):
-    """``layers`` equal Linear units: the shards on disk are many times the ring (a few units' shards)."""
-
-    def __init__(self, layers: int = 40, width: int = 32) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-
-    def forward(self, x):
-        return self.layers(x).float().pow(2).mean()
-
-
-STACK_UNITS = dict(unit_classes=["Linear"], persist_numel=0)
 
 
 def _bf16(rank, world_size, path):
@@ -108,7 +92,7 @@ def test_bf16_compute_param_nvme_offload_is_the_cpu_param_offload_bit_for_bit(tm
         numel = sum(m.numel() for m in r["nvme"]) // 2  # this rank's shard of every parameter
         # on disk: masters + AdamW state (12 bytes) and the bf16 parameter shards (2 bytes) of each element
         assert rep["nvme"] == 14 * numel and rep["host"] == 0 and rep["ring"] > 0, rep
-    assert _swaps(str(tmp_path)) == []
+    assert swap_files(str(tmp_path)) == []
 
 
 # -- checkpoints across parameter offload devices -----------------------------------------------------------------
@@ -134,7 +118,7 @@ def _resume_runs(rank, world_size, path):
         torch.distributed.barrier()
         out[i, "ckpt_files"] = sorted(f for _, _, fs in os.walk(ckpt) for f in fs)
         out[i] = (losses + more[0], norms + more[1], {k: v.detach().clone() for k, v in model.state_dict().items()})
-    out["left"] = _swaps(path)
+    out["left"] = swap_files(path)
     return out
 
 
@@ -184,7 +168,7 @@ def _bounded(rank, world_size, path):
         probe()  # between steps
     rep = engine.memory_report().as_dict()
     unit_full = max(u.full_bytes for u in part.units)
-    files = [f for f in _swaps(path) if f"-params-rank{rank}-" in f]
+    files = [f for f in swap_files(path) if f"-params-rank{rank}-" in f]
     out = dict(seen=seen, rep=rep, ring=store.ring_bytes, slots=len(store.ring), slot=store.slot_bytes,
                unit_full=unit_full, units=len(part.units), counts=counts, shard_bytes=part.shard_bytes(),
                file=os.path.getsize(os.path.join(path, files[0])) if files else 0, files=len(files))
@@ -272,7 +256,7 @@ def test_setup_holds_one_unit_shard_at_a_time(tmp_path, monkeypatch, dtype, opti
     assert all(torch.equal(a, b) for a, b in zip(engine.full_master_params(), ref.full_master_params()))
     engine.remove()
     ref.remove()
-    assert _swaps(str(tmp_path)) == []
+    assert swap_files(str(tmp_path)) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -294,7 +278,7 @@ def test_add_param_group_after_setup_takes_masters_from_the_shards_on_disk(tmp_p
         out[params] = [m.clone() for m in engine.full_master_params()]
         engine.remove()
     assert len(out["nvme"]) == 8 and all(torch.equal(a, b) for a, b in zip(out["nvme"], out[True]))
-    assert _swaps(str(tmp_path)) == []
+    assert swap_files(str(tmp_path)) == []
 
 
 # -- Lightning: the preset, several fits in one process -----------------------------------------------------------

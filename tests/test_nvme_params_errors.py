@@ -17,7 +17,7 @@ import torch
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import nvme as NV
 from tests.helpers.dist_utils import run_distributed
-from tests.test_nvme_params import STACK_UNITS, Stack, _swaps
+from tests.helpers.nvme_models import STACK_UNITS, Stack, swap_files
 
 
 def _engine(path, compute_dtype=None, **kw):
@@ -62,7 +62,7 @@ def _one_rank_fails_to_read(rank, world_size, path):
     try:
         engine.step()
     except RuntimeError as e:
-        return str(e), _swaps(path)
+        return str(e), swap_files(path)
     return None, None
 
 
