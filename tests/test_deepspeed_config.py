@@ -361,3 +361,59 @@ def test_zero_infinity_parameter_offload_translates(tmp_path):
                                     "nvme_path": str(tmp_path)}
     overrides, _ = only_params.hydra_overrides()
     assert "strategy.name=zero3_offload_nvme" in overrides and "strategy.offload_params=nvme" in overrides
+
+
+# -- DeepSpeed's 1-bit Adam / 0/1 Adam configs (its optimizers are gone since 2026) -------------------------------
+ONEBIT_DS = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+             "optimizer": {"type": "OneBitAdam", "params": {"lr": 2e-4, "betas": [0.8, 0.999], "eps": 1e-8,
+                                                            "weight_decay": 0.01, "freeze_step": 400,
+                                                            "cuda_aware": False, "comm_backend_name": "nccl"}}}
+ZEROONE_DS = {"optimizer": {"type": "ZeroOneAdam", "params": {
+    "lr": 1e-3, "weight_decay": 0.0, "var_freeze_step": 1000, "var_update_scaler": 16, "local_step_scaler": 1000,
+    "local_step_clipper": 16, "cuda_aware": False, "comm_backend_name": "nccl"}}}
+
+
+def test_deepspeed_onebit_and_zeroone_adam_configs_translate():
+    from lightning_zero.optim import OneBitAdam, ZeroOneAdam
+
+    t = from_deepspeed_config(ONEBIT_DS)
+    assert t.optimizer == (OneBitAdam, {"lr": 2e-4, "betas": (0.8, 0.999), "eps": 1e-8, "weight_decay": 0.01,
+                                        "freeze_step": 400})
+    assert {"optimizer.params.cuda_aware", "optimizer.params.comm_backend_name"} <= set(t.ignored)
+    opt = t.configure_optimizers(nn.Linear(3, 2).parameters())
+    assert isinstance(opt, OneBitAdam) and opt.freeze_step == 400 and opt.defaults["betas"] == (0.8, 0.999)
+    z = from_deepspeed_config(ZEROONE_DS)
+    assert z.optimizer[0] is ZeroOneAdam and z.optimizer[1]["var_freeze_step"] == 1000
+    assert isinstance(z.configure_optimizers(nn.Linear(3, 2).parameters()), ZeroOneAdam)
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"amsgrad": True}, r"params.amsgrad is not supported \(allowed: amsgrad=False\)"),
+    ({"max_grad_norm": 1.0}, r"params.max_grad_norm is not supported \(allowed: max_grad_norm=0.0; clip with "
+                             r"gradient_clipping\)"),
+    ({"freeze_step": 0}, r"do not fit OneBitAdam: Invalid freeze_step 0"),
+])
+def test_what_onebit_adam_cannot_take_is_refused(params, match):
+    with pytest.raises(DeepSpeedConfigError, match=match):
+        from_deepspeed_config({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, **params}}})
+    with pytest.raises(DeepSpeedConfigError, match=r"Allowed: Adam, AdamW, SGD, Adagrad, OneBitAdam, ZeroOneAdam"):
+        from_deepspeed_config({"optimizer": {"type": "OneBitLamb", "params": {}}})
+
+
+@pytest.mark.parametrize("ds,want", [
+    (ONEBIT_DS, {"optim.name": "onebit_adam", "optim.freeze_step": 400, "strategy.stage": 1}),
+    (ZEROONE_DS, {"optim.name": "zeroone_adam", "optim.freeze_step": 1000, "optim.local_step_scaler": 1000}),
+])
+def test_compressed_adam_configs_become_the_recipes_optim_name(ds, want):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from hydra import compose, initialize_config_dir
+    from t5_config import validate_schema
+
+    overrides, notes = from_deepspeed_config(ds).hydra_overrides()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("t5_finetune", overrides=overrides)
+    validate_schema(cfg)
+    for key, value in want.items():
+        section, name = key.split(".")
+        assert cfg[section][name] == value, (key, overrides)
+    assert any("betas" in n for n in notes) == ("betas" in ds["optimizer"]["params"])  # the recipe keeps AdamW's

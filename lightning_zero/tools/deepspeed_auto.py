@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from .deepspeed_config import DeepSpeedTranslation
 
 
+def unset(v) -> bool:
+    """A DeepSpeed value that sets nothing: absent, null, or HF's "auto" placeholder."""
+    return v is None or v == "auto"
+
+
 class DeepSpeedConfigError(ValueError):
     """A DeepSpeed config setting that has no equivalent here (the message names what is allowed)."""
 

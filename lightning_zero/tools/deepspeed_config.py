@@ -38,6 +38,8 @@ import torch
 
 from ..engine.config import ZeroConfig
 from .deepspeed_auto import AUTO_SOURCES, DeepSpeedConfigError, _Auto  # noqa: F401  (AUTO_SOURCES: public)
+from .deepspeed_auto import unset as _unset
+from .deepspeed_optimizer import recipe_overrides, translate_optimizer
 from .deepspeed_schedule import DeepSpeedWarmupLR
 
 # keys that tune DeepSpeed's internals or its own logging; the run is the same without them
@@ -82,15 +84,9 @@ _ZERO_KEYS = {"stage", "offload_optimizer", "offload_param", "reduce_bucket_size
               "stage3_param_persistence_threshold", "cpu_offload", "cpu_offload_params"} | set(_ZERO_NO_EFFECT)
 _FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
               "consecutive_hysteresis", "min_loss_scale", "auto_cast"}
-_OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-               "adagrad": torch.optim.Adagrad}
 _SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
 
 
-
-
-def _unset(v) -> bool:
-    return v is None or v == "auto"
 
 
 def _check_keys(block: dict, allowed: set, where: str) -> None:
@@ -169,12 +165,9 @@ class DeepSpeedTranslation:
             notes.append(f"fp16 loss scaler {self.precision_kwargs}: the recipe uses DeepSpeed's defaults; "
                          "pass ZeroPrecision('16-mixed', ...) from Python to change them")
         if self.optimizer is not None:
-            cls, kw = self.optimizer
-            o.update({f"optim.{k}": kw[k] for k in ("lr", "weight_decay") if k in kw})
-            defaults = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
-            rest = {k: v for k, v in kw.items() if k not in ("lr", "weight_decay") and defaults.get(k) != v}
-            if cls is not torch.optim.AdamW or rest:
-                notes.append(f"optimizer {cls.__name__}{rest or ''}: the recipe runs AdamW with torch's defaults")
+            opt_overrides, opt_notes = recipe_overrides(*self.optimizer)
+            o.update(opt_overrides)
+            notes += opt_notes
         if self.scheduler is not None:
             sch = self.scheduler
             for ds_key, key in (("warmup_num_steps", "warmup_steps"), ("total_num_steps", "total_steps"),
@@ -303,30 +296,7 @@ def _zero(cfg: dict, out: DeepSpeedTranslation, elem_bytes: int, auto: _Auto) ->
 def _optimizer(cfg: dict, out: DeepSpeedTranslation, auto: _Auto) -> None:
     block = cfg.get("optimizer")
     if block:
-        kind = str(block.get("type", "")).lower()
-        params = dict(block.get("params") or {})
-        if kind not in _OPTIMIZERS:
-            raise DeepSpeedConfigError(
-                f"optimizer type {block.get('type')!r} is not supported (ZeRO shards need an elementwise "
-                f"optimizer). Allowed: Adam, AdamW, SGD, Adagrad.")
-        if kind == "adam":  # DeepSpeed's Adam decouples weight decay unless told otherwise
-            kind = "adamw" if params.pop("adam_w_mode", True) else "adam"
-        params.pop("torch_adam", None)
-        betas = lambda v: (v["adam_beta1"], v["adam_beta2"]) if "adam_beta1" in v and "adam_beta2" in v else None  # noqa: E731
-        sources = {"lr": ("learning_rate", None), "weight_decay": ("weight_decay", None), "eps": ("adam_epsilon", None),
-                   "betas": ("adam_beta1, adam_beta2", betas)}
-        for k, (source, compute) in sources.items():
-            if params.get(k) == "auto":
-                params[k] = auto.resolve(f"optimizer.params.{k}", "auto", source, compute)
-        params = {k: (tuple(v) if k == "betas" else v) for k, v in params.items() if not _unset(v)}
-        cls = _OPTIMIZERS[kind]
-        if cls in (torch.optim.Adam, torch.optim.AdamW) and "optimizer.params.weight_decay" not in out.auto:
-            params.setdefault("weight_decay", 0.0)  # DeepSpeed's default; torch's AdamW would use 0.01
-        try:
-            cls([torch.zeros(1, requires_grad=True)], **params)
-        except TypeError as e:
-            raise DeepSpeedConfigError(f"optimizer params {sorted(params)} do not fit {cls.__name__}: {e}") from None
-        out.optimizer = (cls, params)
+        out.optimizer = translate_optimizer(block, auto, out)  # deepspeed_optimizer.py
     sched = cfg.get("scheduler")
     if sched:
         if sched.get("type") not in _SCHEDULERS:
