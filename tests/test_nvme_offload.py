@@ -26,6 +26,7 @@ from lightning_zero import checkpoint as ck
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine import nvme as NV
 from tests.helpers.dist_utils import run_distributed
+from tests.helpers.nvme_models import swap_files
 from tests.helpers.accum_runs import zoo_run, zoo_setup, zoo_steps
 from tests.helpers.parity import FP32, check_parity, close
 
@@ -87,7 +88,7 @@ def _resume_runs(rank, world_size, path):
         engine.remove(hand_back=False)
         out[i] = (losses + more[0], norms + more[1], {k: v.detach().clone() for k, v in model.state_dict().items()})
     torch.distributed.barrier()
-    out["left"] = sorted(f for f in os.listdir(path) if f.endswith(".swap"))
+    out["left"] = swap_files(path)
     return out
 
 

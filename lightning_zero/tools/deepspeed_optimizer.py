@@ -22,8 +22,7 @@ OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch
               "adagrad": torch.optim.Adagrad, "onebitadam": OneBitAdam, "zerooneadam": ZeroOneAdam}
 _ALLOWED = "Adam, AdamW, SGD, Adagrad, OneBitAdam, ZeroOneAdam"
 _COMPRESSED = (OneBitAdam, ZeroOneAdam)
-_TRANSPORT = {"cuda_aware": "the compressed exchange runs on torch.distributed collectives (NCCL or gloo)",
-              "comm_backend_name": "the compressed exchange runs on torch.distributed collectives (NCCL or gloo)"}
+_TRANSPORT = ("cuda_aware", "comm_backend_name")  # DeepSpeed's choice of transport for the compressed exchange
 _DEFAULT_ONLY = {"amsgrad": False, "eps_inside_sqrt": False, "max_grad_norm": 0.0}  # DeepSpeed's 1-bit defaults
 # the recipe's optim.* name and keys for each compressed Adam (examples/t5_optim.py)
 RECIPE_NAMES = {OneBitAdam: ("onebit_adam", {"freeze_step": "freeze_step"}),
@@ -46,10 +45,9 @@ def translate_optimizer(block: dict, auto: Any, out: Any) -> tuple[type, dict]:
     params.pop("torch_adam", None)
     cls = OPTIMIZERS[kind]
     if cls in _COMPRESSED:
-        for k, why in _TRANSPORT.items():
-            if k in params:
-                params.pop(k)
-                out.ignored[f"optimizer.params.{k}"] = why
+        for k in _TRANSPORT:
+            if params.pop(k, None) is not None:
+                out.ignored[f"optimizer.params.{k}"] = "the compressed exchange runs on torch.distributed (NCCL or gloo)"
         for k, default in _DEFAULT_ONLY.items():
             if k in params and params.pop(k) not in (default, None):
                 raise DeepSpeedConfigError(
