@@ -81,6 +81,11 @@ class Bucket:
         if self.pool is not None:
             self.pool.give(flat)
 
+    def keep(self, flat: torch.Tensor) -> None:
+        """A :meth:`new_flat` buffer the caller keeps for good (never given back)."""
+        if self.pool is not None:
+            self.pool.disown(flat)
+
     @property
     def world_size(self) -> int:
         return self.specs[0].world_size
@@ -171,8 +176,8 @@ class Bucket:
             self.world_size * self.shard_numel, dtype=dtype, device=dev)
         # this rank's chunk is packed in place, into its own row of the output, where the collective takes
         # it so (an in-place all-gather); else, or from the host, into a chunk of its own
-        if host:
-            send = torch.empty(self.shard_numel, dtype=dtype, device="cpu", pin_memory=dev.type == "cuda")
+        if host and dev.type != "cpu":  # a CPU-only run's "host chunk" is its own row, as below
+            send = torch.empty(self.shard_numel, dtype=dtype, device="cpu", pin_memory=True)
         elif C.gathers_in_place(group):
             send = flat.view(self.world_size, self.shard_numel)[self.specs[0].rank]
         else:

@@ -64,6 +64,12 @@ class BufferPool:
         if len(self._free) > self.keep:
             self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
 
+    def disown(self, t: torch.Tensor) -> None:
+        """A buffer :meth:`take` lent that its borrower keeps for good (one rank's packed gradients become
+        its reduced shard): forgotten here, freed with its last reference."""
+        if t.device.type == "cpu":
+            self._lent.pop(t.data_ptr(), None)
+
     @property
     def nbytes(self) -> int:
         """Bytes held now: kept blocks and lent ones."""

@@ -103,6 +103,11 @@ class _Done:
         return True
 
 
+def done() -> _Done:
+    """The handle of work that needed no collective (one rank)."""
+    return _Done()
+
+
 def world_size(group: Optional[Any] = None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
@@ -161,7 +166,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[Any] =
     """Gather every rank's flat ``input`` into a flat ``output`` (rank-major)."""
     n = world_size(group)
     if n == 1:
-        output.view(-1)[: input.numel()].copy_(input.view(-1))
+        dst = output.view(-1)[: input.numel()]
+        if dst.data_ptr() != input.data_ptr():  # packed in place already: nothing to move
+            dst.copy_(input.view(-1))
         return _Done() if async_op else None
     stats.record("all_gather", input, group)
     if _is_gloo(group):

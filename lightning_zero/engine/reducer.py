@@ -266,22 +266,29 @@ class GradReducer:
             self._stream.wait_stream(torch.cuda.current_stream(b.params[0].device))
             ctx = torch.cuda.stream(self._stream)
         with ctx:
-            if not self.plan.shards_optimizer_state:  # stage 0: whole gradients, as DDP
+            shards = self.plan.shards_optimizer_state
+            if not shards:  # stage 0: whole gradients, as DDP
                 flat = b.pack_full(grads, dtype, extra=n)
                 _write_flags(flat[b.numel :], grads)
-                flat.div_(self._pre)
-                work = C.all_reduce(flat, group=self.group, async_op=True)
-                out = flat
             else:
                 flat = b.pack_rank_major(grads, dtype, extra=n)
                 _write_flags(flat.view(b.world_size, -1)[:, b.shard_numel :], grads)
+            if self._pre != 1.0:  # one rank: nothing to divide
                 flat.div_(self._pre)
+            if not shards:
+                work = C.all_reduce(flat, group=self.group, async_op=True)
+                out = flat
+            elif b.world_size == 1 and self.mode != "int8":  # one rank: the packed buffer is its reduced shard
+                out, work = flat, C.done()
+                b.keep(flat)
+            else:
                 out = torch.empty(b.shard_numel + n, dtype=dtype, device=flat.device)
                 # int8: the used-parameter counts get scales of their own
                 kw = dict(segments=[b.shard_numel, n]) if self.mode == "int8" else {}
                 if self.mode == "all_to_all":  # its received rows come from the bucket's pool too
                     kw = dict(pool=b.pool)
                 work = _SHARD_REDUCTIONS[self.mode](out, flat, group=self.group, async_op=True, **kw)
+            if shards:
                 for p in b.params:  # the full gradient is now inside ``flat``: free it
                     if p.grad is not None and self._stream is not None:
                         p.grad.record_stream(self._stream)
@@ -300,7 +307,8 @@ class GradReducer:
                 self._replicate(b)
         else:
             self._add_shard(b, out)
-        b.done_with(flat)  # read to the end; ``out`` is a separate buffer whenever it is kept (stages 1-3)
+        if out is not flat or not self.plan.shards_optimizer_state:  # else one rank kept it as its shard
+            b.done_with(flat)  # read to the end; ``out`` is a separate buffer whenever it is kept (stages 1-3)
 
     def _replicate(self, b: Bucket) -> None:
         out, self._unreplicated[b.index] = self._unreplicated[b.index], None
@@ -329,6 +337,9 @@ class GradReducer:
         else:
             shard.add_(out)
         if self.host_grads and self.sync is GradSync.BOUNDARY:  # this sum is the final one
+            if shard.device.type == "cpu":  # already in host memory (a CPU-only run): the shard is the host copy
+                self.host_shards[b.index] = shard
+                return
             host = self.host_shards[b.index]
             if host is None:
                 host = self.host_shards[b.index] = torch.empty(

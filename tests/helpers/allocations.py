@@ -23,9 +23,15 @@ class AllocationCounter(TorchDispatchMode):
         super().__init__()
         self.count, self.nbytes, self.engine = 0, 0, collections.Counter()
         self.sizes: list[int] = []  # bytes of each allocation, in order
+        self.copies: collections.Counter = collections.Counter()  # engine "path:line" -> bytes copy_ wrote there
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.copy_.default:
+            ours = [f for f in traceback.extract_stack()[:-2] if _ENGINE in f.filename]
+            if ours:
+                dst = args[0]
+                self.copies[f"{os.path.relpath(ours[-1].filename)}:{ours[-1].lineno}"] += dst.numel() * dst.element_size()
         inputs = {id(a.untyped_storage()) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
         for t in tree_leaves(out):
             if (isinstance(t, torch.Tensor) and not t._is_view() and t.untyped_storage().nbytes()

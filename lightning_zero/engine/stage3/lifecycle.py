@@ -7,7 +7,8 @@ A unit is always in one of three states, and only these moves exist::
     SHARDED ──launch all-gather──▶ GATHERING ──wait + copy-out──▶ UNSHARDED ──resize storage to 0──▶ SHARDED
 
 * SHARDED: each parameter's storage is empty; this rank holds only ``unit.shard`` (its flat slice).
-* GATHERING: an all-gather of the shards is in flight (``unit.inflight`` = (work, output buffer));
+* GATHERING: an all-gather of the shards is in flight (``unit.inflight`` = (work, output buffer, whether that
+  buffer is its own: with one rank it is the shard itself));
   parameters are still empty. A prefetch leaves a unit here until its own pre-forward/pre-backward hook
   (or ``end_of_backward``) waits for it.
 * UNSHARDED: every parameter has its full storage, written through ``param.data`` so autograd's

@@ -216,15 +216,19 @@ class ParamPartitioner(UnitHooks):
                 self.raise_nvme_failure()
         else:
             send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
-        n = self.world_size * send.numel()  # [Note: kept communication buffers]
-        out = self.pool.take(n, send.dtype, self.device) if self.pool is not None else torch.empty(
-            n, dtype=send.dtype, device=self.device)
-        gather = Q.all_gather_int8 if self.quantize and not exact else C.all_gather
-        u.inflight = (gather(out, send, group=self.group, async_op=True), out)
+        quantized = self.quantize and not exact
+        if self.world_size == 1 and not quantized:  # one rank: the shard is the whole gathered buffer
+            u.inflight = (C.done(), send, False)
+        else:
+            n = self.world_size * send.numel()  # [Note: kept communication buffers]
+            out = self.pool.take(n, send.dtype, self.device) if self.pool is not None else torch.empty(
+                n, dtype=send.dtype, device=self.device)
+            gather = Q.all_gather_int8 if quantized else C.all_gather
+            u.inflight = (gather(out, send, group=self.group, async_op=True), out, True)
+            self._held += out.numel() * out.element_size()
         u.move(UnitState.GATHERING)
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        self._held += out.numel() * out.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held)
 
     def _announcing(self) -> bool:
@@ -281,21 +285,22 @@ class ParamPartitioner(UnitHooks):
     def _finish_gather(self, u: Unit) -> None:
         if u.state is not UnitState.GATHERING:
             return
-        work, out = u.inflight
+        work, out, own = u.inflight  # own: a gather buffer of its own (not the shard itself, one rank)
         work.wait()
-        if self.nvme is not None:
-            self.nvme.gather_done(u)
         for p, n in zip(u.params, u.nbytes_full):
             p.data.untyped_storage().resize_(n)
         u.layout.unpack_rank_major(out, [p.data for p in u.params])
+        if self.nvme is not None:  # after the unpack: with one rank ``out`` is the ring slot itself
+            self.nvme.gather_done(u)
         u.inflight = None
-        if self.pool is not None:  # unpacked into the parameters' storage: nothing reads it any more
+        if self.pool is not None and own:  # unpacked into the parameters' storage: nothing reads it any more
             self.pool.give(out)
         self.in_flight -= 1
         u.move(UnitState.UNSHARDED)
         self._held += u.full_bytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._held)
-        self._held -= out.numel() * out.element_size()  # the gather buffer is dropped on return
+        if own:
+            self._held -= out.numel() * out.element_size()  # the gather buffer is dropped on return
 
     def use_pool(self, pool: BufferPool) -> None:
         """Take each gather's output buffer, and each unit's padded-parameter staging, from ``pool``."""

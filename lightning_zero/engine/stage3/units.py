@@ -40,7 +40,7 @@ class Unit:
     persistent: bool = False  # gathered once per step and kept (root, tiny units)
     shard: Optional[torch.Tensor] = None  # this rank's slices, flat, compute dtype (CPU when offloaded)
     state: UnitState = UnitState.SHARDED  # [Note: unit lifecycle] in lifecycle.py
-    inflight: Optional[tuple] = None  # (work, out) of the all-gather while GATHERING
+    inflight: Optional[tuple] = None  # (work, out, out is a buffer of its own) of the all-gather while GATHERING
     nbytes_full: list[int] = field(default_factory=list)
 
     def move(self, to: UnitState) -> None:
