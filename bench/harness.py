@@ -218,25 +218,30 @@ def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: C
             # instead of completing for free during the other methods' steps (or in the barrier, which
             # waits for all earlier work of its group)
             train_step(built[m], batches[i], args.vocab)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             marks: list[float] = []
             last[m] = train_step(built[m], batches[i], args.vocab, marks)
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.process_time()
             t1, t2 = marks
-            times[m].append([t3 - t0, t1 - t0, t2 - t1, t3 - t2])
+            # the process's CPU time (every thread: gloo's too) over the wall time tells whether cores were idle
+            times[m].append([t3 - t0, t1 - t0, t2 - t1, t3 - t2, c3 - c0])
     gc.enable()
     out: dict[str, dict] = {m: {"error": e} for m, e in errors.items()}
     for m in live:
         r = built[m]
         t = torch.tensor(times[m], dtype=torch.float64)
+        cpu = t[:, 4].clone()
+        dist.all_reduce(cpu)  # CPU seconds of all ranks
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step's (and phase's) time is the slower rank's
-        t = t * 1e3
+        busy = (cpu / t[:, 0]).tolist()  # cores kept busy on average during the step
+        t = t[:, :4] * 1e3
         loss = last[m].clone().double()
         dist.all_reduce(loss)
         loss /= dist.get_world_size()
         mem = r.measure_memory(lambda mod: loss_of(mod, batches[0], args.vocab))
         r.close()
-        out[m] = {"times_ms": t[:, 0].tolist(), "phases_ms": t[:, 1:].tolist(), "final_loss": float(loss),
+        out[m] = {"times_ms": t[:, 0].tolist(), "phases_ms": t[:, 1:].tolist(), "cores_busy": busy,
+                  "final_loss": float(loss),
                   "memory": mem, "numel": r.numel}
     del built
     return out
@@ -300,6 +305,8 @@ def summarize_methods(results: dict[str, list[dict]], bases: tuple[str, ...] = (
                 ph: statistics.median(r["phases_ms"][j][k] for r in ok for j in range(len(r["phases_ms"])))
                 for k, ph in enumerate(("forward", "backward", "step"))
             },
+            "cores_busy": statistics.median(c for r in ok for c in r.get("cores_busy", [])) if all(
+                "cores_busy" in r for r in ok) else None,
             "ratio_vs": {b: cycle_ratio(rounds, results[b]) for b in bases if b in results and b != m},
             "model_state_bytes": ok[-1]["memory"]["model_states"],
             "host_bytes": ok[-1]["memory"].get("host", 0),

@@ -93,11 +93,15 @@ def print_table(s: dict, args) -> list[str]:
         if r["errors"]:
             lines.append(f"|   (failed in {len(r['errors'])} round(s): {r['errors'][0]}) |")
     lines.append("")
-    lines.append("phase medians, ms (forward | backward | optimizer step):")
+    lines.append("phase medians, ms (forward | backward | optimizer step) | cores busy (CPU s of all ranks / step s) "
+                 "| vs DDP with a free step ((forward + backward) / DDP's step):")
+    ddp = s["methods"].get("ddp", {}).get("median_ms")
     for m, r in s["methods"].items():
         if "phase_medians_ms" in r:
             ph = r["phase_medians_ms"]
-            lines.append(f"  {m:<16} {ph['forward']:7.2f} | {ph['backward']:7.2f} | {ph['step']:7.2f}")
+            busy = "-" if r.get("cores_busy") is None else f"{r['cores_busy']:.2f} of {os.cpu_count()}"
+            free = f"{(ph['forward'] + ph['backward']) / ddp:.2f}" if ddp else "-"
+            lines.append(f"  {m:<16} {ph['forward']:7.2f} | {ph['backward']:7.2f} | {ph['step']:7.2f} | {busy} | {free}")
     lines.append("")
     if not deepspeed_peer.available():
         lines.append(f"DeepSpeed rows (ds_*) left out: DeepSpeed is not installed ({deepspeed_peer.INSTALL_HINT}).")
