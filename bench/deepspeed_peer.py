@@ -12,6 +12,8 @@ for one names the install command.
 * ``ds_zero2_offload`` / ``ds_zero3_offload``: ``offload_optimizer`` (and ``offload_param`` for stage 3)
   to CPU; DeepSpeed then requires its own ``DeepSpeedCPUAdam`` (config ``optimizer`` block), the
   counterpart of our swap to torch's fused CPU AdamW.
+* ZeRO-Infinity (``build_infinity``, for bench/nvme_offload.py): stage 3 with the optimizer and the
+  parameters offloaded to NVMe through DeepSpeed's ``async_io`` op (libaio, O_DIRECT); one rank.
 * DeepSpeed's own API drives the step: ``engine(x)``, ``engine.backward(loss)``, ``engine.step()``.
 * Model-state bytes: DeepSpeed keeps its flat buffers in its own objects, so they are counted by
   walking the engine (module, optimizer, their DeepSpeed-owned attributes, the ``ds_tensor`` shards
@@ -161,3 +163,49 @@ def cpu_adam(params, **kw) -> torch.optim.Optimizer:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     return DeepSpeedCPUAdam(params, adamw_mode=True, **kw)
+
+
+def infinity_missing() -> Optional[str]:
+    """Why DeepSpeed's ZeRO-Infinity (NVMe offload) cannot run here, or None when it can."""
+    if not available():
+        return f"DeepSpeed is not installed ({INSTALL_HINT})"
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return ("DeepSpeed's async_io op cannot be built: it needs libaio's headers and .so "
+                "(apt install libaio-dev) and g++")
+    return None
+
+
+def build_infinity(make_model: Callable[[], nn.Module], nvme_path: str, batch: int, unit_numel: int,
+                   lr: float, weight_decay: float = 0.01) -> tuple[nn.Module, dict]:
+    """DeepSpeed ZeRO-3 with ``offload_optimizer`` and ``offload_param`` on NVMe (ZeRO-Infinity), one rank.
+
+    ``make_model`` runs under ``deepspeed.zero.Init`` (NVMe parameter offload partitions at construction;
+    it also fixes the fp32 dtype, which DeepSpeed's CPU accelerator would otherwise take as bf16).
+    ``unit_numel``: the largest parameter, the size of a parameter swap buffer. Prefetch and live-parameter
+    limits keep about one unit ahead, as our ``prefetch=1`` does; ``stage3_max_reuse_distance=0`` releases
+    a parameter after use (otherwise it holds a swap buffer until reuse and the 16 run out). The ``aio``
+    block is DeepSpeed's default. Returns (engine, config).
+    """
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    pin = torch.cuda.is_available()
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 2 * unit_numel, "stage3_max_live_parameters": 4 * unit_numel,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin, "buffer_count": 4},
+            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin, "buffer_count": 16,
+                              "buffer_size": unit_numel, "max_in_cpu": 0}}
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+              "zero_optimization": zero, "steps_per_print": 2**31 - 1, "wall_clock_breakdown": False,
+              "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                      "overlap_events": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                        "weight_decay": weight_decay}}}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = make_model()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, config

@@ -21,13 +21,24 @@ file of the states' size, in chunks of the optimizer ring slot's size (best of 3
 (``--path``, default /tmp). The disk's time for a step's I/O is ``read bytes / read GB/s + written bytes /
 write GB/s``; the fraction of the disk a setting reaches is that time over its step time (the achieved GB/s
 over the disk's GB/s for that read/write mix), and the overlap shows when the step is shorter than that I/O
-time + the ``zero3_offload`` step's compute.
+time + the ``zero3_offload`` step's compute. The physical limit is taken phase by phase: forward + backward
+(the shard reads against ``zero3_offload``'s forward + backward) and the step (the optimizer file's reads and
+writes and the shard writes against its step), each the longer of compute and the disk's time -- I/O hides
+behind the compute of its own phase, not of another -- so a step's fraction of the disk can reach at most
+that limit's share, and "of the limit" says how close the engine comes.
 
 The disk figures go through the page cache, as the engine's I/O does (no O_DIRECT): on a host whose RAM
 holds the scratch file they are memory-bound; ``--drop-cache`` adds ``os.fsync`` + ``POSIX_FADV_DONTNEED``
 after the disk test's write, to show the device itself; ``--direct`` runs the engine with
 ``nvme_direct=True`` (the optimizer file; the parameter file always uses the page cache) and the disk test
 with O_DIRECT too, plus a page-cache pass that the parameter file's bytes are held against.
+
+Where DeepSpeed and its ``async_io`` op can run (``pip install -e ".[bench]"`` and libaio's headers:
+``apt install libaio-dev``), DeepSpeed ZeRO-Infinity -- ``offload_optimizer`` and ``offload_param`` on nvme, its
+default ``aio`` block, about one unit of prefetch -- trains the same model on the same inputs in a child process
+after ours (its ``zero.Init`` patches ``F.linear`` process-wide), and a last table puts it beside
+``zero3_offload_nvme``: phase times, the ratio, the host parameter buffers, the final loss. Its I/O is always
+O_DIRECT, so ``--direct`` is the like-for-like comparison. ``--deepspeed off`` leaves it out.
 
 Run::
 
@@ -42,6 +53,8 @@ import json
 import os
 import statistics
 import sys
+import shutil
+import subprocess
 import tempfile
 import time
 from collections import Counter
@@ -50,6 +63,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself: deepspeed_peer
 from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
 from lightning_zero.engine import nvme as NV  # noqa: E402
 from lightning_zero.engine.nvme import DIRECT_ALIGN, ScratchFile, aligned_empty  # noqa: E402
@@ -77,7 +91,8 @@ def _count_io() -> None:
     NV.ScratchFile.read, NV.ScratchFile.write = read, write
 
 
-def build(layers: int, width: int, params, optimizer, path: str, direct: bool = False) -> tuple[nn.Module, ZeroEngine]:
+def build(layers: int, width: int, params, optimizer, path: str, direct: bool = False,
+          buffers: int = 3) -> tuple[nn.Module, ZeroEngine]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -85,7 +100,7 @@ def build(layers: int, width: int, params, optimizer, path: str, direct: bool = 
     on_disk = "nvme" in (params, optimizer)
     cfg = ZeroConfig(stage=3, offload_optimizer=optimizer, offload_params=params, unit_classes=["Linear"],
                      persist_numel=0, bucket_mb=bucket_mb, nvme_path=path if on_disk else None,
-                     nvme_direct=direct and optimizer == "nvme")
+                     nvme_direct=direct and optimizer == "nvme", nvme_buffer_count=buffers)
     return model, ZeroEngine(model, opt, cfg)
 
 
@@ -96,15 +111,20 @@ def shard_host_bytes(engine: ZeroEngine) -> int:
     return sum(u.shard.untyped_storage().nbytes() for u in part.units if u.shard is not None) + ring
 
 
-def one_step(model: nn.Module, engine: ZeroEngine, width: int, step: int) -> tuple[float, float]:
-    """(forward + backward seconds, engine.step() seconds)."""
+def step_input(width: int, step: int, batch: int) -> torch.Tensor:
+    return torch.randn(batch, width, generator=torch.Generator().manual_seed(step))
+
+
+def one_step(model: nn.Module, engine: ZeroEngine, width: int, step: int,
+             batch: int = 8) -> tuple[float, float, float]:
+    """(forward + backward seconds, engine.step() seconds, the loss)."""
     t0 = time.perf_counter()
     engine.prepare_forward()
-    x = torch.randn(8, width, generator=torch.Generator().manual_seed(step))
-    model(x).pow(2).mean().backward()
+    loss = model(step_input(width, step, batch)).pow(2).mean()
+    loss.backward()
     t1 = time.perf_counter()
     engine.step()
-    return t1 - t0, time.perf_counter() - t1
+    return t1 - t0, time.perf_counter() - t1, loss.item()
 
 
 def disk_bandwidth(path: str, nbytes: int, chunk: int, drop_cache: bool, direct: bool = False) -> dict:
@@ -149,6 +169,63 @@ def io_row(parts: list, step_s: float, cpu_s: float) -> dict:
             "ratio": step_s / cpu_s, "overlap_visible": step_s < io_s + cpu_s}
 
 
+def phase_bound(phases: list[tuple[float, float]]) -> float:
+    """The shortest step the hardware allows: within a phase, I/O can hide behind compute (or the reverse), never
+    across phases (the step's reads cannot start before backward has reduced the gradients they meet).
+    ``phases``: (compute s, the disk's own I/O s) per phase."""
+    return sum(max(cpu, io) for cpu, io in phases)
+
+
+def deepspeed_worker(args) -> None:
+    """DeepSpeed ZeRO-Infinity on the same model, inputs and steps, in its own process (its ``zero.Init``
+    patches ``torch.nn.functional.linear`` for the whole process, which must not touch our runs)."""
+    import deepspeed_peer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.ds_port), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    path = tempfile.mkdtemp(prefix="ds-infinity-", dir=args.path)
+    torch.manual_seed(0)
+    engine, config = deepspeed_peer.build_infinity(
+        lambda: nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)]), path,
+        args.batch, args.width * args.width, lr=1e-4)
+    fb, st, loss = [], [], None
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        out = engine(step_input(args.width, step, args.batch)).pow(2).mean()
+        engine.backward(out)
+        t1 = time.perf_counter()
+        engine.step()
+        t2 = time.perf_counter()
+        loss = out.item()
+        if step >= args.warmup:
+            fb.append(t1 - t0)
+            st.append(t2 - t1)
+    zero = config["zero_optimization"]
+    with open(args.ds_worker, "w") as fh:
+        json.dump({"fwd_bwd": statistics.median(fb), "step": statistics.median(st),
+                   "whole": statistics.median(a + b for a, b in zip(fb, st)), "final_loss": loss,
+                   "param_buffers_bytes": 4 * zero["offload_param"]["buffer_count"] * zero["offload_param"]["buffer_size"],
+                   "config": config}, fh)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def deepspeed_row(args) -> dict:
+    """Run :func:`deepspeed_worker` in a child process: its medians, or ``{"missing": why}``."""
+    import deepspeed_peer
+
+    why = deepspeed_peer.infinity_missing()
+    if why is not None:
+        return {"missing": why}
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        cmd = [sys.executable, os.path.abspath(__file__), "--ds-worker", fh.name, "--layers", str(args.layers),
+               "--width", str(args.width), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--threads", str(args.threads), "--batch", str(args.batch), "--path", args.path]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            return {"missing": "DeepSpeed ZeRO-Infinity failed: " + done.stderr.strip().splitlines()[-1]}
+        return json.load(open(fh.name))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
@@ -156,19 +233,28 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=8, help="rows per step: fewer make the step I/O-bound")
+    ap.add_argument("--buffers", type=int, default=3, help="nvme_buffer_count (the ring's host buffers)")
     ap.add_argument("--path", default=tempfile.gettempdir())
     ap.add_argument("--drop-cache", action="store_true")
     ap.add_argument("--direct", action="store_true", help="nvme_direct=True, and O_DIRECT for the disk test too")
     ap.add_argument("--json", default=None, help="also write the numbers here")
+    ap.add_argument("--deepspeed", choices=("auto", "off"), default="auto",
+                    help="auto: DeepSpeed ZeRO-Infinity as a peer where it can run (it says why where not)")
+    ap.add_argument("--ds-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ds-port", type=int, default=29531, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.ds_worker:
+        return deepspeed_worker(args)
     _count_io()
 
-    runs = {name: build(args.layers, args.width, p, o, args.path, args.direct) for name, (p, o) in SETTINGS.items()}
+    runs = {name: build(args.layers, args.width, p, o, args.path, args.direct, args.buffers) for name, (p, o) in SETTINGS.items()}
     fb = {name: [] for name in runs}
     st = {name: [] for name in runs}
     moved = {name: Counter() for name in runs}
     held = {name: [] for name in runs}
+    losses: dict[str, float] = {}
     for name, (model, engine) in runs.items():  # host bytes for parameter shards, in forward and backward
         def probe(*_, e=engine, n=name):
             held[n].append(shard_host_bytes(e))
@@ -180,7 +266,7 @@ def main() -> None:
     for step in range(args.warmup + args.steps):
         for name, (model, engine) in runs.items():
             before = MOVED.copy()
-            t_fb, t_st = one_step(model, engine, args.width, step)
+            t_fb, t_st, losses[name] = one_step(model, engine, args.width, step, args.batch)
             if step >= args.warmup:
                 fb[name].append(t_fb)
                 st[name].append(t_st)
@@ -206,6 +292,8 @@ def main() -> None:
     for _, engine in runs.values():
         engine.remove(hand_back=False)
 
+    peer = deepspeed_row(args) if args.deepspeed == "auto" else {"missing": "--deepspeed off"}
+
     def rw(n, kind):
         return per[n].get((kind, "read"), 0.0), per[n].get((kind, "write"), 0.0)
 
@@ -214,6 +302,15 @@ def main() -> None:
     (pr, pw), (orr, ow) = rw("zero3_offload_nvme", "params"), rw("zero3_offload_nvme", "optimizer")
     new = io_row([(pr, pw, disk_params), (orr, ow, disk)], med["zero3_offload_nvme"]["whole"],
                  med["zero3_offload"]["whole"])
+    # the physical limit, phase by phase: forward + backward read the parameter shards; the step reads and
+    # writes the optimizer file and writes the shards (compute: zero3_offload's own phases)
+    cpu = med["zero3_offload"]
+    fb_io = pr / disk_params["read_gbs"] / 1e9
+    st_io = new["io_s"] - fb_io
+    bound = phase_bound([(cpu["fwd_bwd"], fb_io), (cpu["step"], st_io)])
+    new.update(bound_s=bound, best_fraction=new["io_s"] / bound, of_bound=bound / new["step_s"])
+    old_bound = phase_bound([(cpu["step"], old["io_s"])])
+    old.update(bound_s=old_bound, best_fraction=old["io_s"] / old_bound, of_bound=old_bound / old["step_s"])
     out = {
         "params": sum(p.numel() for p in runs["zero3_offload"][0].parameters()), "medians": med, "per_step": {
             n: {f"{k}_{op}": v for (k, op), v in d.items()} for n, d in per.items()},
@@ -221,7 +318,7 @@ def main() -> None:
         "params_ring_bytes": ring, "params_held_max": max(held["zero3_offload_nvme"]),
         "params_held_cpu_max": max(held["zero3_offload"]), "optimizer_only": old, "params_and_optimizer": new,
         "disk": disk, "disk_params_file": disk_params, "threads": args.threads, "path": args.path, "drop_cache": args.drop_cache,
-        "direct": args.direct, "load_average": os.getloadavg(),
+        "direct": args.direct, "load_average": os.getloadavg(), "final_losses": losses, "deepspeed": peer,
     }
     mib = 2**20
     print(f"{out['params']:,} params; disk {args.path}: write {disk['write_gbs']:.2f} GB/s, read "
@@ -254,11 +351,28 @@ def main() -> None:
           f"{new['disk_gbs']:.2f} | {100 * new['fraction_of_disk']:.0f}% | {new['ratio']:.2f} | {new['io_s']:.3f} + "
           f"{med['zero3_offload']['whole']:.3f} = {new['serial_s']:.3f} | "
           f"{'visible' if new['overlap_visible'] else 'not visible'} |")
+    for label, row in (("optimizer nvme, params cpu (engine.step())", old), ("zero3_offload_nvme (whole step)", new)):
+        print(f"physical limit, {label}: {row['bound_s']:.3f} s (phase by phase, the longer of compute and the "
+              f"disk's time), at most {100 * row['best_fraction']:.0f}% of the disk; the step reaches "
+              f"{100 * row['of_bound']:.0f}% of that limit")
     print(f"parameter reads per step = {pr / max(params_on_disk, 1):.2f} x the shards on disk, writes "
           f"{pw / max(params_on_disk, 1):.2f} x; host bytes for parameter shards (max seen in forward, backward, "
           f"between steps): {out['params_held_max'] / mib:.2f} MiB (ring {ring / mib:.2f} MiB) "
           f"vs {params_on_disk / mib:.1f} MiB on disk ({params_on_disk / max(ring, 1):.1f}x); "
           f"zero3_offload holds {out['params_held_cpu_max'] / mib:.1f} MiB of shards")
+    if "missing" in peer:
+        print(f"DeepSpeed ZeRO-Infinity: not run ({peer['missing']})")
+    else:
+        m, ds = med["zero3_offload_nvme"], peer
+        print("DeepSpeed ZeRO-Infinity (offload_optimizer + offload_param on nvme, async_io; its own process, "
+              "after ours, not interleaved):")
+        print("| setting | fwd+bwd (s) | step() (s) | whole (s) | vs zero3_offload_nvme | host parameter buffers "
+              "| final loss |")
+        print("|---|---|---|---|---|---|---|")
+        print(f"| zero3_offload_nvme | {m['fwd_bwd']:.3f} | {m['step']:.3f} | {m['whole']:.3f} | 1.00 | "
+              f"{ring / mib:.2f} MiB | {losses['zero3_offload_nvme']:.6g} |")
+        print(f"| ds_zero3_offload_nvme | {ds['fwd_bwd']:.3f} | {ds['step']:.3f} | {ds['whole']:.3f} | "
+              f"{ds['whole'] / m['whole']:.2f} | {ds['param_buffers_bytes'] / mib:.2f} MiB | {ds['final_loss']:.6g} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1, default=str)
