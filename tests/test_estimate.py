@@ -168,9 +168,10 @@ def test_nvme_rows_put_the_offloaded_states_on_disk_and_state_the_bandwidth_they
         optimizer = cpu.states["master"] + cpu.states["optimizer_state"]  # what the CPU twin keeps in host memory
         moved, per_step = optimizer, 2 * optimizer  # read + written once per step
         if stage == 3:  # the preset puts the parameter shards on NVMe too (deepspeed_stage_3_offload_nvme)
-            params, root = cpu.states["params"], 2 * est.info.root_unit / 8
+            params, kept = cpu.states["params"], 2 * (est.info.root_unit + est.info.last_unit) / 8
             moved += params
-            per_step += 3 * params - root  # read for forward and backward (the root once), written once
+            # read for forward and backward (the root and the last decoder block once), written once
+            per_step += 3 * params - kept
         assert nvme.nvme_per_rank == nvme.states["nvme"] == moved > 0
         assert nvme.nvme_moved_per_step == pytest.approx(per_step)
         assert nvme.states["device"] == cpu.states["device"] and nvme.peak_device == cpu.peak_device
@@ -196,8 +197,8 @@ class _WithRoot(nn.Module):
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_nvme_bytes_per_step_are_what_the_engine_reads_and_writes(tmp_path, monkeypatch, precision):
     """zero3_offload_nvme's bandwidth line against the bytes the engine's scratch files are asked for in a
-    step (ScratchFile.read / write counted): the parameter shards read twice (the root's once) and written
-    once, the masters + state read and written once."""
+    step (ScratchFile.read / write counted): the parameter shards read twice (the root's and the last unit's
+    once) and written once, the masters + state read and written once."""
     from lightning_zero.engine import nvme as NV
 
     model, mixed = _WithRoot(), precision != "32-true"
@@ -226,6 +227,7 @@ def test_nvme_bytes_per_step_are_what_the_engine_reads_and_writes(tmp_path, monk
     engine.remove(hand_back=False)
     info = info_from_module(_WithRoot(), unit_classes=["Linear"])
     assert info.root_unit == 64  # the root holds a parameter: read once per step
+    assert info.last_unit == 128 * 64 + 64  # the last Linear: kept gathered into its backward, read once
     row = estimate_model_states(info, precision=precision, settings=["zero3_offload_nvme"]).rows[0]
     assert per_step[1] == per_step[2] == row.nvme_moved_per_step > 2 * row.nvme_per_rank, (per_step, row)
     line = str(estimate_model_states(info, precision=precision, settings=["zero3_offload_nvme"], nvme_step_time=1e-6))

@@ -48,13 +48,19 @@ def recomputing() -> bool:
     return getattr(_local, "depth", 0) > 0
 
 
+def in_checkpointed_forward() -> bool:
+    """True while a checkpointed forward runs for the first time: the units it runs are gathered again by its
+    recompute in backward, before their own backward."""
+    return getattr(_local, "first", 0) > 0
+
+
 @contextlib.contextmanager
-def _recompute() -> Iterator[None]:
-    _local.depth = getattr(_local, "depth", 0) + 1
+def _recompute(counter: str = "depth") -> Iterator[None]:
+    setattr(_local, counter, getattr(_local, counter, 0) + 1)
     try:
         yield
     finally:
-        _local.depth -= 1
+        setattr(_local, counter, getattr(_local, counter) - 1)
 
 
 class RecomputeBytes:
@@ -85,7 +91,8 @@ def checkpointed_call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     def body(*a: Any, **kw: Any) -> Any:
         if first[0]:
             first[0] = False
-            return fn(*a, **kw)
+            with _recompute("first"):
+                return fn(*a, **kw)
         with _recompute():
             rec = _measure
             if rec is not None:  # before the real recompute, which stops early once backward has what it needs

@@ -102,7 +102,7 @@ class ZeroConfig:
     prefetch (stage 3): all-gather the next unit(s) in the recorded order while the current one computes:
         True (= 1 unit ahead), False (= 0) or an int >= 0, how many units ahead, in forward and in backward.
     reshard_after_forward (stage 3): True (default) releases a unit after its forward and gathers it again
-        for its backward; False keeps it gathered from its forward to its backward (one all-gather per unit
+        for its backward (but the last unit of a training forward, whose backward comes next); False keeps it gathered from its forward to its backward (one all-gather per unit
         per step instead of two, for the memory of the whole gathered model at the end of forward; FSDP2's
         ``reshard_after_forward=False``). Evaluation forwards always release.
     order_check (stage 3): "strict" (record the first training forward, verify it across ranks, then

@@ -215,7 +215,7 @@ class ZeroEngine:
         if self.publisher is not None:  # the root's own parameters: a training_step may use them directly
             self.publisher.wait_for_module(self.module)
         if self.partitions_params:
-            self.partitioner.gather(self.partitioner.root)
+            self.partitioner.begin_forward()
 
     def sync_buffers(self) -> None:
         self._buffers.sync()

@@ -58,6 +58,7 @@ class ModelInfo:
     largest_param: int = 0
     largest_unit: int = 0  # stage 3: the biggest unit (0: unknown)
     root_unit: int = 0  # stage 3: parameters outside every unit
+    last_unit: int = 0  # stage 3: the unit forward runs last (kept gathered into its backward): the last registered
     name: str = "model"
     t5: Optional[T5Dims] = None
 
@@ -78,9 +79,9 @@ def info_from_module(module: nn.Module, unit_classes: Optional[Sequence] = None,
     sizes = [p.numel() for p in params]
     train = [p.numel() for p in params if p.requires_grad]
     units = build_units(module, 1, 0, unit_classes, max(1, int(unit_mb * MiB)) if unit_mb is not None else None)
-    return ModelInfo(sum(sizes), sum(train), sizes, train, max(sizes, default=0),
-                     max((sum(p.numel() for p in u.params) for u in units[:-1]), default=0),
-                     sum(p.numel() for p in units[-1].params), name or type(module).__name__)
+    numels = [sum(p.numel() for p in u.params) for u in units]
+    return ModelInfo(sum(sizes), sum(train), sizes, train, max(sizes, default=0), max(numels[:-1], default=0),
+                     numels[-1], numels[-2] if len(numels) > 1 else 0, name or type(module).__name__)
 
 
 def info_from_t5(dims: T5Dims) -> ModelInfo:
@@ -88,7 +89,8 @@ def info_from_t5(dims: T5Dims) -> ModelInfo:
     blocks += [dims.block_numel(True, i == 0) for i in range(dims.dec_layers)]
     emb = dims.vocab_size * dims.d_model
     return ModelInfo(dims.numel, dims.numel, largest_param=max(emb, dims.d_model * dims.d_ff),
-                     largest_unit=max(blocks), root_unit=dims.root_numel, name=dims.name, t5=dims)
+                     largest_unit=max(blocks), root_unit=dims.root_numel, last_unit=blocks[-1], name=dims.name,
+                     t5=dims)
 
 
 def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mixed: bool,

@@ -4,8 +4,9 @@ bytes the scratch files move per step, which is what the disks must sustain.
 What moves is what the engine issues (counted against it in tests/test_estimate.py): the optimizer's
 masters + state are read and written once by the step (engine/nvme_states.py); at stage 3 with the
 parameter shards on NVMe (engine/stage3/nvme_params.py) each shard is read by its unit's forward gather
-and again by its backward gather (a ring slot is free for the next read once its gather completes: nothing
-is kept from forward to backward) and written once by the step's publish.
+and again by its backward gather (a ring slot is free for the next read once its gather completes) -- but
+the root's and the last unit's, kept gathered from forward into backward -- and written once by the step's
+publish.
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ def nvme_ring_bytes(info: ModelInfo, offload, shards: int, k: int, bucket_mb: fl
 def nvme_step_bytes(info: ModelInfo, states: dict, stage: int, offload, shards: int, mixed: bool) -> float:
     """Bytes one rank's scratch files move per training step: the masters + state read and written once by
     the step; at stage 3 each parameter shard read by its forward gather and again by its backward gather
-    (the root unit's once: it stays gathered through backward) and written once by the publish
+    (the root unit's and the last unit's once: they stay gathered into backward) and written once by the publish
     (engine/stage3/nvme_params.py; counted in tests/test_estimate.py). Units kept through backward
     (persistent, ``reshard_after_forward=False``) are read once: fewer bytes than this."""
     if offload != "nvme":
         return 0.0
     params = states["params"] if stage == 3 else 0.0
-    root = min(params, (2 if mixed else 4) * info.root_unit / shards)
-    return 2 * (states["nvme"] - params) + 3 * params - root
+    kept = min(params, (2 if mixed else 4) * (info.root_unit + info.last_unit) / shards)
+    return 2 * (states["nvme"] - params) + 3 * params - kept
 
 
 def nvme_bandwidth_line(rows: list[Row], ranks_per_node: int, step_time: float) -> str:
@@ -48,6 +49,6 @@ def nvme_bandwidth_line(rows: list[Row], ranks_per_node: int, step_time: float) 
              f"{r.nvme_moved_per_step * ranks_per_node / step_time / 1e9:.2f} GB/s per node" for r in rows]
     return (f"NVMe/rank: masters + optimizer state (+ stage 3's parameter shards) in the scratch files; each step "
             f"reads and writes the optimizer's once, reads each parameter shard twice (forward and backward "
-            f"gathers; the root unit once) and writes it once, so at a {step_time:g} s step the disks need: "
+            f"gathers; the root unit and the last unit once) and writes it once, so at a {step_time:g} s step the disks need: "
             + "; ".join(parts) + " (sequential read + write; host/rank of those rows includes the optimizer's "
             "ring of 3 buffers).")

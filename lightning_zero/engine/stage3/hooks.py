@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..activations import recomputing
+from ..activations import in_checkpointed_forward, recomputing
 from .guard import ReleasedParamGuard
 from .join import RankDivergenceError
 from .lifecycle import OrderCheck, OrderState, UnitState
@@ -32,7 +32,7 @@ class UnitHooks:
                   if self.unit_of.get(id(p)) is self.root}
         owners[id(self.module)] = self.module
         for m in owners.values():
-            self._handles.append(m.register_forward_pre_hook(lambda *_: self.gather(self.root)))
+            self._handles.append(m.register_forward_pre_hook(lambda *_: self.begin_forward()))
         self._handles.append(self.module.register_load_state_dict_pre_hook(self._refuse_load_into_released))
         self.guard = ReleasedParamGuard(self)  # modules reached around the unit hooks: gather or one clear error
 
@@ -90,7 +90,7 @@ class UnitHooks:
                     self._recompute_gathered.discard(u.index)
                     self.release(u)
                 return output
-            if self.reshard_after_forward or not self._keeps_for_backward(u):
+            if not self._keeps_for_backward(u) or (self.reshard_after_forward and not self._backward_starts_at(u)):
                 self.release(u)
             if torch.is_grad_enabled() and not self._gathered_depth:
                 tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
@@ -101,6 +101,12 @@ class UnitHooks:
             return output
 
         return hook
+
+    def _backward_starts_at(self, u: Unit) -> bool:
+        """Whether ``u`` ran last in a verified training forward: its backward comes first, so releasing it
+        now would only gather it again right after the loss ([Note: the last unit stays gathered])."""
+        return (self.order_state is OrderState.VERIFIED and self._pos == len(self._order)
+                and self._order[-1] == u.index and not in_checkpointed_forward())
 
     def _keeps_for_backward(self, u: Unit) -> bool:
         """``reshard_after_forward=False``: a training forward that autograd will differentiate keeps its
@@ -114,6 +120,14 @@ class UnitHooks:
         if self.order_state is OrderState.VERIFIED and (self.prefetch or self.nvme) and u.index in self._order:
             i = len(self._order) - 1 - self._order[::-1].index(u.index)
             self._prefetch_next(self._order[:i][::-1])
+
+    def begin_forward(self) -> None:
+        """Before a step's forward: the root, and in a verified training forward the first units' gathers
+        issued behind it, so they travel while the root's wait and the compute before the first unit run."""
+        self._launch_gather(self.root)
+        if self._tracking(self.root) and self.order_state is OrderState.VERIFIED and self._pos == 0:
+            self._prefetch_next(self._order)
+        self._finish_gather(self.root)
 
     def _prefetch_next(self, upcoming: list[int]) -> None:
         """``upcoming``: the recorded order from the next unit on (forward, or reversed for backward): the

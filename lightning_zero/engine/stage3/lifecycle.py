@@ -27,6 +27,25 @@ locally) → ``VERIFIED`` (after the first step: the order's digest agreed on ev
 prefetch and gathers are no longer announced in training). How much of this runs is ``OrderCheck``
 (``ZeroConfig.order_check``): STRICT all of it, ALWAYS announces every gather and never trusts an order
 (so never prefetches), OFF neither records nor announces.
+
+[Note: the last unit stays gathered]
+------------------------------------
+With a verified order two gathers of a training step are known before they are asked for, and
+``reshard_after_forward=True`` would otherwise expose both on the critical path:
+
+* the first units': the root is gathered at the forward's start (``begin_forward``, from the engine's
+  ``prepare_forward`` or the root's own pre-forward hook) and the first ``prefetch`` units' all-gathers are
+  issued behind it, so they travel during the root's wait and the compute before the first unit (the
+  embedding) instead of after it;
+* the last unit's: its backward comes first, right after the loss, so releasing it after its forward only
+  makes backward start with a blocking all-gather of it. It stays UNSHARDED (FSDP2 users get the same by
+  setting ``reshard_after_forward=False`` on the last block, as torchtitan does); the gradient reducer
+  releases it after its backward like any other. Peak gathered bytes do not grow: backward would hold it
+  and prefetch the next one at the same moment anyway. Not inside a checkpointed region's first forward:
+  the region's recompute gathers its units again before their backward, and a kept one would be held
+  through the whole recompute.
+
+Values are the same either way (the shards do not change between forward and backward).
 """
 
 from __future__ import annotations

@@ -10,8 +10,10 @@ stay valid across a release/re-gather cycle (FSDP2 relies on the same property).
 
 Lifecycle in a training step::
 
+    forward start       gather the root ... the first ``prefetch`` units' gathers issued behind it
     pre-forward(unit)   gather (or wait for the prefetch) ... prefetch the next ``prefetch`` units in recorded order
-    post-forward(unit)  release (root and persistent units stay; reshard_after_forward=False: training units too)
+    post-forward(unit)  release (root and persistent units stay; the last unit of a verified training forward,
+                        [Note: the last unit stays gathered]; reshard_after_forward=False: training units too)
                         ... arm a pre-backward hook on outputs
     pre-backward(unit)  gather again ... prefetch the ``prefetch`` units backward reaches next
     grads complete      reduce-scatter (GradReducer, on its own process group) ... release
