@@ -168,8 +168,29 @@ def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: t
                                    bucket_mb=bucket_mb, unit_classes=[block_class] if stage == 3 else None),
                             **(activations or {}), **COMM_VARIANTS.get(method, {})})
         opt = make_adamw(model.parameters(), args)
-        return Runner(method, model, model, opt, ZeroEngine(model, opt, cfg, compute_dtype=compute_dtype))
+        runner = Runner(method, model, model, opt, ZeroEngine(model, opt, cfg, compute_dtype=compute_dtype))
+        if stage == 3:
+            runner.gather_wait = time_gather_waits(runner.engine)
+        return runner
     raise ValueError(f"unknown method {method!r}; allowed: {', '.join(ALL_METHODS)}")
+
+
+def time_gather_waits(engine: ZeroEngine) -> list[float]:
+    """Stage 3's exposed communication: seconds the compute thread blocks on an all-gather it needs (the part
+    prefetch did not hide), accumulated into the returned one-element list."""
+    acc = [0.0]
+    part = engine.partitioner
+    finish = part._finish_gather
+
+    def timed(u) -> None:
+        if u.inflight is not None:
+            t = time.perf_counter()
+            u.inflight[0].wait()  # the original's own wait then returns at once
+            acc[0] += time.perf_counter() - t
+        finish(u)
+
+    part._finish_gather = timed
+    return acc
 
 
 def train_step(r: Runner, x: torch.Tensor, vocab: int, marks: Optional[list] = None) -> torch.Tensor:
@@ -218,13 +239,15 @@ def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: C
             # instead of completing for free during the other methods' steps (or in the barrier, which
             # waits for all earlier work of its group)
             train_step(built[m], batches[i], args.vocab)
+            wait = getattr(built[m], "gather_wait", [0.0])
+            w0 = wait[0]
             t0, c0 = time.perf_counter(), time.process_time()
             marks: list[float] = []
             last[m] = train_step(built[m], batches[i], args.vocab, marks)
             t3, c3 = time.perf_counter(), time.process_time()
             t1, t2 = marks
             # the process's CPU time (every thread: gloo's too) over the wall time tells whether cores were idle
-            times[m].append([t3 - t0, t1 - t0, t2 - t1, t3 - t2, c3 - c0])
+            times[m].append([t3 - t0, t1 - t0, t2 - t1, t3 - t2, c3 - c0, wait[0] - w0])
     gc.enable()
     out: dict[str, dict] = {m: {"error": e} for m, e in errors.items()}
     for m in live:
@@ -234,6 +257,7 @@ def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: C
         dist.all_reduce(cpu)  # CPU seconds of all ranks
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step's (and phase's) time is the slower rank's
         busy = (cpu / t[:, 0]).tolist()  # cores kept busy on average during the step
+        waits = (t[:, 5] * 1e3).tolist()  # the slower rank's, like the phases
         t = t[:, :4] * 1e3
         loss = last[m].clone().double()
         dist.all_reduce(loss)
@@ -241,7 +265,7 @@ def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: C
         mem = r.measure_memory(lambda mod: loss_of(mod, batches[0], args.vocab))
         r.close()
         out[m] = {"times_ms": t[:, 0].tolist(), "phases_ms": t[:, 1:].tolist(), "cores_busy": busy,
-                  "final_loss": float(loss),
+                  "gather_wait_ms": waits if hasattr(r, "gather_wait") else None, "final_loss": float(loss),
                   "memory": mem, "numel": r.numel}
     del built
     return out
@@ -307,6 +331,8 @@ def summarize_methods(results: dict[str, list[dict]], bases: tuple[str, ...] = (
             },
             "cores_busy": statistics.median(c for r in ok for c in r.get("cores_busy", [])) if all(
                 "cores_busy" in r for r in ok) else None,
+            "gather_wait_ms": statistics.median(w for r in ok for w in r["gather_wait_ms"]) if all(
+                r.get("gather_wait_ms") for r in ok) else None,
             "ratio_vs": {b: cycle_ratio(rounds, results[b]) for b in bases if b in results and b != m},
             "model_state_bytes": ok[-1]["memory"]["model_states"],
             "host_bytes": ok[-1]["memory"].get("host", 0),

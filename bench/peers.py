@@ -94,14 +94,16 @@ def print_table(s: dict, args) -> list[str]:
             lines.append(f"|   (failed in {len(r['errors'])} round(s): {r['errors'][0]}) |")
     lines.append("")
     lines.append("phase medians, ms (forward | backward | optimizer step) | cores busy (CPU s of all ranks / step s) "
-                 "| vs DDP with a free step ((forward + backward) / DDP's step):")
+                 "| vs DDP with a free step ((forward + backward) / DDP's step) | stage 3: exposed all-gather wait:")
     ddp = s["methods"].get("ddp", {}).get("median_ms")
     for m, r in s["methods"].items():
         if "phase_medians_ms" in r:
             ph = r["phase_medians_ms"]
             busy = "-" if r.get("cores_busy") is None else f"{r['cores_busy']:.2f} of {os.cpu_count()}"
             free = f"{(ph['forward'] + ph['backward']) / ddp:.2f}" if ddp else "-"
-            lines.append(f"  {m:<16} {ph['forward']:7.2f} | {ph['backward']:7.2f} | {ph['step']:7.2f} | {busy} | {free}")
+            wait = "" if r.get("gather_wait_ms") is None else f" | {r['gather_wait_ms']:.2f} ms"
+            lines.append(f"  {m:<16} {ph['forward']:7.2f} | {ph['backward']:7.2f} | {ph['step']:7.2f} | {busy} | {free}"
+                         + wait)
     lines.append("")
     if not deepspeed_peer.available():
         lines.append(f"DeepSpeed rows (ds_*) left out: DeepSpeed is not installed ({deepspeed_peer.INSTALL_HINT}).")
