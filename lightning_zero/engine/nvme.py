@@ -115,7 +115,10 @@ class ScratchFile:
     ``direct``: opened with O_DIRECT (the device's DMA moves the bytes, no page-cache copy on the CPU);
     the caller then gives page-aligned buffers, offsets and lengths."""
 
-    def __init__(self, directory: str, rank: int, tag: str = "optimizer", direct: bool = False) -> None:
+    CHECKSUMS = True  # every file made records and checks CRC32s; False only to price them (bench/nvme_offload.py)
+
+    def __init__(self, directory: str, rank: int, tag: str = "optimizer", direct: bool = False,
+                 checksums: Optional[bool] = None) -> None:
         self.path = os.path.join(directory, scratch_name(tag, rank))
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (getattr(os, "O_DIRECT", 0) if direct else 0)
         try:
@@ -133,7 +136,7 @@ class ScratchFile:
         # held while open, released by the kernel when this process dies: in use <=> locked (nvme_space.py)
         fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         self.direct = direct
-        self.checksums = BlockChecksums()
+        self.checksums = BlockChecksums() if (self.CHECKSUMS if checksums is None else checksums) else None
         self._finalizer = weakref.finalize(self, _remove, self.path, self.fd)
 
     @staticmethod
@@ -155,7 +158,8 @@ class ScratchFile:
             if n <= 0:
                 raise OSError(errno.ENOSPC, f"short write to {self.path}")
             done += n
-        self.checksums.record(view, offset, blocks)
+        if self.checksums is not None:
+            self.checksums.record(view, offset, blocks)
 
     def read(self, buf: torch.Tensor, offset: int) -> None:
         """All of ``buf`` from ``offset``, as written ([Note: verified scratch reads]); else ScratchDamaged."""
@@ -169,12 +173,14 @@ class ScratchFile:
                     f"after {done:,} at the file's end ({os.fstat(self.fd).st_size:,} bytes): it was truncated "
                     f"outside this run")
             done += n
-        self.checksums.verify(view, offset, self.path)
+        if self.checksums is not None:
+            self.checksums.verify(view, offset, self.path)
 
     def truncate(self, nbytes: int) -> None:
         """Give back the file's bytes from ``nbytes`` on."""
         os.ftruncate(self.fd, nbytes)
-        self.checksums.forget_from(nbytes)
+        if self.checksums is not None:
+            self.checksums.forget_from(nbytes)
 
     def reserve(self, nbytes: int) -> None:
         """Claim the file's size now (where the file system can), so a full disk fails at setup, not mid-run."""
