@@ -86,18 +86,18 @@ class BlockChecksums:
             j = bisect.bisect_left(self._starts, hi, lo=i)
             found = [(s, *self._blocks[s]) for s in self._starts[i:j]]
         pos = offset
-        for s, size, crc in found:
+        for s, size, _ in found:  # the blocks tile the read: else a bug reads what it never wrote
             if s != pos or s + size > hi:
-                raise RuntimeError(f"scratch read of [{offset}, {hi}) in {path} does not cover whole written "
-                                   f"blocks (at {pos}): a read of bytes this run never wrote")
+                break
+            pos = s + size
+        if pos != hi:
+            raise RuntimeError(f"scratch read of [{offset}, {hi}) in {path} reaches bytes this run never wrote "
+                               f"as whole blocks (from {pos})")
+        for s, size, crc in found:
             if zlib.crc32(data[s - offset : s - offset + size]) != crc:
                 raise ScratchDamaged(f"scratch file {path} is damaged: the {size:,} bytes at offset {s:,} do not "
                                      f"match the CRC32 written with them (the file was changed outside this run, or "
                                      f"the disk returned bad data)")
-            pos = s + size
-        if pos != hi:
-            raise RuntimeError(f"scratch read of [{offset}, {hi}) in {path} reaches bytes this run never wrote "
-                               f"(from {pos})")
 
     def forget_from(self, end: int) -> None:
         """The file was cut to ``end`` bytes (its staging regions given back)."""
