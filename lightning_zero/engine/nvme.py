@@ -133,8 +133,12 @@ class ScratchFile:
                              f": {e.strerror or e} (errno {errno.errorcode.get(e.errno, e.errno)}). Allowed: an "
                              f"existing, writable directory (on a local NVMe disk) for the per-rank scratch files, "
                              f"for as long as the run lasts.") from None
-        # held while open, released by the kernel when this process dies: in use <=> locked (nvme_space.py)
-        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # held while open, released by the kernel when this process dies: in use <=> locked (nvme_space.py);
+        # a file system without flock fails the reclaimer's lock the same way, so nothing there is reclaimed
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
         self.direct = direct
         self.checksums = BlockChecksums() if (self.CHECKSUMS if checksums is None else checksums) else None
         self._finalizer = weakref.finalize(self, _remove, self.path, self.fd)
