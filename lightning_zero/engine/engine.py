@@ -306,8 +306,7 @@ class ZeroEngine:
         if self.config.offload_optimizer != "nvme" and params_store is None:
             return
         raise_if_any_rank_failed([s.nvme for s in self.opts.select(optimizer)] + [params_store], self.group,
-                                 self.params[0].device if self.params else None,
-                                 knob="offload_optimizer" if self.config.offload_optimizer == "nvme" else "offload_params")
+                                 self.params[0].device if self.params else None)
         if params_store is not None:
             params_store.failure = None
 

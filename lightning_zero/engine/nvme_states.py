@@ -18,7 +18,9 @@ ring: ``nvme_buffer_count`` slots of the largest chunk (:attr:`NvmeStates.ring_b
 size. The first step's optimizer creates its state tensors in ordinary memory; they are copied into the slot
 before the write and freed. Anything else that reads the masters or the state (checkpoints, whole-model
 views, the consolidated optimizer state) first calls :meth:`NvmeStates.make_resident`, which reads every
-chunk back into memory of its own; the next step streams it out again.
+chunk back into memory of its own; the next step streams it out again. Every read is whole and checked
+against the CRC32s of what this run wrote ([Note: verified scratch reads], nvme_checksums.py): a damaged file
+is an I/O failure of the step like a failed read, raised on every rank by :func:`raise_if_any_rank_failed`.
 """
 
 from __future__ import annotations
@@ -334,13 +336,13 @@ STEP_LOST = "this step's update is lost, the checkpoints already saved are intac
 
 
 def raise_if_any_rank_failed(states: list, group=None, device: Optional[torch.device] = None,
-                             knob: str = "offload_optimizer", lost: str = STEP_LOST) -> None:
+                             lost: str = STEP_LOST) -> None:
     """After an NVMe step: one agreement over ``group`` (a 1-element all-reduce on ``device``, the compute
     device: NCCL reduces device tensors), so that a read or write that failed on one rank stops the run with
     one error on every rank, naming the rank, instead of the others hanging in their next collective. The
     step's update is not trusted anywhere then; checkpoints already saved are separate directories.
     ``states``: NvmeStates and stage 3's NvmeParams (anything with a ``failure`` and a ``knob``, None skipped);
-    ``knob``: the error's prefix where no state of this rank failed; ``lost``: what is not to be trusted."""
+    ``lost``: what is not to be trusted. The error is the failing rank's own (its knob, its words) on every rank."""
     failed_here = next((s for s in states if s is not None and s.failure is not None), None)
     mine = (failed_here.knob, failed_here.failure) if failed_here is not None else None
     rank = C.rank(group)

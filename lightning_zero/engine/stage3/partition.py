@@ -279,7 +279,7 @@ class ParamPartitioner(UnitHooks):
         if self.nvme is None:
             return
         try:
-            raise_if_any_rank_failed([self.nvme], self.group, self.device, knob="offload_params",
+            raise_if_any_rank_failed([self.nvme], self.group, self.device,
                                      lost="the evaluation's outputs since the failure are not trusted")
         finally:
             self.nvme.failure = None  # one error per failure
