@@ -7,7 +7,9 @@ then ``--steps`` timed ones, interleaved (cpu, nvme, cpu, nvme, ...):
 
 * ``zero3_offload``: parameter shards and optimizer on the host (the baseline);
 * ``opt_nvme``: optimizer (master + state) on NVMe, parameter shards on the host (``offload_params=True``);
-* ``zero3_offload_nvme``: both on NVMe (``offload_params="nvme"``, what the preset does).
+* ``zero3_offload_nvme``: both on NVMe (``offload_params="nvme"``, what the preset does);
+* ``zero3_offload_nvme_unverified``: the same with the scratch files' CRC32s off (``ScratchFile.CHECKSUMS``;
+  no engine setting turns them off): what verifying every read costs a step.
 
 Each step is timed in two parts: forward + backward, and ``engine.step()`` (the optimizer step with its
 publish). The optimizer-only table compares ``engine.step()`` (forward and backward are the same for both);
@@ -26,6 +28,9 @@ time + the ``zero3_offload`` step's compute. The physical limit is taken phase b
 writes and the shard writes against its step), each the longer of compute and the disk's time -- I/O hides
 behind the compute of its own phase, not of another -- so a step's fraction of the disk can reach at most
 that limit's share, and "of the limit" says how close the engine comes.
+
+The CRC32 is priced twice: the whole step with and without it (above), and ``zlib.crc32``'s own GB/s on one
+core over one ring slot, beside the disk's GB/s (the disk test itself runs without checksums).
 
 The disk figures go through the page cache, as the engine's I/O does (no O_DIRECT): on a host whose RAM
 holds the scratch file they are memory-bound; ``--drop-cache`` adds ``os.fsync`` + ``POSIX_FADV_DONTNEED``
@@ -50,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import zlib
 import os
 import statistics
 import sys
@@ -68,7 +74,8 @@ from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
 from lightning_zero.engine import nvme as NV  # noqa: E402
 from lightning_zero.engine.nvme import DIRECT_ALIGN, ScratchFile, aligned_empty  # noqa: E402
 
-SETTINGS = {"zero3_offload": (True, True), "opt_nvme": (True, "nvme"), "zero3_offload_nvme": ("nvme", "nvme")}
+SETTINGS = {"zero3_offload": (True, True), "opt_nvme": (True, "nvme"), "zero3_offload_nvme": ("nvme", "nvme"),
+            "zero3_offload_nvme_unverified": ("nvme", "nvme")}
 MOVED: Counter = Counter()  # (file kind, "read"/"write") -> bytes the engine's I/O asked for
 
 
@@ -84,15 +91,15 @@ def _count_io() -> None:
         MOVED[_kind(self.path), "read"] += buf.numel() * buf.element_size()
         return real_read(self, buf, offset)
 
-    def write(self, buf, offset):
+    def write(self, buf, offset, *blocks):
         MOVED[_kind(self.path), "write"] += buf.numel() * buf.element_size()
-        return real_write(self, buf, offset)
+        return real_write(self, buf, offset, *blocks)
 
     NV.ScratchFile.read, NV.ScratchFile.write = read, write
 
 
 def build(layers: int, width: int, params, optimizer, path: str, direct: bool = False,
-          buffers: int = 3) -> tuple[nn.Module, ZeroEngine]:
+          buffers: int = 3, checksums: bool = True) -> tuple[nn.Module, ZeroEngine]:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -100,8 +107,12 @@ def build(layers: int, width: int, params, optimizer, path: str, direct: bool = 
     on_disk = "nvme" in (params, optimizer)
     cfg = ZeroConfig(stage=3, offload_optimizer=optimizer, offload_params=params, unit_classes=["Linear"],
                      persist_numel=0, bucket_mb=bucket_mb, nvme_path=path if on_disk else None,
-                     nvme_direct=direct and optimizer == "nvme", nvme_buffer_count=buffers)
-    return model, ZeroEngine(model, opt, cfg)
+                     nvme_direct=direct and optimizer == "nvme", nvme_buffer_count=buffers if on_disk else 3)
+    ScratchFile.CHECKSUMS = checksums  # read when a file is made: this engine's files only
+    try:
+        return model, ZeroEngine(model, opt, cfg)
+    finally:
+        ScratchFile.CHECKSUMS = True
 
 
 def shard_host_bytes(engine: ZeroEngine) -> int:
@@ -131,7 +142,7 @@ def disk_bandwidth(path: str, nbytes: int, chunk: int, drop_cache: bool, direct:
     """Sequential write then read of ``nbytes`` in ``chunk``-byte pieces, as the ring does, in the engine's
     steady state: the file reserved and written once untimed (the engine's file is written at setup and on
     every step), then one timed write pass and one timed read pass over it."""
-    f = ScratchFile(path, 0, tag="bench", direct=direct)
+    f = ScratchFile(path, 0, tag="bench", direct=direct, checksums=False)  # the disk alone
     buf = aligned_empty(chunk, align=DIRECT_ALIGN if direct else 1)
     buf.random_(0, 255)
     n = max(1, nbytes // chunk)
@@ -155,6 +166,19 @@ def disk_bandwidth(path: str, nbytes: int, chunk: int, drop_cache: bool, direct:
     return {"write_s": t1 - t0, "read_s": t2 - t1, "bytes": moved,
             "write_gbs": moved / (t1 - t0) / 1e9, "read_gbs": moved / (t2 - t1) / 1e9,
             "rw_gbs": 2 * moved / (t2 - t0) / 1e9}
+
+
+def crc_gbs(nbytes: int) -> float:
+    """zlib.crc32's GB/s on one core over a buffer of ``nbytes`` (one ring slot), best of 5."""
+    data = os.urandom(max(nbytes, 1))
+    best = min(_timed(lambda: zlib.crc32(data)) for _ in range(5))
+    return len(data) / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def io_row(parts: list, step_s: float, cpu_s: float) -> dict:
@@ -249,7 +273,8 @@ def main() -> None:
         return deepspeed_worker(args)
     _count_io()
 
-    runs = {name: build(args.layers, args.width, p, o, args.path, args.direct, args.buffers) for name, (p, o) in SETTINGS.items()}
+    runs = {name: build(args.layers, args.width, p, o, args.path, args.direct, args.buffers,
+                        checksums=not name.endswith("_unverified")) for name, (p, o) in SETTINGS.items()}
     fb = {name: [] for name in runs}
     st = {name: [] for name in runs}
     moved = {name: Counter() for name in runs}
@@ -286,6 +311,7 @@ def main() -> None:
                     for _ in range(3)), key=lambda d: d["read_s"] + d["write_s"])
 
     disk = best_of_3(args.direct)
+    crc = crc_gbs(slot)
     # the parameter file always goes through the page cache: its bytes against that mode's figures
     disk_params = best_of_3(False) if args.direct else disk
     ring = part.nvme.ring_bytes
@@ -319,6 +345,7 @@ def main() -> None:
         "params_held_cpu_max": max(held["zero3_offload"]), "optimizer_only": old, "params_and_optimizer": new,
         "disk": disk, "disk_params_file": disk_params, "threads": args.threads, "path": args.path, "drop_cache": args.drop_cache,
         "direct": args.direct, "load_average": os.getloadavg(), "final_losses": losses, "deepspeed": peer,
+        "crc32_gbs": crc,
     }
     mib = 2**20
     print(f"{out['params']:,} params; disk {args.path}: write {disk['write_gbs']:.2f} GB/s, read "
@@ -360,6 +387,11 @@ def main() -> None:
           f"between steps): {out['params_held_max'] / mib:.2f} MiB (ring {ring / mib:.2f} MiB) "
           f"vs {params_on_disk / mib:.1f} MiB on disk ({params_on_disk / max(ring, 1):.1f}x); "
           f"zero3_offload holds {out['params_held_cpu_max'] / mib:.1f} MiB of shards")
+    v, u = med["zero3_offload_nvme"]["whole"], med["zero3_offload_nvme_unverified"]["whole"]
+    print(f"CRC32 of every scratch read and write: zlib.crc32 {crc:.2f} GB/s on one core (beside the disk's read "
+          f"{disk['read_gbs']:.2f} / write {disk['write_gbs']:.2f} GB/s); zero3_offload_nvme whole step {v:.3f} s "
+          f"verified vs {u:.3f} s unverified ({100 * (v / u - 1):+.1f}%); final losses equal: "
+          f"{losses['zero3_offload_nvme'] == losses['zero3_offload_nvme_unverified']}")
     if "missing" in peer:
         print(f"DeepSpeed ZeRO-Infinity: not run ({peer['missing']})")
     else:

@@ -210,9 +210,9 @@ def test_nvme_bytes_per_step_are_what_the_engine_reads_and_writes(tmp_path, monk
     real_read, real_write = NV.ScratchFile.read, NV.ScratchFile.write
 
     def counted(op, real):
-        def io(self, buf, offset):
+        def io(self, buf, offset, *blocks):
             moved[op] += buf.numel() * buf.element_size()
-            return real(self, buf, offset)
+            return real(self, buf, offset, *blocks)
         return io
 
     monkeypatch.setattr(NV.ScratchFile, "read", counted("read", real_read))

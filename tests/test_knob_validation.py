@@ -73,18 +73,30 @@ CONFIG = {
         (True, r"Allowed: offload_params with stage 3 only", dict(stage=2)),
         ("nvme", r"offload_params='nvme' needs partitioned parameters \(stage 3\).*Allowed: offload_params with stage 3 "
                  r"only", dict(stage=2)),
-        ("nvme", r"offload_params='nvme' needs a directory for the scratch files: nvme_path=DIR", dict(nvme_path=None))],
-        dict(stage=3, nvme_path=TMP)),
+        ("nvme", r"offload_params='nvme' needs a directory for the scratch files: nvme_path=DIR",
+         dict(nvme_path=None, offload_optimizer=False))],
+        dict(stage=3, offload_optimizer="nvme", nvme_path=TMP)),  # nvme_path is used by every value
     "nvme_path": Knob([TMP, Path(TMP)], [("/no/such/dir", r"nvme_path='/no/such/dir' does not exist .*Allowed: an "
                                                           r"existing, writable directory"),
                                          ("/proc", r"nvme_path='/proc' is not writable by this process"),
                                          (3, r"nvme_path must be None or a directory path"),
+                                         ("", r"nvme_path='' is empty\. Allowed: an existing, writable directory"),
+                                         ("", r"nvme_path='' given without NVMe offload", dict(offload_optimizer=True)),
+                                         (TMP, r"nvme_path='.*' given without NVMe offload \(offload_optimizer=True, "
+                                               r"offload_params=False\): it would be ignored\. Allowed: NVMe knobs "
+                                               r"with offload_optimizer='nvme' or offload_params='nvme'",
+                                          dict(offload_optimizer=True)),
                                          (None, r"needs a directory for the scratch files: nvme_path=DIR \(or the "
                                                 r"environment variable LIGHTNING_ZERO_NVME_PATH\)")],
                       dict(stage=2, offload_optimizer="nvme")),
-    "nvme_direct": Knob([True, False], [(v, BOOL) for v in ("yes", 1, None)],
+    "nvme_direct": Knob([True, False], [(v, BOOL) for v in ("yes", 1, None)] + [
+        (True, r"nvme_direct=True given without NVMe offload", dict(offload_optimizer=False)),
+        (True, r"nvme_direct=True opens the optimizer's scratch files with O_DIRECT; with offload_params='nvme' alone "
+               r"there are none.*Allowed: nvme_direct=True with offload_optimizer='nvme'",
+         dict(stage=3, offload_optimizer=False, offload_params="nvme"))],
                         dict(stage=2, offload_optimizer="nvme", nvme_path=TMP)),
-    "nvme_buffer_count": Knob([2, 3, 8], [(v, r"nvme_buffer_count must be an int >= 2") for v in (1, 2.0, True, None)],
+    "nvme_buffer_count": Knob([2, 3, 8], [(v, r"nvme_buffer_count must be an int >= 2") for v in (1, 2.0, True, None)]
+                              + [(4, r"nvme_buffer_count=4 given without NVMe offload", dict(offload_optimizer=True))],
                               dict(stage=2, offload_optimizer="nvme", nvme_path=TMP)),
     "offload_kernel": Knob(["fused", "user"], [("FUSED", "offload_kernel must be one of 'fused', 'user'"),
                                                (True, "offload_kernel must be one of"), (None, "offload_kernel")],

@@ -285,3 +285,12 @@ def broadcast_flat(tensors: list[torch.Tensor], group: Optional[Any], cap: int =
 def barrier(group: Optional[Any] = None) -> None:
     if world_size(group) > 1:
         dist.barrier(group=group)
+
+
+def all_gather_object(obj: Any, group: Optional[Any] = None) -> list:
+    """Every rank's ``obj`` (small, picklable: setup decisions and error messages, never tensors of a step)."""
+    if world_size(group) == 1:
+        return [obj]
+    out: list = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

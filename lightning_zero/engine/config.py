@@ -26,6 +26,8 @@ from .stage3.lifecycle import OrderCheck
 STAGES = (0, 1, 2, 3)
 GRAD_REDUCE = ("auto", "reduce_scatter", "all_reduce", "all_to_all")
 OFFLOAD_KERNELS = ("fused", "user")
+# the knobs only NVMe offload reads: any other value without it is refused (it would be ignored)
+NVME_KNOB_DEFAULTS = dict(nvme_path=None, nvme_buffer_count=3, nvme_direct=False)
 
 
 def _is_int(value) -> bool:
@@ -221,6 +223,19 @@ class ZeroConfig:
         if self.nvme_path is not None and not isinstance(self.nvme_path, (str, os.PathLike)):
             raise ValueError(f"nvme_path must be None or a directory path (str); got {self.nvme_path!r}.")
         on_nvme = [k for k in ("offload_optimizer", "offload_params") if getattr(self, k) == "nvme"]
+        if not on_nvme:  # an NVMe knob set here would be ignored: say so rather than run without it
+            given = [f"{k}={getattr(self, k)!r}" for k, default in NVME_KNOB_DEFAULTS.items()
+                     if getattr(self, k) is not default and getattr(self, k) != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} given without NVMe offload (offload_optimizer="
+                                 f"{self.offload_optimizer!r}, offload_params={self.offload_params!r}): it would be "
+                                 f"ignored. Allowed: NVMe knobs with offload_optimizer='nvme' or offload_params='nvme'; "
+                                 f"else their defaults (nvme_path=None, nvme_buffer_count=3, nvme_direct=False).")
+        if self.nvme_direct is True and on_nvme == ["offload_params"]:
+            raise ValueError("nvme_direct=True opens the optimizer's scratch files with O_DIRECT; with "
+                             "offload_params='nvme' alone there are none (the parameter file uses the page cache: "
+                             "the publish writes unaligned slices). Allowed: nvme_direct=True with "
+                             "offload_optimizer='nvme'.")
         if on_nvme:
             if self.nvme_path is None:
                 self.nvme_path = os.environ.get(NVME_PATH_ENV) or None

@@ -111,7 +111,7 @@ class ZeroEngine:
         # masters are cut from the fp32 values before the module drops to the compute dtype
         self.opts = PG.OptimizerSet(self.optimizers, per_opt, self.table, maker, PG.shard_optimizers(
             self.optimizers, self.table, plan, cfg, compute_dtype, self.tensor_parallel,
-            self._partitioned.partitioner.shard_readable if self._partitioned is not None else None))
+            self._partitioned.partitioner.shard_readable if self._partitioned is not None else None, group))
         self.shardeds: list[ShardedOptimizer] = self.opts.shardeds
         self.params: list[nn.Parameter] = self.opts.params  # managed, optimizer by optimizer; add_param_group appends
         self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
@@ -306,8 +306,7 @@ class ZeroEngine:
         if self.config.offload_optimizer != "nvme" and params_store is None:
             return
         raise_if_any_rank_failed([s.nvme for s in self.opts.select(optimizer)] + [params_store], self.group,
-                                 self.params[0].device if self.params else None,
-                                 knob="offload_optimizer" if self.config.offload_optimizer == "nvme" else "offload_params")
+                                 self.params[0].device if self.params else None)
         if params_store is not None:
             params_store.failure = None
 

@@ -8,7 +8,13 @@ back into memory), so it is removed when the engine is torn down -- and, should 
 (an exception, a killed rank), when the object is collected or the interpreter exits (``weakref.finalize``).
 I/O is plain ``os.preadv`` / ``os.pwritev`` on the tensors' own memory (no copy through Python bytes, no
 compiled op, no libaio): the kernel's page cache and read-ahead do the rest, and the reader / writer threads
-of nvme_states.py release the GIL inside the system call, so the CPU step runs meanwhile.
+of nvme_states.py release the GIL inside the system call, so the CPU step runs meanwhile. Every read is whole
+and checked against the CRC32s its writes recorded ([Note: verified scratch reads], nvme_checksums.py).
+
+The file's name says whose it is (``lightning_zero-<tag>-rank<r>-<pid>-<host>-<id>.swap``) and the process
+holds an exclusive ``flock`` on it while it is open: a run that was killed leaves its files unlocked, and the
+next run on that directory reclaims exactly those ([Note: reclaiming a dead run's scratch files],
+nvme_space.py).
 """
 
 from __future__ import annotations
@@ -16,14 +22,18 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
+import fcntl
 import os
-import shutil
+import re
+import socket
 import tempfile
 import uuid
 import weakref
-from typing import Union
+from typing import Optional, Sequence, Union
 
 import torch
+
+from .nvme_checksums import BlockChecksums, ScratchDamaged
 
 NVME_PATH_ENV = "LIGHTNING_ZERO_NVME_PATH"
 
@@ -52,6 +62,9 @@ class OffloadDevice(enum.Enum):
 
 def check_nvme_dir(path: str) -> str:
     """``path`` as an absolute directory that exists and this process may create files in; else one error."""
+    if not str(path).strip():  # os.path.abspath("") is the current directory: never what was meant
+        raise ValueError(f"nvme_path={path!r} is empty. Allowed: an existing, writable directory (on a local NVMe "
+                         f"disk) for the per-rank scratch files, or None for ${NVME_PATH_ENV}.")
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(full):
         raise ValueError(f"nvme_path={path!r} does not exist or is not a directory. Allowed: an existing, writable "
@@ -65,13 +78,13 @@ def check_nvme_dir(path: str) -> str:
     return full
 
 
-def check_free_space(path: str, needed: int, what: str, knob: str = "offload_optimizer") -> None:
-    """Refuse at setup, with the number, a disk that cannot hold ``needed`` more bytes."""
-    free = shutil.disk_usage(path).free
-    if free < needed:
-        raise ValueError(f"nvme_path={path!r} has {free:,} bytes free; {what} need {needed:,} bytes "
-                         f"({needed / 2**30:.2f} GiB). Allowed: a directory on a disk with at least that much free "
-                         f"space (or {knob}=True to keep them in host memory).")
+HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+SCRATCH_NAME = re.compile(r"^lightning_zero-(optimizer|params)-rank(\d+)-(\d+)-([A-Za-z0-9._]+)-([0-9a-f]{8})\.swap$")
+
+
+def scratch_name(tag: str, rank: int) -> str:
+    """Whose the file is: read back by :data:`SCRATCH_NAME` (nvme_space.py reclaims a dead run's files)."""
+    return f"lightning_zero-{tag}-rank{rank}-{os.getpid()}-{HOST}-{uuid.uuid4().hex[:8]}.swap"
 
 
 def _remove(path: str, fd: int) -> None:
@@ -102,9 +115,11 @@ class ScratchFile:
     ``direct``: opened with O_DIRECT (the device's DMA moves the bytes, no page-cache copy on the CPU);
     the caller then gives page-aligned buffers, offsets and lengths."""
 
-    def __init__(self, directory: str, rank: int, tag: str = "optimizer", direct: bool = False) -> None:
-        name = f"lightning_zero-{tag}-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}.swap"
-        self.path = os.path.join(directory, name)
+    CHECKSUMS = True  # every file made records and checks CRC32s; False only to price them (bench/nvme_offload.py)
+
+    def __init__(self, directory: str, rank: int, tag: str = "optimizer", direct: bool = False,
+                 checksums: Optional[bool] = None) -> None:
+        self.path = os.path.join(directory, scratch_name(tag, rank))
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (getattr(os, "O_DIRECT", 0) if direct else 0)
         try:
             self.fd = os.open(self.path, flags, 0o600)
@@ -113,8 +128,19 @@ class ScratchFile:
                 raise ValueError(f"nvme_direct=True: the file system of nvme_path={directory!r} does not support "
                                  f"O_DIRECT. Allowed: nvme_direct=False there (the page cache), or a directory on "
                                  f"a local disk (ext4, xfs).") from None
-            raise
+            # the directory was checked when the config was made; it may have gone or turned read-only since
+            raise ValueError(f"nvme_path={directory!r}: could not create the scratch file {os.path.basename(self.path)}"
+                             f": {e.strerror or e} (errno {errno.errorcode.get(e.errno, e.errno)}). Allowed: an "
+                             f"existing, writable directory (on a local NVMe disk) for the per-rank scratch files, "
+                             f"for as long as the run lasts.") from None
+        # held while open, released by the kernel when this process dies: in use <=> locked (nvme_space.py);
+        # a file system without flock fails the reclaimer's lock the same way, so nothing there is reclaimed
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
         self.direct = direct
+        self.checksums = BlockChecksums() if (self.CHECKSUMS if checksums is None else checksums) else None
         self._finalizer = weakref.finalize(self, _remove, self.path, self.fd)
 
     @staticmethod
@@ -126,7 +152,9 @@ class ScratchFile:
         n = t.numel() * t.element_size()
         return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
 
-    def write(self, buf: torch.Tensor, offset: int) -> None:
+    def write(self, buf: torch.Tensor, offset: int, blocks: Optional[Sequence[int]] = None) -> None:
+        """All of ``buf`` at ``offset``, its blocks' CRC32s recorded (``blocks``: their byte lengths, for a
+        region whose parts are rewritten later, [Note: verified scratch reads])."""
         view = self._view(buf)
         done = 0
         while done < len(view):  # pwritev may write less than asked (signals, some file systems)
@@ -134,15 +162,29 @@ class ScratchFile:
             if n <= 0:
                 raise OSError(errno.ENOSPC, f"short write to {self.path}")
             done += n
+        if self.checksums is not None:
+            self.checksums.record(view, offset, blocks)
 
     def read(self, buf: torch.Tensor, offset: int) -> None:
+        """All of ``buf`` from ``offset``, as written ([Note: verified scratch reads]); else ScratchDamaged."""
         view = self._view(buf)
         done = 0
         while done < len(view):
             n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n <= 0:  # past the end: a region never written (the first step's state) reads as nothing
-                break
+            if n <= 0:  # every region read was written first: the file was cut under the run
+                raise ScratchDamaged(
+                    f"scratch file {self.path} is damaged: reading {len(view):,} bytes at offset {offset:,} stopped "
+                    f"after {done:,} at the file's end ({os.fstat(self.fd).st_size:,} bytes): it was truncated "
+                    f"outside this run")
             done += n
+        if self.checksums is not None:
+            self.checksums.verify(view, offset, self.path)
+
+    def truncate(self, nbytes: int) -> None:
+        """Give back the file's bytes from ``nbytes`` on."""
+        os.ftruncate(self.fd, nbytes)
+        if self.checksums is not None:
+            self.checksums.forget_from(nbytes)
 
     def reserve(self, nbytes: int) -> None:
         """Claim the file's size now (where the file system can), so a full disk fails at setup, not mid-run."""

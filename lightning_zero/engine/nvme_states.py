@@ -18,7 +18,9 @@ ring: ``nvme_buffer_count`` slots of the largest chunk (:attr:`NvmeStates.ring_b
 size. The first step's optimizer creates its state tensors in ordinary memory; they are copied into the slot
 before the write and freed. Anything else that reads the masters or the state (checkpoints, whole-model
 views, the consolidated optimizer state) first calls :meth:`NvmeStates.make_resident`, which reads every
-chunk back into memory of its own; the next step streams it out again.
+chunk back into memory of its own; the next step streams it out again. Every read is whole and checked
+against the CRC32s of what this run wrote ([Note: verified scratch reads], nvme_checksums.py): a damaged file
+is an I/O failure of the step like a failed read, raised on every rank by :func:`raise_if_any_rank_failed`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import torch
 
 from . import collectives as C
 from .memory import optimizer_state_bytes_per_param
-from .nvme import DIRECT_ALIGN, ScratchFile, aligned_empty, check_free_space
+from .nvme import DIRECT_ALIGN, ScratchFile, aligned_empty
+from .nvme_space import io_failure, prepare_scratch
 
 _log = logging.getLogger("lightning_zero.engine")
 _ALIGN = 4096  # chunk regions start on a page (and an O_DIRECT block) boundary
@@ -106,20 +109,21 @@ class NvmeStates:
     knob = "offload_optimizer"  # what an I/O error names
 
     def __init__(self, optimizer: torch.optim.Optimizer, directory: str, rank: int, buffer_count: int,
-                 pin: bool, planned_numel: list[list[int]], planned_swap: list[list[bool]], direct: bool = False) -> None:
+                 pin: bool, planned_numel: list[list[int]], planned_swap: list[list[bool]], direct: bool = False,
+                 group=None) -> None:
         """``planned_*``: per bucket, the master sizes and whether each lives in the file: the free space
-        is checked for all of them before anything is written."""
+        is checked for all of them, on every rank of ``group`` sharing the disk, before anything is written
+        ([Note: scratch space for the node], nvme_space.py)."""
         self.optimizer = optimizer
         self.directory = directory
         self.buffer_count = buffer_count
         self.pin = pin
         self.state_per_elem = predicted_state_bytes(optimizer)
         needed = sum(self._capacity(n, s) for n, s in zip(planned_numel, planned_swap))
-        check_free_space(directory, needed, f"rank {rank}'s fp32 masters and optimizer state "
-                                            f"({4 + self.state_per_elem} bytes per element)")
-        self.file = ScratchFile(directory, rank, direct=direct)
+        self.file = prepare_scratch(directory, needed, f"fp32 masters and optimizer state "
+                                    f"({4 + self.state_per_elem} bytes per element)", self.knob, rank, group,
+                                    lambda: ScratchFile(directory, rank, direct=direct))
         self._align = DIRECT_ALIGN if direct else 1  # O_DIRECT: page-aligned buffers and lengths
-        self.file.reserve(needed)
         self.chunks: list[_Chunk] = []
         self._end = 0  # bump allocator over the file
         self.ring: list[torch.Tensor] = []
@@ -278,7 +282,7 @@ class NvmeStates:
             return True
         except OSError as e:
             if self.failure is None:
-                self.failure = (f"the {what} of {self.file.path} failed: {e} (a full or read-only disk?)")
+                self.failure = io_failure(what, self.file.path, e)
             return False
 
     # -- whole views --------------------------------------------------------------------------------------
@@ -332,16 +336,15 @@ STEP_LOST = "this step's update is lost, the checkpoints already saved are intac
 
 
 def raise_if_any_rank_failed(states: list, group=None, device: Optional[torch.device] = None,
-                             knob: str = "offload_optimizer", lost: str = STEP_LOST) -> None:
+                             lost: str = STEP_LOST) -> None:
     """After an NVMe step: one agreement over ``group`` (a 1-element all-reduce on ``device``, the compute
     device: NCCL reduces device tensors), so that a read or write that failed on one rank stops the run with
     one error on every rank, naming the rank, instead of the others hanging in their next collective. The
     step's update is not trusted anywhere then; checkpoints already saved are separate directories.
     ``states``: NvmeStates and stage 3's NvmeParams (anything with a ``failure`` and a ``knob``, None skipped);
-    ``knob``: the error's prefix where no state of this rank failed; ``lost``: what is not to be trusted."""
+    ``lost``: what is not to be trusted. The error is the failing rank's own (its knob, its words) on every rank."""
     failed_here = next((s for s in states if s is not None and s.failure is not None), None)
-    mine = failed_here.failure if failed_here is not None else None
-    knob = failed_here.knob if failed_here is not None else knob
+    mine = (failed_here.knob, failed_here.failure) if failed_here is not None else None
     rank = C.rank(group)
     failed = torch.tensor([rank + 1 if mine is not None else 0], dtype=torch.int64, device=device)
     if C.world_size(group) > 1:
@@ -349,5 +352,6 @@ def raise_if_any_rank_failed(states: list, group=None, device: Optional[torch.de
     who = int(failed.item()) - 1
     if who < 0:
         return
-    what = f"on rank {rank}, {mine}" if mine is not None else f"the NVMe I/O of rank {who} failed (its error names the file)"
-    raise RuntimeError(f"{knob}='nvme': {what}. The run stops on every rank; {lost}.")
+    # a failure is the rare path: its words travel, so every rank raises the failing rank's error itself
+    knob, what = C.all_gather_object(mine, group)[who]
+    raise RuntimeError(f"{knob}='nvme': on rank {who}, {what}. The run stops on every rank; {lost}.")

@@ -199,7 +199,7 @@ class ShardedOptimizer:
                               and sources[bi][pi].dtype == torch.float32
                               and sources[bi][pi].device.type == "cpu") for pi in range(len(b.params))])
         return NvmeStates(self.optimizer, nvme["directory"], nvme["rank"], nvme["buffer_count"], pin, numel, swap,
-                          nvme.get("direct", False))
+                          nvme.get("direct", False), nvme.get("group"))
 
     def add_group(self, group: dict, buckets: list[Bucket], sources=None) -> None:
         """``optimizer.add_param_group`` after setup: masters for the new buckets (from the parameters'

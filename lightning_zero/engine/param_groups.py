@@ -81,14 +81,17 @@ def _shared_error(name: str, a: int, b: int) -> str:
             "optimizers over disjoint parameter sets (e.g. a GAN's generator and discriminator).")
 
 
-def _nvme_args(cfg) -> Optional[dict]:
-    """Where an optimizer's states go with offload_optimizer="nvme" (one scratch file per rank and optimizer)."""
+def _nvme_args(cfg, group=None) -> Optional[dict]:
+    """Where an optimizer's states go with offload_optimizer="nvme" (one scratch file per rank and optimizer);
+    ``group``: the ranks that agree on the files' space at setup ([Note: scratch space for the node])."""
     if cfg.offload_optimizer != "nvme":
         return None
-    return dict(directory=cfg.nvme_path, rank=C.rank(), buffer_count=cfg.nvme_buffer_count, direct=cfg.nvme_direct)
+    return dict(directory=cfg.nvme_path, rank=C.rank(), buffer_count=cfg.nvme_buffer_count, direct=cfg.nvme_direct,
+                group=group)
 
 
-def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, unit_scope=None) -> list[ShardedOptimizer]:
+def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, unit_scope=None,
+                     group=None) -> list[ShardedOptimizer]:
     """One :class:`ShardedOptimizer` per optimizer over its own rows of the bucket ``table``; ``tp``: the
     tensor-parallel mesh, whose group the gradient norm also sums over; ``unit_scope(unit)`` (stage 3): a
     context in which the unit's shard can be read (the partitioner's ``shard_readable``)."""
@@ -101,7 +104,7 @@ def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, unit_
                                     fused_on_cpu=cfg.offload_kernel == "fused",
                                     tp_group=tp.tp_group if tp is not None else None,
                                     tp_size=tp.tp_size if tp is not None else 1,
-                                    nvme=_nvme_args(cfg), alias_sources=cfg.offload_params != "nvme",
+                                    nvme=_nvme_args(cfg, group), alias_sources=cfg.offload_params != "nvme",
                                     source_scope=scope))
     swap = kernel_swap_line(out)
     if swap is not None and C.rank() == 0:

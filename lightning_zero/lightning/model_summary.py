@@ -22,7 +22,8 @@ _COLUMN = "Params per Device"  # Lightning's spelling: RichModelSummary lays out
 
 def per_device_numel(engine) -> dict[int, int]:
     """{id(parameter): elements this rank stores} for every partitioned parameter."""
-    return {id(p): spec.shard_len for u in engine.partitioner.units for p, spec in zip(u.layout.params, u.layout.specs)}
+    return {id(p): spec.shard_len for u in engine.partitioner.units if u.layout is not None  # a root without params
+            for p, spec in zip(u.layout.params, u.layout.specs)}
 
 
 def _summary_class(ModelSummary, get_human_readable_count, NOT_APPLICABLE):

@@ -35,7 +35,9 @@ step, or, evaluating, the partitioner's at the end of the evaluation (``join``) 
 on one rank raises at the gather itself.
 
 The file uses the page cache (``nvme_direct`` is the optimizer file's): the publish writes unaligned
-slices of a region.
+slices of a region. Every region is written in the same pieces, one per parameter slice (and the padding
+between), so that a slice the publish rewrites replaces exactly its piece's CRC32 and a read checks them all
+([Note: verified scratch reads], engine/nvme_checksums.py).
 """
 
 from __future__ import annotations
@@ -49,13 +51,21 @@ from typing import Optional
 
 import torch
 
-from ..nvme import ScratchFile, aligned_empty, check_free_space
+from ..nvme import ScratchFile, aligned_empty
+from ..nvme_space import io_failure, prepare_scratch
 
 _ALIGN = 4096  # every unit's region starts on a page
 
 
 def _up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+def _pieces(layout) -> list[int]:
+    """A unit shard cut at every parameter slice's ends (the publish's writes), in elements, covering it."""
+    cuts = sorted({0, layout.shard_numel} | {c for off, spec in zip(layout.offsets, layout.specs)
+                                             for c in (off, off + spec.shard_len)})
+    return [b - a for a, b in zip(cuts, cuts[1:])]
 
 
 class ShardHome(enum.Enum):
@@ -91,7 +101,7 @@ class NvmeParams:
     knob = "offload_params"  # what an I/O error names
 
     def __init__(self, units, shard_dtype: torch.dtype, directory: str, rank: int, slots: int,
-                 pin: bool = False) -> None:
+                 pin: bool = False, group=None) -> None:
         """``shard_dtype``: the dtype the shards will have when spilled (the compute dtype of a training
         engine); ``slots``: ring buffers, each of the largest unit shard. Planned before the shards are cut
         (from the units' layouts): free space is checked (with the bytes needed) and the file reserved before
@@ -104,6 +114,7 @@ class NvmeParams:
             self.regions[i] = _Region(end, u.layout.shard_numel * esize)
             end += _up(u.layout.shard_numel * esize, _ALIGN)
         self.staging = self.regions  # where a unit's fp32 shard waits for the cast (setup)
+        self._pieces = {i: _pieces(u.layout) for i, u in self.units.items()}  # elements per checksummed block
         total = end
         if shard_dtype != torch.float32:
             self.staging = {}
@@ -111,10 +122,9 @@ class NvmeParams:
                 self.staging[i] = _Region(total, u.layout.shard_numel * 4)
                 total += _up(u.layout.shard_numel * 4, _ALIGN)
         staged = "" if total == end else f", and {total - end:,} bytes more in fp32 during setup"
-        check_free_space(directory, total, f"rank {rank}'s stage-3 parameter shards ({esize} bytes per element"
-                                           f"{staged})", knob="offload_params")
-        self.file = ScratchFile(directory, rank, tag="params")
-        self.file.reserve(total)
+        self.file = prepare_scratch(directory, total, f"stage-3 parameter shards ({esize} bytes per element"
+                                    f"{staged})", self.knob, rank, group,  # [Note: scratch space for the node]
+                                    lambda: ScratchFile(directory, rank, tag="params"))
         self.file_bytes = end
         self.home = {i: ShardHome.RESIDENT for i in self.units}  # the shards are cut next: stage()
         self.slot_bytes = max((r.nbytes for r in self.regions.values()), default=0)
@@ -141,6 +151,11 @@ class NvmeParams:
         """Bytes of parameter shards only in the file now."""
         return sum(self._region(i).nbytes for i, h in self.home.items() if h is not ShardHome.RESIDENT)
 
+    def _write_region(self, u, offset: int) -> None:
+        """``u``'s whole shard at ``offset``, checksummed piece by piece (the publish rewrites single pieces)."""
+        esize = u.shard.element_size()
+        self.file.write(self._bytes_of(u), offset, [n * esize for n in self._pieces[u.index]])
+
     def _region(self, i: int) -> _Region:
         return self.staging[i] if self.home[i] is ShardHome.STAGED else self.regions[i]
 
@@ -155,7 +170,7 @@ class NvmeParams:
         if u.shard.dtype != torch.float32 or u.shard.numel() * 4 != r.nbytes:
             raise RuntimeError(f"offload_params='nvme': unit '{u.name}' was cut as {u.shard.numel()} "
                                f"{u.shard.dtype} elements, not the fp32 shard its file region was planned for")
-        if self._io(self.file.write, self._bytes_of(u), r.offset, "write"):
+        if self._io(self._write_region, u, r.offset, "write"):
             self.bytes_written += r.nbytes
             u.shard.untyped_storage().resize_(0)
             self.home[u.index] = ShardHome.ON_DISK if self.staging is self.regions else ShardHome.STAGED
@@ -186,7 +201,7 @@ class NvmeParams:
             new = u.shard.to(dtype)
         u.shard = new
         self.home[u.index] = ShardHome.RESIDENT  # a failed write keeps it so: the setup's agreement raises
-        if self._io(self.file.write, self._bytes_of(u), self.regions[u.index].offset, "write"):
+        if self._io(self._write_region, u, self.regions[u.index].offset, "write"):
             self.bytes_written += self.regions[u.index].nbytes
             new.untyped_storage().resize_(0)
             self.home[u.index] = ShardHome.ON_DISK
@@ -195,7 +210,7 @@ class NvmeParams:
 
     def _drop_staging(self) -> None:
         if self.staging is not self.regions and ShardHome.STAGED not in self.home.values():
-            os.ftruncate(self.file.fd, self.file_bytes)  # every shard cast: the staging regions are spent
+            self.file.truncate(self.file_bytes)  # every shard cast: the staging regions are spent
             self.staging = self.regions
 
     @torch.no_grad()
@@ -211,7 +226,7 @@ class NvmeParams:
             if u.shard.dtype.itemsize * u.shard.numel() != self.regions[i].nbytes:
                 raise RuntimeError(f"offload_params='nvme': unit '{u.name}' holds {u.shard.dtype} shards, not the "
                                    f"dtype its file region was planned for")
-            if not self._io(self.file.write, self._bytes_of(u), self.regions[i].offset, "write"):
+            if not self._io(self._write_region, u, self.regions[i].offset, "write"):
                 continue  # kept in memory: the run stops at the agreement, nothing is lost before it
             self.bytes_written += self.regions[i].nbytes
             u.shard.untyped_storage().resize_(0)
@@ -338,7 +353,7 @@ class NvmeParams:
             return True
         except OSError as e:
             if self.failure is None:
-                self.failure = f"the {what} of {self.file.path} failed: {e} (a full or read-only disk?)"
+                self.failure = io_failure(what, self.file.path, e)
             return False
 
     def close(self) -> None:

@@ -111,7 +111,7 @@ class ParamPartitioner(UnitHooks):
         self.eval_only = False  # no step of this engine agrees on the NVMe I/O: evaluation does (setup.py)
         if nvme is not None:  # checks the free space for every shard before any is cut: each is spilled as cut
             self.nvme = NvmeParams(units, nvme["shard_dtype"], nvme["directory"], nvme["rank"], nvme["slots"],
-                                   pin=torch.cuda.is_available() and device.type == "cuda")
+                                   pin=torch.cuda.is_available() and device.type == "cuda", group=self.init_group)
         self._shard_all()
         self._install_hooks()
 
@@ -279,7 +279,7 @@ class ParamPartitioner(UnitHooks):
         if self.nvme is None:
             return
         try:
-            raise_if_any_rank_failed([self.nvme], self.group, self.device, knob="offload_params",
+            raise_if_any_rank_failed([self.nvme], self.group, self.device,
                                      lost="the evaluation's outputs since the failure are not trusted")
         finally:
             self.nvme.failure = None  # one error per failure
