@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import errno
+import multiprocessing.util
 import os
 import shutil
 import tempfile
@@ -116,6 +117,9 @@ class ScratchFile:
             raise
         self.direct = direct
         self._finalizer = weakref.finalize(self, _remove, self.path, self.fd)
+        # a rank that multiprocessing ends (Lightning's fork / spawn launchers) exits through os._exit, past
+        # atexit: its exit finalizers remove the file there ([Note: NVMe states outlive teardown])
+        multiprocessing.util.Finalize(self, self._finalizer, exitpriority=0)
 
     @staticmethod
     def _view(t: torch.Tensor) -> memoryview:

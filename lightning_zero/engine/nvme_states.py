@@ -19,6 +19,17 @@ size. The first step's optimizer creates its state tensors in ordinary memory; t
 before the write and freed. Anything else that reads the masters or the state (checkpoints, whole-model
 views, the consolidated optimizer state) first calls :meth:`NvmeStates.make_resident`, which reads every
 chunk back into memory of its own; the next step streams it out again.
+
+[Note: NVMe states outlive teardown]
+A finished fit keeps its engine so that ``trainer.save_checkpoint`` after it writes the optimizer state
+([Note: the trained state outlives fit], lightning/strategy.py). With NVMe offload that state *is* the scratch
+file, so the strategies' teardown removes the engine with ``keep_states=True`` and the file lives as long as
+the strategy can still save it: until the next fit's setup replaces the engine (``ZeroEngine.release_states``),
+the strategy is collected (``weakref.finalize``) or the process exits -- atexit, or, for a rank that
+``multiprocessing`` ends with ``os._exit`` (Lightning's fork / spawn launchers), its exit finalizers
+(``ScratchFile``, engine/nvme.py). A detached engine that saved reads its states back to save them and
+writes them out again after (:meth:`NvmeStates.spill`), so a kept engine holds no more host memory than the
+ring. Stage 3's parameter file is not kept: once the module is handed back whole its values are the module's.
 """
 
 from __future__ import annotations
@@ -297,6 +308,17 @@ class NvmeStates:
                 own.view(-1).view(torch.uint8).copy_(slot[e.offset : e.offset + e.nbytes])
                 t.set_(own.untyped_storage(), 0, t.shape, t.stride())
 
+    @torch.no_grad()
+    def spill(self) -> None:
+        """Chunks read back whole (:meth:`make_resident`) written to their regions again and freed: a kept
+        engine holds only the file between saves ([Note: NVMe states outlive teardown]); a training engine's
+        next step streams them out itself. A chunk only partly resident is left to that step."""
+        self._check_open()
+        for c in self.chunks:
+            held = [t for e in c.entries for t in [self._tensor(c, e)] if t is not None]
+            if held and not any(_is_swapped(t) for t in held):
+                self._write_resident(c)
+
     def resident_bytes(self) -> int:
         """Bytes of this optimizer's offloaded tensors now in host memory outside the ring."""
         return sum(e.nbytes for c in self.chunks for e in c.entries
@@ -314,8 +336,9 @@ class NvmeStates:
 
     def _check_open(self) -> None:
         if self.state is NvmeState.CLOSED:
-            raise RuntimeError("offload_optimizer='nvme': the engine was torn down (its scratch file removed); "
-                               "its masters and optimizer state are gone. Save a checkpoint before remove().")
+            raise RuntimeError("offload_optimizer='nvme': the engine was torn down (its scratch file removed by "
+                               "remove() or release_states()); its masters and optimizer state are gone. Save a "
+                               "checkpoint before remove().")
 
     def close(self) -> None:
         """Remove the scratch file and drop the ring (idempotent)."""
