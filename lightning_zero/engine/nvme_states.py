@@ -14,8 +14,12 @@ resized to 0 bytes, as FSDP frees unsharded parameters); during the step::
     writer thread:  write chunk k-1 from its slot                 (os.pwritev)
 
 so a step costs about max(read + write, compute) per chunk and the host memory these states take is the
-ring: ``nvme_buffer_count`` slots of the largest chunk (:attr:`NvmeStates.ring_bytes`), whatever the model
-size. The first step's optimizer creates its state tensors in ordinary memory; they are copied into the slot
+ring (:attr:`NvmeStates.ring_bytes`): ``nvme_buffer_count`` slots, slot j sized to the largest of the chunks
+j, j + B, ... it holds, so the ring follows the states it streams -- never more than they are (fewer chunks
+than slots: one slot each), and far less when they are many buckets. A chunk is a whole bucket, and a master
+a whole parameter's slice: a model whose states are a few buckets, or one parameter (a large vocabulary's
+embedding), has a ring about as large as its states and NVMe saves it no host memory; setup says so
+(docs/nvme_offload.md, "From which size NVMe pays"). The first step's optimizer creates its state tensors in ordinary memory; they are copied into the slot
 before the write and freed. Anything else that reads the masters or the state (checkpoints, whole-model
 views, the consolidated optimizer state) first calls :meth:`NvmeStates.make_resident`, which reads every
 chunk back into memory of its own; the next step streams it out again.
@@ -136,7 +140,8 @@ class NvmeStates:
         self.ring: list[torch.Tensor] = []
         self._io: Optional[tuple[ThreadPoolExecutor, ThreadPoolExecutor]] = None
         self.state = NvmeState.OPEN
-        self._warned_overflow = False
+        self.rank = rank
+        self._warned_overflow = self._warned_ring = False
         self.failure: Optional[str] = None  # the last step's first I/O error on this rank
 
     def _capacity(self, numels: list[int], swap: list[bool]) -> int:
@@ -183,15 +188,38 @@ class NvmeStates:
     def slot_bytes(self) -> int:
         return max((c.capacity for c in self.chunks), default=0)
 
+    def slot_sizes(self) -> list[int]:
+        """Slot j holds chunks j, j + B, ... (B = the slots, at most one per chunk): the largest of them."""
+        b = min(self.buffer_count, len(self.chunks))
+        sizes = [0] * b
+        for k, c in enumerate(self.chunks):
+            sizes[k % b] = max(sizes[k % b], c.capacity)
+        return sizes
+
     @property
     def ring_bytes(self) -> int:
-        """The bound on the host bytes these states take during a step (the ring's buffers)."""
-        return self.buffer_count * self.slot_bytes
+        """The bound on the host bytes these states take during a step (the ring's buffers): at most the
+        states themselves (:meth:`slot_sizes`)."""
+        return sum(self.slot_sizes())
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the file's regions: the masters + state the ring streams."""
+        return sum(c.capacity for c in self.chunks)
 
     def _ring(self) -> list[torch.Tensor]:
-        size = self.slot_bytes
-        if not self.ring or self.ring[0].numel() < size:  # a larger bucket joined (add_param_group)
-            self.ring = [aligned_empty(size, self.pin, self._align) for _ in range(self.buffer_count)]
+        sizes = self.slot_sizes()
+        if [t.numel() for t in self.ring] != sizes:  # first step, or a bucket joined (add_param_group)
+            self.ring = [aligned_empty(n, self.pin, self._align) for n in sizes]
+            if self.rank == 0 and 2 * self.ring_bytes > self.state_bytes and not self._warned_ring:
+                self._warned_ring = True
+                _log.warning("offload_optimizer='nvme': the ring is %.1f MiB of host memory for %.1f MiB of masters + "
+                             "optimizer state per rank (its largest bucket: %.1f MiB); NVMe offload saves at most "
+                             "%.1f MiB of host memory on this model. It pays when the states are many buckets and "
+                             "no parameter's slice is a large part of them (docs/nvme_offload.md, 'From which size "
+                             "NVMe pays'); offload_optimizer=True keeps them in host memory without the disk I/O.",
+                             self.ring_bytes / 2**20, self.state_bytes / 2**20, self.slot_bytes / 2**20,
+                             max(0, self.state_bytes - self.ring_bytes) / 2**20)
         return self.ring
 
     def _executors(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
