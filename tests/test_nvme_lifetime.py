@@ -3,9 +3,10 @@
 ``trainer.save_checkpoint`` after ``trainer.fit`` (full and ``weights_only=True``) with the registered presets
 ``zero2_offload_nvme`` / ``zero3_offload_nvme`` and with ``ZeroPipelineStrategy(offload_optimizer="nvme")``,
 at 1 and 2 devices, in a script run as a user runs it (tests/helpers/nvme_after_fit.py; with 2 devices
-Lightning's default launcher starts the second rank): the full checkpoint resumes (``ckpt_path=``) into a
-differently initialized model and ends where the uninterrupted run ends, bit for bit; the weights-only one
-holds the trained weights; and once every process has exited no scratch file is left
+Lightning's default launcher starts the second rank): the kept states are only on disk between saves, a
+full checkpoint saved after two earlier saves resumes (``ckpt_path=``) into a differently initialized model
+and ends where the uninterrupted run ends, bit for bit; the weights-only one holds the trained weights; and
+once every process has exited no scratch file is left
 ([Note: NVMe states outlive teardown], engine/nvme_states.py).
 """
 
@@ -46,6 +47,7 @@ def test_save_checkpoint_after_fit_with_nvme_offload_resumes_exactly_and_no_scra
     records = [torch.load(out / f"rank{r}.pt") for r in range(devices)]
     for r, rec in enumerate(records):
         assert any(f.startswith("lightning_zero-optimizer-") for f in rec["held"]), rec["held"]  # kept for the saves
+        assert rec["in_memory"] == 0 < rec["on_disk"], rec  # each save's read-back written out again
         assert set(rec["resumed"]) == set(rec["straight"])
         for k in rec["straight"]:
             assert torch.equal(rec["resumed"][k], rec["straight"][k]), f"rank {r}: {k} resumed != uninterrupted"
@@ -55,8 +57,9 @@ def test_save_checkpoint_after_fit_with_nvme_offload_resumes_exactly_and_no_scra
     if kind == "pipeline":  # every stage's weights in both directories (names: the uncut model's)
         from lightning_zero.checkpoint.pipeline_dir import consolidate_pipeline_checkpoint
 
-        full, weights = (consolidate_pipeline_checkpoint(out / name) for name in ("full", "weights"))
-        assert set(full) == set(weights) and all(torch.equal(full[k], weights[k]) for k in full)
+        full, weights, again = (consolidate_pipeline_checkpoint(out / name) for name in ("full", "weights", "again"))
+        for other in (weights, again):
+            assert set(full) == set(other) and all(torch.equal(full[k], other[k]) for k in full)
         trained = [t for rec in records for t in rec["trained"].values()]
         assert torch.equal(_values(weights.values()), _values(trained))
     assert os.listdir(scratch) == []  # every process has exited: no scratch file left behind

@@ -1,5 +1,5 @@
 """A training script as a user writes it: fit with an NVMe preset, ``trainer.save_checkpoint`` after fit
-(full and ``weights_only=True``), then resume from it (``ckpt_path=``) and train the same run uninterrupted.
+(full, ``weights_only=True``, full again), then resume from the last (``ckpt_path=``) and train the same run uninterrupted.
 
 Run by tests/test_nvme_lifetime.py as ``python tests/helpers/nvme_after_fit.py KIND DEVICES OUT SCRATCH``:
 with 2 devices Lightning's default launcher starts the second rank by running this file again. Every rank
@@ -121,10 +121,14 @@ def main(kind: str, devices: int, out: str, scratch: str) -> None:
     record = {"trained": weights(model)}
     first.save_checkpoint(os.path.join(out, "full"))
     first.save_checkpoint(os.path.join(out, "weights"), weights_only=True)
+    first.save_checkpoint(os.path.join(out, "again"))  # the states written back after each save, read again
     record["held"] = sorted(f for f in os.listdir(scratch) if f"-rank{rank}-" in f)
+    kept = first.strategy.pipe.engines if kind == "pipeline" else [first.strategy._trained_engine]
+    record["in_memory"] = sum(e.sharded.nvme.resident_bytes() for e in kept)  # between saves: only the file
+    record["on_disk"] = sum(e.sharded.nvme.swapped_bytes() for e in kept)
 
     strategy, resumed = make(kind, devices, scratch, seed=1)  # the checkpoint must bring weights and moments
-    trainer(strategy, 2).fit(resumed, ckpt_path=os.path.join(out, "full"))
+    trainer(strategy, 2).fit(resumed, ckpt_path=os.path.join(out, "again"))
     record["resumed"] = weights(resumed)
     strategy, straight = make(kind, devices, scratch)
     trainer(strategy, 2).fit(straight)
