@@ -63,3 +63,30 @@ def test_save_checkpoint_after_fit_with_nvme_offload_resumes_exactly_and_no_scra
         trained = [t for rec in records for t in rec["trained"].values()]
         assert torch.equal(_values(weights.values()), _values(trained))
     assert os.listdir(scratch) == []  # every process has exited: no scratch file left behind
+
+
+@pytest.mark.timeout(300)
+def test_the_next_fit_releases_the_kept_scratch_file_and_the_collected_trainer_leaves_none(tmp_path, monkeypatch):
+    """In one process (devices=1): a second ``fit`` of the same Trainer removes the first fit's file when it
+    sets up, and a Trainer no longer referenced takes its file with it."""
+    import gc
+
+    from lightning.pytorch import Trainer
+
+    from tests.helpers.nvme_after_fit import TinyRegressor
+    from tests.helpers.nvme_models import swap_files
+
+    monkeypatch.setenv(NVME_PATH_ENV, str(tmp_path))
+    model = TinyRegressor()
+    trainer = Trainer(strategy="zero2_offload_nvme", accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model)
+    first = swap_files(str(tmp_path))
+    assert len(first) == 1  # kept after fit for save_checkpoint
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model)
+    second = swap_files(str(tmp_path))
+    assert len(second) == 1 and second != first  # the first fit's file went when the second set up
+    del trainer, model
+    gc.collect()
+    assert swap_files(str(tmp_path)) == []

@@ -130,7 +130,9 @@ class ZeroStrategy(DDPStrategy):
         precision = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
             check_callbacks(trainer.callbacks, self.stage, precision.compute_dtype, self.checkpoint_format)
-            self._release_trained()  # the previous fit's state gives way before the new one is built
+            if self._trained_engine is not None:  # the previous fit's state gives way before the new one is built
+                self._trained_engine.release_states()  # NVMe: its scratch files removed now, not when collected
+            self._trained_engine = None
             self.setup_optimizers(trainer)
             # several optimizers: each sharded on its own (disjoint parameters; see optimizers.py)
             self.engine = build_engine(self.lightning_module, self.optimizers, self.zero_config, precision,
@@ -346,11 +348,6 @@ class ZeroStrategy(DDPStrategy):
         if trained is not None:
             trained.load_masters_from_module()
         return trained
-
-    def _release_trained(self) -> None:
-        if self._trained_engine is not None:
-            self._trained_engine.release_states()  # NVMe: its scratch files removed now, not when collected
-            self._trained_engine = None
 
     def _optimizer_engine(self) -> Optional[ZeroEngine]:
         """The engine holding the optimizers' shards: the live training engine, else a finished fit's."""
