@@ -2,7 +2,7 @@
 
 A model whose optimizer states are fewer buckets than the ring has slots -- here one large embedding, as a
 small GPT-2's vocabulary is most of its parameters -- gets one slot per bucket: the ring is never more host
-memory than the states it streams (it was 3 slots of the largest bucket, 3x the states), setup warns that
+memory than the states it streams (it was 3 slots of the largest bucket, 3x the states), the first step warns that
 NVMe saves no host memory there, and ``lightning-zero estimate`` shows the same ring and from which size
 NVMe pays. Stage 3's parameter ring holds at most one slot per unit.
 """
@@ -43,7 +43,7 @@ def _train(engine, model, steps: int = 2) -> None:
         engine.step()
 
 
-def test_the_optimizer_ring_is_never_more_than_the_states_it_streams_and_setup_says_nvme_saves_nothing(
+def test_the_optimizer_ring_is_never_more_than_the_states_it_streams_and_the_first_step_says_nvme_saves_nothing(
         tmp_path, caplog):
     model = Embedded()
     numel = sum(p.numel() for p in model.parameters())
