@@ -19,8 +19,8 @@ j, j + B, ... it holds, so the ring follows the states it streams -- never more 
 than slots: one slot each), and far less when they are many buckets. A chunk is a whole bucket, and a master
 a whole parameter's slice: a model whose states are a few buckets, or one parameter (a large vocabulary's
 embedding), has a ring about as large as its states and NVMe saves it no host memory; the first step says so
-(docs/nvme_offload.md, "From which size NVMe pays"). The first step's optimizer creates its state tensors in ordinary memory; they are copied into the slot
-before the write and freed. Anything else that reads the masters or the state (checkpoints, whole-model
+(docs/nvme_offload.md, "From which size NVMe pays"). The first step's optimizer creates its state tensors
+in ordinary memory; they are copied into the slot before the write and freed. Anything else that reads the masters or the state (checkpoints, whole-model
 views, the consolidated optimizer state) first calls :meth:`NvmeStates.make_resident`, which reads every
 chunk back into memory of its own; the next step streams it out again.
 
