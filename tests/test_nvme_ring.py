@@ -17,23 +17,7 @@ from torch import nn
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.tools.cli import main as cli_main
 from lightning_zero.tools.estimate import estimate_model_states
-
-
-class Embedded(nn.Module):
-    """An embedding that is most of the parameters, and a small head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.wte = nn.Embedding(4000, 64)
-        self.head = nn.Linear(64, 8)
-
-    def forward(self, ids):
-        return self.head(self.wte(ids)).float().pow(2).mean()
-
-
-def embedded():
-    return Embedded()
+from tests.helpers.nvme_ring_models import Embedded
 
 
 def _train(engine, model, steps: int = 2) -> None:
@@ -95,7 +79,7 @@ def test_stage3_parameter_ring_holds_at_most_one_slot_per_unit(tmp_path):
 
 
 def test_estimate_cli_shows_the_ring_and_from_which_size_nvme_pays(capsys):
-    assert cli_main(["estimate", "--module", "tests.test_nvme_ring:embedded", "--ranks", "2",
+    assert cli_main(["estimate", "--module", "tests.helpers.nvme_ring_models:embedded", "--ranks", "2",
                      "--settings", "zero2_offload,zero2_offload_nvme"]) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("NVMe host ring/rank"))
