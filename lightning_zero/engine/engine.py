@@ -418,9 +418,12 @@ class ZeroEngine:
         TP.check_no_full_optimizer_state(self.tensor_parallel)
         (self.sharded_for(optimizer) if optimizer is not None else self.sharded).load_full_state_dict(state)
 
-    def remove(self, hand_back: bool = True) -> None:
+    def remove(self, hand_back: bool = True, keep_states: bool = False) -> None:
         """Detach hooks; a stage-3 module is first handed back whole (see restore_fp32_module), unless
-        ``hand_back=False``: after a failure other ranks may be gone, and that collective would hang."""
+        ``hand_back=False``: after a failure other ranks may be gone, and that collective would hang.
+        ``keep_states=True``: the optimizers' NVMe scratch files stay, so the detached engine can still save
+        its masters and optimizer state, until :meth:`release_states` ([Note: NVMe states outlive teardown],
+        engine/nvme_states.py); else they are removed here."""
         params_store = self.partitioner.nvme if self.partitions_params else None  # closed once handed back
         if self.activations is not None:
             self.activations.remove()
@@ -438,7 +441,20 @@ class ZeroEngine:
         if self.publisher is not None:
             self.publisher.remove(wait=hand_back)
             self.publisher = None
-        for s in self.shardeds:  # NVMe scratch files: removed with the engine
-            s.close()
-        if params_store is not None:
+        if not keep_states:
+            self.release_states()
+        if params_store is not None:  # the module is whole or the run failed: the shards' file is spent either way
             params_store.close()
+
+    def spill_states(self) -> None:
+        """NVMe offload: the masters and optimizer state a whole view read back written out again and freed
+        (a detached engine after a save; a training engine's next step does it itself)."""
+        for s in self.shardeds:
+            if s.nvme is not None:
+                s.nvme.spill()
+
+    def release_states(self) -> None:
+        """Remove the optimizers' NVMe scratch files (idempotent; nothing without NVMe offload): a detached
+        engine's masters and optimizer state are gone after it, it can no longer save them."""
+        for s in self.shardeds:
+            s.close()

@@ -23,6 +23,7 @@ import ctypes
 import enum
 import errno
 import fcntl
+import multiprocessing.util
 import os
 import re
 import socket
@@ -142,6 +143,9 @@ class ScratchFile:
         self.direct = direct
         self.checksums = BlockChecksums() if (self.CHECKSUMS if checksums is None else checksums) else None
         self._finalizer = weakref.finalize(self, _remove, self.path, self.fd)
+        # a rank that multiprocessing ends (Lightning's fork / spawn launchers) exits through os._exit, past
+        # atexit: its exit finalizers remove the file there ([Note: NVMe states outlive teardown])
+        multiprocessing.util.Finalize(self, self._finalizer, exitpriority=0)
 
     @staticmethod
     def _view(t: torch.Tensor) -> memoryview:

@@ -14,13 +14,28 @@ resized to 0 bytes, as FSDP frees unsharded parameters); during the step::
     writer thread:  write chunk k-1 from its slot                 (os.pwritev)
 
 so a step costs about max(read + write, compute) per chunk and the host memory these states take is the
-ring: ``nvme_buffer_count`` slots of the largest chunk (:attr:`NvmeStates.ring_bytes`), whatever the model
-size. The first step's optimizer creates its state tensors in ordinary memory; they are copied into the slot
-before the write and freed. Anything else that reads the masters or the state (checkpoints, whole-model
+ring (:attr:`NvmeStates.ring_bytes`): ``nvme_buffer_count`` slots, slot j sized to the largest of the chunks
+j, j + B, ... it holds, so the ring follows the states it streams -- never more than they are (fewer chunks
+than slots: one slot each), and far less when they are many buckets. A chunk is a whole bucket, and a master
+a whole parameter's slice: a model whose states are a few buckets, or one parameter (a large vocabulary's
+embedding), has a ring about as large as its states and NVMe saves it no host memory; the first step says so
+(docs/nvme_offload.md, "From which size NVMe pays"). The first step's optimizer creates its state tensors
+in ordinary memory; they are copied into the slot before the write and freed. Anything else that reads the masters or the state (checkpoints, whole-model
 views, the consolidated optimizer state) first calls :meth:`NvmeStates.make_resident`, which reads every
 chunk back into memory of its own; the next step streams it out again. Every read is whole and checked
 against the CRC32s of what this run wrote ([Note: verified scratch reads], nvme_checksums.py): a damaged file
 is an I/O failure of the step like a failed read, raised on every rank by :func:`raise_if_any_rank_failed`.
+
+[Note: NVMe states outlive teardown]
+A finished fit keeps its engine so that ``trainer.save_checkpoint`` after it writes the optimizer state
+([Note: the trained state outlives fit], lightning/strategy.py). With NVMe offload that state *is* the scratch
+file, so the strategies' teardown removes the engine with ``keep_states=True`` and the file lives as long as
+the strategy can still save it: until the next fit's setup replaces the engine (``ZeroEngine.release_states``),
+the strategy is collected (``weakref.finalize``) or the process exits -- atexit, or, for a rank that
+``multiprocessing`` ends with ``os._exit`` (Lightning's fork / spawn launchers), its exit finalizers
+(``ScratchFile``, engine/nvme.py). A detached engine that saved reads its states back to save them and
+writes them out again after (:meth:`NvmeStates.spill`), so a kept engine holds no more host memory than the
+ring. Stage 3's parameter file is not kept: once the module is handed back whole its values are the module's.
 """
 
 from __future__ import annotations
@@ -129,7 +144,8 @@ class NvmeStates:
         self.ring: list[torch.Tensor] = []
         self._io: Optional[tuple[ThreadPoolExecutor, ThreadPoolExecutor]] = None
         self.state = NvmeState.OPEN
-        self._warned_overflow = False
+        self.rank = rank
+        self._warned_overflow = self._warned_ring = False
         self.failure: Optional[str] = None  # the last step's first I/O error on this rank
 
     def _capacity(self, numels: list[int], swap: list[bool]) -> int:
@@ -176,15 +192,38 @@ class NvmeStates:
     def slot_bytes(self) -> int:
         return max((c.capacity for c in self.chunks), default=0)
 
+    def slot_sizes(self) -> list[int]:
+        """Slot j holds chunks j, j + B, ... (B = the slots, at most one per chunk): the largest of them."""
+        b = min(self.buffer_count, len(self.chunks))
+        sizes = [0] * b
+        for k, c in enumerate(self.chunks):
+            sizes[k % b] = max(sizes[k % b], c.capacity)
+        return sizes
+
     @property
     def ring_bytes(self) -> int:
-        """The bound on the host bytes these states take during a step (the ring's buffers)."""
-        return self.buffer_count * self.slot_bytes
+        """The bound on the host bytes these states take during a step (the ring's buffers): at most the
+        states themselves (:meth:`slot_sizes`)."""
+        return sum(self.slot_sizes())
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the file's regions: the masters + state the ring streams."""
+        return sum(c.capacity for c in self.chunks)
 
     def _ring(self) -> list[torch.Tensor]:
-        size = self.slot_bytes
-        if not self.ring or self.ring[0].numel() < size:  # a larger bucket joined (add_param_group)
-            self.ring = [aligned_empty(size, self.pin, self._align) for _ in range(self.buffer_count)]
+        sizes = self.slot_sizes()
+        if [t.numel() for t in self.ring] != sizes:  # first step, or a bucket joined (add_param_group)
+            self.ring = [aligned_empty(n, self.pin, self._align) for n in sizes]
+            if self.rank == 0 and 2 * self.ring_bytes > self.state_bytes and not self._warned_ring:
+                self._warned_ring = True
+                _log.warning("offload_optimizer='nvme': the ring is %.1f MiB of host memory for %.1f MiB of masters + "
+                             "optimizer state per rank (its largest bucket: %.1f MiB); NVMe offload saves at most "
+                             "%.1f MiB of host memory on this model. It pays when the states are many buckets and "
+                             "no parameter's slice is a large part of them (docs/nvme_offload.md, 'From which size "
+                             "NVMe pays'); offload_optimizer=True keeps them in host memory without the disk I/O.",
+                             self.ring_bytes / 2**20, self.state_bytes / 2**20, self.slot_bytes / 2**20,
+                             max(0, self.state_bytes - self.ring_bytes) / 2**20)
         return self.ring
 
     def _executors(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
@@ -301,6 +340,17 @@ class NvmeStates:
                 own.view(-1).view(torch.uint8).copy_(slot[e.offset : e.offset + e.nbytes])
                 t.set_(own.untyped_storage(), 0, t.shape, t.stride())
 
+    @torch.no_grad()
+    def spill(self) -> None:
+        """Chunks read back whole (:meth:`make_resident`) written to their regions again and freed: a kept
+        engine holds only the file between saves ([Note: NVMe states outlive teardown]); a training engine's
+        next step streams them out itself. A chunk only partly resident is left to that step."""
+        self._check_open()
+        for c in self.chunks:
+            held = [t for e in c.entries for t in [self._tensor(c, e)] if t is not None]
+            if held and not any(_is_swapped(t) for t in held):
+                self._write_resident(c)
+
     def resident_bytes(self) -> int:
         """Bytes of this optimizer's offloaded tensors now in host memory outside the ring."""
         return sum(e.nbytes for c in self.chunks for e in c.entries
@@ -318,8 +368,9 @@ class NvmeStates:
 
     def _check_open(self) -> None:
         if self.state is NvmeState.CLOSED:
-            raise RuntimeError("offload_optimizer='nvme': the engine was torn down (its scratch file removed); "
-                               "its masters and optimizer state are gone. Save a checkpoint before remove().")
+            raise RuntimeError("offload_optimizer='nvme': the engine was torn down (its scratch file removed by "
+                               "remove() or release_states()); its masters and optimizer state are gone. Save a "
+                               "checkpoint before remove().")
 
     def close(self) -> None:
         """Remove the scratch file and drop the ring (idempotent)."""

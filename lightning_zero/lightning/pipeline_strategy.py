@@ -208,6 +208,8 @@ class ZeroPipelineStrategy(ZeroStrategy):
                              f"pipeline_parallel_size: one optimizer over the stage's parameters.")
         self._chunk_opts = chunk_optimizers(self.optimizers[0], stages) if len(stages) > 1 else []
         clip = trainer.gradient_clip_val
+        for engine in self.pipe.engines if self.pipe is not None else ():
+            engine.release_states()  # the previous fit's NVMe files: gone now, not when collected
         self.pipe = PipelineZero(stage_arg, self.pipeline_parallel_size, loss_fn,
                                  self._chunk_opts or self.optimizers[0], self.pipeline_microbatches,
                                  accumulate_grad_batches=trainer.accumulate_grad_batches,
@@ -340,6 +342,9 @@ class ZeroPipelineStrategy(ZeroStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         self.pipeline_checkpoints.save(self.pipe, checkpoint, Path(self.broadcast(str(filepath))), storage_options)
+        if self.pipe is not None and self.pipe not in self._live:  # after fit: no step streams them out again
+            for engine in self.pipe.engines:
+                engine.spill_states()
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -363,8 +368,9 @@ class ZeroPipelineStrategy(ZeroStrategy):
 
     def teardown(self) -> None:
         for pipe in self._live:  # self.pipe stays: save_checkpoint after fit still writes its state
+            keep = pipe is self.pipe and not self._failed  # [Note: NVMe states outlive teardown]
             for engine in pipe.engines:
-                engine.remove(hand_back=not self._failed)
+                engine.remove(hand_back=not self._failed, keep_states=keep)
         self._live, self._eval_pipe = [], None
         if self.lightning_module is not None:
             self.lightning_module.__dict__.pop("optimizer_zero_grad", None)

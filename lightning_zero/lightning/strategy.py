@@ -130,7 +130,9 @@ class ZeroStrategy(DDPStrategy):
         precision = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
             check_callbacks(trainer.callbacks, self.stage, precision.compute_dtype, self.checkpoint_format)
-            self._trained_engine = None  # the previous fit's state gives way before the new one is built
+            if self._trained_engine is not None:  # the previous fit's state gives way before the new one is built
+                self._trained_engine.release_states()  # NVMe: its scratch files removed now, not when collected
+            self._trained_engine = None
             self.setup_optimizers(trainer)
             # several optimizers: each sharded on its own (disjoint parameters; see optimizers.py)
             self.engine = build_engine(self.lightning_module, self.optimizers, self.zero_config, precision,
@@ -306,8 +308,9 @@ class ZeroStrategy(DDPStrategy):
             self._unbind_optimizers()
             self._unbind_optimizers = None
         if self.engine is not None:
-            self.engine.remove(hand_back=not self._failed)
-            if self.engine.mode is EngineMode.TRAIN and not self._failed:
+            keep = self.engine.mode is EngineMode.TRAIN and not self._failed
+            self.engine.remove(hand_back=not self._failed, keep_states=keep)  # [Note: NVMe states outlive teardown]
+            if keep:
                 # [Note: the trained state outlives fit] As DDP keeps its optimizer, a finished fit keeps
                 # its engine, detached (no hooks, module whole), so save_checkpoint after fit (or after a
                 # later validate/test) writes the optimizer state, loss scale and stage; released when
@@ -362,12 +365,15 @@ class ZeroStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         if not self.checkpoints.sharded:
-            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        if storage_options is not None:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        elif storage_options is not None:
             raise TypeError("ZeroStrategy.save_checkpoint(..., storage_options=...) is not supported for sharded "
                             "checkpoints (they do not go through CheckpointIO).")
-        self.checkpoints.save(Path(self.broadcast(str(filepath))), checkpoint, self.lightning_module,
-                              self._engine_to_save(), self._optimizer_engine(), self.barrier)
+        else:
+            self.checkpoints.save(Path(self.broadcast(str(filepath))), checkpoint, self.lightning_module,
+                                  self._engine_to_save(), self._optimizer_engine(), self.barrier)
+        if self.engine is None and self._trained_engine is not None:  # no step will stream them out again
+            self._trained_engine.spill_states()
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:

@@ -43,7 +43,7 @@ MiB = 2**20
 SETTINGS: dict[tuple[int, Union[bool, str]], str] = {(kw["stage"], kw.get("offload_optimizer", False)): name
                                          for name, kw in PRESETS.items()}
 PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
-from .estimate_nvme import nvme_bandwidth_line, nvme_ring_bytes, nvme_step_bytes
+from .estimate_nvme import nvme_bandwidth_line, nvme_ring_bytes, nvme_ring_line, nvme_step_bytes
 from .t5_dims import (BYTE_VOCAB, RECIPE_VOCAB, T5Dims, t5_activation_bytes, t5_activation_memory, t5_dims,  # noqa: F401
                       t5_dims_from_config)
 
@@ -150,6 +150,8 @@ class Row:
     fits: Optional[bool] = None
     nvme_per_rank: float = 0.0  # *_offload_nvme: masters + state (+ stage 3's parameter shards) in the scratch files
     nvme_moved_per_step: float = 0.0  # bytes those files move per step (nvme_step_bytes)
+    nvme_ring: float = 0.0  # host bytes of the optimizer's NVMe ring (nvme_ring_bytes), part of host_per_rank
+    nvme_optimizer: float = 0.0  # the masters + optimizer state that ring streams
     states_world: Optional[dict] = None  # hybrid sharding: the same setting's model states at K = world size
 
 
@@ -294,10 +296,11 @@ def estimate_model_states(
         buf = buffer_bytes(info, stage, offload, shards, mixed, bucket_mb, grad_accumulation > 1)
         peak = st["device"] + max(buf["backward"] + (act or 0.0), buf["step"])
         staging = 4 * info.trainable / shards if offload else 0.0  # fp32 gradient copies for the CPU step
-        host = st["host"] + staging + (parts["host"] if parts else 0) + nvme_ring_bytes(info, offload, shards, k,
-                                                                                        bucket_mb)
+        ring = nvme_ring_bytes(info, offload, shards, k, bucket_mb)
+        host = st["host"] + staging + (parts["host"] if parts else 0) + ring
         row = Row(name, stage, offload, st, buf, act, peak, host, host * ranks_per_node, nvme_per_rank=st["nvme"],
-                  nvme_moved_per_step=nvme_step_bytes(info, st, stage, offload, shards, mixed))
+                  nvme_moved_per_step=nvme_step_bytes(info, st, stage, offload, shards, mixed), nvme_ring=ring,
+                  nvme_optimizer=(4 + k) * info.trainable / shards if offload == "nvme" else 0.0)
         if shards != world_size and stage >= 1:
             row.states_world = model_state_bytes(info, stage, offload, world_size, mixed, k, grad_accumulation > 1)
         if device_memory_gb is not None:
@@ -375,6 +378,7 @@ def format_estimate(est: Estimate) -> str:
     nvme = [r for r in est.rows if r.nvme_per_rank]
     if nvme:
         lines.append(nvme_bandwidth_line(nvme, est.ranks_per_node, est.nvme_step_time))
+        lines.append(nvme_ring_line(nvme, info, est.bucket_mb))
     if est.device_memory is not None:
         ok = [r for r in est.rows if r.fits]
         no = [r for r in est.rows if not r.fits]

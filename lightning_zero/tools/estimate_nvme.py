@@ -19,13 +19,39 @@ if TYPE_CHECKING:
 MiB = 2**20
 
 
+def _bucket_numel(info: ModelInfo, bucket_mb: float) -> float:
+    """Elements of the largest bucket: the cap, or a parameter (stage 3: a unit) larger than it."""
+    return min(info.trainable, max(bucket_mb * MiB / 4, info.largest_param, info.largest_unit))
+
+
 def nvme_ring_bytes(info: ModelInfo, offload, shards: int, k: int, bucket_mb: float, buffers: int = 3) -> float:
-    """Host bytes of the NVMe step's ring (engine/nvme_states.py): ``buffers`` slots, each one bucket's shard
-    of masters + state (a parameter larger than the cap gets a bucket of its own)."""
+    """Host bytes of the NVMe step's ring (engine/nvme_states.py): ``buffers`` slots of one bucket's shard of
+    masters + state (a parameter larger than the cap gets a bucket of its own), never more than the states
+    it streams (one slot per bucket when there are fewer buckets than slots)."""
     if offload != "nvme":
         return 0.0
-    bucket = min(info.trainable, max(bucket_mb * MiB / 4, info.largest_param, info.largest_unit))
-    return buffers * (4 + k) * bucket / shards
+    return min(buffers * _bucket_numel(info, bucket_mb), info.trainable) * (4 + k) / shards
+
+
+def nvme_pays_from(info: ModelInfo, bucket_mb: float, buffers: int = 3) -> float:
+    """Trainable parameters from which the ring holds at most half the optimizer's states: ``2 x buffers``
+    buckets (the ring is ``buffers`` of them; below ``buffers`` buckets it is all of the states)."""
+    return 2 * buffers * max(bucket_mb * MiB / 4, info.largest_param, info.largest_unit)
+
+
+def nvme_ring_line(rows: list[Row], info: ModelInfo, bucket_mb: float) -> str:
+    """The optimizer ring's host bytes per rank against the states it streams, and from which size NVMe pays."""
+    parts = [f"{r.setting} {r.nvme_ring / MiB:.1f} MiB of {r.nvme_optimizer / MiB:.1f} MiB" for r in rows]
+    pays = nvme_pays_from(info, bucket_mb)
+    verdict = ("saves at least half of them here" if info.trainable >= pays else
+               f"saves {'little' if info.trainable * 2 >= pays else 'nothing'} here")
+    return (f"NVMe host ring/rank (in host/rank): the optimizer's step streams its masters + state through 3 "
+            f"buffers of one bucket each: " + "; ".join(parts) + f". NVMe offload {verdict}: it holds at most half "
+            f"of them from about {pays / 1e6:.1f}M trainable parameters (6 x max(bucket {bucket_mb:g} MiB / 4 B, "
+            f"the largest parameter {info.largest_param / 1e6:.1f}M" + (f", stage 3's largest unit "
+                                                                         f"{info.largest_unit / 1e6:.1f}M"
+                                                                         if info.largest_unit else "")
+            + f")); this model has {info.trainable / 1e6:.1f}M (docs/nvme_offload.md).")
 
 
 def nvme_step_bytes(info: ModelInfo, states: dict, stage: int, offload, shards: int, mixed: bool) -> float:

@@ -128,7 +128,8 @@ class NvmeParams:
         self.file_bytes = end
         self.home = {i: ShardHome.RESIDENT for i in self.units}  # the shards are cut next: stage()
         self.slot_bytes = max((r.nbytes for r in self.regions.values()), default=0)
-        self.ring = [_Slot(aligned_empty(self.slot_bytes, pin)) for _ in range(slots)]
+        # at most one slot per unit: more could never hold a read, and the ring must not outgrow the shards
+        self.ring = [_Slot(aligned_empty(self.slot_bytes, pin)) for _ in range(min(slots, max(1, len(self.units))))]
         self._reader: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, thread_name_prefix="lightning_zero-params")
         self.failure: Optional[str] = None  # the first I/O error on this rank since the last agreement
         self.bytes_read = self.bytes_written = 0  # counted once a read is used / a write returned
