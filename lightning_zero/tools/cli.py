@@ -367,10 +367,13 @@ def _add_from_deepspeed(sub) -> None:
         description="Read a DeepSpeed config (zero_optimization, fp16/bf16, gradient_clipping, "
         "gradient_accumulation_steps, micro-batch, optimizer, scheduler) and print the equivalent Hydra "
         "overrides of examples/t5_finetune.py, one per line; keys with no effect here and settings the recipe "
-        "cannot take go to stderr as notes; unsupported settings are refused. From Python: "
+        "cannot take go to stderr as notes; unsupported settings, and those the run would refuse, are refused "
+        "(nvme_path is the training machine's: checked when the run starts). From Python: "
         "lightning_zero.from_deepspeed_config(path).make_strategy().")
     p.add_argument("config", help="DeepSpeed JSON config file")
-    p.add_argument("--world-size", type=int, default=None, help="checks / derives the micro-batch from train_batch_size")
+    p.add_argument("--world-size", type=int, default=None, help="the run's ranks: DeepSpeed's train_batch_size = "
+                   "micro-batch x accumulation x world size checked, and the accumulation or micro-batch derived "
+                   "(required when the config leaves one of them to the world size)")
     p.add_argument("--out", default=None, help="write the overrides to this file instead of stdout")
     p.set_defaults(func=_from_deepspeed)
 
