@@ -251,6 +251,8 @@ def test_batch_sizes_follow_deepspeeds_rule(cfg, world, want):
     ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto"}, 2,
      r"train_micro_batch_size_per_gpu \"auto\".* Allowed: give them as numbers"),
     ({"train_batch_size": 64}, 0, r"world size 0: allowed a positive integer"),
+    ({"train_micro_batch_size_per_gpu": 8}, -3, r"world size -3: allowed a positive integer"),
+    ({}, 1.5, r"world size 1.5: allowed a positive integer"),
     ({"train_batch_size": -64}, 2, r"train_batch_size=-64: allowed a positive integer"),
     ({"train_micro_batch_size_per_gpu": 0}, 2, r"train_micro_batch_size_per_gpu=0: allowed a positive integer"),
 ])

@@ -41,7 +41,7 @@ SETTINGS_ALLOWED = ("Allowed: a comma list of zero0, zero1, zero1_offload, zero2
     (["--optimizer", "lion"], "Unknown optimizer 'lion' for the memory estimate. Allowed: adam, adamw"),
     (["--settings", "zero9"], f"settings (--settings): unknown 'zero9'. {SETTINGS_ALLOWED}"),
     (["--settings", "zero2,,zero3"], f"settings (--settings): unknown ''. {SETTINGS_ALLOWED}"),
-    (["--model", "t5-huge"], "T5 model 't5-huge' is not a preset. Allowed: t5_tiny, t5_mini, t5_small, t5_base, "
+    (["--model", "t5-huge"], "T5 model 't5-huge': unknown preset. Allowed: t5_tiny, t5_mini, t5_small, t5_base, "
                              "t5_large, t5_3b (or HF's spelling: t5-tiny"),
     (["--microbatches", "4"], "--microbatches and --stage-params describe a pipeline. Allowed: with "
                               "--pipeline-parallel-size P"),
@@ -88,3 +88,13 @@ def test_hf_model_names_are_the_same_preset(name, capsys):
     assert cli_main(["estimate", "--model", name, "--ranks", "8", "--batch-size", "2"]) == 0
     assert capsys.readouterr().out == ours
     assert estimate_model_states(name, world_size=8).info.numel == estimate_model_states("t5_3b", 8).info.numel
+
+
+@pytest.mark.parametrize("name", ["t5-small", "T5_SMALL", "google-t5/t5-small"])
+def test_the_recipe_takes_hf_model_names_too(name):
+    from tests.helpers.hydra_recipe import compose_recipe  # noqa: F401  (puts examples/ on sys.path)
+    from t5_config import build_t5_config
+
+    theirs = build_t5_config(compose_recipe(f"model.preset={name}"))
+    ours = build_t5_config(compose_recipe("model.preset=t5_small"))
+    assert theirs.to_dict() == ours.to_dict()

@@ -39,6 +39,8 @@ def deepspeed_batch(total: Optional[int], micro: Optional[int], accumulation: Op
     """The micro-batch and accumulation a run on ``world_size`` ranks needs for the config's batch sizes
     ([Note: DeepSpeed's batch rule]). ``open_keys``: the batch keys left "auto" (HF fills them from its
     arguments); with an explicit total they cannot be derived, so that is refused."""
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise DeepSpeedConfigError(f"world size {world_size!r}: allowed a positive integer (--world-size N).")
     if total is None:  # DeepSpeed derives the total from the others: nothing to keep
         return BatchSizes(micro, accumulation, None, None)
     if open_keys:
@@ -46,8 +48,6 @@ def deepspeed_batch(total: Optional[int], micro: Optional[int], accumulation: Op
             f"train_batch_size={total} with {' and '.join(open_keys)} \"auto\": HF fills those from its arguments, "
             f"so the total cannot be kept here. Allowed: give them as numbers (or as auto={{...}} from Python), or "
             f"train_batch_size \"auto\".")
-    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
-        raise DeepSpeedConfigError(f"world size {world_size!r}: allowed a positive integer (--world-size N).")
     if micro is not None and accumulation is not None:
         implied, rem = divmod(total, micro * accumulation)
         if rem or not implied:

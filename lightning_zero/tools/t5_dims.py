@@ -85,8 +85,8 @@ def preset_name(name: str) -> str:
     key = next((key[len(org):] for org in _HF_ORGS if key.startswith(org)), key).replace("-", "_")
     matches = [p for p in T5_PRESETS if p.lower().replace("-", "_") == key]
     if len(matches) != 1:
-        problem = "is ambiguous" if matches else "is not a preset"
-        raise ValueError(f"T5 model {name!r} {problem}. Allowed: {', '.join(T5_PRESETS)} (or HF's spelling: "
+        problem = "ambiguous" if matches else "unknown"
+        raise ValueError(f"T5 model {name!r}: {problem} preset. Allowed: {', '.join(T5_PRESETS)} (or HF's spelling: "
                          f"{', '.join(p.replace('_', '-') for p in T5_PRESETS)}, google-t5/...; any case).")
     return matches[0]
 
