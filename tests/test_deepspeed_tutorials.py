@@ -171,6 +171,13 @@ def test_onebit_adam_tutorial_in_bf16_translates_by_deepspeeds_batch_rule(tmp_pa
     assert "data.batch_size=16" in overrides and "trainer.accumulate_grad_batches=2" in overrides
     assert "optim.name=onebit_adam" in overrides and "optim.freeze_step=23000" in overrides
     assert any("run on 128 ranks" in n for n in notes)
+    from t5_config import build_strategy, validate_schema
+    from t5_optim import check_optimizer
+
+    cfg = compose_recipe(*overrides)  # the recipe starts: its own checks before any rank, the engine's included
+    validate_schema(cfg)
+    check_optimizer(cfg, build_strategy(cfg))
+    assert (cfg.data.batch_size, cfg.trainer.accumulate_grad_batches, cfg.optim.name) == (16, 2, "onebit_adam")
 
 
 def test_zero3_tutorial_translates_into_a_run_that_starts(tmp_path):
