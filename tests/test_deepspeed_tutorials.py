@@ -154,15 +154,16 @@ def _run_refusal(tmp_path) -> str:
                       devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       default_root_dir=str(tmp_path))
     with pytest.raises(ValueError) as caught:
-        trainer.fit(Net(from_deepspeed_config({})), DataLoader(TensorDataset(torch.randn(8, 8), torch.randn(8, 1)), batch_size=4))
+        data = DataLoader(TensorDataset(torch.randn(8, 8), torch.randn(8, 1)), batch_size=4)
+        trainer.fit(Net(from_deepspeed_config({})), data)
     return str(caught.value)
 
 
 def test_onebit_adam_tutorial_in_bf16_translates_by_deepspeeds_batch_rule(tmp_path):
     """The same config with the precision the refusal allows: 4096 = 16 x accumulation x world size."""
     path = _write(tmp_path, ONEBIT_TUTORIAL.replace('"fp16"', '"bf16"'))
-    with pytest.raises(DeepSpeedConfigError, match=r"leaves gradient_accumulation_steps to the world size.*"
-                                                   r"Allowed: --world-size N .* one of 1, 2, 4, 8, 16, 32, 64, 128, 256"):
+    with pytest.raises(DeepSpeedConfigError, match=r"leaves gradient_accumulation_steps to the world size.*Allowed: "
+                                                   r"--world-size N .* one of 1, 2, 4, 8, 16, 32, 64, 128, 256"):
         from_deepspeed_config(path)  # never 16 per rank x however many ranks run
     t = from_deepspeed_config(path, world_size=128)
     assert (t.micro_batch_size, t.trainer["accumulate_grad_batches"], t.world_size) == (16, 2, 128)

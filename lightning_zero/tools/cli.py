@@ -188,8 +188,9 @@ def _vocab(text: str):
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"--vocab {text!r}: allowed 'preset' (the preset's own, 32128) or a vocabulary size, an int "
-                         f">= 1 ({RECIPE_VOCAB}: the recipe's subword tokenizer, {BYTE_VOCAB}: tokenizer=bytes).") from None
+        raise ValueError(f"--vocab {text!r}: allowed 'preset' (the preset's own, 32128) or a vocabulary size, an "
+                         f"int >= 1 ({RECIPE_VOCAB}: the recipe's subword tokenizer, {BYTE_VOCAB}: tokenizer=bytes).") \
+            from None
 
 
 def _probe(args: argparse.Namespace):

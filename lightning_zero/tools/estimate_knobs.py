@@ -55,6 +55,19 @@ def check_settings(settings: Optional[Sequence[str]], names: Sequence[str]) -> O
     return chosen
 
 
+def check_estimate_knobs(settings: Optional[Sequence[str]], setting_names: Sequence[str], **values) -> Optional[list]:
+    """``estimate_model_states``' knobs: each of ``values`` (:func:`check_knobs`), the world against the nodes,
+    the CPU cap beside a device cap (the fit decision reads both), and ``settings`` (returned as a list)."""
+    check_knobs(**values)
+    if values["world_size"] % values["num_nodes"]:
+        raise ValueError(f"world_size ({values['world_size']}) must be a multiple of num_nodes "
+                         f"({values['num_nodes']}).")
+    if values["cpu_memory_gb"] is not None and values["device_memory_gb"] is None:
+        raise ValueError("cpu_memory_gb (--cpu-memory) without device_memory_gb (--device-memory). Allowed: "
+                         "--device-memory alone, or both.")
+    return check_settings(settings, setting_names)
+
+
 def parse_count(text: str, flag: str = "--params") -> int:
     """A parameter count as typed (1.5e9, 1500000000, 1.5B, 350M, 7k) -> a positive int; else one error."""
     t = str(text).strip().lower().replace(",", "").replace("_", "")
