@@ -50,6 +50,10 @@ SETTINGS_ALLOWED = ("Allowed: a comma list of zero0, zero1, zero1_offload, zero2
     (["--pipeline-parallel-size", "2", "--ranks", "2", "--microbatches", "0"],
      "microbatches=0 (--microbatches): allowed None or an int >= 1"),
     (["--pipeline-parallel-size", "2", "--ranks", "-2"], "world_size=-2 (--ranks): allowed an int >= 1"),
+    (["--shard-group-size", "-2"], "shard_group_size must be an int >= 1 that divides the world size"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size must be an int >= 1 that divides the world size"),
+    (["--pipeline-parallel-size", "0"], "pipeline_parallel_size=0 does not divide the world of 1 rank(s) into "
+                                        "pipelines of equal length. Allowed: 1"),
     (["--pipeline-parallel-size", "2", "--ranks", "2", "--stage-params=-1,5"],
      "parameter count '-1' (--stage-params): allowed a positive count"),
 ])
