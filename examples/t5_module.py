@@ -37,7 +37,8 @@ from t5_samples import append_jsonl, gather_rows, markdown_table, write_jsonl  #
 from t5_tokenizer import bytes_tokenizer, check_vocab_matches, tokenizer_vocab  # noqa: E402
 
 from lightning_zero import load_pretrained  # noqa: E402
-from lightning_zero.tools.t5_dims import T5_PRESETS  # noqa: E402,F401  (one table for recipe and estimator)
+# one table for recipe and estimator; preset_name: ours or HF's spelling
+from lightning_zero.tools.t5_dims import T5_PRESETS, preset_name  # noqa: E402,F401
 
 
 LR_SCHEDULES = ("linear", "cosine", "inverse_sqrt")
@@ -46,9 +47,7 @@ ATTENTIONS = ("dense", "sparse")
 
 def make_t5_config(preset: str = "t5_tiny", tokenizer: Any = None, **overrides: Any) -> T5Config:
     """T5Config from a preset; special ids (and vocab for small tokenizers) come from `tokenizer`."""
-    if preset not in T5_PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(T5_PRESETS)}")
-    cfg = dict(T5_PRESETS[preset], feed_forward_proj="relu", tie_word_embeddings=True)
+    cfg = dict(T5_PRESETS[preset_name(preset)], feed_forward_proj="relu", tie_word_embeddings=True)  # t5-3b too
     if tokenizer is not None:
         # T5 convention: decoder starts from the pad id.  The recipe's tokenizer (a trained BPE or bytes)
         # sizes the embedding, whatever vocabulary the preset's original checkpoint had.

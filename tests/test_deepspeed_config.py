@@ -76,9 +76,10 @@ def test_deepspeed_adam_is_adamw_unless_told_otherwise():
 def test_train_batch_size_derives_and_checks_the_micro_batch():
     cfg = {"train_batch_size": 64, "gradient_accumulation_steps": 2}
     assert from_deepspeed_config(cfg, world_size=4).micro_batch_size == 8
-    with pytest.raises(DeepSpeedConfigError, match="not a multiple of gradient_accumulation_steps x world size = 6"):
+    with pytest.raises(DeepSpeedConfigError, match="does not split over world size 3"):
         from_deepspeed_config(cfg, world_size=3)
-    with pytest.raises(DeepSpeedConfigError, match="micro batch 4 x accumulation 2 x world size 4"):
+    with pytest.raises(DeepSpeedConfigError, match="train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 "
+                                                   "x world size 4"):
         from_deepspeed_config({**cfg, "train_micro_batch_size_per_gpu": 4}, world_size=4)
 
 

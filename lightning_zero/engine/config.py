@@ -237,17 +237,36 @@ class ZeroConfig:
                              "the publish writes unaligned slices). Allowed: nvme_direct=True with "
                              "offload_optimizer='nvme'.")
         if on_nvme:
-            if self.nvme_path is None:
-                self.nvme_path = os.environ.get(NVME_PATH_ENV) or None
-            if self.nvme_path is None:
-                raise ValueError(f"{on_nvme[0]}='nvme' needs a directory for the scratch files: nvme_path=DIR "
-                                 f"(or the environment variable {NVME_PATH_ENV}). Allowed: an existing, "
-                                 f"writable directory on a local NVMe disk.")
-            self.nvme_path = check_nvme_dir(os.fspath(self.nvme_path))
+            self._resolve_nvme_path(on_nvme[0])
             if self.overlap_publish and self.offload_device is OffloadDevice.NVME:
                 raise ValueError("overlap_publish=True does not compose with offload_optimizer='nvme' (the masters "
                                  "are published bucket by bucket while they are in the NVMe ring). Allowed: "
                                  "overlap_publish with offload_optimizer False / True / 'cpu'.")
+
+    def _resolve_nvme_path(self, knob: str) -> None:
+        """``nvme_path`` (or LIGHTNING_ZERO_NVME_PATH) as this machine's existing, writable directory
+        ([Note: nvme_path is the training machine's])."""
+        if self.nvme_path is None:
+            self.nvme_path = os.environ.get(NVME_PATH_ENV) or None
+        if self.nvme_path is None:
+            raise ValueError(f"{knob}='nvme' needs a directory for the scratch files: nvme_path=DIR "
+                             f"(or the environment variable {NVME_PATH_ENV}). Allowed: an existing, "
+                             f"writable directory on a local NVMe disk.")
+        self.nvme_path = check_nvme_dir(os.fspath(self.nvme_path))
+
+    @classmethod
+    def for_another_machine(cls, **knobs) -> "ZeroConfig":
+        """``ZeroConfig(**knobs)`` checked by every rule but those of the machine that trains: for knobs written
+        here and run there (a DeepSpeed config translated on a login node). The result keeps ``nvme_path`` as
+        written: it is for further checks, not for a run, whose own ``ZeroConfig`` checks the path where it starts.
+
+        [Note: nvme_path is the training machine's]
+        ``nvme_path`` and LIGHTNING_ZERO_NVME_PATH name a directory on the machine whose ranks write the scratch
+        files; the machine that writes a config (a login node, a laptop) need not have it, or may have a
+        different disk there. So existence, writability and the environment variable are checked only by the
+        ``ZeroConfig`` a run builds (its strategy, at start), and a config checked elsewhere keeps the path as
+        written."""
+        return _ZeroConfigElsewhere(**knobs)
 
     @property
     def offload_device(self) -> OffloadDevice:
@@ -307,6 +326,14 @@ class ZeroConfig:
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_mb * 2**20))
+
+
+class _ZeroConfigElsewhere(ZeroConfig):
+    """ZeroConfig's rules without the training machine's ([Note: nvme_path is the training machine's])."""
+
+    def _resolve_nvme_path(self, knob: str) -> None:
+        if self.nvme_path is not None:
+            self.nvme_path = os.fspath(self.nvme_path)
 
 
 # The named settings: the registered strategy names (zero2, zero2_fork, ...), the estimator's and tuner's

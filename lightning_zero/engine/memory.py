@@ -43,7 +43,8 @@ def optimizer_state_bytes_per_param(name: str) -> int:
         return 8
     if name == "sgd":
         return 0
-    raise ValueError(f"Unknown optimizer {name!r} for the memory estimate.")
+    raise ValueError(f"Unknown optimizer {name!r} for the memory estimate. Allowed: adam, adamw, nadam, radam, "
+                     f"adamax, adadelta (8 bytes of state per parameter), sgd_momentum, rmsprop, adagrad (4), sgd (0).")
 
 
 def rank_model_states(

@@ -136,13 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _count(text: str) -> int:
-    """1.5e9, 1500000000, 1.5B, 350M, 7k -> an int."""
-    t = text.strip().lower().replace(",", "").replace("_", "")
-    mult = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:], None)
-    return int(float(t[:-1]) * mult) if mult else int(float(t))
-
-
 def _load_module(spec: str):
     """``pkg.mod:factory`` -> the module ``factory()`` returns, built on the meta device (no memory)."""
     import torch
@@ -155,7 +148,12 @@ def _load_module(spec: str):
 
 def _estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate_model_states
+    from .estimate_knobs import check_knobs, parse_count
 
+    check_knobs(probe_batch=args.probe_batch_size)
+    if args.pipeline_parallel_size is None and (args.microbatches is not None or args.stage_params is not None):
+        raise ValueError("--microbatches and --stage-params describe a pipeline. Allowed: with "
+                         "--pipeline-parallel-size P.")
     probe = None
     if args.module:
         model = _load_module(args.module)
@@ -165,10 +163,10 @@ def _estimate(args: argparse.Namespace) -> int:
         if args.batch_size is not None and getattr(cfg, "model_type", "") != "t5":
             probe = _probe(args)
     elif args.params:
-        model = _count(args.params)
+        model = parse_count(args.params)
     else:
         model = args.model
-    vocab = None if args.vocab == "preset" else int(args.vocab)
+    vocab = _vocab(args.vocab)
     if args.pipeline_parallel_size is not None:
         return _estimate_pipeline(args, model, vocab)
     est = estimate_model_states(
@@ -181,6 +179,18 @@ def _estimate(args: argparse.Namespace) -> int:
         activation_probe=probe, nvme_step_time=args.step_time)
     print(est)
     return 0
+
+
+def _vocab(text: str):
+    """--vocab: 'preset' (None: the preset's own) or a vocabulary size (checked with the other sizes)."""
+    if text == "preset":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--vocab {text!r}: allowed 'preset' (the preset's own, 32128) or a vocabulary size, an "
+                         f"int >= 1 ({RECIPE_VOCAB}: the recipe's subword tokenizer, {BYTE_VOCAB}: tokenizer=bytes).") \
+            from None
 
 
 def _probe(args: argparse.Namespace):
@@ -201,7 +211,10 @@ def _estimate_pipeline(args: argparse.Namespace, model, vocab) -> int:
     name = args.module or args.params or args.model
     if isinstance(model, str):  # a recipe preset: its parameter count, cut evenly
         model = info_from_t5(t5_dims(model, vocab_size=vocab)).numel
-    stage_params = [_count(x) for x in args.stage_params.split(",")] if args.stage_params else None
+    from .estimate_knobs import parse_count
+
+    stage_params = [parse_count(x, "--stage-params") for x in args.stage_params.split(",")] \
+        if args.stage_params else None
     print(format_pipeline_estimate(estimate_pipeline(
         model, args.ranks, args.pipeline_parallel_size, args.precision, args.optimizer, stage_params=stage_params,
         microbatches=args.microbatches, name=str(name))))
@@ -218,7 +231,8 @@ def _add_estimate(sub) -> None:
         "Memory sizes are GiB (2**30 bytes).")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="t5_small",
-                     help="a T5 preset of the recipe (conf/model: t5_tiny, t5_mini, t5_small, t5_base, t5_large, t5_3b)")
+                     help="a T5 preset of the recipe (conf/model: t5_tiny, t5_mini, t5_small, t5_base, t5_large, t5_3b)"
+                     ", or HF's name of it (t5-3b, google-t5/t5-3b); any case")
     src.add_argument("--params", help="a parameter count instead (1.5e9, 350M, 7B)")
     src.add_argument("--module", help="package.module:factory returning an nn.Module (built on the meta device)")
     p.add_argument("--vocab", default=str(RECIPE_VOCAB),
@@ -241,7 +255,8 @@ def _add_estimate(sub) -> None:
     p.add_argument("--tgt-len", type=int, default=128, help="target tokens per sample")
     p.add_argument("--device-memory", type=float, default=None, metavar="GB", help="memory per device: say what fits")
     p.add_argument("--cpu-memory", type=float, default=None, metavar="GB", help="CPU RAM per node (with --device-memory)")
-    p.add_argument("--settings", default=None, help="comma list of settings to show (default: all nine)")
+    p.add_argument("--settings", default=None, help="comma list of settings to show (zero0, zero1, zero1_offload, "
+                   "zero2, zero2_offload, zero3, zero3_offload, zero2_offload_nvme, zero3_offload_nvme; default: all)")
     p.add_argument("--step-time", type=float, default=1.0, metavar="S",
                    help="the optimizer step time (s) the NVMe rows' needed disk bandwidth is given for")
     p.add_argument("--shard-group-size", type=int, default=None, metavar="K",
@@ -367,10 +382,13 @@ def _add_from_deepspeed(sub) -> None:
         description="Read a DeepSpeed config (zero_optimization, fp16/bf16, gradient_clipping, "
         "gradient_accumulation_steps, micro-batch, optimizer, scheduler) and print the equivalent Hydra "
         "overrides of examples/t5_finetune.py, one per line; keys with no effect here and settings the recipe "
-        "cannot take go to stderr as notes; unsupported settings are refused. From Python: "
+        "cannot take go to stderr as notes; unsupported settings, and those the run would refuse, are refused "
+        "(nvme_path is the training machine's: checked when the run starts). From Python: "
         "lightning_zero.from_deepspeed_config(path).make_strategy().")
     p.add_argument("config", help="DeepSpeed JSON config file")
-    p.add_argument("--world-size", type=int, default=None, help="checks / derives the micro-batch from train_batch_size")
+    p.add_argument("--world-size", type=int, default=None, help="the run's ranks: DeepSpeed's train_batch_size = "
+                   "micro-batch x accumulation x world size checked, and the accumulation or micro-batch derived "
+                   "(required when the config leaves one of them to the world size)")
     p.add_argument("--out", default=None, help="write the overrides to this file instead of stdout")
     p.set_defaults(func=_from_deepspeed)
 

@@ -29,7 +29,6 @@ DeepSpeed's default.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -39,7 +38,9 @@ import torch
 from ..engine.config import ZeroConfig
 from .deepspeed_auto import AUTO_SOURCES, DeepSpeedConfigError, _Auto  # noqa: F401  (AUTO_SOURCES: public)
 from .deepspeed_auto import unset as _unset
-from .deepspeed_optimizer import recipe_overrides, translate_optimizer
+from .deepspeed_batch import deepspeed_batch
+from .deepspeed_json import read_config
+from .deepspeed_optimizer import check_composes_with, recipe_overrides, translate_optimizer
 from .deepspeed_schedule import DeepSpeedWarmupLR
 
 # keys that tune DeepSpeed's internals or its own logging; the run is the same without them
@@ -109,6 +110,7 @@ class DeepSpeedTranslation:
     scheduler: Optional[dict] = None  # {"type": "WarmupLR" | "WarmupDecayLR", params}
     ignored: dict = field(default_factory=dict)  # key -> why it has no effect here
     auto: dict = field(default_factory=dict)  # "auto" key -> what it resolved to (a value, or the setting it defers to)
+    world_size: Optional[int] = None  # the ranks train_batch_size was divided over: the run needs as many
 
     def make_precision(self):
         from ..lightning.precision import ZeroPrecision
@@ -161,6 +163,10 @@ class DeepSpeedTranslation:
         notes += [f"{k}: \"auto\" -> {how}" for k, how in self.auto.items()]
         if self.micro_batch_size:
             o["data.batch_size"] = self.micro_batch_size
+        if self.world_size is not None:
+            notes.append(f"train_batch_size: micro-batch {self.micro_batch_size} x accumulation "
+                         f"{self.trainer.get('accumulate_grad_batches', 1)} x {self.world_size} ranks: run on "
+                         f"{self.world_size} ranks (trainer.devices x trainer.num_nodes)")
         if self.precision_kwargs:
             notes.append(f"fp16 loss scaler {self.precision_kwargs}: the recipe uses DeepSpeed's defaults; "
                          "pass ZeroPrecision('16-mixed', ...) from Python to change them")
@@ -263,7 +269,7 @@ def _precision(cfg: dict, out: DeepSpeedTranslation, auto: _Auto) -> None:
             out.ignored["fp16.auto_cast"] = "inputs keep their dtype; the module's fp16 params set the compute dtype"
 
 
-def _zero(cfg: dict, out: DeepSpeedTranslation, elem_bytes: int, auto: _Auto) -> None:
+def _zero(cfg: dict, out: DeepSpeedTranslation, elem_bytes: int, auto: _Auto) -> ZeroConfig:
     zero = cfg.get("zero_optimization") or {}
     _check_keys(zero, _ZERO_KEYS, "zero_optimization")
     stage = 0 if _unset(zero.get("stage")) else zero["stage"]
@@ -285,12 +291,13 @@ def _zero(cfg: dict, out: DeepSpeedTranslation, elem_bytes: int, auto: _Auto) ->
     comm = cfg.get("communication_data_type")
     if not _unset(comm):
         s["reduce_dtype"] = str(comm).lower()
-    try:
-        ZeroConfig(**s)  # stage / offload combinations are refused here, with the allowed ones named
+    try:  # the run's own rules; nvme_path is the training machine's ([Note: nvme_path is the training machine's])
+        config = ZeroConfig.for_another_machine(**s)
     except ValueError as e:
         raise DeepSpeedConfigError(f"DeepSpeed config zero_optimization: {e}") from None
     out.strategy = s
     out.ignored.update({f"zero_optimization.{k}": why for k, why in _ZERO_NO_EFFECT.items() if k in zero})
+    return config
 
 
 def _optimizer(cfg: dict, out: DeepSpeedTranslation, auto: _Auto) -> None:
@@ -316,43 +323,30 @@ def _optimizer(cfg: dict, out: DeepSpeedTranslation, auto: _Auto) -> None:
         DeepSpeedWarmupLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), **out.scheduler)
 
 
-def _read_config(config: Union[dict, str, Path]) -> dict:
-    if isinstance(config, dict):
-        return config
-    path = Path(config)
-    if not path.exists():
-        raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r}: no such file.")
-    if path.is_dir():
-        raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r} is a directory; give the JSON file "
-                                   "(e.g. ds_config.json).")
-    try:
-        loaded = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from None
-    if not isinstance(loaded, dict):
-        raise DeepSpeedConfigError(f"DeepSpeed config {str(path)!r}: expected a JSON object, got "
-                                   f"{type(loaded).__name__}.")
-    return loaded
-
-
 def from_deepspeed_config(config: Union[dict, str, Path], world_size: Optional[int] = None,
                           auto: Optional[dict] = None) -> DeepSpeedTranslation:
-    """Translate a DeepSpeed config (a dict or a JSON file). ``world_size`` checks ``train_batch_size``.
+    """Translate a DeepSpeed config (a dict, or a file in DeepSpeed's dialect: [Note: DeepSpeed's config
+    dialect]). ``world_size``: the ranks of the run, for DeepSpeed's batch rule ([Note: DeepSpeed's batch
+    rule]: ``train_batch_size`` = micro-batch x accumulation x world size; needed when the config derives one
+    of them from the total).
 
     ``auto``: the values HF's Trainer would fill "auto" keys with, by ``TrainingArguments`` name (e.g.
     ``{"max_grad_norm": 1.0, "weight_decay": 0.01, "precision": "bf16-mixed", "learning_rate": 3e-4}``); an
-    "auto" key without one is left to the setting beside it (``translation.auto`` says which)."""
-    config = _read_config(config)
+    "auto" key without one is left to the setting beside it (``translation.auto`` says which).
+
+    What the run would refuse is refused here with the run's own message (the ZeRO knobs by ``ZeroConfig``,
+    a compressed Adam by the engine's ``check_composes``), but ``nvme_path``: it names a directory on the
+    training machine, checked when the run starts there ([Note: nvme_path is the training machine's])."""
+    config = read_config(config)
     _check_keys(config, _TOP_KEYS, "top level")
     out = DeepSpeedTranslation()
     resolver = _Auto(auto, out)
     _precision(config, out, resolver)
-    _zero(config, out, elem_bytes=4 if out.precision in ("32-true", None) else 2, auto=resolver)
+    zero_config = _zero(config, out, elem_bytes=4 if out.precision in ("32-true", None) else 2, auto=resolver)
     _optimizer(config, out, resolver)
+    if out.optimizer is not None:
+        check_composes_with(*out.optimizer, config=zero_config, precision=out.precision)
     out.ignored.update({k: why for k, why in _NO_EFFECT.items() if k in config})
-    gas = resolver.resolve("gradient_accumulation_steps", config.get("gradient_accumulation_steps"))
-    if gas is not None:
-        out.trainer["accumulate_grad_batches"] = _positive_int(gas, "gradient_accumulation_steps")
     if "gradient_clipping" in config and config["gradient_clipping"] == "auto":
         clip = resolver.resolve("gradient_clipping", "auto")
         if clip is not None:
@@ -363,22 +357,23 @@ def from_deepspeed_config(config: Union[dict, str, Path], world_size: Optional[i
             raise DeepSpeedConfigError(f"DeepSpeed config gradient_clipping={clip!r}: allowed a number >= 0 "
                                        "(0 = no clipping) or \"auto\".")
         out.trainer["gradient_clip_val"] = float(clip) if clip else None
-    micro = resolver.resolve("train_micro_batch_size_per_gpu", config.get("train_micro_batch_size_per_gpu"))
-    out.micro_batch_size = None if micro is None else _positive_int(micro, "train_micro_batch_size_per_gpu")
-    total = config.get("train_batch_size")
-    if total == "auto":
-        resolver.resolve("train_batch_size", "auto")
-    elif total is not None:
-        total = _positive_int(total, "train_batch_size")
-        accum = out.trainer.get("accumulate_grad_batches", 1)
-        if out.micro_batch_size is None and world_size:
-            out.micro_batch_size, rem = divmod(int(total), accum * world_size)
-            if rem or not out.micro_batch_size:
-                raise DeepSpeedConfigError(
-                    f"train_batch_size={total} is not a multiple of gradient_accumulation_steps x world size "
-                    f"= {accum * world_size}")
-        elif world_size and out.micro_batch_size and out.micro_batch_size * accum * world_size != int(total):
-            raise DeepSpeedConfigError(
-                f"train_batch_size={total} != micro batch {out.micro_batch_size} x accumulation {accum} x "
-                f"world size {world_size}")
+    _batch(config, out, resolver, world_size)
     return out
+
+
+def _batch(config: dict, out: DeepSpeedTranslation, resolver: _Auto, world_size: Optional[int]) -> None:
+    """Micro-batch and accumulation by DeepSpeed's rule ([Note: DeepSpeed's batch rule])."""
+    sizes, open_keys = {}, []
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        value = config.get(key)
+        if value == "auto":
+            value = resolver.resolve(key, "auto")
+            if value is None and key != "train_batch_size":  # left to the setting beside it
+                open_keys.append(key)
+        sizes[key] = None if value is None else _positive_int(value, key)
+    batch = deepspeed_batch(sizes["train_batch_size"], sizes["train_micro_batch_size_per_gpu"],
+                            sizes["gradient_accumulation_steps"], world_size, tuple(open_keys))
+    out.micro_batch_size = batch.micro
+    if batch.accumulation is not None:
+        out.trainer["accumulate_grad_batches"] = batch.accumulation
+    out.world_size = batch.world_size

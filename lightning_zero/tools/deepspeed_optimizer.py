@@ -11,7 +11,7 @@ and a ``max_grad_norm`` (clip with ``gradient_clipping`` instead).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -67,6 +67,24 @@ def translate_optimizer(block: dict, auto: Any, out: Any) -> tuple[type, dict]:
     except (TypeError, ValueError) as e:
         raise DeepSpeedConfigError(f"optimizer params {sorted(params)} do not fit {cls.__name__}: {e}") from None
     return cls, params
+
+
+def check_composes_with(cls: type, kw: dict, config: Any, precision: Optional[str]) -> None:
+    """Refuse now, with the run's own message, a compressed Adam the run would refuse at setup: the engine's
+    ``check_composes`` asked of a stand-in optimizer under the translated stage, offload and precision (the
+    Trainer's flag when ``precision`` is None is not known here: the run checks it)."""
+    if cls not in _COMPRESSED:
+        return
+    from ..engine.onebit.binding import check_composes
+    from ..engine.plan import ShardingPlan
+
+    stand_in = cls([torch.zeros(1, requires_grad=True)], **kw)
+    loss_scaler = True if precision == "16-mixed" else None  # fp16 mixed precision always scales the loss
+    try:
+        check_composes([stand_in], ShardingPlan.of(config), config, None, loss_scaler)
+    except ValueError as e:
+        raise DeepSpeedConfigError(f"DeepSpeed config: optimizer {cls.__name__} with zero_optimization.stage="
+                                   f"{config.stage}, precision {precision}: the run refuses it: {e}") from None
 
 
 def recipe_overrides(cls: type, kw: dict) -> tuple[dict, list[str]]:

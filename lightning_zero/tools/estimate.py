@@ -43,9 +43,10 @@ MiB = 2**20
 SETTINGS: dict[tuple[int, Union[bool, str]], str] = {(kw["stage"], kw.get("offload_optimizer", False)): name
                                          for name, kw in PRESETS.items()}
 PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
+from .estimate_knobs import check_estimate_knobs
 from .estimate_nvme import nvme_bandwidth_line, nvme_ring_bytes, nvme_ring_line, nvme_step_bytes
-from .t5_dims import (BYTE_VOCAB, RECIPE_VOCAB, T5Dims, t5_activation_bytes, t5_activation_memory, t5_dims,  # noqa: F401
-                      t5_dims_from_config)
+from .t5_dims import (BYTE_VOCAB, RECIPE_VOCAB, T5_PRESETS, T5Dims, t5_activation_bytes,  # noqa: F401
+                      t5_activation_memory, t5_dims, t5_dims_from_config)
 
 @dataclass
 class ModelInfo:
@@ -238,8 +239,10 @@ def estimate_model_states(
     """
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}. Allowed: 32-true, bf16-mixed, 16-mixed.")
-    if world_size < 1 or num_nodes < 1 or world_size % num_nodes:
-        raise ValueError(f"world_size ({world_size}) must be a positive multiple of num_nodes ({num_nodes}).")
+    settings = check_estimate_knobs(settings, list(SETTINGS.values()), world_size=world_size, num_nodes=num_nodes,
+                                    bucket_mb=bucket_mb, grad_accumulation=grad_accumulation, batch_size=batch_size,
+                                    src_len=src_len, tgt_len=tgt_len, device_memory_gb=device_memory_gb,
+                                    cpu_memory_gb=cpu_memory_gb, vocab_size=vocab_size, nvme_step_time=nvme_step_time)
     mixed = PRECISIONS[precision]
     k = optimizer_state_bytes_per_param(optimizer)
     if isinstance(model, str):
@@ -257,7 +260,8 @@ def estimate_model_states(
     elif isinstance(model, int) and model > 0:
         info = ModelInfo(model, model, largest_param=0, name="(parameter count)")
     else:
-        raise ValueError(f"model must be an nn.Module, a parameter count, a preset name or T5Dims; got {model!r}.")
+        raise ValueError(f"model must be an nn.Module, a positive parameter count, a preset name "
+                         f"({', '.join(T5_PRESETS)}) or T5Dims; got {model!r}.")
     act, parts = None, None
     if batch_size is not None:
         if activation_probe is not None:

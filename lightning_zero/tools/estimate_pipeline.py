@@ -22,6 +22,7 @@ from torch import nn
 
 from ..engine.memory import optimizer_state_bytes_per_param
 from ..engine.pipeline import bubble_fraction, check_pipeline_size, estimate_stage_states
+from .estimate_knobs import check_knobs
 
 GiB, MiB = 2**30, 2**20
 
@@ -90,6 +91,7 @@ def estimate_pipeline(model, world_size: int, num_stages: int, precision: str = 
 
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}. Allowed: 32-true, bf16-mixed, 16-mixed.")
+    check_knobs(world_size=world_size, microbatches=microbatches)
     check_pipeline_size(num_stages, world_size)
     numels, split = stage_numels(model, num_stages, stage_params)
     k, mixed = optimizer_state_bytes_per_param(optimizer), PRECISIONS[precision]

@@ -75,11 +75,27 @@ class T5Dims:
         return self.vocab_size * self.d_model * (1 if self.tied else 2) + 2 * self.d_model
 
 
+_HF_ORGS = ("google-t5/", "google/")  # HF hub ids of the original checkpoints: google-t5/t5-3b, google/t5-3b
+
+
+def preset_name(name: str) -> str:
+    """The recipe preset ``name`` means, in our spelling (``t5_3b``) or HF's (``t5-3b``, ``google-t5/t5-3b``),
+    in any case; a spelling two presets share would be refused as ambiguous (none do)."""
+    key = str(name).strip().lower()
+    key = next((key[len(org):] for org in _HF_ORGS if key.startswith(org)), key).replace("-", "_")
+    matches = [p for p in T5_PRESETS if p.lower().replace("-", "_") == key]
+    if len(matches) != 1:
+        problem = "ambiguous" if matches else "unknown"
+        raise ValueError(f"T5 model {name!r}: {problem} preset. Allowed: {', '.join(T5_PRESETS)} (or HF's spelling: "
+                         f"{', '.join(p.replace('_', '-') for p in T5_PRESETS)}, google-t5/...; any case).")
+    return matches[0]
+
+
 def t5_dims(preset: str, vocab_size: Optional[int] = RECIPE_VOCAB, dropout_rate: float = 0.0, **overrides) -> T5Dims:
-    """Dims of a recipe preset; ``vocab_size=None`` keeps the preset's own (sentencepiece) vocabulary."""
+    """Dims of a recipe preset (:func:`preset_name`: ours or HF's spelling); ``vocab_size=None`` keeps the preset's
+    own (sentencepiece) vocabulary."""
     presets = t5_presets()
-    if preset not in presets:
-        raise ValueError(f"Unknown T5 preset {preset!r}. Allowed: {', '.join(presets)}.")
+    preset = preset_name(preset)
     cfg = dict(presets[preset])
     if vocab_size is not None:
         cfg["vocab_size"] = vocab_size
