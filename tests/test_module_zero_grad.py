@@ -47,7 +47,8 @@ def mlp(i: int, o: int) -> nn.Sequential:
 class ClearingGan(pl.LightningModule):
     """``how`` clears the gradients before each backward:
     ``"module"``: ``self.zero_grad()``; ``"keep"``: ``self.zero_grad(set_to_none=False)``;
-    ``"submodule"``: ``self.gen.zero_grad()`` / ``self.disc.zero_grad()``;
+    ``"submodule"``: ``self.gen.zero_grad()`` / ``self.disc.zero_grad()``; ``"optimizer_keep"``:
+    ``opt.zero_grad(set_to_none=False)`` through Lightning's optimizer wrapper;
     ``"one_optimizer"``: one AdamW over both nets, two backwards per step, ``self.disc.zero_grad()`` between
     them (the discriminator steps on the second loss only, the generator on both: part of one optimizer's
     gradients is cleared)."""
@@ -72,8 +73,10 @@ class ClearingGan(pl.LightningModule):
         return [torch.optim.Adam(self.gen.parameters(), lr=0.02, betas=(0.5, 0.9)),
                 torch.optim.SGD(self.disc.parameters(), lr=0.05, momentum=0.9)]
 
-    def _clear(self, net: nn.Module) -> None:
-        if self.how == "module":
+    def _clear(self, net: nn.Module, opt) -> None:
+        if self.how == "optimizer_keep":
+            opt.zero_grad(set_to_none=False)
+        elif self.how == "module":
             self.zero_grad()
         elif self.how == "keep":
             self.zero_grad(set_to_none=False)
@@ -96,12 +99,12 @@ class ClearingGan(pl.LightningModule):
             self.losses += [g_loss.item(), d_loss.item()]
             return
         g_opt, d_opt = self.optimizers()
-        self._clear(self.gen)
+        self._clear(self.gen, g_opt)
         fake = self.gen(z)
         g_loss = F.softplus(-self.disc(fake)).mean()
         self.manual_backward(g_loss)
         g_opt.step()
-        self._clear(self.disc)  # the discriminator gradient of the generator's backward must go
+        self._clear(self.disc, d_opt)  # the discriminator gradient of the generator's backward must go
         d_loss = F.softplus(-self.disc(real)).mean() + F.softplus(self.disc(fake.detach())).mean()
         self.manual_backward(d_loss)
         d_opt.step()
@@ -138,7 +141,7 @@ def _compare(got: list[dict], ref: list[dict]) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["module", "keep", "submodule", "one_optimizer"])
+@pytest.mark.parametrize("how", ["module", "keep", "submodule", "one_optimizer", "optimizer_keep"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_gan_clearing_gradients_matches_ddp(tmp_path, tmp_path_factory, preset, how):
     ref = _reference(tmp_path_factory, how)
