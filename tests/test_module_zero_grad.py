@@ -188,3 +188,72 @@ def test_routed_modules_copy_as_their_own_class_and_are_restored():
 
     for res in run_distributed(_routes_on_plain_engine, 2):
         assert res == dict(routed=True, copy=True, pickled=True, cleared=True, restored=True), res
+
+
+class FabricGan(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gen, self.disc = mlp(LATENT, DATA), mlp(DATA, 1)
+
+    def forward(self, z, real, phase: str):
+        if phase == "g":
+            return F.softplus(-self.disc(self.gen(z))).mean()
+        with torch.no_grad():
+            fake = self.gen(z)
+        return F.softplus(-self.disc(real)).mean() + F.softplus(self.disc(fake)).mean()
+
+
+def _fabric_gan(rank, world_size, names):
+    import contextlib
+
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+
+    torch.set_num_threads(1)
+    data = [RealData()[i] for i in range(16)]
+    out = {}
+    for name in names:
+        kind, how = name.split(":")
+        strategy = FabricDDP(find_unused_parameters=True) if kind == "ddp" else \
+            lightning_zero.ZeroFabricStrategy(**PRESETS[kind])
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+        fabric.launch()
+        module = FabricGan()
+        g_opt = torch.optim.Adam(module.gen.parameters(), lr=0.02, betas=(0.5, 0.9))
+        d_opt = torch.optim.SGD(module.disc.parameters(), lr=0.05, momentum=0.9)
+        model, g_opt, d_opt = fabric.setup(module, g_opt, d_opt)
+        losses = []
+        for step in range(4):
+            real = torch.stack(data[4 * (step % 2) + 8 * rank: 4 * (step % 2) + 8 * rank + 4])
+            z = torch.randn(4, LATENT, generator=torch.Generator().manual_seed(1000 * step + 100 * rank))
+            model.zero_grad() if how == "wrapper" else module.gen.zero_grad(set_to_none=False)
+            g_loss = model(z, real, "g")
+            fabric.backward(g_loss)
+            g_opt.step()
+            # the discriminator gradient of the generator's backward must go
+            model.zero_grad(set_to_none=False) if how == "wrapper" else module.disc.zero_grad()
+            d_loss = model(z, real, "d")
+            fabric.backward(d_loss)
+            d_opt.step()
+            losses += [g_loss.item(), d_loss.item()]
+        gathered = getattr(fabric.strategy, "gathered_params", None)
+        with gathered() if gathered is not None else contextlib.nullcontext():
+            params = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        out[name] = {"losses": losses, "params": params}
+        if kind != "ddp":
+            fabric.strategy.teardown()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_fabric_gan_module_and_submodule_zero_grad_match_fabric_ddp():
+    """Fabric: ``model.zero_grad()`` on its module wrapper (either ``set_to_none``) and ``zero_grad`` on a
+    submodule of the module set up (``module.disc.zero_grad()``) reach the engine at stages 1-3."""
+    from tests.helpers.dist_utils import run_distributed
+
+    names = [f"{kind}:{how}" for how in ("wrapper", "submodule") for kind in ("ddp", "zero1", "zero2", "zero3")]
+    for res in run_distributed(_fabric_gan, 2, names):
+        for name in names:
+            ref = res["ddp:" + name.split(":")[1]]
+            _compare([res[name]], [ref])
