@@ -51,7 +51,8 @@ class ClearingGan(pl.LightningModule):
     ``opt.zero_grad(set_to_none=False)`` through Lightning's optimizer wrapper;
     ``"one_optimizer"``: one AdamW over both nets, two backwards per step, ``self.disc.zero_grad()`` between
     them (the discriminator steps on the second loss only, the generator on both: part of one optimizer's
-    gradients is cleared)."""
+    gradients is cleared); ``"clip_then_clear"``: the same optimizer clipped by the global norm, then
+    ``self.disc.zero_grad()`` before its step."""
 
     def __init__(self, out: str, tag: str, how: str) -> None:
         super().__init__()
@@ -68,7 +69,7 @@ class ClearingGan(pl.LightningModule):
         return DataLoader(RealData(), batch_size=4, shuffle=False)
 
     def configure_optimizers(self):
-        if self.how == "one_optimizer":
+        if self.how in ("one_optimizer", "clip_then_clear"):
             return torch.optim.AdamW(self.parameters(), lr=0.02)
         return [torch.optim.Adam(self.gen.parameters(), lr=0.02, betas=(0.5, 0.9)),
                 torch.optim.SGD(self.disc.parameters(), lr=0.05, momentum=0.9)]
@@ -86,15 +87,19 @@ class ClearingGan(pl.LightningModule):
     def training_step(self, real, batch_idx):
         g = torch.Generator().manual_seed(1000 * self.global_step + 100 * self.global_rank)
         z = torch.randn(real.shape[0], LATENT, generator=g)
-        if self.how == "one_optimizer":
+        if self.how in ("one_optimizer", "clip_then_clear"):
             opt = self.optimizers()
             self.zero_grad()
             g_loss = F.softplus(-self.disc(self.gen(z))).mean()
             self.manual_backward(g_loss)
-            self.disc.zero_grad()  # the discriminator keeps only the second loss's gradient
+            if self.how == "one_optimizer":
+                self.disc.zero_grad()  # the discriminator keeps only the second loss's gradient
             scores = self.disc(torch.cat([real, self.gen(z)]))  # stage 3: the units in the first forward's order
             d_loss = F.softplus(-scores[: len(real)]).mean() + F.softplus(scores[len(real):]).mean()
             self.manual_backward(d_loss)
+            if self.how == "clip_then_clear":  # the gradients already taken for the norm: zeroed there too
+                self.clip_gradients(opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+                self.disc.zero_grad()  # grad None: the discriminator does not step (no decay, no moments)
             opt.step()
             self.losses += [g_loss.item(), d_loss.item()]
             return
@@ -141,11 +146,12 @@ def _compare(got: list[dict], ref: list[dict]) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["module", "keep", "submodule", "one_optimizer", "optimizer_keep"])
+@pytest.mark.parametrize("how", ["module", "keep", "submodule", "one_optimizer", "optimizer_keep",
+                                 "clip_then_clear"])
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_gan_clearing_gradients_matches_ddp(tmp_path, tmp_path_factory, preset, how):
     ref = _reference(tmp_path_factory, how)
-    assert ref[0]["global_step"] == (4 if how == "one_optimizer" else 8)
+    assert ref[0]["global_step"] == (4 if how in ("one_optimizer", "clip_then_clear") else 8)
     got = _fit(str(tmp_path), "zero_", ZeroStrategy(start_method="fork", **PRESETS[preset]), how)
     _compare(got, ref)
 

@@ -39,6 +39,10 @@ def zero_params(bucket, positions, set_to_none: bool, sharded: bool, shards, unr
         elif p.grad is not None:  # stage 0's reduced gradient, or one not reduced yet (no_sync)
             TP.local_grad(p).zero_()
     if sharded:
+        device_shard, host_shard = shards
+        if host_shard is not None and device_shard is not None and device_shard.is_cuda:
+            # offload: the boundary's device->host copy may still be landing in the pinned buffer
+            torch.cuda.current_stream(device_shard.device).synchronize()
         seen: set[int] = set()
         for flat in shards:
             if flat is not None and id(flat) not in seen:  # a CPU run's host copy is the shard itself
@@ -60,12 +64,11 @@ def clear_masters(sharded, k: int, positions, set_to_none: bool) -> None:
         m = sharded.masters[k][j]
         if set_to_none:
             sharded.whole_grads.pop(id(m), None)
-        elif id(m) in sharded.whole_grads:
-            sharded.whole_grads[id(m)].zero_()
-        if set_to_none:
             m.grad = None
-        elif m.grad is not None:
-            m.grad.zero_()
+            continue
+        for g in (sharded.whole_grads.get(id(m)), m.grad):
+            if g is not None:
+                g.zero_()
     sharded.sq_norm = None
 
 
