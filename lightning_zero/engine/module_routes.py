@@ -16,7 +16,7 @@ from torch import nn
 # itself calls ``lightning_module.zero_grad()`` before a stage and ``on_validation_model_zero_grad``), so
 # the engine gives every module of its tree that holds parameters a class of its own while it trains them:
 # ``Routed<cls>`` (same name, a subclass, so ``isinstance`` and Lightning's hook lookup see the user's
-# class), whose ``zero_grad`` runs torch's and then hands the module's parameters to the engine. The route
+# class), whose ``zero_grad`` runs the module's own and then hands its parameters to the engine. The route
 # is kept in a weak table, not on the module, and a routed module pickles and deep-copies as its own class:
 # a copy is not trained by the engine and clears its own ``.grad`` only. The class is restored when the
 # engine lets go, as the optimizer's (optimizer_routes.py).
