@@ -28,7 +28,8 @@ RTOL, ATOL = 1e-5, 1e-6
 LATENT, DATA = 4, 6
 STAGE3 = dict(stage=3, unit_classes=["Sequential"], persist_numel=0)
 PRESETS = {"zero1": dict(stage=1), "zero2": dict(stage=2), "zero3": STAGE3,
-           "zero3_offload": dict(STAGE3, offload_optimizer=True, offload_params=True, offload_kernel="user")}
+           "zero3_offload": dict(STAGE3, offload_optimizer=True, offload_params=True, offload_kernel="user"),
+           "zero2_hybrid": dict(stage=2, shard_group_size=1)}  # shards of 1 rank, replicated across 2
 
 
 class RealData(Dataset):
