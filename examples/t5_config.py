@@ -239,7 +239,8 @@ def _strategy_node(cfg: Any) -> Any:
 
 
 def validate_schema(cfg: Any, schema: type = T5FinetuneConf, _path: str = "") -> None:
-    """Refuse keys the schema does not know.
+    """Refuse keys the schema does not know and, for the whole config, numbers out of their range
+    (``t5_ranges.RANGES``): one ``ConfigError`` before any process starts.
 
     Composition already refuses ``strategy.stag=1``, but Hydra's append syntax (``+strategy.stag=1``) opens
     the struct flag and would smuggle the key in (and OmegaConf.merge onto the schema lets it through too),
@@ -261,6 +262,12 @@ def validate_schema(cfg: Any, schema: type = T5FinetuneConf, _path: str = "") ->
         factory = f.default_factory  # annotations are strings here (__future__), so use the factory
         if isinstance(sub, DictConfig) and factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
             validate_schema(sub, factory, f"{_path}{name}.")
+    if not _path:  # the whole config: values of the right type out of their range, all named at once
+        from t5_ranges import check_ranges
+
+        bad = check_ranges(cfg)
+        if bad:
+            raise ConfigError(f"Out of range: {'; '.join(bad)}.")
 
 
 def strategy_kwargs(cfg: Any) -> dict:

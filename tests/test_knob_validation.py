@@ -165,7 +165,8 @@ def _objects(accelerator, env, io) -> dict:
 _COMMON = {  # the strategy knobs both strategies have (zero_setup.check_strategy_knobs)
     "parallel_devices": Knob([None, [torch.device("cpu")] * 2], [(["cpu"], DEVICES), (torch.device("cpu"), DEVICES),
                                                                  ([], DEVICES)]),
-    "process_group_backend": Knob([None, "gloo"], [(3, BACKEND), ("", BACKEND)]),
+    "process_group_backend": Knob([None, "gloo", "cpu:gloo"], [(v, BACKEND) for v in (3, "", "mpi2", ":gloo",
+                                                                                     "gloo,gloo")]),
     "timeout": Knob([None, timedelta(minutes=5)], [(60, TIMEOUT), (timedelta(0), TIMEOUT), ("30m", TIMEOUT)]),
     "start_method": Knob(["popen", "spawn", "fork", "forkserver"], [("thread", START), (None, START)]),
     "trust_checkpoint": Knob([True, False], [(v, r"trust_checkpoint must be True or False") for v in ("no", 1, None)]),

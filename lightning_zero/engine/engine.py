@@ -24,7 +24,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import collectives as C, full_state as FS, grad_norm as GN, param_groups as PG, tensor_parallel as TP
+from . import collectives as C, full_state as FS, grad_clear as GC, grad_norm as GN, param_groups as PG
+from . import tensor_parallel as TP
+from .module_routes import install_module_zero_grad, remove_module_zero_grad
 from .optimizer_routes import install_optimizer_methods, remove_optimizer_methods
 from .activations import ActivationMemory, activation_memory
 from .stage3.deferred_init import compute_device, has_meta_params
@@ -137,6 +139,7 @@ class ZeroEngine:
                 local_grads=ONEBIT.local_grads_probe(self.optimizers),
             )
             install_optimizer_methods(self.optimizers, self.add_param_group, self.zero_grad)
+            install_module_zero_grad(module, self.zero_grad_params)
         if self._partitioned is not None:
             self._partitioned.release_by_buckets(
                 self.table, lambda: self.reducer is not None and self.reducer.in_backward)
@@ -322,14 +325,28 @@ class ZeroEngine:
         publish_chunk(row, bucket, self.plan, self.table, self.shard_group, self.config.quantize_weights,
                       self.partitioner)
 
-    def zero_grad(self, optimizer=None) -> None:
+    def zero_grad(self, optimizer=None, set_to_none: bool = True) -> None:
+        """Clear the gradients of ``optimizer`` (default: every one), reduced ones included; torch's
+        ``set_to_none`` ([Note: clearing reduced gradients], grad_clear.py)."""
         if self.mode is EngineMode.EVAL_ONLY:
             return
         chosen = self.opts.select(optimizer)
-        self.reducer.clear(None if optimizer is None else [b.index for s in chosen for b in s.buckets])
+        self.reducer.clear(None if optimizer is None else [b.index for s in chosen for b in s.buckets], set_to_none)
         for s in chosen:
             s.clear_grads()
             s.reset_step_state()
+
+    def zero_grad_params(self, params, set_to_none: bool = True) -> None:
+        """``module.zero_grad()`` of the engine's module or a submodule (module_routes.py): the gradients of
+        ``params`` only -- whole optimizers as their own ``zero_grad``, part of one in place."""
+        if self.mode is EngineMode.EVAL_ONLY:
+            return
+        whole, part = GC.split_by_optimizer(self.shardeds, params)
+        for s in whole:
+            self.zero_grad(s.optimizer, set_to_none)
+        for s, k, positions in part:
+            self.reducer.clear_params(s.buckets[k].index, positions, set_to_none)
+            GC.clear_masters(s, k, positions, set_to_none)
 
     def add_param_group(self, optimizer, group: dict) -> None:
         """``optimizer.add_param_group(group)`` after setup (installed on the user's optimizer; param_groups.py)."""
@@ -438,6 +455,7 @@ class ZeroEngine:
         if self.mode is EngineMode.TRAIN:
             self.reducer.remove_hooks()
             remove_optimizer_methods(self.optimizers)
+            remove_module_zero_grad(self.module)
         if self.publisher is not None:
             self.publisher.remove(wait=hand_back)
             self.publisher = None

@@ -31,7 +31,7 @@ class _RoutedMethods:
         route = getattr(self, _ROUTE, None)
         if route is None:  # the engine let go (a wrapper built while it managed this optimizer)
             return super().zero_grad(set_to_none)
-        return route.zero_grad(route.optimizer)
+        return route.zero_grad(route.optimizer, set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         route = getattr(self, _ROUTE, None)

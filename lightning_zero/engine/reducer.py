@@ -60,6 +60,7 @@ import torch
 from torch.autograd import Variable
 
 from . import collectives as C
+from . import grad_clear as GC
 from . import quantize as Q
 from . import tensor_parallel as TP
 from .buckets import Bucket
@@ -381,13 +382,24 @@ class GradReducer:
             self._used[i] = None
         return masks
 
-    def clear(self, indices: Optional[list[int]] = None) -> None:
-        """Drop the gradients (full and sharded) of buckets ``indices`` (default: all) after a step."""
+    def clear(self, indices: Optional[list[int]] = None, set_to_none: bool = True) -> None:
+        """Drop (``set_to_none``) or zero the gradients (full, sharded, counted) of buckets ``indices``
+        (default: all): after a step, or a user's ``zero_grad`` ([Note: clearing reduced gradients])."""
         for i in range(len(self.buckets)) if indices is None else indices:
-            self.grad_shards[i] = self.host_shards[i] = self._unreplicated[i] = None
-            for p in self.buckets[i].params:
+            self.clear_params(i, None, set_to_none)
+
+    def clear_params(self, i: int, positions: Optional[list[int]] = None, set_to_none: bool = True) -> None:
+        """The gradients of parameters ``positions`` (default: all) of bucket ``i``; the others are kept."""
+        b = self.buckets[i]
+        if positions is None and set_to_none:
+            self.grad_shards[i] = self.host_shards[i] = self._unreplicated[i] = self._used[i] = None
+            for p in b.params:
                 p.grad = None
             self._dirty.discard(i)
+            return
+        GC.zero_params(b, range(len(b.params)) if positions is None else positions, set_to_none,
+                       self.plan.shards_optimizer_state, (self.grad_shards[i], self.host_shards[i]),
+                       self._unreplicated[i], self._used[i])
 
     def remove_hooks(self) -> None:
         for h in self._handles:

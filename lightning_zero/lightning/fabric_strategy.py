@@ -270,7 +270,7 @@ class ZeroFabricStrategy(DDPStrategy):
         Module.zero_grad(module, set_to_none)  # parameters no optimizer holds, as torch does
         model = self._model_of(module)
         if model is not None and model.engine is not None:
-            model.engine.zero_grad()
+            model.engine.zero_grad(set_to_none=set_to_none)
 
     def _training_engine(self, what: str, module: Optional[Module] = None,
                          optimizer: Optional[Optimizer] = None) -> ZeroEngine:

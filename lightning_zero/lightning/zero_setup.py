@@ -40,6 +40,27 @@ def check_start_method(start_method: str) -> None:
         raise ValueError(f"Unknown start_method {start_method!r}. Allowed: {', '.join(START_METHODS)}.")
 
 
+def check_process_group_backend(backend: Any) -> None:
+    """None, or what ``torch.distributed.init_process_group(backend=...)`` takes and this torch build has: a
+    backend name or torch's per-device form ('cpu:gloo,cuda:nccl'). torch itself takes any string here and
+    fails on an unknown name with an assert inside every rank, once they have started."""
+    import torch.distributed as dist
+
+    if backend is None:
+        return
+    available = [b for b in dist.Backend.backend_list  # 'fake' is torch's test double: it moves no data
+                 if b not in ("undefined", "fake") and dist.is_backend_available(b)]
+    if isinstance(backend, str) and backend.strip():
+        parts = [p.strip() for p in backend.lower().split(",")]
+        names = [p.split(":", 1)[1].strip() if ":" in p else p for p in parts]
+        devices_ok = all(p.split(":", 1)[0].strip() for p in parts if ":" in p)
+        if devices_ok and all(n in available for n in names) and (len(parts) == 1 or all(":" in p for p in parts)):
+            return
+    raise ValueError(f"process_group_backend must be None (nccl on CUDA, gloo on CPU) or a torch.distributed "
+                     f"backend name this torch build has ({', '.join(map(repr, available))}), or torch's per-device "
+                     f"form of those, e.g. 'cpu:gloo,cuda:nccl' on a CUDA build; got {backend!r}.")
+
+
 def check_strategy_knobs(owner: str, knobs: dict, instance_of: dict) -> None:
     """The strategy's own constructor arguments (``knobs``, its ``locals()``; ZeroConfig checks the rest),
     each refused with one error naming it, the value and what is allowed. ``instance_of``: argument ->
@@ -54,10 +75,7 @@ def check_strategy_knobs(owner: str, knobs: dict, instance_of: dict) -> None:
                                     and all(isinstance(d, torch.device) for d in devices)):
         raise ValueError(f"parallel_devices must be None (from the devices= flag) or a non-empty list of "
                          f"torch.device; got {devices!r}.")
-    backend = knobs["process_group_backend"]
-    if backend is not None and not (isinstance(backend, str) and backend.strip()):
-        raise ValueError(f"process_group_backend must be None (nccl on CUDA, gloo on CPU) or a torch.distributed "
-                         f"backend name, e.g. 'gloo' or 'nccl'; got {backend!r}.")
+    check_process_group_backend(knobs["process_group_backend"])
     timeout = knobs["timeout"]
     if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
         raise ValueError(f"timeout must be a positive datetime.timedelta (e.g. timedelta(minutes=30)) or None "
