@@ -65,6 +65,13 @@ class CompressedAdamBase(torch.optim.Optimizer):
         self.whole_momentum.invalidate()
 
     # -- the protocol the engine reads ----------------------------------------------------------------
+    def rank_local_state(self) -> tuple[str, ...]:
+        """The per-element state entries whose values differ by rank *now*, together with the parameters
+        (0/1 Adam's local steps, [Note: the ranks' own models] in local_models.py); empty: every rank holds
+        the same parameters and these entries (1-bit Adam always; the error buffers are apart,
+        :attr:`per_rank_state`)."""
+        return ()
+
     def uses_local_grads(self) -> bool:
         """Whether the *next* step takes this rank's own (unreduced) gradients: the engine then reduces
         nothing in backward."""

@@ -56,6 +56,14 @@ class ZeroOneAdam(CompressedAdamBase):
             g.setdefault(k, v)
         return g
 
+    def rank_local_state(self) -> tuple[str, ...]:
+        # from the variance freeze on, each rank's parameters, momentum and accumulated update move by its own
+        # gradient; a synchronization brings them together only up to rounding (the local steps are undone
+        # by a subtraction), so they stay per rank: [Note: the ranks' own models] (local_models.py)
+        if self.param_groups and self.policy()["var_frozen"] and self._world() > 1:
+            return ("exp_avg", "momentum_accumulator")
+        return ()
+
     def uses_local_grads(self) -> bool:
         pol = self.policy()
         return bool(pol["var_frozen"]) or (self.steps_taken() + 1) % pol["var_interval"] != 0
