@@ -47,13 +47,14 @@ class StepModule(ParityModule):
         self.val_seen: dict[int, dict[str, torch.Tensor]] = {}  # global step -> the weights a validation used
 
     def training_step(self, batch, batch_idx):
-        loss = loss_fn(self.net, step_batch(self.global_step, self.global_rank),
+        micro = batch_idx % self.trainer.accumulate_grad_batches  # each micro-batch of a step its own batch
+        loss = loss_fn(self.net, step_batch(self.global_step, self.global_rank, micro),
                        uses_sometimes(self.global_rank, self.global_step))
         self.losses.append(loss.detach().item())
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.trace[self.global_step] = params_of(self.net)
+        self.trace[self.global_step] = params_of(self.net)  # with accumulation: the boundary's overwrites
 
     def validation_step(self, batch, batch_idx):
         self.val_seen.setdefault(self.global_step, params_of(self.net))
@@ -79,7 +80,7 @@ class KillAfter(pl.Callback):
 
 def trainer_fit(out: str, tag: str, strategy: str = "zero0_fork", ckpt_dir: Optional[str] = None,
                 ckpt_path: Optional[str] = None, kill_at: Optional[int] = None, precision: str = "32-true",
-                validate: bool = False, **kw) -> StepModule:
+                validate: bool = False, accum: int = 1, **kw) -> StepModule:
     """One fit with Lightning's defaults besides the test's (checkpoint callbacks, validation); returns the
     module the Trainer hands back."""
     from lightning.pytorch import Trainer
@@ -95,7 +96,7 @@ def trainer_fit(out: str, tag: str, strategy: str = "zero0_fork", ckpt_dir: Opti
         callbacks.append(KillAfter(kill_at))
     extra = dict(limit_val_batches=1, val_check_interval=1) if validate else {}
     Trainer(strategy=strategy, precision=precision, callbacks=callbacks,
-            **trainer_kwargs(devices=2, max_steps=STEPS, limit_train_batches=4,
+            **trainer_kwargs(devices=2, max_steps=STEPS, limit_train_batches=4, accum=accum,
                              enable_checkpointing=ckpt_dir is not None, **extra, **kw)).fit(module, ckpt_path=ckpt_path)
     return module
 
