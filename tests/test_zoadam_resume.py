@@ -145,3 +145,20 @@ def test_the_model_between_synchronizations_is_the_ranks_mean(tmp_path):
 
     trainer_fit(str(tmp_path), "resumed_", ckpt_path=str(ckpts / f"step={k}.ckpt"), validate=True)
     _assert_same_run(val_runs, load_rank_files(str(tmp_path), "resumed_", "train", 2), k)
+
+
+@pytest.mark.timeout(300)
+def test_a_full_format_checkpoint_between_synchronizations_holds_the_mean(tmp_path):
+    """checkpoint_format="full" (one Lightning file, one value per tensor) at a local step: the model is the
+    ranks' mean, as in the sharded directory's model entries."""
+    from lightning_zero import ZeroStrategy
+
+    ckpts = tmp_path / "ckpts"
+    trainer_fit(str(tmp_path), "full_", strategy=ZeroStrategy(stage=0, start_method="fork", checkpoint_format="full"),
+                ckpt_dir=str(ckpts))
+    runs = load_rank_files(str(tmp_path), "full_", "train", 2)
+    for k in LOCAL_STEPS:
+        mean = _mean(runs[0]["trace"][k], runs[1]["trace"][k])
+        state = torch.load(ckpts / f"step={k}.ckpt", weights_only=False)["state_dict"]
+        for n, v in mean.items():
+            assert torch.equal(state[f"net.{n}"], v), (k, n)
