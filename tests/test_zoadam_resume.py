@@ -162,3 +162,19 @@ def test_a_full_format_checkpoint_between_synchronizations_holds_the_mean(tmp_pa
         state = torch.load(ckpts / f"step={k}.ckpt", weights_only=False)["state_dict"]
         for n, v in mean.items():
             assert torch.equal(state[f"net.{n}"], v), (k, n)
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_at_another_world_size_starts_from_the_mean(tmp_path):
+    """A local-step checkpoint of 2 ranks resumed on 1: no rank row fits, so the run starts from the ranks'
+    mean (weights and moments), with a warning naming why and what gives an exact continuation."""
+    ckpts = tmp_path / "ckpts"
+    trainer_fit(str(tmp_path), "two_", ckpt_dir=str(ckpts))
+    runs = load_rank_files(str(tmp_path), "two_", "train", 2)
+    k = LOCAL_STEPS[0]
+    with pytest.warns(UserWarning, match="saved between synchronizations on 2 ranks and is loaded on 1"):
+        # "zero0" (popen): one device runs in this process, where pytest sees the warning
+        trainer_fit(str(tmp_path), "one_", strategy="zero0", ckpt_path=str(ckpts / f"step={k}.ckpt"), devices=1)
+    start = load_rank_files(str(tmp_path), "one_", "train", 1)[0]["start"]
+    mean = _mean(runs[0]["trace"][k], runs[1]["trace"][k])
+    assert all(torch.equal(start[n], mean[n]) for n in mean)

@@ -53,6 +53,9 @@ class StepModule(ParityModule):
         self.losses.append(loss.detach().item())
         return loss
 
+    def on_train_start(self):  # after a checkpoint load: what the run resumes from
+        self.start = params_of(self.net)
+
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.trace[self.global_step] = params_of(self.net)  # with accumulation: the boundary's overwrites
 
@@ -62,7 +65,7 @@ class StepModule(ParityModule):
 
     def on_train_end(self):  # before the strategy's own on_train_end: this rank's weights as training left them
         torch.save({"losses": self.losses, "trace": self.trace, "val_seen": self.val_seen,
-                    "params": params_of(self.net), "global_step": self.global_step},
+                    "params": params_of(self.net), "global_step": self.global_step, "start": self.start},
                    os.path.join(self.out, f"{self.tag}train_rank{self.global_rank}.pt"))
 
 
@@ -80,7 +83,7 @@ class KillAfter(pl.Callback):
 
 def trainer_fit(out: str, tag: str, strategy: str = "zero0_fork", ckpt_dir: Optional[str] = None,
                 ckpt_path: Optional[str] = None, kill_at: Optional[int] = None, precision: str = "32-true",
-                validate: bool = False, accum: int = 1, **kw) -> StepModule:
+                validate: bool = False, accum: int = 1, devices: int = 2, **kw) -> StepModule:
     """One fit with Lightning's defaults besides the test's (checkpoint callbacks, validation); returns the
     module the Trainer hands back."""
     from lightning.pytorch import Trainer
@@ -96,7 +99,7 @@ def trainer_fit(out: str, tag: str, strategy: str = "zero0_fork", ckpt_dir: Opti
         callbacks.append(KillAfter(kill_at))
     extra = dict(limit_val_batches=1, val_check_interval=1) if validate else {}
     Trainer(strategy=strategy, precision=precision, callbacks=callbacks,
-            **trainer_kwargs(devices=2, max_steps=STEPS, limit_train_batches=4, accum=accum,
+            **trainer_kwargs(devices=devices, max_steps=STEPS, limit_train_batches=4, accum=accum,
                              enable_checkpointing=ckpt_dir is not None, **extra, **kw)).fit(module, ckpt_path=ckpt_path)
     return module
 
