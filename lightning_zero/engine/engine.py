@@ -142,7 +142,7 @@ class ZeroEngine:
             self._partitioned.release_by_buckets(
                 self.table, lambda: self.reducer is not None and self.reducer.in_backward)
         self.last_step_skipped = False
-        self.mean_swap = LM.MeanSwap()  # 0/1 Adam: the ranks' mean model during evaluation inside fit
+        self.mean_swap = LM.MeanSwap(self)  # 0/1 Adam: the ranks' mean model during evaluation inside fit
         self._buffers = BufferBroadcast(module, group, cfg.broadcast_buffers, eval_only=not train)
         self._traffic = StepTraffic(group)  # comm_report(): the collectives of the last step
         self.activations: Optional[ActivationMemory] = activation_memory(  # None: no checkpointing / offload

@@ -293,11 +293,11 @@ class ZeroStrategy(DDPStrategy):
             self._memory_reported = True
             self.memory_table = memory_report(self, self.lightning_module.trainer)
 
+    # 0/1 Adam between synchronizations: validation inside fit and the model fit ends with are the ranks' mean
+    # ([Note: the ranks' own models], engine/onebit/local_models.py)
     def on_validation_start(self) -> None:
-        # 0/1 Adam between synchronizations: validation inside fit evaluates the ranks' mean model, each rank's
-        # own parameters put back after it ([Note: the ranks' own models], engine/onebit/local_models.py)
         if self.engine is not None and self.engine.mode is EngineMode.TRAIN:
-            self.engine.mean_swap.swap_in(self.engine)
+            self.engine.mean_swap.swap_in()
         super().on_validation_start()
 
     def on_validation_end(self) -> None:
@@ -308,8 +308,6 @@ class ZeroStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         self._report_memory()  # a fit too short to reach a second batch
         if self.engine is not None:
-            # the model a fit ends with is one model: the ranks' mean if 0/1 Adam ended between
-            # synchronizations ([Note: the ranks' own models], engine/onebit/local_models.py)
             self.engine.average_rank_models()
             self.engine.restore_fp32_module()
 

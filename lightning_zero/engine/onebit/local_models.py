@@ -32,6 +32,7 @@ used: a checkpoint, the end of fit, a validation loop.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -113,8 +114,9 @@ class MeanSwap:
     """The mean model swapped into the masters (and module) for an evaluation loop inside fit, this rank's own
     values kept and put back after it, so training continues exactly where it was (see the note)."""
 
-    def __init__(self) -> None:
-        self._kept: Optional[tuple[Any, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = None
+    def __init__(self, engine: Any) -> None:
+        self._engine = weakref.ref(engine)  # the engine holds this object: no reference cycle keeping it alive
+        self._kept: Optional[dict[int, tuple[torch.Tensor, torch.Tensor]]] = None  # id(master): (master, own)
 
     @property
     def active(self) -> bool:
@@ -122,30 +124,33 @@ class MeanSwap:
 
     def own(self, master: torch.Tensor) -> torch.Tensor:
         """This rank's own value of ``master`` (a checkpoint saved while the mean is swapped in, e.g. by a
-        ModelCheckpoint monitoring a validation metric, writes it as the rank's row)."""
-        if self._kept is None or id(master) not in self._kept[1]:
+        ModelCheckpoint at a validation's end, writes it as the rank's row)."""
+        if self._kept is None or id(master) not in self._kept:
             return master
-        return self._kept[1][id(master)][1]
+        return self._kept[id(master)][1]
 
     @torch.no_grad()
-    def swap_in(self, engine: Any) -> None:
-        if self._kept is not None or not diverged(engine):
+    def swap_in(self) -> None:
+        """The mean into the masters and module (collective; nothing when the ranks hold one model)."""
+        engine = self._engine()
+        found = diverged(engine)
+        if self._kept is not None or not found:
             return
         means = mean_masters(engine)
         kept = {}
-        for s, _ in diverged(engine):
+        for s, _ in found:
             for m in _masters(s):
                 kept[id(m)] = (m, m.detach().clone())
                 m.copy_(means[id(m)])
-        self._kept = (engine, kept)
+        self._kept = kept
         engine.publish_params()
 
     @torch.no_grad()
     def swap_out(self) -> None:
+        """This rank's own masters back, published (no collective beyond the publish)."""
         if self._kept is None:
             return
-        engine, kept = self._kept
-        self._kept = None
+        kept, self._kept = self._kept, None
         for m, own in kept.values():
             m.copy_(own)
-        engine.publish_params()
+        self._engine().publish_params()
