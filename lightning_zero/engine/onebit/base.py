@@ -23,8 +23,9 @@ an element whose *true* gradient is zero and whose computed one is rounding nois
 (softmax is shift-invariant, so ``d loss / d b_k = 0``; in fp32 its gradient is ~1e-11, ``sqrt(v_hat)``
 ~1e-12, against ~1e-4 for the query and value thirds sharing its tensor and chunk). Its denominator is then
 ``eps`` itself: ``lr * scale / eps`` per step, 1e-3 * 1e-4 / 1e-8 = 10, and the key bias reached 246 in 100
-steps (bench/onebit_adam.py's GPT-2, 2 ranks, freeze at 20; AdamW: 2.4e-5; with this rule: 9.5e-6). DeepSpeed's error feedback does nothing about it: its 1-bit Adam
-multiplies the averaged momentum by a user-given ``exp_avg_mask`` and otherwise lets such elements move.
+steps (bench/onebit_adam.py's GPT-2, 2 ranks, freeze at 20; AdamW: 2.4e-5; with this rule: 9.5e-6).
+DeepSpeed's error feedback does nothing about it: its 1-bit Adam multiplies the averaged momentum by a
+user-given ``exp_avg_mask`` and otherwise lets such elements move.
 
 The rule here (:meth:`has_gradient`): an element takes part only if its gradient scale reaches Adam's own
 noise floor, ``sqrt(v_hat) >= eps`` (and ``v > 0``, so ``eps=0`` keeps elements with any variance); the
