@@ -25,7 +25,8 @@ What each rank holds beyond stage 1's AdamW state: its whole worker error (fp32,
 server error (one chunk per tensor), and the whole averaged momentum as the gathered packed rows plus a
 1-bit mask of the elements with a gradient ([Note: elements without a gradient], base.py; both 1/32 of an
 fp32 copy). The server chunks follow the exchange's own layout (``ChunkLayout``, padded to ``8 N``), not the
-masters' ``ShardSpec`` slices: the compressed result reaches every rank whole, so an owner reads its slice from it and the two layouts need not meet.
+masters' ``ShardSpec`` slices: the compressed result reaches every rank whole, so an owner reads its slice
+from it and the two layouts need not meet.
 
 The whole momentum is *derived* state: at the first compressed step (it is then AdamW's fp32 momentum) and
 after a checkpoint load it is rebuilt from the owners' fp32 momentum shards by one uncompressed all-gather
