@@ -47,6 +47,7 @@ from torch import nn
 
 from ..engine.collectives import barrier as _barrier, rank as _rank
 from . import integrity, tp_state as TS, trust as TR
+from .rank_local import RANKS_KEY, error_buffer_keys, rank_local_entries, restore_rank_local
 from .trust import ConfinedReader, UntrustedCheckpointError, read_dcp_metadata
 from .sharded_state import _canonical, _flat, _managed, per_rank, sharded_model_state, sharded_optimizer_state  # noqa: F401
 from .files import (  # noqa: F401  (the on-disk names are part of this module's API)
@@ -120,6 +121,10 @@ def write_checkpoint_files(directory: Path, model_state: Mapping[str, torch.Tens
     tensors = {"model": dict(model_state)}
     for k, st in enumerate(opt_states):
         tensors[_optim_key(k)] = {"state": st["state"]}
+    # 0/1 Adam between synchronizations: each rank's own model beside the mean (rank_local.py)
+    rank_tensors, rank_listed = rank_local_entries(engine, _optim_key, process_group) if opt_states else ({}, {})
+    if rank_tensors:
+        tensors[RANKS_KEY] = rank_tensors
     os.makedirs(directory, exist_ok=True)
     dcp.save(tensors, checkpoint_id=directory, process_group=process_group)
     if _rank(process_group) == 0:
@@ -131,6 +136,8 @@ def write_checkpoint_files(directory: Path, model_state: Mapping[str, torch.Tens
     if _rank(process_group) == 0:
         info = _info(model_state, module, engine, state_kinds, process_group)
         info[integrity.FILES_KEY] = files
+        if rank_listed:
+            info["rank_local"] = rank_listed
         if more_kinds:
             info["more_optimizer_states"] = more_kinds  # optimizers 1, 2, ... (0 is "optimizer_state")
         (directory / INFO_FILE).write_text(json.dumps(integrity.seal(info), indent=1))
@@ -295,7 +302,7 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
     check_state_entries(path, kinds, managed, _optim_key(index), trust_checkpoint)
     _init_state(opt, [managed[n][0] for n in kinds if n in managed])
     targets: dict[str, dict[str, torch.Tensor]] = {}
-    rank_keys = _per_rank_keys(opt, info, process_group)
+    rank_keys = error_buffer_keys(opt, info, process_group)
     natural = TS.needs_natural_load(engine, info)
     params = TS.params_of(engine.module)
     after: list[Callable[[], None]] = []
@@ -332,24 +339,12 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
         opt.state[managed[n][0]].update(extra)
     for g, s in zip(opt.param_groups, saved_groups):
         g.update({k: v for k, v in s.items() if k not in _IMPL_KEYS})
+    # 0/1 Adam saved between synchronizations: this rank's own model over the mean just read (rank_local.py)
+    restore_rank_local(path, engine, index, _optim_key(index), info,
+                       lambda state: _dcp_load(state, path, process_group=process_group,
+                                               trust_checkpoint=trust_checkpoint), process_group)
     if hasattr(opt, "state_restored"):  # 1-bit Adam: what it derived from the state before is stale
         opt.state_restored()
-
-
-def _per_rank_keys(opt, info: Mapping[str, Any], process_group=None) -> tuple:
-    """The per-rank state entries (1-bit Adam's error buffers, one row per rank) that this load restores: all
-    of them at the world size they were saved at; none at another (each rank's row has no counterpart
-    there): they restart at zero, as DeepSpeed's did on every load, with a warning."""
-    keys = tuple(getattr(opt, "per_rank_state", ()))
-    saved = info.get("world_size")
-    world = dist.get_world_size(process_group) if dist.is_available() and dist.is_initialized() else 1
-    if not keys or saved is None or int(saved) == world:
-        return keys
-    warnings.warn(f"{type(opt).__name__}: the checkpoint was saved on {saved} ranks and is loaded on {world}; "
-                  f"its per-rank error-feedback buffers ({', '.join(keys)}) have no counterpart at this world size "
-                  "and restart at zero (moments, frozen variance and phase are resharded and kept). Resume on "
-                  f"{saved} ranks for an exact continuation.", stacklevel=3)
-    return ()
 
 
 def check_optimizer_count(path: _PathLike, saved: int, current: int) -> None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..engine.groups import device_mesh, group_mesh
+from ..engine.onebit import local_models as LM
 from . import tp_state as TS
 
 def _mesh(device_type: str, shard_size: int, group=None):
@@ -97,7 +98,9 @@ def sharded_model_state(module: nn.Module, engine=None, group=None) -> dict[str,
     managed = _managed(engine)
     canonical, _ = _canonical(module)
     entry = _entry_fn(engine, module, group)
-    return {n: (entry(managed[n][0], n, managed[n][1]) if n in managed else t) for n, t in canonical.items()}
+    mean = LM.mean_masters(engine)  # 0/1 Adam between synchronizations: the model is the ranks' mean
+    return {n: (entry(mean.get(id(managed[n][0]), managed[n][0]), n, managed[n][1]) if n in managed else t)
+            for n, t in canonical.items()}
 
 
 def _entry_fn(engine, module: nn.Module, group=None):
@@ -117,6 +120,9 @@ def sharded_optimizer_state(engine, optimizer=None, group=None) -> dict[str, Any
     state: dict[str, dict] = {}
     other: dict[str, dict] = {}
     rank_keys = getattr(opt, "per_rank_state", ())
+    # 0/1 Adam's local steps: one value per tensor is the ranks' mean ([Note: the ranks' own models]); each
+    # rank's own values ride beside it (rank_local.py)
+    mean = LM.mean_state(engine.sharded_for(opt)) if LM.rank_local_keys(opt) else {}
     pg = group
     for group in opt.param_groups:
         for m in group["params"]:
@@ -125,7 +131,7 @@ def sharded_optimizer_state(engine, optimizer=None, group=None) -> dict[str, Any
                 if k in rank_keys:
                     state.setdefault(name, {})[k] = per_rank(v, pg)
                 elif torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape:
-                    state.setdefault(name, {})[k] = entry(v, name, spec)
+                    state.setdefault(name, {})[k] = entry(mean.get((id(m), k), v), name, spec)
                 elif torch.is_tensor(v):
                     state.setdefault(name, {})[k] = v.detach()
                 else:

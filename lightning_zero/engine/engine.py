@@ -44,6 +44,7 @@ from .plan import ShardingPlan
 from .stage3.partition import ParamPartitioner
 from .reducer import GradReducer
 from .onebit import binding as ONEBIT
+from .onebit import local_models as LM
 from .stage3.setup import PartitionedParams, stage3_config
 
 _log = logging.getLogger("lightning_zero.engine")
@@ -144,6 +145,7 @@ class ZeroEngine:
             self._partitioned.release_by_buckets(
                 self.table, lambda: self.reducer is not None and self.reducer.in_backward)
         self.last_step_skipped = False
+        self.mean_swap = LM.MeanSwap(self)  # 0/1 Adam: the ranks' mean model during evaluation inside fit
         self._buffers = BufferBroadcast(module, group, cfg.broadcast_buffers, eval_only=not train)
         self._traffic = StepTraffic(group)  # comm_report(): the collectives of the last step
         self.activations: Optional[ActivationMemory] = activation_memory(  # None: no checkpointing / offload
@@ -380,6 +382,12 @@ class ZeroEngine:
             self._unpartition()
         elif self.compute_dtype not in (None, torch.float32):
             FS.to_fp32_module(self.module, self.bucket_params, self.full_master_params())
+
+    def average_rank_models(self) -> bool:
+        """0/1 Adam between synchronizations: every rank's parameters (and its rank-local optimizer state)
+        replaced by the ranks' mean, the one model training stands for ([Note: the ranks' own models],
+        onebit/local_models.py). False, and no collective, when the ranks hold one model. Collective."""
+        return LM.average_rank_models(self)
 
     def _unpartition(self) -> None:
         masters = dict(zip(map(id, self.bucket_params), self.full_master_params()))  # {} if EVAL_ONLY

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from . import collectives as C
+from .onebit.local_models import mean_state, rank_local_keys
 
 
 def _positions(s) -> list[Optional[tuple[int, int]]]:
@@ -46,6 +47,8 @@ def consolidate_optimizer_state(s, group: Optional[Any] = None) -> dict:
     local_bp = [bp for bp in positions if bp is not None]
     by_bp = {bp: local["state"].get(i, {}) for i, bp in enumerate(local_bp)}
     per_rank = getattr(s.optimizer, "per_rank_state", ())  # 1-bit Adam's error buffers: no single full value
+    # 0/1 Adam between synchronizations: the one value is the ranks' mean ([Note: the ranks' own models])
+    means = mean_state(s) if rank_local_keys(s.optimizer) else {}
     keys = sorted({k for st in by_bp.values() for k, v in st.items()
                    if torch.is_tensor(v) and v.dim() > 0 and k not in per_rank})
     full_by_bp: dict[tuple[int, int], dict] = {bp: {} for bp in local_bp}
@@ -57,7 +60,7 @@ def consolidate_optimizer_state(s, group: Optional[Any] = None) -> dict:
             if not (torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape):
                 full_by_bp[(bi, pi)][k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
             elif not sliced:  # whole masters: their state is whole already
-                full_by_bp[(bi, pi)][k] = v.detach().cpu().clone()
+                full_by_bp[(bi, pi)][k] = means.get((id(m), k), v).detach().cpu().clone()
     if sliced:
         for bi, b in enumerate(s.buckets):
             dev = b.params[0].device

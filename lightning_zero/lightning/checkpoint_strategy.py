@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..engine.engine_state import EngineMode
+from ..engine.onebit import local_models as LM
 from ..checkpoint.format import (_IMPL_KEYS, _TMP, _remove, aside_path, check_optimizer_count, load_model_state,
                          load_optimizer_state, read_info, read_meta, save_checkpoint_dir,
                          sharded_model_state, sharded_optimizer_state)
@@ -63,6 +64,14 @@ class TrainerCheckpoints:
             for name, p in module.named_parameters(remove_duplicate=False):
                 if id(p) in by_id:
                     state[name] = by_id[id(p)].cpu()
+        if engine is not None and engine.mode is EngineMode.TRAIN:
+            # 0/1 Adam between synchronizations: the one model is the ranks' mean ([Note: the ranks' own models])
+            mean = LM.mean_masters(engine)
+            by_id = {id(p): mean[id(m)].view(shape) for p, (_, m, _, shape) in
+                     zip(engine.bucket_params, engine.master_items()) if id(m) in mean}
+            for name, p in module.named_parameters(remove_duplicate=False):
+                if id(p) in by_id:
+                    state[name] = by_id[id(p)].to(state[name].dtype).cpu()
         return state
 
     def optimizer_state(self, engine, optimizer) -> dict[str, Any]:

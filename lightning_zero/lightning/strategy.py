@@ -295,9 +295,22 @@ class ZeroStrategy(DDPStrategy):
             self._memory_reported = True
             self.memory_table = memory_report(self, self.lightning_module.trainer)
 
+    # 0/1 Adam between synchronizations: validation inside fit and the model fit ends with are the ranks' mean
+    # ([Note: the ranks' own models], engine/onebit/local_models.py)
+    def on_validation_start(self) -> None:
+        if self.engine is not None and self.engine.mode is EngineMode.TRAIN:
+            self.engine.mean_swap.swap_in()
+        super().on_validation_start()
+
+    def on_validation_end(self) -> None:
+        if self.engine is not None:
+            self.engine.mean_swap.swap_out()
+        super().on_validation_end()
+
     def on_train_end(self) -> None:
         self._report_memory()  # a fit too short to reach a second batch
         if self.engine is not None:
+            self.engine.average_rank_models()
             self.engine.restore_fp32_module()
 
     def teardown(self) -> None:

@@ -86,6 +86,11 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
         from lightning_zero.optim import OneBitAdam
 
         return OneBitAdam(param_groups(model), lr=0.05, betas=(0.9, 0.95), freeze_step=int(kind.split(":")[1]))
+    if kind.startswith("zeroone:"):  # 0/1 Adam, "zeroone:<var_freeze_step>": local steps soon after, the interval
+        from lightning_zero.optim import ZeroOneAdam  # between synchronizations 1, 1, 2, 2, 4, 4, ... (clipped at 4)
+
+        return ZeroOneAdam(param_groups(model), lr=0.05, betas=(0.9, 0.95), var_freeze_step=int(kind.split(":")[1]),
+                           var_update_scaler=1, local_step_scaler=2, local_step_clipper=4)
     raise ValueError(kind)
 
 

@@ -31,6 +31,13 @@ def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
+def takes_part(v: torch.Tensor, var_steps: int) -> torch.Tensor:
+    """The elements with a gradient: variance above zero and a bias-corrected scale reaching eps ([Note:
+    elements without a gradient] in engine/onebit/base.py)."""
+    scale = v.sqrt() / math.sqrt(1 - BETAS[1] ** float(var_steps)) if var_steps else v.sqrt()
+    return (v > 0) & (scale >= EPS)
+
+
 def reference_run(world: int, steps: int, freeze_step: int) -> tuple[list[list[float]], list[torch.Tensor]]:
     """(losses per step per worker, final parameters) of 1-bit Adam over ``world`` simulated workers.
 
@@ -64,11 +71,11 @@ def reference_run(world: int, steps: int, freeze_step: int) -> tuple[list[list[f
                     m[k].lerp_(g, 1 - b1)
                     v[k].mul_(b2).addcmul_(g, g, value=1 - b2)
                 var_steps = t
-            else:  # each worker's own momentum, averaged by the 1-bit exchange, masked where v == 0
+            else:  # each worker's own momentum, averaged by the 1-bit exchange, masked where no gradient
                 local = [layout.to_rows([m[k].clone().mul_(b1).add_(grads[r][k], alpha=1 - b1)
                                          for k in range(len(params))]) for r in range(world)]
                 avg = layout.from_rows(reference_all_reduce(layout, local, werr, serr))
-                m = [a[: p.numel()].view_as(p).mul_(vk > 0) for a, p, vk in zip(avg, params, v)]
+                m = [a[: p.numel()].view_as(p).mul_(takes_part(vk, var_steps)) for a, p, vk in zip(avg, params, v)]
             for p, mk, vk in zip(params, m, v):
                 p.mul_(1 - LR * WD)
                 denom = (vk.sqrt() / math.sqrt(1 - b2 ** float(var_steps))).add_(EPS)
@@ -95,10 +102,10 @@ def zero_one_reference(world: int, steps: int, var_freeze_step: int, var_update_
 
     werr, serr = fresh_errors()
 
-    def one_bit_mean(per_worker):  # per_worker[r][k] -> the averaged tensors, masked where v == 0
+    def one_bit_mean(per_worker):  # per_worker[r][k] -> the averaged tensors, masked where no gradient
         rows = [layout.to_rows(vals) for vals in per_worker]
         out = layout.from_rows(reference_all_reduce(layout, rows, werr, serr))
-        return [o[: v[k].numel()].view_as(v[k]) * (v[k] > 0) for k, o in enumerate(out)]
+        return [o[: v[k].numel()].view_as(v[k]) * takes_part(v[k], var_steps) for k, o in enumerate(out)]
 
     var_interval, var_counter, local_interval, local_counter, lrs, frozen, var_steps = 1, 0, 1, 0, 0.0, False, 0
     losses = []

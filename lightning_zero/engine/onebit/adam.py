@@ -61,15 +61,16 @@ class OneBitAdam(CompressedAdamBase):
             momenta = [st["exp_avg"] for st in states]
         else:  # stage 1: the whole averaged momentum, kept at one bit ([Note: 1-bit Adam at stage 1])
             momenta = self.whole_momentum.whole(self.layout(), states, self.shards.specs(params),
-                                                self.steps_taken() - 1, self.process_group)
+                                                self.steps_taken() - 1, self.process_group,
+                                                [self.has_gradient(g, st) for g, st in zip(owner, states)])
         for w, g, grad in zip(momenta, owner, self.local_grads()):
             w.mul_(g["betas"][0]).add_(grad, alpha=1 - g["betas"][0])
-        for st, m in zip(states, self.exchange(momenta)):
-            # the same averaged momentum on every rank; one bit cannot say zero, so an element whose frozen
-            # variance is 0 (no gradient on any rank during the whole warmup: an embedding row never seen)
-            # would get +-scale / eps: it keeps momentum 0 and stays as it is, as DDP leaves it (DeepSpeed
-            # asks the user for this mask, ``exp_avg_mask``)
-            st["exp_avg"].copy_(m.mul_(st["exp_avg_sq"] > 0))
+        for g, st, m in zip(owner, states, self.exchange(momenta)):
+            # the same averaged momentum on every rank; one bit cannot say zero, so an element without a
+            # gradient (an embedding row never seen, GPT-2's key bias: gradient scale below eps) would move
+            # by +-lr * scale / eps: it keeps momentum 0 and stays as it is ([Note: elements without a
+            # gradient] in base.py; DeepSpeed asks the user for this mask, ``exp_avg_mask``)
+            st["exp_avg"].copy_(m.mul_(self.has_gradient(g, st)))
         for p, g, st in zip(params, owner, states):
             if st["var_step"] > 0:  # never stepped in warmup: no variance (the mask above zeroed its momentum)
                 self._update(p, g, st)

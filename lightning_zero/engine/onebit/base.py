@@ -13,6 +13,30 @@ on load. A full-format checkpoint (one plain optimizer ``state_dict``, ``checkpo
 ``engine.optimizer_state_dict()``) has no place for per-rank values: it leaves them out and they restart at
 zero on load, as DeepSpeed's always did. All parameters of all groups travel in one exchange (two collectives per step, not two per tensor).
 
+[Note: elements without a gradient]
+One bit cannot say "zero" nor "small": every element of a chunk is sent as ``+-scale``, the chunk's RMS, and
+the error feedback only makes the *sum* over steps right. Adam then divides by ``sqrt(v_hat) + eps``. For an
+element whose own gradient scale ``sqrt(v_hat)`` is far below its chunk's, each step applies
+``lr * scale / (sqrt(v_hat) + eps)`` with alternating signs, and the error feedback lets the sum drift by a
+few of those before it turns back: the element random-walks with steps of that size. The extreme case is
+an element whose *true* gradient is zero and whose computed one is rounding noise: GPT-2's attention key bias
+(softmax is shift-invariant, so ``d loss / d b_k = 0``; in fp32 its gradient is ~1e-11, ``sqrt(v_hat)``
+~1e-12, against ~1e-4 for the query and value thirds sharing its tensor and chunk). Its denominator is then
+``eps`` itself: ``lr * scale / eps`` per step, 1e-3 * 1e-4 / 1e-8 = 10, and the key bias reached 246 in 100
+steps (bench/onebit_adam.py's GPT-2, 2 ranks, freeze at 20; AdamW: 2.4e-5; with this rule: 9.5e-6).
+DeepSpeed's error feedback does nothing about it: its 1-bit Adam multiplies the averaged momentum by a
+user-given ``exp_avg_mask`` and otherwise lets such elements move.
+
+The rule here (:meth:`has_gradient`): an element takes part only if its gradient scale reaches Adam's own
+noise floor, ``sqrt(v_hat) >= eps`` (and ``v > 0``, so ``eps=0`` keeps elements with any variance); the
+others keep momentum 0 and stay where the full-precision phase left them. Adam itself moves such an element
+by ``lr * |m_hat| / (sqrt(v_hat) + eps) < lr / 2`` a step (``|m_hat| <= sqrt(v_hat) < eps``), so this is
+the bound: zero instead of under ``lr / 2`` per step, where the 1-bit step would be ``lr * scale / eps``.
+Elements with a real gradient (``sqrt(v_hat) >= eps``) are untouched, so the loss is the one 1-bit Adam
+gives: on GPT-2 the key bias only is left out (tests/test_onebit_key_bias.py). The variance is frozen in
+the compressed phase, so the set is fixed from the freeze on; 0/1 Adam applies the same rule to its 1-bit
+gradient steps and to its synchronizations, whose applied update is divided by the same denominator.
+
 At ZeRO stage 1 (the engine binds :class:`~.sharded.ShardBinding`, [Note: 1-bit Adam at stage 1]) the params
 are master *slices*: the exchange runs over the whole parameters (the worker error is whole, the server error
 one chunk per tensor) and hands each rank its slice of the result.
@@ -20,6 +44,7 @@ one chunk per tensor) and hands each rank its slice of the result.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -65,6 +90,13 @@ class CompressedAdamBase(torch.optim.Optimizer):
         self.whole_momentum.invalidate()
 
     # -- the protocol the engine reads ----------------------------------------------------------------
+    def rank_local_state(self) -> tuple[str, ...]:
+        """The per-element state entries whose values differ by rank *now*, together with the parameters
+        (0/1 Adam's local steps, [Note: the ranks' own models] in local_models.py); empty: every rank holds
+        the same parameters and these entries (1-bit Adam always; the error buffers are apart,
+        :attr:`per_rank_state`)."""
+        return ()
+
     def uses_local_grads(self) -> bool:
         """Whether the *next* step takes this rank's own (unreduced) gradients: the engine then reduces
         nothing in backward."""
@@ -166,6 +198,17 @@ class CompressedAdamBase(torch.optim.Optimizer):
         if self.shards is None:
             return [self.grad_or_zero(p) for p in params]
         return [self.shards.whole_grad(p, n) for p, n in zip(params, self.whole_numels())]
+
+    @staticmethod
+    def has_gradient(g: dict, st: dict) -> torch.Tensor:
+        """Which elements take part in a 1-bit step: those whose gradient scale is above Adam's ``eps`` (bool,
+        the state's shape; [Note: elements without a gradient])."""
+        v = st["exp_avg_sq"]
+        k = float(st["var_step"])
+        scale = v.sqrt()
+        if g["bias_correction"] and k > 0:
+            scale.div_(math.sqrt(1 - g["betas"][1] ** k))
+        return (v > 0) & (scale >= g["eps"])
 
     @staticmethod
     def grad_or_zero(p: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,10 @@ because the next local momentum needs the whole averaged one. Bytes per element 
 
 What each rank holds beyond stage 1's AdamW state: its whole worker error (fp32, as at stage 0), its
 server error (one chunk per tensor), and the whole averaged momentum as the gathered packed rows plus a
-1-bit mask of the elements with a variance (both 1/32 of an fp32 copy). The server chunks follow the exchange's
-own layout (``ChunkLayout``, padded to ``8 N``), not the masters' ``ShardSpec`` slices: the compressed result
-reaches every rank whole, so an owner reads its slice from it and the two layouts need not meet.
+1-bit mask of the elements with a gradient ([Note: elements without a gradient], base.py; both 1/32 of an
+fp32 copy). The server chunks follow the exchange's own layout (``ChunkLayout``, padded to ``8 N``), not the
+masters' ``ShardSpec`` slices: the compressed result reaches every rank whole, so an owner reads its slice
+from it and the two layouts need not meet.
 
 The whole momentum is *derived* state: at the first compressed step (it is then AdamW's fp32 momentum) and
 after a checkpoint load it is rebuilt from the owners' fp32 momentum shards by one uncompressed all-gather
@@ -86,12 +87,14 @@ class WholeMomentum:
         return sum(t.numel() for t in (self.rows, self.mask) if t is not None)
 
     def whole(self, layout: ChunkLayout, states: list[dict], specs: list[Any], step: int,
-              group: Optional[Any]) -> list[torch.Tensor]:
-        """Per parameter, the whole momentum (flat fp32, new tensors): stage 0's ``exp_avg`` before the step."""
+              group: Optional[Any], takes_part: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per parameter, the whole momentum (flat fp32, new tensors): stage 0's ``exp_avg`` before the step.
+        ``takes_part``: this rank's slice of the elements with a gradient ([Note: elements without a
+        gradient], base.py), the mask the kept result is multiplied by."""
         numels = [s.numel for s in specs]
         if self.rows is None or self.at_step != step or self.mask is None:
             m, has_var = gather_whole([[st["exp_avg"] for st in states],
-                                       [(st["exp_avg_sq"] > 0).float() for st in states]], specs, group)
+                                       [t.float() for t in takes_part]], specs, group)
             flags = torch.cat([v > 0 for v in has_var])
             pad = -flags.numel() % 8
             self.mask = pack_bits(torch.cat([flags, flags.new_zeros(pad)]) if pad else flags)

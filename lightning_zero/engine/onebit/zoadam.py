@@ -56,6 +56,14 @@ class ZeroOneAdam(CompressedAdamBase):
             g.setdefault(k, v)
         return g
 
+    def rank_local_state(self) -> tuple[str, ...]:
+        # from the variance freeze on, each rank's parameters, momentum and accumulated update move by its own
+        # gradient; a synchronization brings them together only up to rounding (the local steps are undone
+        # by a subtraction), so they stay per rank: [Note: the ranks' own models] (local_models.py)
+        if self.param_groups and self.policy()["var_frozen"] and self._world() > 1:
+            return ("exp_avg", "momentum_accumulator")
+        return ()
+
     def uses_local_grads(self) -> bool:
         pol = self.policy()
         return bool(pol["var_frozen"]) or (self.steps_taken() + 1) % pol["var_interval"] != 0
@@ -73,9 +81,9 @@ class ZeroOneAdam(CompressedAdamBase):
                 for g, st, grad in zip(owner, states, grads):
                     st["exp_avg_sq"].mul_(g["betas"][1]).addcmul_(grad, grad, value=1 - g["betas"][1])
                     st["var_step"] += 1
-            else:  # 1 bit cannot say 0: elements without variance yet (never a gradient) get none (adam.py)
-                grads = [g.mul_(st["exp_avg_sq"] > 0) for g, st in
-                         zip(self.exchange([self.grad_or_zero(p) for p in params]), states)]
+            else:  # 1 bit cannot say 0: elements without a gradient get none ([Note: elements without a gradient])
+                grads = [x.mul_(self.has_gradient(g, st)) for x, g, st in
+                         zip(self.exchange([self.grad_or_zero(p) for p in params]), owner, states)]
             for p, g, st, grad in zip(params, owner, states, grads):
                 st["exp_avg"].mul_(g["betas"][0]).add_(grad, alpha=1 - g["betas"][0])
                 st["step"] += 1
@@ -98,8 +106,8 @@ class ZeroOneAdam(CompressedAdamBase):
                     p.sub_(st["momentum_accumulator"])
                     st["momentum_accumulator"].mul_(d)
                 avg = self.exchange([st["momentum_accumulator"] for st in states])
-                for p, st, d, u in zip(params, states, denoms, avg):
-                    u.mul_(st["exp_avg_sq"] > 0)
+                for p, g, st, d, u in zip(params, owner, states, denoms, avg):
+                    u.mul_(self.has_gradient(g, st))
                     st["exp_avg"].copy_(u).div_(-pol["lrs"])
                     p.add_(u / d)
                     st["momentum_accumulator"].zero_()
