@@ -108,8 +108,9 @@ def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 # The gathered key/value blocks of this many bytes at most exist at a time: a group's rows are computed in
 # chunks, so one layer's working set stays bounded however long the sequence ([Note: backward re-gathers]).
-# (256 MiB: at 16k tokens of T5-small one chunk; smaller chunks cost ~16% time at 64 MiB, measured)
-GATHER_CHUNK_BYTES = 256 << 20
+# 16 MiB: measured against 256 and 64 MiB at 4k-64k tokens of T5-small's shape, a lower peak and no slower
+# (the smaller matmuls stay in cache); docs/sparse_attention.md.
+GATHER_CHUNK_BYTES = 16 << 20
 
 
 def _row_chunks(qf: torch.Tensor, rows: torch.Tensor, key_rows: torch.Tensor):
@@ -126,6 +127,25 @@ def _rows_of(t: torch.Tensor | None, sl: slice, row_dim: int):
     return None if t is None else t[(slice(None),) * row_dim + (sl,)]
 
 
+@dataclass(frozen=True)
+class _RelIndex:
+    """Where a group's scores read a ``RelativeBias`` table: rebuilt per chunk in forward and in backward
+    instead of a (rows, b, kmax * b) index and bias kept for the whole group ([Note: the working set])."""
+
+    qpos: torch.Tensor  # (R, b) query positions
+    kpos: torch.Tensor  # (R, kmax * b) key positions
+    base: torch.Tensor | None  # (R,) the row's head times the table's width; None: one table row for all heads
+    offset: int
+
+    def chunk(self, sl: slice, table: torch.Tensor) -> torch.Tensor:
+        dtype = torch.int32 if table.numel() < 2 ** 31 else torch.int64
+        idx = self.kpos[sl, None, :].to(dtype) - self.qpos[sl, :, None].to(dtype)
+        idx += self.offset
+        if self.base is not None:
+            idx += self.base[sl, None, None].to(dtype)
+        return idx  # (r, b, kmax * b)
+
+
 class _GroupAttention(torch.autograd.Function):
     """One group's gather + scores + softmax + weighted sum, saving q, k, v and the probabilities only.
 
@@ -134,80 +154,112 @@ class _GroupAttention(torch.autograd.Function):
     saved k and v, so what stays alive for backward is q, k, v, the probabilities and the mask. Forward and
     backward walk the rows in chunks of ``GATHER_CHUNK_BYTES`` of gathered blocks, which bounds the transient
     working set too.
+
+    [Note: the working set] What one chunk holds at a time is measured, not only what autograd saves
+    (bench/sparse_attention.py, docs/sparse_attention.md): the gathered key blocks and the gathered value
+    blocks are each four times the scores at head dim 64 and block 16, so at most one of them is alive at a
+    time (keys freed before the values are gathered; in backward the value gradient is reduced before the
+    values are gathered and the key gradient after the keys are freed); the score-sized steps (scale, bias,
+    mask, the softmax gradient) run in place; probabilities and outputs are written into one preallocated
+    tensor each rather than concatenated; a ``RelativeBias`` is read per chunk (``_RelIndex``), so neither its
+    index nor its gathered values exist for the whole group or are saved.
     """
 
     @staticmethod
-    def forward(ctx, qf, kf, vf, rows, key_rows, bias_g, allowed, scale, dropout_p):
+    def forward(ctx, qf, kf, vf, rows, key_rows, bias_g, table, rel, allowed, scale, dropout_p):
+        B, _, b, d = qf.shape
+        R, width = rows.numel(), key_rows.numel() // rows.numel() * b
         bias_dim = None if bias_g is None else bias_g.dim() - 3
-        outs, all_probs, drops = [], [], []
+        out = qf.new_empty(B, R, b, d)
+        probs = qf.new_empty(B, R, b, width)
+        drop = torch.empty(B, R, b, width, dtype=torch.bool, device=qf.device) if dropout_p > 0.0 else None
+        soft_dtype = torch.promote_types(qf.dtype, torch.float32)  # half precision: the softmax in fp32
         for sl, r, kr in _row_chunks(qf, rows, key_rows):
-            qg, kg, vg = _gather(qf, kf, vf, r, kr)
+            qg = qf.index_select(1, r)
+            kg = _gather_blocks(kf, kr, r.numel())
             scores = torch.matmul(qg, kg.transpose(-1, -2))  # (B, rows, b, kmax * b)
+            del qg, kg
             if scale != 1.0:
-                scores = scores * scale
+                scores.mul_(scale)
             if bias_g is not None:
-                scores = scores + _rows_of(bias_g, sl, bias_dim).to(scores.dtype)
-            scores = scores.masked_fill(~allowed[:, sl], torch.finfo(scores.dtype).min)
-            # half precision: the softmax in fp32 (float64 stays float64)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-            probs = probs.to(vf.dtype)
+                scores.add_(_rows_of(bias_g, sl, bias_dim).to(scores.dtype))
+            if rel is not None:
+                idx = rel.chunk(sl, table)
+                scores.add_(table.reshape(-1).index_select(0, idx.flatten()).view(idx.shape).to(scores.dtype))
+                del idx
+            scores.masked_fill_(~allowed[:, sl], torch.finfo(scores.dtype).min)
+            p = torch.softmax(scores, dim=-1, dtype=soft_dtype)
             del scores
-            used = probs
-            if dropout_p > 0.0:
-                drop = torch.rand(probs.shape, device=probs.device) >= dropout_p
-                used = probs * drop / (1.0 - dropout_p)
-                drops.append(drop)
-            outs.append(torch.matmul(used, vg))  # (B, rows, b, d)
-            all_probs.append(probs)
-        probs = torch.cat(all_probs, dim=1) if len(all_probs) > 1 else all_probs[0]
-        drop = (torch.cat(drops, dim=1) if len(drops) > 1 else drops[0]) if drops else None
-        ctx.save_for_backward(qf, kf, vf, rows, key_rows, allowed, probs, drop)
-        ctx.scale, ctx.dropout_p = scale, dropout_p
+            probs[:, sl] = p
+            if drop is not None:
+                keep = torch.rand(p.shape, device=p.device) >= dropout_p
+                drop[:, sl] = keep
+                p = p.to(vf.dtype).mul_(keep).div_(1.0 - dropout_p)
+                del keep
+            vg = _gather_blocks(vf, kr, r.numel())
+            out[:, sl] = torch.matmul(p.to(vf.dtype), vg)  # (B, rows, b, d)
+            del p, vg
+        ctx.save_for_backward(qf, kf, vf, rows, key_rows, allowed, probs, drop, table)
+        ctx.scale, ctx.dropout_p, ctx.rel = scale, dropout_p, rel
         ctx.bias_meta = None if bias_g is None else (bias_g.shape, bias_g.dtype, bias_dim)
-        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        qf, kf, vf, rows, key_rows, allowed, probs, drop = ctx.saved_tensors
+        qf, kf, vf, rows, key_rows, allowed, probs, drop, table = ctx.saved_tensors
         B, _, b, d = qf.shape
         want_bias = ctx.bias_meta is not None and ctx.needs_input_grad[5]
+        want_table = ctx.rel is not None and ctx.needs_input_grad[6]
         dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+        dtable = torch.zeros_like(table) if want_table else None
         dbias = []
         for sl, r, kr in _row_chunks(qf, rows, key_rows):
-            qg, kg, vg = _gather(qf, kf, vf, r, kr)
+            R = r.numel()
             p, do, keep = probs[:, sl], dout[:, sl], _rows_of(drop, sl, 1)
             used = p if keep is None else p * keep / (1.0 - ctx.dropout_p)
-            dvg = torch.matmul(used.transpose(-1, -2), do)  # (B, rows, kmax * b, d)
+            dv.index_add_(1, kr, torch.matmul(used.transpose(-1, -2), do).reshape(B, -1, b, d))
+            del used
+            vg = _gather_blocks(vf, kr, R)
             dp = torch.matmul(do, vg.transpose(-1, -2))  # (B, rows, b, kmax * b)
+            del vg
             if keep is not None:
-                dp = dp * keep / (1.0 - ctx.dropout_p)
+                dp.mul_(keep).div_(1.0 - ctx.dropout_p)
             acc = torch.promote_types(p.dtype, torch.float32)
             p32, dp = p.to(acc), dp.to(acc)
-            ds = (p32 * (dp - (dp * p32).sum(-1, keepdim=True))).masked_fill(~allowed[:, sl], 0.0)
+            # softmax's gradient p * (dp - sum(dp * p)), the row sums as a matmul (no score-sized product)
+            row = torch.matmul(dp.unsqueeze(-2), p32.unsqueeze(-1)).squeeze(-1)
+            ds = dp.sub_(row).mul_(p32).masked_fill_(~allowed[:, sl], 0.0)
+            del row, p32
             if want_bias:
                 shape, dtype, row_dim = ctx.bias_meta
                 chunk_shape = list(shape)
-                chunk_shape[row_dim] = r.numel()
-                dbias.append(_sum_to(ds, torch.Size(chunk_shape)).to(dtype))
+                chunk_shape[row_dim] = R
+                db = _sum_to(ds, torch.Size(chunk_shape)).to(dtype)
+                dbias.append(db.clone() if db.data_ptr() == ds.data_ptr() else db)  # ds is scaled in place below
+            if want_table:
+                idx = ctx.rel.chunk(sl, table)
+                dtable.view(-1).index_add_(0, idx.flatten(), ds.sum(0).flatten().to(table.dtype))
+                del idx
             ds = ds.to(qf.dtype)
             if ctx.scale != 1.0:
-                ds = ds * ctx.scale
+                ds.mul_(ctx.scale)
+            kg = _gather_blocks(kf, kr, R)
             dq.index_add_(1, r, torch.matmul(ds, kg))
+            del kg
+            qg = qf.index_select(1, r)
             dk.index_add_(1, kr, torch.matmul(ds.transpose(-1, -2), qg).reshape(B, -1, b, d))
-            dv.index_add_(1, kr, dvg.reshape(B, -1, b, d))
+            del qg, ds
         db = None
         if want_bias:
             db = torch.cat(dbias, dim=ctx.bias_meta[2]) if len(dbias) > 1 else dbias[0]
-        return dq, dk, dv, None, None, db, None, None, None
+        return dq, dk, dv, None, None, db, dtable, None, None, None, None
 
 
-def _gather(qf, kf, vf, rows, key_rows):
-    """The chunk's query blocks and its rows' key / value blocks (index_select: its backward would be
+def _gather_blocks(t: torch.Tensor, key_rows: torch.Tensor, rows: int) -> torch.Tensor:
+    """The chunk's rows' key (or value) blocks, (B, rows, kmax * b, d) (index_select: its backward would be
     index_add_, linear, where advanced indexing's is a sorted index_put_)."""
-    B, _, b, d = qf.shape
-    R = rows.numel()
-    return (qf.index_select(1, rows), kf.index_select(1, key_rows).reshape(B, R, -1, d),
-            vf.index_select(1, key_rows).reshape(B, R, -1, d))
+    B, _, b, d = t.shape
+    return t.index_select(1, key_rows).reshape(B, rows, -1, d)
 
 
 def _as_4d(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -259,15 +311,10 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
         key_rows = (g.heads[:, None] * nb + g.cols).flatten()  # flat key block ids, kmax per row
         qpos = g.qblock[:, None] * b + pos  # (R, b)
         kpos = (g.cols[:, :, None] * b + pos).reshape(R, kmax * b)  # (R, kmax * b)
-        bias_g = None
+        bias_g, table, rel = None, None, None
         if isinstance(bias, RelativeBias):
-            rel = kpos[:, None, :] - qpos[:, :, None] + bias.offset  # (R, b, kmax * b)
-            table = bias.table
-            if table.shape[0] > 1:
-                rel = rel + g.heads[:, None, None] * table.shape[1]
-            # int32: the index is saved for the table's gradient, as large as the scores
-            idx = rel.flatten().to(torch.int32 if table.numel() < 2 ** 31 else torch.int64)
-            bias_g = table.reshape(-1).index_select(0, idx).view(rel.shape)
+            table = bias.table.contiguous()  # small (H, 2n - 1); read flat per chunk
+            rel = _RelIndex(qpos, kpos, g.heads * table.shape[1] if table.shape[0] > 1 else None, bias.offset)
         elif bias is not None:
             bias_g = _gather_dense(bias, g, nb, b)
         allowed = g.valid.repeat_interleave(b, dim=1)[:, None, :]  # (R, 1, kmax * b)
@@ -278,6 +325,7 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
             allowed = allowed & key_padding_mask[:, g.cols].reshape(B, R, 1, kmax * b)
         if attn_mask is not None:
             allowed = allowed & _gather_dense(attn_mask, g, nb, b)
-        outs.append(_GroupAttention.apply(qf, kf, vf, g.rows, key_rows, bias_g, allowed, scale, dropout_p))
+        outs.append(_GroupAttention.apply(qf, kf, vf, g.rows, key_rows, bias_g, table, rel, allowed, scale,
+                                          dropout_p))
     out = torch.cat(outs, dim=1).index_select(1, plan.inverse)
     return out.reshape(B, H, n, d)
