@@ -71,11 +71,11 @@ def make_step(kind: str, n: int, args):
 
     from lightning_zero.sparse_attention import RelativeBias, SparseSelfAttention, make_sparsity_config
 
-    H, d = args.heads, args.head_dim
+    H, d, dev = args.heads, args.head_dim, torch.device(args.device)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, H, n, d, generator=g).requires_grad_() for _ in range(3))
-    w = torch.randn(1, H, n, d, generator=g)
-    table = torch.randn(H, 2 * n - 1, generator=g).requires_grad_()
+    q, k, v = (torch.randn(1, H, n, d, generator=g).to(dev).requires_grad_() for _ in range(3))
+    w = torch.randn(1, H, n, d, generator=g).to(dev)
+    table = torch.randn(H, 2 * n - 1, generator=g).to(dev).requires_grad_()
     if kind == "sparse":
         att = SparseSelfAttention(make_sparsity_config(args.layout, H, args.block, **args.options))
         att.plan(att.padded_length(n))  # the layout is made once per length, as in a model
@@ -84,7 +84,7 @@ def make_step(kind: str, n: int, args):
             return att(q, k, v, bias=RelativeBias(table, n - 1), scale=1.0)
     else:
         def fwd():
-            rel = torch.arange(n)[None, :] - torch.arange(n)[:, None] + n - 1
+            rel = torch.arange(n, device=dev)[None, :] - torch.arange(n, device=dev)[:, None] + n - 1
             return F.scaled_dot_product_attention(q, k, v, attn_mask=table[:, rel][None], scale=1.0)
 
     def step(count_saved: bool = False):
@@ -95,6 +95,26 @@ def make_step(kind: str, n: int, args):
     return step
 
 
+def cuda_child(args, step) -> dict:
+    """The same step on a GPU: the cap is torch's per-process memory fraction over what is allocated already,
+    the peak ``max_memory_allocated`` (run by bench/gpu_check.sh part 6)."""
+    import torch
+
+    base = torch.cuda.memory_allocated()
+    if args.cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (base + args.cap_gib * 2 ** 30) / total))
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    try:
+        saved = step(count_saved=True)
+        torch.cuda.synchronize()
+    except torch.OutOfMemoryError as e:
+        return {"ok": False, "n": args.n, "kind": args.kind, "error": str(e).splitlines()[0][:160]}
+    return {"ok": True, "n": args.n, "kind": args.kind, "seconds": time.perf_counter() - t0,
+            "peak_bytes": torch.cuda.max_memory_allocated() - base, "saved_bytes": saved, "mapped_before": base}
+
+
 def child(args) -> dict:
     """One step of ``args.kind`` at ``args.n`` tokens under the cap; the result as a dict (printed as JSON)."""
     import torch
@@ -102,6 +122,8 @@ def child(args) -> dict:
     torch.set_num_threads(args.threads)
     make_step(args.kind, args.warmup, args)()  # thread pools, allocator arenas, lazy library state
     step = make_step(args.kind, args.n, args)
+    if args.device == "cuda":
+        return cuda_child(args, step)
     mapped = _status("VmSize")
     if args.cap_gib:
         limit = mapped + int(args.cap_gib * 2 ** 30)
@@ -121,7 +143,8 @@ def child(args) -> dict:
 def run_child(kind: str, n: int, args, cap_gib: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, str(n), "--cap-gib", str(cap_gib),
            "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--layout", args.layout,
-           "--block", str(args.block), "--threads", str(args.threads), "--warmup", str(args.warmup)]
+           "--block", str(args.block), "--threads", str(args.threads), "--warmup", str(args.warmup),
+           "--device", args.device]
     cmd += [a for o in args.option for a in ("--option", o)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
@@ -174,6 +197,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--warmup", type=int, default=256, help="tokens of the uncapped warm-up step")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per child step")
+    p.add_argument("--device", default="cpu", help="cpu (RLIMIT_AS) | cuda (a memory fraction; gpu_check.sh)")
     p.add_argument("--child", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.options = {k: int(v) for k, v in (o.split("=", 1) for o in args.option)}
@@ -193,7 +217,9 @@ def main(argv=None):
                 print(f"| {n} | {kind} | {r['peak_bytes'] / 2 ** 20:.1f} | {r['saved_bytes'] / 2 ** 20:.1f} | "
                       f"{r['peak_bytes'] / r['saved_bytes']:.1f} | {r['seconds']:.2f} |", flush=True)
         return
-    print(head + f"; RLIMIT_AS = what the process maps after the warm-up + {args.cap_gib:g} GiB")
+    cap = "torch's memory fraction: what is allocated" if args.device == "cuda" else \
+        "RLIMIT_AS = what the process maps"
+    print(head + f"; {cap} after the warm-up + {args.cap_gib:g} GiB")
     found = {kind: longest(kind, args) for kind in kinds}
     print("\n| kind | longest that trained | peak MiB there | saved MiB there | s | first that failed |")
     print("|---|---:|---:|---:|---:|---:|")
