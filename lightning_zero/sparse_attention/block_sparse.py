@@ -46,15 +46,14 @@ class SparsePlan:
     num_heads: int
     num_blocks: int
     block: int
-    groups: tuple
-    inverse: torch.Tensor  # position of flat row r in the concatenated group outputs
+    groups: tuple  # every flat row h * nb + i in exactly one group
 
     def to(self, device: torch.device) -> "SparsePlan":
-        if self.inverse.device == device:
+        if self.groups[0].rows.device == device:
             return self
         return SparsePlan(self.num_heads, self.num_blocks, self.block,
                           tuple(_Group(*(t.to(device) for t in (g.rows, g.heads, g.qblock, g.cols, g.valid)))
-                                for g in self.groups), self.inverse.to(device))
+                                for g in self.groups))
 
     def blocks_per_row(self) -> float:
         return float(sum(g.valid.sum() for g in self.groups)) / (self.num_heads * self.num_blocks)
@@ -84,7 +83,7 @@ def make_plan(layout: torch.Tensor, block: int, causal: bool = False) -> SparseP
     flat = layout.reshape(H * nb, nb)
     counts = flat.sum(-1)
     width = torch.ceil(torch.log2(counts.double())).long()
-    groups, order = [], []
+    groups = []
     for w in torch.unique(width).tolist():
         rows = (width == w).nonzero().flatten()
         kmax = int(counts[rows].max())
@@ -92,10 +91,7 @@ def make_plan(layout: torch.Tensor, block: int, causal: bool = False) -> SparseP
         cols = torch.sort((~flat[rows]).to(torch.int8), dim=-1, stable=True).indices[:, :kmax]
         valid = torch.arange(kmax)[None, :] < counts[rows][:, None]
         groups.append(_Group(rows, rows // nb, rows % nb, torch.where(valid, cols, 0), valid))
-        order.append(rows)
-    inverse = torch.empty(H * nb, dtype=torch.long)
-    inverse[torch.cat(order)] = torch.arange(H * nb)
-    return SparsePlan(H, nb, block, tuple(groups), inverse)
+    return SparsePlan(H, nb, block, tuple(groups))
 
 
 def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -146,8 +142,21 @@ class _RelIndex:
         return idx  # (r, b, kmax * b)
 
 
-class _GroupAttention(torch.autograd.Function):
-    """One group's gather + scores + softmax + weighted sum, saving q, k, v and the probabilities only.
+@dataclass(frozen=True)
+class _Part:
+    """One group of the plan as the kernel walks it: its rows, their key blocks, what each row may see, where
+    its scores read a ``RelativeBias`` (None without one) and the row dim of its dense bias (None without)."""
+
+    rows: torch.Tensor  # (R,) flat row ids
+    key_rows: torch.Tensor  # (R * kmax,) flat key block ids
+    allowed: torch.Tensor  # (1 | B, R, b | 1, kmax * b) bool
+    rel: _RelIndex | None
+    bias_dim: int | None
+
+
+class _BlockSparseAttention(torch.autograd.Function):
+    """Every group's gather + scores + softmax + weighted sum in one function, saving q, k, v, the probabilities
+    and the masks only.
 
     [Note: backward re-gathers] Autograd would save the gathered key and value blocks, each key block copied
     once per row that sees it (blocks per row x the size of k and v); this backward gathers them again from the
@@ -155,104 +164,116 @@ class _GroupAttention(torch.autograd.Function):
     backward walk the rows in chunks of ``GATHER_CHUNK_BYTES`` of gathered blocks, which bounds the transient
     working set too.
 
-    [Note: the working set] What one chunk holds at a time is measured, not only what autograd saves
-    (bench/sparse_attention.py, docs/sparse_attention.md): the gathered key blocks and the gathered value
-    blocks are each four times the scores at head dim 64 and block 16, so at most one of them is alive at a
-    time (keys freed before the values are gathered; in backward the value gradient is reduced before the
-    values are gathered and the key gradient after the keys are freed); the score-sized steps (scale, bias,
-    mask, the softmax gradient) run in place; probabilities and outputs are written into one preallocated
-    tensor each rather than concatenated; a ``RelativeBias`` is read per chunk (``_RelIndex``), so neither its
-    index nor its gathered values exist for the whole group or are saved.
+    [Note: the working set] What a step holds at a time is measured, not only what autograd saves
+    (bench/sparse_attention.py, docs/sparse_attention.md). One function for all groups: q, k and v get one
+    gradient each (one function per group gave each group its own, summed by autograd: three extra copies of
+    q, k and v per group) and the rows' outputs are written in place into one output in row order (no
+    concatenation and re-ordering copies). Within a chunk, the gathered key blocks and the gathered value
+    blocks (each four times the scores at head dim 64 and block 16) are never alive together: keys freed
+    before values are gathered; in backward the value gradient is reduced before the values are gathered and
+    the key gradient after the keys are freed. The score-sized steps (scale, bias, mask, the softmax gradient)
+    run in place, and a ``RelativeBias`` is read per chunk (``_RelIndex``): neither its index nor its
+    gathered values exist for a whole group, or are saved.
     """
 
     @staticmethod
-    def forward(ctx, qf, kf, vf, rows, key_rows, bias_g, table, rel, allowed, scale, dropout_p):
-        B, _, b, d = qf.shape
-        R, width = rows.numel(), key_rows.numel() // rows.numel() * b
-        bias_dim = None if bias_g is None else bias_g.dim() - 3
-        out = qf.new_empty(B, R, b, d)
-        probs = qf.new_empty(B, R, b, width)
-        drop = torch.empty(B, R, b, width, dtype=torch.bool, device=qf.device) if dropout_p > 0.0 else None
+    def forward(ctx, qf, kf, vf, table, parts, scale, dropout_p, *bias_gs):
+        B, rows_total, b, d = qf.shape
+        out = qf.new_empty(B, rows_total, b, d)
         soft_dtype = torch.promote_types(qf.dtype, torch.float32)  # half precision: the softmax in fp32
-        for sl, r, kr in _row_chunks(qf, rows, key_rows):
-            qg = qf.index_select(1, r)
-            kg = _gather_blocks(kf, kr, r.numel())
-            scores = torch.matmul(qg, kg.transpose(-1, -2))  # (B, rows, b, kmax * b)
-            del qg, kg
-            if scale != 1.0:
-                scores.mul_(scale)
-            if bias_g is not None:
-                scores.add_(_rows_of(bias_g, sl, bias_dim).to(scores.dtype))
-            if rel is not None:
-                idx = rel.chunk(sl, table)
-                scores.add_(table.reshape(-1).index_select(0, idx.flatten()).view(idx.shape).to(scores.dtype))
-                del idx
-            scores.masked_fill_(~allowed[:, sl], torch.finfo(scores.dtype).min)
-            p = torch.softmax(scores, dim=-1, dtype=soft_dtype)
-            del scores
-            probs[:, sl] = p
-            if drop is not None:
-                keep = torch.rand(p.shape, device=p.device) >= dropout_p
-                drop[:, sl] = keep
-                p = p.to(vf.dtype).mul_(keep).div_(1.0 - dropout_p)
-                del keep
-            vg = _gather_blocks(vf, kr, r.numel())
-            out[:, sl] = torch.matmul(p.to(vf.dtype), vg)  # (B, rows, b, d)
-            del p, vg
-        ctx.save_for_backward(qf, kf, vf, rows, key_rows, allowed, probs, drop, table)
-        ctx.scale, ctx.dropout_p, ctx.rel = scale, dropout_p, rel
-        ctx.bias_meta = None if bias_g is None else (bias_g.shape, bias_g.dtype, bias_dim)
+        all_probs, all_drops = [], []
+        for i, part in enumerate(parts):
+            bias_g = bias_gs[i] if bias_gs else None
+            R = part.rows.numel()
+            width = part.key_rows.numel() // R * b
+            probs = qf.new_empty(B, R, b, width)
+            drop = torch.empty(B, R, b, width, dtype=torch.bool, device=qf.device) if dropout_p > 0.0 else None
+            for sl, r, kr in _row_chunks(qf, part.rows, part.key_rows):
+                kg = _gather_blocks(kf, kr, r.numel())
+                scores = torch.matmul(qf.index_select(1, r), kg.transpose(-1, -2))  # (B, rows, b, kmax * b)
+                del kg
+                if scale != 1.0:
+                    scores.mul_(scale)
+                if bias_g is not None:
+                    scores.add_(_rows_of(bias_g, sl, part.bias_dim).to(scores.dtype))
+                if part.rel is not None:
+                    idx = part.rel.chunk(sl, table)
+                    scores.add_(table.reshape(-1).index_select(0, idx.flatten()).view(idx.shape).to(scores.dtype))
+                    del idx
+                scores.masked_fill_(~part.allowed[:, sl], torch.finfo(scores.dtype).min)
+                p = torch.softmax(scores, dim=-1, dtype=soft_dtype)
+                del scores
+                probs[:, sl] = p
+                if drop is not None:
+                    keep = torch.rand(p.shape, device=p.device) >= dropout_p
+                    drop[:, sl] = keep
+                    p = p.to(vf.dtype).mul_(keep).div_(1.0 - dropout_p)
+                    del keep
+                vg = _gather_blocks(vf, kr, r.numel())
+                out.index_copy_(1, r, torch.matmul(p.to(vf.dtype), vg))  # (B, rows, b, d)
+                del p, vg
+            all_probs.append(probs)
+            all_drops.append(drop)
+        masks = [t for part in parts for t in (part.rows, part.key_rows, part.allowed)]
+        ctx.save_for_backward(qf, kf, vf, table, *masks, *all_probs, *all_drops)
+        ctx.scale, ctx.dropout_p = scale, dropout_p
+        ctx.parts = [(part.rel, part.bias_dim) for part in parts]  # the tensors are in saved_tensors
+        ctx.bias_meta = [(g.shape, g.dtype) for g in bias_gs]
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qf, kf, vf, rows, key_rows, allowed, probs, drop, table = ctx.saved_tensors
+        qf, kf, vf, table, *rest = ctx.saved_tensors
+        n_parts = len(ctx.parts)
+        masks, probs_all, drops_all = rest[:3 * n_parts], rest[3 * n_parts:4 * n_parts], rest[4 * n_parts:]
         B, _, b, d = qf.shape
-        want_bias = ctx.bias_meta is not None and ctx.needs_input_grad[5]
-        want_table = ctx.rel is not None and ctx.needs_input_grad[6]
+        want_bias = bool(ctx.bias_meta) and any(ctx.needs_input_grad[7:])
+        want_table = table is not None and ctx.needs_input_grad[3]
         dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-        dtable = torch.zeros_like(table) if want_table else None
-        dbias = []
-        for sl, r, kr in _row_chunks(qf, rows, key_rows):
-            R = r.numel()
-            p, do, keep = probs[:, sl], dout[:, sl], _rows_of(drop, sl, 1)
-            used = p if keep is None else p * keep / (1.0 - ctx.dropout_p)
-            dv.index_add_(1, kr, torch.matmul(used.transpose(-1, -2), do).reshape(B, -1, b, d))
-            del used
-            vg = _gather_blocks(vf, kr, R)
-            dp = torch.matmul(do, vg.transpose(-1, -2))  # (B, rows, b, kmax * b)
-            del vg
-            if keep is not None:
-                dp.mul_(keep).div_(1.0 - ctx.dropout_p)
-            acc = torch.promote_types(p.dtype, torch.float32)
-            p32, dp = p.to(acc), dp.to(acc)
-            # softmax's gradient p * (dp - sum(dp * p)), the row sums as a matmul (no score-sized product)
-            row = torch.matmul(dp.unsqueeze(-2), p32.unsqueeze(-1)).squeeze(-1)
-            ds = dp.sub_(row).mul_(p32).masked_fill_(~allowed[:, sl], 0.0)
-            del row, p32
+        dtable = torch.zeros(table.shape, dtype=table.dtype, device=table.device) if want_table else None
+        dbias_all = []
+        for i, (rel, bias_dim) in enumerate(ctx.parts):
+            rows, key_rows, allowed = masks[3 * i:3 * i + 3]
+            probs, drop = probs_all[i], drops_all[i]
+            dbias = []
+            for sl, r, kr in _row_chunks(qf, rows, key_rows):
+                R = r.numel()
+                p, do, keep = probs[:, sl], dout.index_select(1, r), _rows_of(drop, sl, 1)
+                used = p if keep is None else p * keep / (1.0 - ctx.dropout_p)
+                dv.index_add_(1, kr, torch.matmul(used.transpose(-1, -2), do).reshape(B, -1, b, d))
+                del used
+                vg = _gather_blocks(vf, kr, R)
+                dp = torch.matmul(do, vg.transpose(-1, -2))  # (B, rows, b, kmax * b)
+                del vg, do
+                if keep is not None:
+                    dp.mul_(keep).div_(1.0 - ctx.dropout_p)
+                acc = torch.promote_types(p.dtype, torch.float32)
+                p32, dp = p.to(acc), dp.to(acc)
+                # softmax's gradient p * (dp - sum(dp * p)), the row sums as a matmul (no score-sized product)
+                row = torch.matmul(dp.unsqueeze(-2), p32.unsqueeze(-1)).squeeze(-1)
+                ds = dp.sub_(row).mul_(p32).masked_fill_(~allowed[:, sl], 0.0)
+                del row, p32
+                if want_bias:
+                    shape, dtype = ctx.bias_meta[i]
+                    chunk_shape = list(shape)
+                    chunk_shape[bias_dim] = R
+                    db = _sum_to(ds, torch.Size(chunk_shape)).to(dtype)
+                    dbias.append(db.clone() if db.data_ptr() == ds.data_ptr() else db)  # ds is scaled in place
+                if want_table:
+                    idx = rel.chunk(sl, table)
+                    dtable.view(-1).index_add_(0, idx.flatten(), ds.sum(0).flatten().to(table.dtype))
+                    del idx
+                ds = ds.to(qf.dtype)
+                if ctx.scale != 1.0:
+                    ds.mul_(ctx.scale)
+                kg = _gather_blocks(kf, kr, R)
+                dq.index_add_(1, r, torch.matmul(ds, kg))
+                del kg
+                dk.index_add_(1, kr, torch.matmul(ds.transpose(-1, -2), qf.index_select(1, r)).reshape(B, -1, b, d))
+                del ds
             if want_bias:
-                shape, dtype, row_dim = ctx.bias_meta
-                chunk_shape = list(shape)
-                chunk_shape[row_dim] = R
-                db = _sum_to(ds, torch.Size(chunk_shape)).to(dtype)
-                dbias.append(db.clone() if db.data_ptr() == ds.data_ptr() else db)  # ds is scaled in place below
-            if want_table:
-                idx = ctx.rel.chunk(sl, table)
-                dtable.view(-1).index_add_(0, idx.flatten(), ds.sum(0).flatten().to(table.dtype))
-                del idx
-            ds = ds.to(qf.dtype)
-            if ctx.scale != 1.0:
-                ds.mul_(ctx.scale)
-            kg = _gather_blocks(kf, kr, R)
-            dq.index_add_(1, r, torch.matmul(ds, kg))
-            del kg
-            qg = qf.index_select(1, r)
-            dk.index_add_(1, kr, torch.matmul(ds.transpose(-1, -2), qg).reshape(B, -1, b, d))
-            del qg, ds
-        db = None
-        if want_bias:
-            db = torch.cat(dbias, dim=ctx.bias_meta[2]) if len(dbias) > 1 else dbias[0]
-        return dq, dk, dv, None, None, db, dtable, None, None, None, None
+                dbias_all.append(torch.cat(dbias, dim=bias_dim) if len(dbias) > 1 else dbias[0])
+        return (dq, dk, dv, dtable, None, None, None, *(dbias_all if want_bias else [None] * len(ctx.bias_meta)))
 
 
 def _gather_blocks(t: torch.Tensor, key_rows: torch.Tensor, rows: int) -> torch.Tensor:
@@ -305,18 +326,19 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     if attn_mask is not None:
         attn_mask = _as_4d(attn_mask.to(torch.bool), n)
     pos = torch.arange(b, device=q.device)
-    outs = []
+    table = bias.table.contiguous() if isinstance(bias, RelativeBias) else None  # (H, 2n - 1): read flat per chunk
+    parts, bias_gs = [], []
     for g in plan.groups:
         R, kmax = g.cols.shape
         key_rows = (g.heads[:, None] * nb + g.cols).flatten()  # flat key block ids, kmax per row
         qpos = g.qblock[:, None] * b + pos  # (R, b)
         kpos = (g.cols[:, :, None] * b + pos).reshape(R, kmax * b)  # (R, kmax * b)
-        bias_g, table, rel = None, None, None
-        if isinstance(bias, RelativeBias):
-            table = bias.table.contiguous()  # small (H, 2n - 1); read flat per chunk
+        rel, bias_dim = None, None
+        if table is not None:
             rel = _RelIndex(qpos, kpos, g.heads * table.shape[1] if table.shape[0] > 1 else None, bias.offset)
         elif bias is not None:
-            bias_g = _gather_dense(bias, g, nb, b)
+            bias_gs.append(_gather_dense(bias, g, nb, b))
+            bias_dim = bias_gs[-1].dim() - 3
         allowed = g.valid.repeat_interleave(b, dim=1)[:, None, :]  # (R, 1, kmax * b)
         if causal:
             allowed = allowed & (kpos[:, None, :] <= qpos[:, :, None])
@@ -325,7 +347,6 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
             allowed = allowed & key_padding_mask[:, g.cols].reshape(B, R, 1, kmax * b)
         if attn_mask is not None:
             allowed = allowed & _gather_dense(attn_mask, g, nb, b)
-        outs.append(_GroupAttention.apply(qf, kf, vf, g.rows, key_rows, bias_g, table, rel, allowed, scale,
-                                          dropout_p))
-    out = torch.cat(outs, dim=1).index_select(1, plan.inverse)
+        parts.append(_Part(g.rows, key_rows, allowed, rel, bias_dim))
+    out = _BlockSparseAttention.apply(qf, kf, vf, table, parts, scale, dropout_p, *bias_gs)
     return out.reshape(B, H, n, d)
