@@ -15,7 +15,8 @@ one forward + backward of ``(out * w).sum()``, for:
 builds the inputs and runs a warm-up step at ``--warmup`` tokens (so thread pools and malloc arenas exist),
 then caps its own address space with ``RLIMIT_AS`` at what it already maps plus ``--cap-gib``: every byte the
 step allocates -- saved tensors, temporaries, gradients, the bias -- counts, and an allocation past the cap
-fails (``RuntimeError`` / ``MemoryError``), which is what "does not fit" means here. No model: the saved
+fails (``RuntimeError`` / ``MemoryError``), which is what "does not fit" means here. The sparse layer's
+layout and gather plan are made inside the capped step (a model's first step makes them). No model: the saved
 bytes are counted too (``saved_tensors_hooks``, distinct storages), but the verdict is the real run.
 Peak memory: the child resets its high-water mark (``/proc/self/clear_refs``) after the warm-up and
 reports ``VmHWM - VmRSS`` before the step (the step's own resident peak).
@@ -77,8 +78,8 @@ def make_step(kind: str, n: int, args):
     w = torch.randn(1, H, n, d, generator=g).to(dev)
     table = torch.randn(H, 2 * n - 1, generator=g).to(dev).requires_grad_()
     if kind == "sparse":
+        # the layout and its plan are made in the first (measured) step, as in a model's first step
         att = SparseSelfAttention(make_sparsity_config(args.layout, H, args.block, **args.options))
-        att.plan(att.padded_length(n))  # the layout is made once per length, as in a model
 
         def fwd():
             return att(q, k, v, bias=RelativeBias(table, n - 1), scale=1.0)

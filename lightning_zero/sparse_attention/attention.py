@@ -51,7 +51,11 @@ class SparseSelfAttention(torch.nn.Module):
         if key not in self._plans:
             cpu = (n, torch.device("cpu"))
             if cpu not in self._plans:
-                self._plans[cpu] = make_plan(self.layout(n), self.block, self.causal)
+                # the (heads, blocks, blocks) layout is O(n^2) bools: made for the plan and dropped, not cached
+                layout = self._layouts.get(n)
+                if layout is None:
+                    layout = self.sparsity_config.make_layout(self.padded_length(n))
+                self._plans[cpu] = make_plan(layout, self.block, self.causal)
             self._plans[key] = self._plans[cpu].to(key[1])
         return self._plans[key]
 

@@ -59,38 +59,59 @@ class SparsePlan:
         return float(sum(g.valid.sum() for g in self.groups)) / (self.num_heads * self.num_blocks)
 
 
+def _row_columns(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's allowed key blocks, in column order: (counts per row, all columns row after row). Read a slice
+    of rows at a time: the layout is (rows, blocks) bools, the columns O(allowed blocks) -- a sort or a copy of
+    the whole layout would be O(n^2) and, past 100k tokens, larger than the step itself."""
+    step = max(1, (16 << 20) // max(1, flat.shape[1]))
+    counts, cols = [], []
+    for lo in range(0, flat.shape[0], step):
+        nz = flat[lo:lo + step].nonzero()  # (allowed, 2), row-major: each row's columns in order
+        counts.append(torch.bincount(nz[:, 0], minlength=min(step, flat.shape[0] - lo)))  # (a bool sum is int64)
+        cols.append(nz[:, 1])
+    return torch.cat(counts), torch.cat(cols)
+
+
 def check_layout(layout: torch.Tensor, causal: bool = False) -> None:
     """Refuse a layout under which some query sees no key (its softmax would have nothing to normalise)."""
     if layout.dim() != 3 or layout.shape[1] != layout.shape[2]:
         raise ValueError(f"layout of shape {tuple(layout.shape)}: expected (heads, blocks, blocks).")
-    layout = layout.bool()
+    H, nb, _ = layout.shape
+    _check_rows(*_row_columns(layout.bool().reshape(H * nb, nb)), nb, causal)
+
+
+def _check_rows(counts: torch.Tensor, cols: torch.Tensor, nb: int, causal: bool) -> None:
+    empty = counts == 0
     if causal:
-        # the first query of block i sees keys <= its own position: blocks 0..i only
-        layout = layout & torch.ones_like(layout[0]).tril()
-    empty = (~layout.any(-1)).nonzero()
-    if len(empty):
-        h, i = (int(x) for x in empty[0])
+        # the first query of block i sees keys <= its own position: blocks 0..i only, so the row's first
+        # allowed block must be at or before i
+        starts = torch.cumsum(counts, 0) - counts
+        first = cols[starts.clamp(max=max(len(cols) - 1, 0))] if len(cols) else torch.zeros_like(counts)
+        empty |= first > torch.arange(len(counts)) % nb
+    rows = empty.nonzero().flatten()
+    if len(rows):
+        h, i = divmod(int(rows[0]), nb)
         why = " at or before the diagonal (causal)" if causal else ""
-        raise ValueError(f"the layout leaves {len(empty)} query block row(s) empty, first head {h} block {i}: "
+        raise ValueError(f"the layout leaves {len(rows)} query block row(s) empty, first head {h} block {i}: "
                          f"every row needs at least one key block{why}; add a local window "
                          "(num_local_blocks / num_sliding_window_blocks) or global blocks.")
 
 
 def make_plan(layout: torch.Tensor, block: int, causal: bool = False) -> SparsePlan:
-    check_layout(layout, causal)
-    layout = layout.bool().cpu()
+    if layout.dim() != 3 or layout.shape[1] != layout.shape[2]:
+        raise ValueError(f"layout of shape {tuple(layout.shape)}: expected (heads, blocks, blocks).")
     H, nb, _ = layout.shape
-    flat = layout.reshape(H * nb, nb)
-    counts = flat.sum(-1)
+    counts, cols_all = _row_columns(layout.bool().cpu().reshape(H * nb, nb))
+    _check_rows(counts, cols_all, nb, causal)
+    starts = torch.cumsum(counts, 0) - counts
     width = torch.ceil(torch.log2(counts.double())).long()
     groups = []
     for w in torch.unique(width).tolist():
         rows = (width == w).nonzero().flatten()
         kmax = int(counts[rows].max())
-        # stable sort puts each row's allowed blocks first, in column order
-        cols = torch.sort((~flat[rows]).to(torch.int8), dim=-1, stable=True).indices[:, :kmax]
         valid = torch.arange(kmax)[None, :] < counts[rows][:, None]
-        groups.append(_Group(rows, rows // nb, rows % nb, torch.where(valid, cols, 0), valid))
+        at = (starts[rows][:, None] + torch.arange(kmax)[None, :]).clamp(max=len(cols_all) - 1)
+        groups.append(_Group(rows, rows // nb, rows % nb, torch.where(valid, cols_all[at], 0), valid))
     return SparsePlan(H, nb, block, tuple(groups))
 
 
