@@ -1,43 +1,58 @@
-"""Block-sparse attention against dense SDPA: time and activation memory per sequence length, and the longest
-sequence whose attention activations fit a memory cap.
+"""Block-sparse attention against dense attention with T5's bias: the longest sequence whose forward + backward
+step trains under a real memory cap, and the step's measured peak memory.
 
 What it measures
 ----------------
-One attention layer of T5-small's shape (batch 1, 8 heads, head dim 64; ``--heads`` / ``--head-dim``),
-forward + backward of ``(out * w).sum()``, for:
+One attention layer of T5-small's shape (batch 1, 8 heads, head dim 64; ``--heads`` / ``--head-dim``, fp32),
+one forward + backward of ``(out * w).sum()``, for:
 
-* ``sdpa``        ``F.scaled_dot_product_attention(q, k, v)``, no bias: torch's fused CPU kernel (O(n) saved,
-                  O(n^2) time). What a model without a position bias gets;
-* ``sdpa+bias``   the same with T5's (1, H, n, n) relative position bias as ``attn_mask`` (what a T5 layer needs:
-                  the bias and its gradient are O(H n^2));
-* ``sparse``      ``SparseSelfAttention`` with ``--layout`` (default BSLongformer: a 3-block sliding window and
-                  global block 0, ``--block`` 16) and T5's bias as a ``RelativeBias`` (2n - 1 values per head).
+* ``dense``   ``F.scaled_dot_product_attention`` with T5's (1, H, n, n) relative position bias as ``attn_mask``
+              (what a T5 layer needs; the bias and its gradient are O(H n^2));
+* ``sparse``  ``SparseSelfAttention`` with ``--layout`` (default BSLongformer: a 3-block sliding window and
+              global block 0, ``--block`` 16) and T5's bias as a ``RelativeBias`` table (2n - 1 values per head).
 
-Time: median of ``--reps`` runs (after one warm-up). Memory: the bytes autograd saves for backward, counted
-with ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages), plus the bias tensor the layer is
-handed (for ``sdpa+bias`` the (1, H, n, n) bias; ``sparse``: its table). The longest sequence under
-``--cap-gib``: these bytes are measured at each length, fitted (sparse: linear, sdpa+bias: quadratic) and
-solved for the cap; the sparse answer is then checked by a real run at that length (``--verify``).
-Lengths where the dense bias alone exceeds the cap are not run (``over cap``).
+[Note: the cap is the kernel's address space] Each step runs in its own subprocess. The child imports torch,
+builds the inputs and runs a warm-up step at ``--warmup`` tokens (so thread pools and malloc arenas exist),
+then caps its own address space with ``RLIMIT_AS`` at what it already maps plus ``--cap-gib``: every byte the
+step allocates -- saved tensors, temporaries, gradients, the bias -- counts, and an allocation past the cap
+fails (``RuntimeError`` / ``MemoryError``), which is what "does not fit" means here. The sparse layer's
+layout and gather plan are made inside the capped step (a model's first step makes them). No model: the saved
+bytes are counted too (``saved_tensors_hooks``, distinct storages), but the verdict is the real run.
+Peak memory: the child resets its high-water mark (``/proc/self/clear_refs``) after the warm-up and
+reports ``VmHWM - VmRSS`` before the step (the step's own resident peak).
 
-Run (the numbers in docs/benchmarks.md: 2 shared CPU cores, torch threads 2)::
+The longest length: a ladder doubling from ``--start`` until a step fails, then a bisection between the
+last length that trained and the first that did not, to ``--resolution`` tokens (multiples of ``--block``).
 
-    python bench/sparse_attention.py --lengths 1024 2048 4096 8192 16384 --reps 3 --cap-gib 2 --verify
+Run (the numbers in docs/sparse_attention.md: 2 shared CPU cores, 1 torch thread)::
+
+    python bench/sparse_attention.py --cap-gib 2
+    python bench/sparse_attention.py --probe 4096            # one length, both kinds, no cap
 """
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
+import os
+import resource
+import subprocess
+import sys
 import time
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-
-from lightning_zero.sparse_attention import RelativeBias, SparseSelfAttention, make_sparsity_config
+KINDS = ("dense", "sparse")
 
 
-def saved_bytes(fn) -> tuple[int, object]:
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _saved_bytes(fn):
+    import torch
+
     seen: dict = {}
 
     def pack(t):
@@ -50,112 +65,173 @@ def saved_bytes(fn) -> tuple[int, object]:
     return sum(seen.values()), out
 
 
-def case(kind: str, n: int, args) -> tuple[float, int]:
+def make_step(kind: str, n: int, args):
+    """The inputs of one layer at length ``n`` and a function running its forward + backward."""
+    import torch
+    import torch.nn.functional as F
+
+    from lightning_zero.sparse_attention import RelativeBias, SparseSelfAttention, make_sparsity_config
+
     H, d, dev = args.heads, args.head_dim, torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, H, n, d, generator=g).to(dev).requires_grad_() for _ in range(3))
     w = torch.randn(1, H, n, d, generator=g).to(dev)
     table = torch.randn(H, 2 * n - 1, generator=g).to(dev).requires_grad_()
     if kind == "sparse":
+        # the layout and its plan are made in the first (measured) step, as in a model's first step
         att = SparseSelfAttention(make_sparsity_config(args.layout, H, args.block, **args.options))
-        att.plan(att.padded_length(n))  # the layout is made once per length, outside the timing
-        extra = table.numel() * 4
 
         def fwd():
             return att(q, k, v, bias=RelativeBias(table, n - 1), scale=1.0)
-    elif kind == "sdpa+bias":
-        extra = H * n * n * 4
-
+    else:
         def fwd():
             rel = torch.arange(n, device=dev)[None, :] - torch.arange(n, device=dev)[:, None] + n - 1
             return F.scaled_dot_product_attention(q, k, v, attn_mask=table[:, rel][None], scale=1.0)
-    else:
-        extra = 0
 
-        def fwd():
-            return F.scaled_dot_product_attention(q, k, v, scale=1.0)
-
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    def step():
-        out = fwd()
+    def step(count_saved: bool = False):
+        saved, out = _saved_bytes(fwd) if count_saved else (0, fwd())
         (out * w).sum().backward()
-        sync()
+        return saved
 
-    nbytes, out = saved_bytes(fwd)
-    del out
-    step()  # warm-up
-    times = []
-    for _ in range(args.reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), nbytes + extra
+    return step
 
 
-def longest(lengths, nbytes, cap, degree):
-    coef = np.polyfit(np.array(lengths, float), np.array(nbytes, float), degree)
-    roots = np.roots(coef - np.array([0] * degree + [cap]))
-    real = [r.real for r in roots if abs(r.imag) < 1e-6 and r.real > 0]
-    return int(max(real)) if real else None
+def cuda_child(args, step) -> dict:
+    """The same step on a GPU: the cap is torch's per-process memory fraction over what is allocated already,
+    the peak ``max_memory_allocated`` (run by bench/gpu_check.sh part 6)."""
+    import torch
+
+    base = torch.cuda.memory_allocated()
+    if args.cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (base + args.cap_gib * 2 ** 30) / total))
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    try:
+        saved = step(count_saved=True)
+        torch.cuda.synchronize()
+    except torch.OutOfMemoryError as e:
+        return {"ok": False, "n": args.n, "kind": args.kind, "error": str(e).splitlines()[0][:160]}
+    return {"ok": True, "n": args.n, "kind": args.kind, "seconds": time.perf_counter() - t0,
+            "peak_bytes": torch.cuda.max_memory_allocated() - base, "saved_bytes": saved, "mapped_before": base}
+
+
+def child(args) -> dict:
+    """One step of ``args.kind`` at ``args.n`` tokens under the cap; the result as a dict (printed as JSON)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    make_step(args.kind, args.warmup, args)()  # thread pools, allocator arenas, lazy library state
+    step = make_step(args.kind, args.n, args)
+    if args.device == "cuda":
+        return cuda_child(args, step)
+    mapped = _status("VmSize")
+    if args.cap_gib:
+        limit = mapped + int(args.cap_gib * 2 ** 30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    rss0 = _status("VmRSS")
+    t0 = time.perf_counter()
+    try:
+        saved = step(count_saved=True)
+    except (RuntimeError, MemoryError) as e:
+        return {"ok": False, "n": args.n, "kind": args.kind, "error": str(e).splitlines()[0][:160]}
+    return {"ok": True, "n": args.n, "kind": args.kind, "seconds": time.perf_counter() - t0,
+            "peak_bytes": _status("VmHWM") - rss0, "saved_bytes": saved, "mapped_before": mapped}
+
+
+def run_child(kind: str, n: int, args, cap_gib: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, str(n), "--cap-gib", str(cap_gib),
+           "--heads", str(args.heads), "--head-dim", str(args.head_dim), "--layout", args.layout,
+           "--block", str(args.block), "--threads", str(args.threads), "--warmup", str(args.warmup),
+           "--device", args.device]
+    cmd += [a for o in args.option for a in ("--option", o)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if not lines:  # killed (an allocation past the cap outside a Python-visible path)
+        return {"ok": False, "n": n, "kind": kind, "error": f"exit {p.returncode}: {p.stderr.strip()[-160:]}"}
+    return json.loads(lines[-1])
+
+
+def longest(kind: str, args) -> tuple[dict | None, dict | None, list]:
+    """The ladder then the bisection: (longest run that trained, shortest that failed, every run)."""
+    runs, ok, bad = [], None, None
+    n = args.start
+    while bad is None and n <= args.max_tokens:
+        r = run_child(kind, n, args, args.cap_gib)
+        runs.append(r)
+        print(f"  {kind:>6} {n:>7} tokens: " + (f"ok, peak {r['peak_bytes'] / 2 ** 20:.0f} MiB, "
+              f"{r['seconds']:.1f} s" if r["ok"] else f"failed ({r['error']})"), flush=True)
+        ok, bad, n = (r, bad, n * 2) if r["ok"] else (ok, r, n)
+    if bad is None or ok is None:
+        return ok, bad, runs
+    lo, hi = ok["n"], bad["n"]
+    while hi - lo > args.resolution:
+        mid = (lo + hi) // 2 // args.block * args.block
+        if mid in (lo, hi):
+            break
+        r = run_child(kind, mid, args, args.cap_gib)
+        runs.append(r)
+        print(f"  {kind:>6} {mid:>7} tokens: " + ("ok" if r["ok"] else f"failed ({r['error']})"), flush=True)
+        if r["ok"]:
+            lo, ok = mid, r
+        else:
+            hi, bad = mid, r
+    return ok, bad, runs
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--cap-gib", type=float, default=2.0, help="address space the step may add (0: no cap)")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--start", type=int, default=1024, help="first length of the ladder (then doubled)")
+    p.add_argument("--resolution", type=int, default=256, help="bisection stops at this many tokens")
+    p.add_argument("--max-tokens", type=int, default=1 << 20)
+    p.add_argument("--probe", type=int, nargs="*", help="only measure these lengths, uncapped")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--layout", default="bslongformer")
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--option", action="append", default=[], help="layout option key=value (int values)")
-    p.add_argument("--cap-gib", type=float, default=2.0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--verify", action="store_true", help="run sparse at its predicted longest length")
-    p.add_argument("--device", default="cpu", help="cpu | cuda (bench/gpu_check.sh part 6)")
-    p.add_argument("--kinds", default="sdpa,sdpa+bias,sparse", help="which of sdpa, sdpa+bias, sparse to run")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=256, help="tokens of the uncapped warm-up step")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per child step")
+    p.add_argument("--device", default="cpu", help="cpu (RLIMIT_AS) | cuda (a memory fraction; gpu_check.sh)")
+    p.add_argument("--child", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.options = {k: int(v) for k, v in (o.split("=", 1) for o in args.option)}
-    torch.set_num_threads(args.threads)
-    cap = args.cap_gib * 2 ** 30
-    print(f"# heads {args.heads}, head dim {args.head_dim}, batch 1, fp32, layout {args.layout} block {args.block} "
-          f"{args.options or ''}; torch {torch.__version__}, {args.device}, {args.threads} threads; "
-          f"cap {args.cap_gib:g} GiB")
-    print("| tokens | sdpa ms | sdpa MiB | sdpa+bias ms | sdpa+bias MiB | sparse ms | sparse MiB "
-          "| sparse / sdpa+bias time |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    res: dict = {k: {} for k in ("sdpa", "sdpa+bias", "sparse")}
-    for n in args.lengths:
-        row = [str(n)]
-        for kind in res:
-            if kind not in args.kinds.split(","):
-                row += ["-", "-"]
-                continue
-            if kind == "sdpa+bias" and args.heads * n * n * 4 * 3 > cap:  # bias, its grad, the gathered copy
-                row += ["over cap", "over cap"]
-                continue
-            t, b = case(kind, n, args)
-            res[kind][n] = (t, b)
-            row += [f"{t * 1e3:.0f}", f"{b / 2 ** 20:.1f}"]
-        dense = res["sdpa+bias"].get(n)
-        sparse = res["sparse"].get(n)
-        row.append(f"{sparse[0] / dense[0]:.2f}" if dense and sparse else "-")
-        print("| " + " | ".join(row) + " |", flush=True)
-    sl = sorted(res["sparse"])
-    dl = sorted(res["sdpa+bias"])
-    n_sparse = longest(sl, [res["sparse"][n][1] for n in sl], cap, 1) if len(sl) >= 2 else None
-    n_dense = longest(dl, [res["sdpa+bias"][n][1] for n in dl], cap, 2) if len(dl) >= 3 else None
-    fl = sorted(res["sdpa"])
-    n_flash = longest(fl, [res["sdpa"][n][1] for n in fl], cap, 1) if len(fl) >= 2 else None
-    print(f"\nlongest sequence under {args.cap_gib:g} GiB of attention activations (fitted): "
-          f"sdpa+bias {n_dense}, sparse {n_sparse}"
-          + (f" ({n_sparse / n_dense:.1f}x)" if n_sparse and n_dense else "")
-          + f"; sdpa without a bias (fused kernel, O(n) saved, O(n^2) time) {n_flash}")
-    if args.verify and n_sparse:
-        n = n_sparse // args.block * args.block
-        args.reps = 1
-        t, b = case("sparse", n, args)
-        print(f"verified: sparse at {n} tokens saves {b / 2 ** 30:.2f} GiB ({t:.1f} s forward + backward)")
+    if args.child:
+        args.kind, args.n = args.child[0], int(args.child[1])
+        print(json.dumps(child(args)), flush=True)
+        return
+    kinds = args.kinds.split(",")
+    head = (f"# heads {args.heads}, head dim {args.head_dim}, batch 1, fp32, layout {args.layout} block "
+            f"{args.block} {args.options or ''}; {args.threads} thread(s)")
+    if args.probe:
+        print(head + "; uncapped")
+        print("| tokens | kind | peak MiB | saved MiB | peak / saved | s |\n|---:|---|---:|---:|---:|---:|")
+        for n in args.probe:
+            for kind in kinds:
+                r = run_child(kind, n, args, 0)
+                print(f"| {n} | {kind} | {r['peak_bytes'] / 2 ** 20:.1f} | {r['saved_bytes'] / 2 ** 20:.1f} | "
+                      f"{r['peak_bytes'] / r['saved_bytes']:.1f} | {r['seconds']:.2f} |", flush=True)
+        return
+    cap = "torch's memory fraction: what is allocated" if args.device == "cuda" else \
+        "RLIMIT_AS = what the process maps"
+    print(head + f"; {cap} after the warm-up + {args.cap_gib:g} GiB")
+    found = {kind: longest(kind, args) for kind in kinds}
+    print("\n| kind | longest that trained | peak MiB there | saved MiB there | s | first that failed |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for kind, (ok, bad, _) in found.items():
+        cells = ([f"{ok['n']}", f"{ok['peak_bytes'] / 2 ** 20:.0f}", f"{ok['saved_bytes'] / 2 ** 20:.0f}",
+                  f"{ok['seconds']:.1f}"] if ok else ["none", "-", "-", "-"])
+        print(f"| {kind} | " + " | ".join(cells) + f" | {bad['n'] if bad else '-'} |")
+    (dok, _, _), (sok, _, _) = found.get("dense", (None,) * 3), found.get("sparse", (None,) * 3)
+    if dok and sok:
+        print(f"\nsparse trains {sok['n'] / dok['n']:.1f}x the tokens of dense with T5's bias under "
+              f"{args.cap_gib:g} GiB")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from t5_config import (  # noqa: E402,F401  (importing registers the schemas in the ConfigStore)
     ConfigError, build_datamodule, build_strategy, build_tokenizer, strategy_kwargs, validate_schema)
+from t5_attention import check_attention, describe_attention  # noqa: E402
 from t5_optim import check_optimizer, optimizer_kwargs  # noqa: E402
 from t5_run import (  # noqa: E402,F401  (resolve_start_method, output_dir: part of this app's API)
     checked_ckpt_path, eval_trainer, fit_and_report, fmt_metric, make_trainer, one_line_per_message, output_dir,
@@ -84,6 +85,7 @@ def train(cfg: DictConfig) -> Optional[dict]:
     validate_schema(cfg)
     if cfg.mode not in ("fit", "test"):
         raise ConfigError(f"Unknown mode {cfg.mode!r}. Allowed: 'fit', 'test'.")
+    check_attention(cfg)  # model.attention and every model.sparse knob
     ckpt_path = checked_ckpt_path(cfg)
     one_line_per_message()
     resolve_start_method(cfg)
@@ -107,9 +109,9 @@ def train(cfg: DictConfig) -> Optional[dict]:
     report = run_report(out, tok, cfg.output.export_hf)
     trainer, checkpoint, csv_logger, loggers = make_trainer(cfg, strategy, out, "val_loss", [report], dm)
     if trainer.is_global_zero:
-        log.info("strategy=%s %s | model=%s | tokenizer=%s | %d ranks on %s | output: %s%s", cfg.strategy.name,
-                 strategy_kwargs(cfg), cfg.model.pretrained or cfg.model.preset, describe(tok),
-                 trainer.world_size, cfg.trainer.accelerator, out,
+        log.info("strategy=%s %s | model=%s | attention: %s | tokenizer=%s | %d ranks on %s | output: %s%s",
+                 cfg.strategy.name, strategy_kwargs(cfg), cfg.model.pretrained or cfg.model.preset,
+                 describe_attention(model.model), describe(tok), trainer.world_size, cfg.trainer.accelerator, out,
                  f" | resuming from {ckpt_path}" if ckpt_path else "")
 
     # 3. fit (after an optional baseline validation of the untrained model: the "step 0" point; a resumed
@@ -123,7 +125,7 @@ def train(cfg: DictConfig) -> Optional[dict]:
     if summary is None:
         return None
     hist = summary["val_history"]
-    summary.update(baseline_val=baseline, first_val=hist[0] if hist else {}, last_val=hist[-1] if hist else {},
+    summary.update(attention=describe_attention(model.model), baseline_val=baseline, first_val=hist[0] if hist else {}, last_val=hist[-1] if hist else {},
                    samples=last_samples(os.path.join(out, "samples.jsonl")))
     print(format_summary(cfg, strategy, summary), flush=True)
     return summary

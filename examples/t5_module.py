@@ -32,6 +32,7 @@ from torchmetrics.text import CHRFScore, SacreBLEUScore  # noqa: E402
 from torchmetrics.text.rouge import ROUGEScore  # noqa: E402
 from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration  # noqa: E402
 
+from t5_attention import ATTENTIONS  # noqa: E402
 from t5_optim import OPTIMIZERS, make_optimizer  # noqa: E402
 from t5_samples import append_jsonl, gather_rows, markdown_table, write_jsonl  # noqa: E402
 from t5_tokenizer import bytes_tokenizer, check_vocab_matches, tokenizer_vocab  # noqa: E402
@@ -42,7 +43,6 @@ from lightning_zero.tools.t5_dims import T5_PRESETS, preset_name  # noqa: E402,F
 
 
 LR_SCHEDULES = ("linear", "cosine", "inverse_sqrt")
-ATTENTIONS = ("dense", "sparse")
 
 
 def make_t5_config(preset: str = "t5_tiny", tokenizer: Any = None, **overrides: Any) -> T5Config:

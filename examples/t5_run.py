@@ -273,6 +273,7 @@ def summary_lines(app: str, cfg: DictConfig, strategy: Any, s: dict) -> list[str
         f"precision {cfg.trainer.precision} ==",
         f"strategy:     {describe_strategy(strategy)} (preset name: {cfg.strategy.name})",
         f"model:        {model}, {s['n_params'] / 1e6:.2f}M params",
+        *([f"attention:    {s['attention']}"] if s.get("attention") else []),
         f"tokenizer:    {s['tokenizer']}",
     ]
     if ranks:

@@ -25,12 +25,23 @@ def test_sparse_module_swaps_the_encoder_and_keeps_stock_keys():
     assert (type(attn).__name__, attn.block, attn.num_random_blocks) == ("BigBirdSparsityConfig", 8, 2)
     with pytest.raises(ValueError, match="model.attention='flash': allowed dense, sparse"):
         T5FineTuner(preset="t5_tiny", attention="flash")
+    from t5_attention import describe_attention
+
+    layers = len(sparse.model.encoder.block)
+    assert describe_attention(dense.model) == "dense (HF T5's own)"
+    assert describe_attention(sparse.model) == (
+        f"block-sparse encoder self-attention in {layers} of {layers} layers: bigbird layout, block 8 "
+        "(different_layout_per_head=False, seed=0, num_random_blocks=2, num_sliding_window_blocks=3, "
+        "num_global_blocks=1, attention='bidirectional'); padded to the block")
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["zero0", "zero1", "zero1_offload", "zero2", "zero2_offload", "zero3",
                                       "zero3_offload"])
-def test_recipe_fits_with_sparse_attention(tmp_path, pairs_file, restore_threads, strategy, capsys):  # noqa: F811
+def test_recipe_fits_with_sparse_attention(tmp_path, pairs_file, restore_threads, strategy, capsys,  # noqa: F811
+                                           caplog):
+    import logging
+
     from t5_finetune import train
     from transformers import T5ForConditionalGeneration
 
@@ -41,8 +52,15 @@ def test_recipe_fits_with_sparse_attention(tmp_path, pairs_file, restore_threads
                    "data.max_target_len=12", "trainer.max_steps=2", "trainer.val_check_interval=2",
                    "tokenizer.vocab_size=400", "trainer.enable_progress_bar=false", "optim.warmup_steps=1",
                    f"output.dir={out}", "output.tensorboard=false", *SPARSE)
-    summary = train(cfg)
+    with caplog.at_level(logging.INFO, logger="t5_finetune"):
+        summary = train(cfg)
     head = capsys.readouterr().out
+    # the run says it is sparse, and how: in its start line and in its summary
+    said = ("block-sparse encoder self-attention in 2 of 2 layers: bslongformer layout, block 4 "
+            "(different_layout_per_head=False, seed=0, num_sliding_window_blocks=3, global_block_indices=[0], "
+            "global_block_end_indices=None, attention='bidirectional'); padded to the block")
+    assert f"| attention: {said} |" in caplog.text, caplog.text
+    assert f"attention:    {said}" in head, head
     assert summary["run_info"]["global_step"] == 2
     assert math.isfinite(summary["last_val"]["val_loss"])
     if strategy.startswith("zero3"):

@@ -7,14 +7,16 @@ from lightning_zero.sparse_attention.attention import SparseSelfAttention
 from lightning_zero.sparse_attention.block_sparse import (RelativeBias, SparsePlan, block_sparse_attention,
                                                            check_layout, make_plan)
 from lightning_zero.sparse_attention.hf_causal import sparsify_causal_lm
-from lightning_zero.sparse_attention.hf_t5 import SparseT5Attention, is_sparse, sparsify_t5_encoder
+from lightning_zero.sparse_attention.hf_t5 import (SparseT5Attention, describe_sparse, is_sparse,
+                                                   sparsify_t5_encoder)
 from lightning_zero.sparse_attention.layouts import (LAYOUTS, BigBirdSparsityConfig, BSLongformerSparsityConfig,
                                                       DenseSparsityConfig, FixedSparsityConfig,
                                                       LocalSlidingWindowSparsityConfig, SparsityConfig,
                                                       VariableSparsityConfig, make_sparsity_config)
 
 __all__ = ["SparseSelfAttention", "RelativeBias", "SparsePlan", "block_sparse_attention", "check_layout",
-           "make_plan", "sparsify_causal_lm", "SparseT5Attention", "is_sparse", "sparsify_t5_encoder", "LAYOUTS",
+           "make_plan", "sparsify_causal_lm", "SparseT5Attention", "describe_sparse", "is_sparse",
+           "sparsify_t5_encoder", "LAYOUTS",
            "SparsityConfig",
            "DenseSparsityConfig", "FixedSparsityConfig", "VariableSparsityConfig", "BigBirdSparsityConfig",
            "BSLongformerSparsityConfig", "LocalSlidingWindowSparsityConfig", "make_sparsity_config"]

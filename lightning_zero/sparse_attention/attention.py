@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zero.sparse_attention.block_sparse import RelativeBias, SparsePlan, block_sparse_attention, make_plan
+from lightning_zero.sparse_attention.layout_checks import check_flag
 from lightning_zero.sparse_attention.layouts import SparsityConfig
 
 
@@ -25,8 +26,8 @@ class SparseSelfAttention(torch.nn.Module):
                             f"Dense, ...), got {type(sparsity_config).__name__}.")
         self.sparsity_config = sparsity_config
         self.causal = getattr(sparsity_config, "attention", "bidirectional") == "unidirectional" \
-            if causal is None else bool(causal)
-        self.pad_to_block = pad_to_block
+            if causal is None else check_flag("causal", causal)
+        self.pad_to_block = check_flag("pad_to_block", pad_to_block)
         self._plans: dict[tuple, SparsePlan] = {}
         self._layouts: dict[int, torch.Tensor] = {}
 
@@ -50,7 +51,11 @@ class SparseSelfAttention(torch.nn.Module):
         if key not in self._plans:
             cpu = (n, torch.device("cpu"))
             if cpu not in self._plans:
-                self._plans[cpu] = make_plan(self.layout(n), self.block, self.causal)
+                # the (heads, blocks, blocks) layout is O(n^2) bools: made for the plan and dropped, not cached
+                layout = self._layouts.get(n)
+                if layout is None:
+                    layout = self.sparsity_config.make_layout(self.padded_length(n))
+                self._plans[cpu] = make_plan(layout, self.block, self.causal)
             self._plans[key] = self._plans[cpu].to(key[1])
         return self._plans[key]
 

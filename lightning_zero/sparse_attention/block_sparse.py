@@ -46,56 +46,73 @@ class SparsePlan:
     num_heads: int
     num_blocks: int
     block: int
-    groups: tuple
-    inverse: torch.Tensor  # position of flat row r in the concatenated group outputs
+    groups: tuple  # every flat row h * nb + i in exactly one group
 
     def to(self, device: torch.device) -> "SparsePlan":
-        if self.inverse.device == device:
+        if self.groups[0].rows.device == device:
             return self
         return SparsePlan(self.num_heads, self.num_blocks, self.block,
                           tuple(_Group(*(t.to(device) for t in (g.rows, g.heads, g.qblock, g.cols, g.valid)))
-                                for g in self.groups), self.inverse.to(device))
+                                for g in self.groups))
 
     def blocks_per_row(self) -> float:
         return float(sum(g.valid.sum() for g in self.groups)) / (self.num_heads * self.num_blocks)
+
+
+def _row_columns(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's allowed key blocks, in column order: (counts per row, all columns row after row). Read a slice
+    of rows at a time: the layout is (rows, blocks) bools, the columns O(allowed blocks) -- a sort or a copy of
+    the whole layout would be O(n^2) and, past 100k tokens, larger than the step itself."""
+    step = max(1, (16 << 20) // max(1, flat.shape[1]))
+    counts, cols = [], []
+    for lo in range(0, flat.shape[0], step):
+        nz = flat[lo:lo + step].nonzero()  # (allowed, 2), row-major: each row's columns in order
+        counts.append(torch.bincount(nz[:, 0], minlength=min(step, flat.shape[0] - lo)))  # (a bool sum is int64)
+        cols.append(nz[:, 1])
+    return torch.cat(counts), torch.cat(cols)
 
 
 def check_layout(layout: torch.Tensor, causal: bool = False) -> None:
     """Refuse a layout under which some query sees no key (its softmax would have nothing to normalise)."""
     if layout.dim() != 3 or layout.shape[1] != layout.shape[2]:
         raise ValueError(f"layout of shape {tuple(layout.shape)}: expected (heads, blocks, blocks).")
-    layout = layout.bool()
+    H, nb, _ = layout.shape
+    _check_rows(*_row_columns(layout.bool().reshape(H * nb, nb)), nb, causal)
+
+
+def _check_rows(counts: torch.Tensor, cols: torch.Tensor, nb: int, causal: bool) -> None:
+    empty = counts == 0
     if causal:
-        # the first query of block i sees keys <= its own position: blocks 0..i only
-        layout = layout & torch.ones_like(layout[0]).tril()
-    empty = (~layout.any(-1)).nonzero()
-    if len(empty):
-        h, i = (int(x) for x in empty[0])
+        # the first query of block i sees keys <= its own position: blocks 0..i only, so the row's first
+        # allowed block must be at or before i
+        starts = torch.cumsum(counts, 0) - counts
+        first = cols[starts.clamp(max=max(len(cols) - 1, 0))] if len(cols) else torch.zeros_like(counts)
+        empty |= first > torch.arange(len(counts)) % nb
+    rows = empty.nonzero().flatten()
+    if len(rows):
+        h, i = divmod(int(rows[0]), nb)
         why = " at or before the diagonal (causal)" if causal else ""
-        raise ValueError(f"the layout leaves {len(empty)} query block row(s) empty, first head {h} block {i}: "
+        raise ValueError(f"the layout leaves {len(rows)} query block row(s) empty, first head {h} block {i}: "
                          f"every row needs at least one key block{why}; add a local window "
                          "(num_local_blocks / num_sliding_window_blocks) or global blocks.")
 
 
 def make_plan(layout: torch.Tensor, block: int, causal: bool = False) -> SparsePlan:
-    check_layout(layout, causal)
-    layout = layout.bool().cpu()
+    if layout.dim() != 3 or layout.shape[1] != layout.shape[2]:
+        raise ValueError(f"layout of shape {tuple(layout.shape)}: expected (heads, blocks, blocks).")
     H, nb, _ = layout.shape
-    flat = layout.reshape(H * nb, nb)
-    counts = flat.sum(-1)
+    counts, cols_all = _row_columns(layout.bool().cpu().reshape(H * nb, nb))
+    _check_rows(counts, cols_all, nb, causal)
+    starts = torch.cumsum(counts, 0) - counts
     width = torch.ceil(torch.log2(counts.double())).long()
-    groups, order = [], []
+    groups = []
     for w in torch.unique(width).tolist():
         rows = (width == w).nonzero().flatten()
         kmax = int(counts[rows].max())
-        # stable sort puts each row's allowed blocks first, in column order
-        cols = torch.sort((~flat[rows]).to(torch.int8), dim=-1, stable=True).indices[:, :kmax]
         valid = torch.arange(kmax)[None, :] < counts[rows][:, None]
-        groups.append(_Group(rows, rows // nb, rows % nb, torch.where(valid, cols, 0), valid))
-        order.append(rows)
-    inverse = torch.empty(H * nb, dtype=torch.long)
-    inverse[torch.cat(order)] = torch.arange(H * nb)
-    return SparsePlan(H, nb, block, tuple(groups), inverse)
+        at = (starts[rows][:, None] + torch.arange(kmax)[None, :]).clamp(max=len(cols_all) - 1)
+        groups.append(_Group(rows, rows // nb, rows % nb, torch.where(valid, cols_all[at], 0), valid))
+    return SparsePlan(H, nb, block, tuple(groups))
 
 
 def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -108,8 +125,9 @@ def _sum_to(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 # The gathered key/value blocks of this many bytes at most exist at a time: a group's rows are computed in
 # chunks, so one layer's working set stays bounded however long the sequence ([Note: backward re-gathers]).
-# (256 MiB: at 16k tokens of T5-small one chunk; smaller chunks cost ~16% time at 64 MiB, measured)
-GATHER_CHUNK_BYTES = 256 << 20
+# 16 MiB: measured against 256 and 64 MiB at 4k-64k tokens of T5-small's shape, a lower peak and no slower
+# (the smaller matmuls stay in cache); docs/sparse_attention.md.
+GATHER_CHUNK_BYTES = 16 << 20
 
 
 def _row_chunks(qf: torch.Tensor, rows: torch.Tensor, key_rows: torch.Tensor):
@@ -126,88 +144,164 @@ def _rows_of(t: torch.Tensor | None, sl: slice, row_dim: int):
     return None if t is None else t[(slice(None),) * row_dim + (sl,)]
 
 
-class _GroupAttention(torch.autograd.Function):
-    """One group's gather + scores + softmax + weighted sum, saving q, k, v and the probabilities only.
+@dataclass(frozen=True)
+class _RelIndex:
+    """Where a group's scores read a ``RelativeBias`` table: rebuilt per chunk in forward and in backward
+    instead of a (rows, b, kmax * b) index and bias kept for the whole group ([Note: the working set])."""
+
+    qpos: torch.Tensor  # (R, b) query positions
+    kpos: torch.Tensor  # (R, kmax * b) key positions
+    base: torch.Tensor | None  # (R,) the row's head times the table's width; None: one table row for all heads
+    offset: int
+
+    def chunk(self, sl: slice, table: torch.Tensor) -> torch.Tensor:
+        dtype = torch.int32 if table.numel() < 2 ** 31 else torch.int64
+        idx = self.kpos[sl, None, :].to(dtype) - self.qpos[sl, :, None].to(dtype)
+        idx += self.offset
+        if self.base is not None:
+            idx += self.base[sl, None, None].to(dtype)
+        return idx  # (r, b, kmax * b)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One group of the plan as the kernel walks it: its rows, their key blocks, what each row may see, where
+    its scores read a ``RelativeBias`` (None without one) and the row dim of its dense bias (None without)."""
+
+    rows: torch.Tensor  # (R,) flat row ids
+    key_rows: torch.Tensor  # (R * kmax,) flat key block ids
+    allowed: torch.Tensor  # (1 | B, R, b | 1, kmax * b) bool
+    rel: _RelIndex | None
+    bias_dim: int | None
+
+
+class _BlockSparseAttention(torch.autograd.Function):
+    """Every group's gather + scores + softmax + weighted sum in one function, saving q, k, v, the probabilities
+    and the masks only.
 
     [Note: backward re-gathers] Autograd would save the gathered key and value blocks, each key block copied
     once per row that sees it (blocks per row x the size of k and v); this backward gathers them again from the
     saved k and v, so what stays alive for backward is q, k, v, the probabilities and the mask. Forward and
     backward walk the rows in chunks of ``GATHER_CHUNK_BYTES`` of gathered blocks, which bounds the transient
     working set too.
+
+    [Note: the working set] What a step holds at a time is measured, not only what autograd saves
+    (bench/sparse_attention.py, docs/sparse_attention.md). One function for all groups: q, k and v get one
+    gradient each (one function per group gave each group its own, summed by autograd: three extra copies of
+    q, k and v per group) and the rows' outputs are written in place into one output in row order (no
+    concatenation and re-ordering copies). Within a chunk, the gathered key blocks and the gathered value
+    blocks (each four times the scores at head dim 64 and block 16) are never alive together: keys freed
+    before values are gathered; in backward the value gradient is reduced before the values are gathered and
+    the key gradient after the keys are freed. The score-sized steps (scale, bias, mask, the softmax gradient)
+    run in place, and a ``RelativeBias`` is read per chunk (``_RelIndex``): neither its index nor its
+    gathered values exist for a whole group, or are saved.
     """
 
     @staticmethod
-    def forward(ctx, qf, kf, vf, rows, key_rows, bias_g, allowed, scale, dropout_p):
-        bias_dim = None if bias_g is None else bias_g.dim() - 3
-        outs, all_probs, drops = [], [], []
-        for sl, r, kr in _row_chunks(qf, rows, key_rows):
-            qg, kg, vg = _gather(qf, kf, vf, r, kr)
-            scores = torch.matmul(qg, kg.transpose(-1, -2))  # (B, rows, b, kmax * b)
-            if scale != 1.0:
-                scores = scores * scale
-            if bias_g is not None:
-                scores = scores + _rows_of(bias_g, sl, bias_dim).to(scores.dtype)
-            scores = scores.masked_fill(~allowed[:, sl], torch.finfo(scores.dtype).min)
-            # half precision: the softmax in fp32 (float64 stays float64)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-            probs = probs.to(vf.dtype)
-            del scores
-            used = probs
-            if dropout_p > 0.0:
-                drop = torch.rand(probs.shape, device=probs.device) >= dropout_p
-                used = probs * drop / (1.0 - dropout_p)
-                drops.append(drop)
-            outs.append(torch.matmul(used, vg))  # (B, rows, b, d)
+    def forward(ctx, qf, kf, vf, table, parts, scale, dropout_p, *bias_gs):
+        B, rows_total, b, d = qf.shape
+        out = qf.new_empty(B, rows_total, b, d)
+        soft_dtype = torch.promote_types(qf.dtype, torch.float32)  # half precision: the softmax in fp32
+        all_probs, all_drops = [], []
+        for i, part in enumerate(parts):
+            bias_g = bias_gs[i] if bias_gs else None
+            R = part.rows.numel()
+            width = part.key_rows.numel() // R * b
+            probs = qf.new_empty(B, R, b, width)
+            drop = torch.empty(B, R, b, width, dtype=torch.bool, device=qf.device) if dropout_p > 0.0 else None
+            for sl, r, kr in _row_chunks(qf, part.rows, part.key_rows):
+                kg = _gather_blocks(kf, kr, r.numel())
+                scores = torch.matmul(qf.index_select(1, r), kg.transpose(-1, -2))  # (B, rows, b, kmax * b)
+                del kg
+                if scale != 1.0:
+                    scores.mul_(scale)
+                if bias_g is not None:
+                    scores.add_(_rows_of(bias_g, sl, part.bias_dim).to(scores.dtype))
+                if part.rel is not None:
+                    idx = part.rel.chunk(sl, table)
+                    scores.add_(table.reshape(-1).index_select(0, idx.flatten()).view(idx.shape).to(scores.dtype))
+                    del idx
+                scores.masked_fill_(~part.allowed[:, sl], torch.finfo(scores.dtype).min)
+                p = torch.softmax(scores, dim=-1, dtype=soft_dtype)
+                del scores
+                probs[:, sl] = p
+                if drop is not None:
+                    keep = torch.rand(p.shape, device=p.device) >= dropout_p
+                    drop[:, sl] = keep
+                    p = p.to(vf.dtype).mul_(keep).div_(1.0 - dropout_p)
+                    del keep
+                vg = _gather_blocks(vf, kr, r.numel())
+                out.index_copy_(1, r, torch.matmul(p.to(vf.dtype), vg))  # (B, rows, b, d)
+                del p, vg
             all_probs.append(probs)
-        probs = torch.cat(all_probs, dim=1) if len(all_probs) > 1 else all_probs[0]
-        drop = (torch.cat(drops, dim=1) if len(drops) > 1 else drops[0]) if drops else None
-        ctx.save_for_backward(qf, kf, vf, rows, key_rows, allowed, probs, drop)
+            all_drops.append(drop)
+        masks = [t for part in parts for t in (part.rows, part.key_rows, part.allowed)]
+        ctx.save_for_backward(qf, kf, vf, table, *masks, *all_probs, *all_drops)
         ctx.scale, ctx.dropout_p = scale, dropout_p
-        ctx.bias_meta = None if bias_g is None else (bias_g.shape, bias_g.dtype, bias_dim)
-        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        ctx.parts = [(part.rel, part.bias_dim) for part in parts]  # the tensors are in saved_tensors
+        ctx.bias_meta = [(g.shape, g.dtype) for g in bias_gs]
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        qf, kf, vf, rows, key_rows, allowed, probs, drop = ctx.saved_tensors
+        qf, kf, vf, table, *rest = ctx.saved_tensors
+        n_parts = len(ctx.parts)
+        masks, probs_all, drops_all = rest[:3 * n_parts], rest[3 * n_parts:4 * n_parts], rest[4 * n_parts:]
         B, _, b, d = qf.shape
-        want_bias = ctx.bias_meta is not None and ctx.needs_input_grad[5]
+        want_bias = bool(ctx.bias_meta) and any(ctx.needs_input_grad[7:])
+        want_table = table is not None and ctx.needs_input_grad[3]
         dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-        dbias = []
-        for sl, r, kr in _row_chunks(qf, rows, key_rows):
-            qg, kg, vg = _gather(qf, kf, vf, r, kr)
-            p, do, keep = probs[:, sl], dout[:, sl], _rows_of(drop, sl, 1)
-            used = p if keep is None else p * keep / (1.0 - ctx.dropout_p)
-            dvg = torch.matmul(used.transpose(-1, -2), do)  # (B, rows, kmax * b, d)
-            dp = torch.matmul(do, vg.transpose(-1, -2))  # (B, rows, b, kmax * b)
-            if keep is not None:
-                dp = dp * keep / (1.0 - ctx.dropout_p)
-            acc = torch.promote_types(p.dtype, torch.float32)
-            p32, dp = p.to(acc), dp.to(acc)
-            ds = (p32 * (dp - (dp * p32).sum(-1, keepdim=True))).masked_fill(~allowed[:, sl], 0.0)
+        dtable = torch.zeros(table.shape, dtype=table.dtype, device=table.device) if want_table else None
+        dbias_all = []
+        for i, (rel, bias_dim) in enumerate(ctx.parts):
+            rows, key_rows, allowed = masks[3 * i:3 * i + 3]
+            probs, drop = probs_all[i], drops_all[i]
+            dbias = []
+            for sl, r, kr in _row_chunks(qf, rows, key_rows):
+                R = r.numel()
+                p, do, keep = probs[:, sl], dout.index_select(1, r), _rows_of(drop, sl, 1)
+                used = p if keep is None else p * keep / (1.0 - ctx.dropout_p)
+                dv.index_add_(1, kr, torch.matmul(used.transpose(-1, -2), do).reshape(B, -1, b, d))
+                del used
+                vg = _gather_blocks(vf, kr, R)
+                dp = torch.matmul(do, vg.transpose(-1, -2))  # (B, rows, b, kmax * b)
+                del vg, do
+                if keep is not None:
+                    dp.mul_(keep).div_(1.0 - ctx.dropout_p)
+                acc = torch.promote_types(p.dtype, torch.float32)
+                p32, dp = p.to(acc), dp.to(acc)
+                # softmax's gradient p * (dp - sum(dp * p)), the row sums as a matmul (no score-sized product)
+                row = torch.matmul(dp.unsqueeze(-2), p32.unsqueeze(-1)).squeeze(-1)
+                ds = dp.sub_(row).mul_(p32).masked_fill_(~allowed[:, sl], 0.0)
+                del row, p32
+                if want_bias:
+                    shape, dtype = ctx.bias_meta[i]
+                    chunk_shape = list(shape)
+                    chunk_shape[bias_dim] = R
+                    db = _sum_to(ds, torch.Size(chunk_shape)).to(dtype)
+                    dbias.append(db.clone() if db.data_ptr() == ds.data_ptr() else db)  # ds is scaled in place
+                if want_table:
+                    idx = rel.chunk(sl, table)
+                    dtable.view(-1).index_add_(0, idx.flatten(), ds.sum(0).flatten().to(table.dtype))
+                    del idx
+                ds = ds.to(qf.dtype)
+                if ctx.scale != 1.0:
+                    ds.mul_(ctx.scale)
+                kg = _gather_blocks(kf, kr, R)
+                dq.index_add_(1, r, torch.matmul(ds, kg))
+                del kg
+                dk.index_add_(1, kr, torch.matmul(ds.transpose(-1, -2), qf.index_select(1, r)).reshape(B, -1, b, d))
+                del ds
             if want_bias:
-                shape, dtype, row_dim = ctx.bias_meta
-                chunk_shape = list(shape)
-                chunk_shape[row_dim] = r.numel()
-                dbias.append(_sum_to(ds, torch.Size(chunk_shape)).to(dtype))
-            ds = ds.to(qf.dtype)
-            if ctx.scale != 1.0:
-                ds = ds * ctx.scale
-            dq.index_add_(1, r, torch.matmul(ds, kg))
-            dk.index_add_(1, kr, torch.matmul(ds.transpose(-1, -2), qg).reshape(B, -1, b, d))
-            dv.index_add_(1, kr, dvg.reshape(B, -1, b, d))
-        db = None
-        if want_bias:
-            db = torch.cat(dbias, dim=ctx.bias_meta[2]) if len(dbias) > 1 else dbias[0]
-        return dq, dk, dv, None, None, db, None, None, None
+                dbias_all.append(torch.cat(dbias, dim=bias_dim) if len(dbias) > 1 else dbias[0])
+        return (dq, dk, dv, dtable, None, None, None, *(dbias_all if want_bias else [None] * len(ctx.bias_meta)))
 
 
-def _gather(qf, kf, vf, rows, key_rows):
-    """The chunk's query blocks and its rows' key / value blocks (index_select: its backward would be
+def _gather_blocks(t: torch.Tensor, key_rows: torch.Tensor, rows: int) -> torch.Tensor:
+    """The chunk's rows' key (or value) blocks, (B, rows, kmax * b, d) (index_select: its backward would be
     index_add_, linear, where advanced indexing's is a sorted index_put_)."""
-    B, _, b, d = qf.shape
-    R = rows.numel()
-    return (qf.index_select(1, rows), kf.index_select(1, key_rows).reshape(B, R, -1, d),
-            vf.index_select(1, key_rows).reshape(B, R, -1, d))
+    B, _, b, d = t.shape
+    return t.index_select(1, key_rows).reshape(B, rows, -1, d)
 
 
 def _as_4d(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -253,23 +347,19 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
     if attn_mask is not None:
         attn_mask = _as_4d(attn_mask.to(torch.bool), n)
     pos = torch.arange(b, device=q.device)
-    outs = []
+    table = bias.table.contiguous() if isinstance(bias, RelativeBias) else None  # (H, 2n - 1): read flat per chunk
+    parts, bias_gs = [], []
     for g in plan.groups:
         R, kmax = g.cols.shape
         key_rows = (g.heads[:, None] * nb + g.cols).flatten()  # flat key block ids, kmax per row
         qpos = g.qblock[:, None] * b + pos  # (R, b)
         kpos = (g.cols[:, :, None] * b + pos).reshape(R, kmax * b)  # (R, kmax * b)
-        bias_g = None
-        if isinstance(bias, RelativeBias):
-            rel = kpos[:, None, :] - qpos[:, :, None] + bias.offset  # (R, b, kmax * b)
-            table = bias.table
-            if table.shape[0] > 1:
-                rel = rel + g.heads[:, None, None] * table.shape[1]
-            # int32: the index is saved for the table's gradient, as large as the scores
-            idx = rel.flatten().to(torch.int32 if table.numel() < 2 ** 31 else torch.int64)
-            bias_g = table.reshape(-1).index_select(0, idx).view(rel.shape)
+        rel, bias_dim = None, None
+        if table is not None:
+            rel = _RelIndex(qpos, kpos, g.heads * table.shape[1] if table.shape[0] > 1 else None, bias.offset)
         elif bias is not None:
-            bias_g = _gather_dense(bias, g, nb, b)
+            bias_gs.append(_gather_dense(bias, g, nb, b))
+            bias_dim = bias_gs[-1].dim() - 3
         allowed = g.valid.repeat_interleave(b, dim=1)[:, None, :]  # (R, 1, kmax * b)
         if causal:
             allowed = allowed & (kpos[:, None, :] <= qpos[:, :, None])
@@ -278,6 +368,6 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pl
             allowed = allowed & key_padding_mask[:, g.cols].reshape(B, R, 1, kmax * b)
         if attn_mask is not None:
             allowed = allowed & _gather_dense(attn_mask, g, nb, b)
-        outs.append(_GroupAttention.apply(qf, kf, vf, g.rows, key_rows, bias_g, allowed, scale, dropout_p))
-    out = torch.cat(outs, dim=1).index_select(1, plan.inverse)
+        parts.append(_Part(g.rows, key_rows, allowed, rel, bias_dim))
+    out = _BlockSparseAttention.apply(qf, kf, vf, table, parts, scale, dropout_p, *bias_gs)
     return out.reshape(B, H, n, d)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zero.sparse_attention.attention import SparseSelfAttention
+from lightning_zero.sparse_attention.layout_checks import check_options
 from lightning_zero.sparse_attention.layouts import SparsityConfig, make_sparsity_config
 
 IMPLEMENTATION = "lz_block_sparse"
@@ -109,7 +110,7 @@ def sparsify_causal_lm(model: Any, sparsity_config: SparsityConfig | None = None
         raise TypeError(f"sparsify_causal_lm found no GPT2Attention or LlamaAttention self-attention in "
                         f"{type(model).__name__}; for T5 use sparsify_t5_encoder.")
     heads = found[0][1].config.num_attention_heads
-    options = {**(options or {}), **more_options}
+    options = check_options(options, more_options)
     if sparsity_config is None:
         if layout in ("fixed", "variable", "bigbird", "bslongformer", "local"):
             options.setdefault("attention", "unidirectional")

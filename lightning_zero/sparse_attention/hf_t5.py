@@ -21,6 +21,7 @@ import torch
 
 from lightning_zero.sparse_attention.attention import SparseSelfAttention
 from lightning_zero.sparse_attention.block_sparse import RelativeBias
+from lightning_zero.sparse_attention.layout_checks import check_options
 from lightning_zero.sparse_attention.layouts import SparsityConfig, make_sparsity_config
 
 _HOOK_ATTR = "_lz_sparse_mask_hook"
@@ -124,7 +125,7 @@ def sparsify_t5_encoder(model: Any, sparsity_config: SparsityConfig | None = Non
     the model (``options={...}``, the recipe's ``model.sparse.options``, and keywords merge). Calling it again
     replaces the layout.
     """
-    options = {**(options or {}), **more_options}
+    options = check_options(options, more_options)
     from transformers.models.t5.modeling_t5 import T5Attention, T5Stack
 
     encoder = model if isinstance(model, T5Stack) else getattr(model, "encoder", None)
@@ -156,4 +157,18 @@ def is_sparse(model: Any) -> bool:
     return any(isinstance(m, SparseT5Attention) for m in enc.modules())
 
 
-__all__ = ["SparseT5Attention", "sparsify_t5_encoder", "is_sparse"]
+def describe_sparse(model: Any) -> str | None:
+    """What a run's summary says about the encoder's attention: None when no layer is sparse, else how many
+    layers and with which layout (the first swapped layer's; ``sparsify_t5_encoder`` gives all the same)."""
+    enc = getattr(model, "encoder", model)
+    attns = [m for m in enc.modules() if isinstance(m, SparseT5Attention)]
+    if not attns:
+        return None
+    total = len(getattr(enc, "block", attns))  # one self-attention per encoder block
+    sparse = attns[0].sparse
+    pad = "padded to the block" if sparse.pad_to_block else "lengths must be multiples of the block"
+    return (f"block-sparse encoder self-attention in {len(attns)} of {total} layers: "
+            f"{sparse.sparsity_config.describe()}; {pad}")
+
+
+__all__ = ["SparseT5Attention", "sparsify_t5_encoder", "is_sparse", "describe_sparse"]

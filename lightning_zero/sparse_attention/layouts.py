@@ -8,41 +8,32 @@ own layout), and ``make_layout`` returns a bool tensor (DeepSpeed: int64 0/1).
 A layout is ``(num_heads, num_blocks, num_blocks)``: entry ``[h, i, j]`` says the queries of block ``i`` in
 head ``h`` see the keys of block ``j``. Blocks only; the causal mask inside a diagonal block is the
 attention's ``causal`` flag (DeepSpeed applied it through ``attn_mask``).
+
+Every knob is checked when the config is built (``layout_checks.py``): DeepSpeed took a negative count, a
+string flag or a negative index as given.
+
+[Note: counts past a short sequence] A sliding window, a random-block count or BigBird's global count larger
+than the blocks of the sequence covers the whole sequence here; DeepSpeed raised, which with dynamic padding
+(a batch as long as its longest input, the recipe's) stopped a run mid-epoch at the first short batch. At
+every length where DeepSpeed made a layout the layouts are the same.
 """
 from __future__ import annotations
 
 import torch
 
-ATTENTION_KINDS = ("bidirectional", "unidirectional")
-
-
-def _check_attention(attention: str) -> None:
-    if attention not in ATTENTION_KINDS:
-        raise ValueError(f"attention={attention!r}: allowed {', '.join(map(repr, ATTENTION_KINDS))}.")
-
-
-def _check_global_ranges(starts, ends) -> None:
-    if ends is None:
-        return
-    if len(starts) != len(ends):
-        raise ValueError(f"global_block_indices has {len(starts)} entries but global_block_end_indices "
-                         f"{len(ends)}: give one end per start.")
-    for s, e in zip(starts, ends):
-        if s >= e:
-            raise ValueError(f"global block start index {s} must be smaller than its end index {e}.")
+from lightning_zero.sparse_attention.layout_checks import (check_attention, check_flag, check_global_ranges,
+                                                           check_horizontal, check_int, check_int_list)
 
 
 class SparsityConfig:
     """Shared part of every layout: the head count, the block size and whether heads differ."""
 
     def __init__(self, num_heads: int, block: int = 16, different_layout_per_head: bool = False, seed: int = 0):
-        if num_heads < 1 or block < 1:
-            raise ValueError(f"num_heads={num_heads}, block={block}: both must be >= 1.")
-        self.num_heads = num_heads
-        self.block = block
-        self.different_layout_per_head = different_layout_per_head
-        self.num_layout_heads = num_heads if different_layout_per_head else 1
-        self.seed = seed
+        self.num_heads = check_int("num_heads", num_heads, 1)
+        self.block = check_int("block", block, 1)
+        self.different_layout_per_head = check_flag("different_layout_per_head", different_layout_per_head)
+        self.num_layout_heads = self.num_heads if different_layout_per_head else 1
+        self.seed = check_int("seed", seed, 0)
 
     def setup_layout(self, seq_len: int) -> torch.Tensor:
         if seq_len % self.block != 0:
@@ -72,6 +63,13 @@ class SparsityConfig:
     def head_layout(self, h: int, layout: torch.Tensor, gen: torch.Generator) -> None:  # pragma: no cover
         raise NotImplementedError
 
+    def describe(self) -> str:
+        """One line for a run's summary: the layout's name, its block and every option it was built with."""
+        name = next((k for k, cls in LAYOUTS.items() if type(self) is cls), type(self).__name__)
+        opts = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
+                         if k not in ("num_heads", "block", "num_layout_heads"))
+        return f"{name} layout, block {self.block}" + (f" ({opts})" if opts else "")
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "num_layout_heads")
         return f"{type(self).__name__}({fields})"
@@ -95,12 +93,14 @@ class FixedSparsityConfig(SparsityConfig):
                  horizontal_global_attention: bool = False, num_different_global_patterns: int = 1,
                  seed: int = 0):
         super().__init__(num_heads, block, different_layout_per_head, seed)
+        check_int("num_local_blocks", num_local_blocks, 1)
+        check_int("num_global_blocks", num_global_blocks, 1)
         if num_local_blocks % num_global_blocks != 0:
             raise ValueError(f"num_local_blocks={num_local_blocks} must be a multiple of "
                              f"num_global_blocks={num_global_blocks}.")
-        _check_attention(attention)
-        if attention != "bidirectional" and horizontal_global_attention:
-            raise ValueError("horizontal_global_attention=True needs attention='bidirectional'.")
+        check_attention(attention)
+        check_horizontal(horizontal_global_attention, attention)
+        check_int("num_different_global_patterns", num_different_global_patterns, 1)
         if num_different_global_patterns > 1 and not different_layout_per_head:
             raise ValueError(f"num_different_global_patterns={num_different_global_patterns} needs "
                              "different_layout_per_head=True (one layout is shared by all heads otherwise).")
@@ -131,7 +131,7 @@ class FixedSparsityConfig(SparsityConfig):
             if self.horizontal_global_attention:
                 layout[h, i:i + self.num_global_blocks, :] = True
         if end < nb:  # a short last window still gets its global blocks
-            start = min(end + first, nb - self.num_global_blocks)
+            start = max(0, min(end + first, nb - self.num_global_blocks))  # a sequence shorter than them: 0
             stop = start + self.num_global_blocks
             first_row = 0 if self.attention == "bidirectional" else start
             layout[h, first_row:, start:stop] = True
@@ -152,24 +152,16 @@ class VariableSparsityConfig(SparsityConfig):
                  global_block_end_indices=None, attention: str = "bidirectional",
                  horizontal_global_attention: bool = False, seed: int = 0):
         super().__init__(num_heads, block, different_layout_per_head, seed)
-        _check_global_ranges(global_block_indices, global_block_end_indices)
-        _check_attention(attention)
-        if attention != "bidirectional" and horizontal_global_attention:
-            raise ValueError("horizontal_global_attention=True needs attention='bidirectional'.")
-        if not local_window_blocks or min(local_window_blocks) < 1:
-            raise ValueError(f"local_window_blocks={list(local_window_blocks)}: give one or more sizes >= 1.")
-        self.num_random_blocks = num_random_blocks
-        self.local_window_blocks = list(local_window_blocks)
-        self.global_block_indices = list(global_block_indices)
-        self.global_block_end_indices = None if global_block_end_indices is None else list(global_block_end_indices)
-        self.attention = attention
-        self.horizontal_global_attention = horizontal_global_attention
+        self.num_random_blocks = check_int("num_random_blocks", num_random_blocks, 0)
+        self.local_window_blocks = check_int_list("local_window_blocks", local_window_blocks, 1, empty=False)
+        self.global_block_indices = check_int_list("global_block_indices", global_block_indices, 0, empty=True)
+        self.global_block_end_indices = check_global_ranges(self.global_block_indices, global_block_end_indices)
+        self.attention = check_attention(attention)
+        self.horizontal_global_attention = check_horizontal(horizontal_global_attention, attention)
 
     def set_random_layout(self, h: int, layout: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         nb = layout.shape[1]
-        if nb < self.num_random_blocks:
-            raise ValueError(f"num_random_blocks={self.num_random_blocks} exceeds the {nb} blocks of a row.")
-        if self.num_random_blocks:
+        if self.num_random_blocks:  # more than the row has: the whole row ([Note: counts past a short sequence])
             for row in range(nb):
                 layout[h, row, torch.randperm(nb, generator=gen)[:self.num_random_blocks]] = True
         return layout
@@ -208,10 +200,9 @@ class VariableSparsityConfig(SparsityConfig):
 
 
 def _sliding_window(layout: torch.Tensor, h: int, window: int, causal: bool = False) -> torch.Tensor:
+    # a window wider than the sequence covers all of it ([Note: counts past a short sequence]); an even window
+    # reaches window // 2 blocks each side, as DeepSpeed's (window 4 covers 5 blocks)
     nb = layout.shape[1]
-    if nb < window:
-        raise ValueError(f"num_sliding_window_blocks={window} exceeds the {nb} blocks of the sequence: use a "
-                         "longer sequence or a smaller window.")
     w = window // 2
     for row in range(nb):
         layout[h, row, max(0, row - w):(row + 1 if causal else min(row + w + 1, nb))] = True
@@ -225,17 +216,14 @@ class BigBirdSparsityConfig(SparsityConfig):
                  num_random_blocks: int = 1, num_sliding_window_blocks: int = 3, num_global_blocks: int = 1,
                  attention: str = "bidirectional", seed: int = 0):
         super().__init__(num_heads, block, different_layout_per_head, seed)
-        _check_attention(attention)
-        self.num_random_blocks = num_random_blocks
-        self.num_sliding_window_blocks = num_sliding_window_blocks
-        self.num_global_blocks = num_global_blocks
-        self.attention = attention
+        self.num_random_blocks = check_int("num_random_blocks", num_random_blocks, 0)
+        self.num_sliding_window_blocks = check_int("num_sliding_window_blocks", num_sliding_window_blocks, 1)
+        self.num_global_blocks = check_int("num_global_blocks", num_global_blocks, 1)
+        self.attention = check_attention(attention)
 
     def set_random_layout(self, h: int, layout: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         nb = layout.shape[1]
-        if nb < self.num_random_blocks:
-            raise ValueError(f"num_random_blocks={self.num_random_blocks} exceeds the {nb} blocks of a row.")
-        for row in range(nb):
+        for row in range(nb):  # more than a row has: the whole row ([Note: counts past a short sequence])
             span = nb if self.attention == "bidirectional" else row + 1
             layout[h, row, torch.randperm(span, generator=gen)[:self.num_random_blocks]] = True
         return layout
@@ -244,10 +232,7 @@ class BigBirdSparsityConfig(SparsityConfig):
         return _sliding_window(layout, h, self.num_sliding_window_blocks)
 
     def set_global_layout_itc(self, h: int, layout: torch.Tensor) -> torch.Tensor:
-        nb = layout.shape[1]
-        if nb < self.num_global_blocks:
-            raise ValueError(f"num_global_blocks={self.num_global_blocks} exceeds the {nb} blocks of a row.")
-        layout[h, :self.num_global_blocks, :] = True
+        layout[h, :self.num_global_blocks, :] = True  # past a short sequence: all of it
         layout[h, :, :self.num_global_blocks] = True
         if self.attention == "unidirectional":
             layout[h] = torch.tril(layout[h])
@@ -266,12 +251,10 @@ class BSLongformerSparsityConfig(SparsityConfig):
                  num_sliding_window_blocks: int = 3, global_block_indices=(0,), global_block_end_indices=None,
                  attention: str = "bidirectional", seed: int = 0):
         super().__init__(num_heads, block, different_layout_per_head, seed)
-        _check_global_ranges(global_block_indices, global_block_end_indices)
-        _check_attention(attention)
-        self.num_sliding_window_blocks = num_sliding_window_blocks
-        self.global_block_indices = list(global_block_indices)
-        self.global_block_end_indices = None if global_block_end_indices is None else list(global_block_end_indices)
-        self.attention = attention
+        self.num_sliding_window_blocks = check_int("num_sliding_window_blocks", num_sliding_window_blocks, 1)
+        self.global_block_indices = check_int_list("global_block_indices", global_block_indices, 0, empty=True)
+        self.global_block_end_indices = check_global_ranges(self.global_block_indices, global_block_end_indices)
+        self.attention = check_attention(attention)
 
     def set_sliding_window_layout(self, h: int, layout: torch.Tensor) -> torch.Tensor:
         return _sliding_window(layout, h, self.num_sliding_window_blocks)
@@ -298,9 +281,8 @@ class LocalSlidingWindowSparsityConfig(SparsityConfig):
     def __init__(self, num_heads: int, block: int = 16, num_sliding_window_blocks: int = 3,
                  attention: str = "unidirectional", seed: int = 0):
         super().__init__(num_heads, block, False, seed)
-        _check_attention(attention)
-        self.num_sliding_window_blocks = num_sliding_window_blocks
-        self.attention = attention
+        self.num_sliding_window_blocks = check_int("num_sliding_window_blocks", num_sliding_window_blocks, 1)
+        self.attention = check_attention(attention)
 
     def make_layout(self, seq_len: int) -> torch.Tensor:
         layout = self.setup_layout(seq_len)
@@ -315,7 +297,7 @@ LAYOUTS = {"dense": DenseSparsityConfig, "fixed": FixedSparsityConfig, "variable
 
 def make_sparsity_config(layout: str, num_heads: int, block: int = 16, **options) -> SparsityConfig:
     """A layout by name (``model.sparse.layout`` in the recipe); unknown names and options are refused."""
-    if layout not in LAYOUTS:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"sparse layout {layout!r}: allowed {', '.join(LAYOUTS)}.")
     cls = LAYOUTS[layout]
     try:
