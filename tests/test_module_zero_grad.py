@@ -18,31 +18,18 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import lightning_zero  # noqa: F401  (registers the zero* strategy names)
 from lightning_zero import ZeroStrategy
+from tests.helpers.gan import DATA, LATENT, FabricGan, RealData, mlp
 from tests.helpers.lightning_models import _params, load_rank_files, trainer_kwargs
 
 RTOL, ATOL = 1e-5, 1e-6
-LATENT, DATA = 4, 6
 STAGE3 = dict(stage=3, unit_classes=["Sequential"], persist_numel=0)
 PRESETS = {"zero1": dict(stage=1), "zero2": dict(stage=2), "zero3": STAGE3,
            "zero3_offload": dict(STAGE3, offload_optimizer=True, offload_params=True, offload_kernel="user"),
            "zero2_hybrid": dict(stage=2, shard_group_size=1)}  # shards of 1 rank, replicated across 2
-
-
-class RealData(Dataset):
-    def __len__(self) -> int:
-        return 16
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(31 * i + 5)
-        return torch.randn(DATA, generator=g) * 0.5 + 1.0
-
-
-def mlp(i: int, o: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(i, 8), nn.Tanh(), nn.Linear(8, o))
 
 
 class ClearingGan(pl.LightningModule):
@@ -195,20 +182,6 @@ def test_routed_modules_copy_as_their_own_class_and_are_restored():
 
     for res in run_distributed(_routes_on_plain_engine, 2):
         assert res == dict(routed=True, copy=True, pickled=True, cleared=True, restored=True), res
-
-
-class FabricGan(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.gen, self.disc = mlp(LATENT, DATA), mlp(DATA, 1)
-
-    def forward(self, z, real, phase: str):
-        if phase == "g":
-            return F.softplus(-self.disc(self.gen(z))).mean()
-        with torch.no_grad():
-            fake = self.gen(z)
-        return F.softplus(-self.disc(real)).mean() + F.softplus(self.disc(fake)).mean()
 
 
 def _fabric_gan(rank, world_size, names):

@@ -20,30 +20,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import lightning_zero  # noqa: F401  (registers the zero* strategy names)
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
 from tests.helpers.lightning_models import ParityModule, _params, load_rank_files, trainer_kwargs
+from tests.helpers.gan import DATA, LATENT, FabricGan, RealData, mlp
 from tests.helpers.models import make_model
 
 RTOL, ATOL = 1e-5, 1e-6
-LATENT, DATA = 4, 6
-
-
-class RealData(Dataset):
-    def __len__(self) -> int:
-        return 16
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(31 * i + 5)
-        return torch.randn(DATA, generator=g) * 0.5 + 1.0
-
-
-def mlp(i: int, o: int) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(i, 8), nn.Tanh(), nn.Linear(8, o))
-
-
 class Gan(pl.LightningModule):
     """``single=True``: one optimizer over both nets (manual optimization with ONE optimizer)."""
 
@@ -318,27 +303,6 @@ def test_gan_zero_grad_at_one_device_matches_ddp(tmp_path):
     _compare(got, ref)
 
 
-class FabricGan(nn.Module):
-    """One forward per backward (what DDP needs): the generator's loss, or the discriminator's on a detached
-    fake; ``extra`` joins the discriminator's optimizer later through Fabric's optimizer wrapper."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.gen, self.disc, self.extra = mlp(LATENT, DATA), mlp(DATA, 1), nn.Linear(1, 1)
-        self.added = False
-
-    def _disc(self, x):
-        return self.extra(self.disc(x)) if self.added else self.disc(x)
-
-    def forward(self, z, real, phase: str):
-        if phase == "g":
-            return F.softplus(-self._disc(self.gen(z))).mean()
-        with torch.no_grad():
-            fake = self.gen(z)
-        return F.softplus(-self._disc(real)).mean() + F.softplus(self._disc(fake)).mean()
-
-
 def _fabric_gan(rank, world_size, strategies):
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import DDPStrategy as FabricDDP
@@ -351,7 +315,7 @@ def _fabric_gan(rank, world_size, strategies):
             **dict(STAGE3 if name == "zero3" else dict(stage=int(name[-1]))))
         fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
         fabric.launch()
-        module = FabricGan()
+        module = FabricGan(extra=True)
         g_opt = torch.optim.Adam(module.gen.parameters(), lr=0.02, betas=(0.5, 0.9))
         d_opt = torch.optim.SGD(module.disc.parameters(), lr=0.05, momentum=0.9)
         model, g_opt, d_opt = fabric.setup(module, g_opt, d_opt)
@@ -387,6 +351,6 @@ def test_fabric_gan_zero_grad_and_add_param_group_match_fabric_ddp():
     names = ["ddp", "zero0", "zero1", "zero2", "zero3"]
     for rank, res in enumerate(run_distributed(_fabric_gan, 2, names)):
         ref = res["ddp"]
-        assert not torch.equal(ref["params"]["extra.weight"], FabricGan().extra.weight.detach())
+        assert not torch.equal(ref["params"]["extra.weight"], FabricGan(extra=True).extra.weight.detach())
         for name in names[1:]:
             _compare([res[name]], [ref])

@@ -124,7 +124,7 @@ RECIPE_BAD = [
     (["model.sparse.layout=bigbird", "+model.sparse.options.num_global_blocks=0"], rf"=0: {INT1}"),
     (["model.sparse.layout=fixed", "+model.sparse.options.num_global_blocks=0"], rf"=0: {INT1}"),
     (["model.sparse.layout=variable", "+model.sparse.options.local_window_blocks=[]"], r"one or more"),
-    (["model.sparse.block=0"], rf"block=0: {INT1}"),
+    (["model.sparse.block=0"], r"model.sparse.block=0 \(allowed: an int >= 1\)"),  # the recipe's range table, first
     (["model.sparse.layout=longformer"], r"allowed dense, fixed, variable, bigbird, bslongformer, local"),
     (["+model.sparse.options.num_local_blocks=4"], r"allowed options: .*num_sliding_window_blocks"),
     (["model.attention=flash"], r"model.attention='flash': allowed dense, sparse"),
