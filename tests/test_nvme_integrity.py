@@ -104,7 +104,7 @@ def test_a_damaged_scratch_file_at_one_rank(tmp_path, stage, kind, how):
 def test_a_damaged_scratch_file_on_one_of_two_ranks_stops_both_with_its_error(tmp_path, stage, kind, how):
     first, second = run_distributed(_run, 2, str(tmp_path), stage, kind, how, 1)
     assert first[1] is not None and first[1] == second[1], (first, second)
-    assert f"on rank 1, scratch file " in first[1] and f"lightning_zero-{kind}-rank1-" in first[1], first[1]
+    assert "on rank 1, scratch file " in first[1] and f"lightning_zero-{kind}-rank1-" in first[1], first[1]
     assert re.search(DAMAGE[how], first[1]), first[1]
     assert len(first[0]) == len(second[0]) == 2
     assert swap_files(str(tmp_path)) == []

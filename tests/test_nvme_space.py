@@ -126,7 +126,7 @@ def test_a_killed_runs_files_are_reclaimed_by_the_next_run_and_nothing_else(tmp_
             model, engine = _engine(_config(scratch, stage=3))
         assert _of(scratch, killed.pid) == sorted([held, other_host])  # the dead run's own two are gone
         assert len(_of(scratch, live.pid)) == 2 and os.path.exists(os.path.join(scratch, "notes.swap"))
-        assert sum(f"a scratch file left by a process of this host that no longer exists" in r.getMessage()
+        assert sum("a scratch file left by a process of this host that no longer exists" in r.getMessage()
                    for r in caplog.records) == 2
         model(torch.randn(2, 64)).backward()
         engine.step()  # the run trains on the reclaimed space

@@ -45,8 +45,8 @@ def nvme_ring_line(rows: list[Row], info: ModelInfo, bucket_mb: float) -> str:
     pays = nvme_pays_from(info, bucket_mb)
     verdict = ("saves at least half of them here" if info.trainable >= pays else
                f"saves {'little' if info.trainable * 2 >= pays else 'nothing'} here")
-    return (f"NVMe host ring/rank (in host/rank): the optimizer's step streams its masters + state through 3 "
-            f"buffers of one bucket each: " + "; ".join(parts) + f". NVMe offload {verdict}: it holds at most half "
+    return ("NVMe host ring/rank (in host/rank): the optimizer's step streams its masters + state through 3 "
+            "buffers of one bucket each: " + "; ".join(parts) + f". NVMe offload {verdict}: it holds at most half "
             f"of them from about {pays / 1e6:.1f}M trainable parameters (6 x max(bucket {bucket_mb:g} MiB / 4 B, "
             f"the largest parameter {info.largest_param / 1e6:.1f}M" + (f", stage 3's largest unit "
                                                                          f"{info.largest_unit / 1e6:.1f}M"

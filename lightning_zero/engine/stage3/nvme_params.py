@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
