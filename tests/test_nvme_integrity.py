@@ -6,6 +6,8 @@ Mid-run, after step 2, a scratch file is truncated, overwritten with 0xFF, or de
 * truncated or overwritten: the next step raises one error on every rank, the same words, naming the damaged
   file and what is wrong with it; through the Trainer (the registered ``*_offload_nvme`` presets, default
   arguments) no checkpoint is saved after the damage;
+* overwritten, then a checkpoint saved: the save reads every shard back, and the damaged rank's error is
+  raised on every rank before the save's collectives (no checkpoint directory is written);
 * deleted: the run holds the file open, so the bytes are still its own: it trains on exactly the numbers of
   an untouched run and tears down cleanly;
 * the checksum map itself: a rewrite of one parameter's slice keeps the other slices verified; a write that
@@ -191,3 +193,38 @@ def test_a_slice_rewritten_in_its_own_block_keeps_the_others_verified():
     sums.forget_from(1150)
     sums.verify(memoryview(region)[100:150], 1100, "f")
     assert len(sums) == 2
+
+
+def _save_after_damage(rank, world_size, path, ckpt, stage, kind):
+    """Two steps, then rank 1's ``kind`` file overwritten, then a checkpoint save on every rank (a whole view
+    reads every shard back): the error must reach every rank, not only the one whose read failed."""
+    from lightning_zero.checkpoint import save_engine_checkpoint
+
+    model, engine = _engine(path, stage)
+    for step in range(2):
+        model(torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank))).backward()
+        engine.step()
+    if rank == 1:
+        damage(scratch_of(path, kind, rank), "overwrite")
+    try:
+        save_engine_checkpoint(ckpt, model, engine)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    engine.remove(hand_back=False)
+    return error
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage,kind", CASES)
+def test_a_damaged_scratch_file_stops_a_checkpoint_save_on_every_rank(tmp_path, stage, kind):
+    path, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    path.mkdir()
+    errors = run_distributed(_save_after_damage, 2, str(path), str(ckpt), stage, kind)
+    knob = "offload_params" if kind == "params" else "offload_optimizer"
+    for error in errors:
+        assert error is not None and f"{knob}='nvme': on rank 1, scratch file " in error, errors
+        assert re.search(DAMAGE["overwrite"], error) and "nothing was saved" in error, error
+    assert errors[0] == errors[1]
+    assert not ckpt.exists()  # no checkpoint directory with damaged numbers in it
+    assert swap_files(str(path)) == []

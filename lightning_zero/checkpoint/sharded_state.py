@@ -95,6 +95,8 @@ def _managed(engine) -> dict[str, tuple[torch.Tensor, Any, torch.Size]]:
 def sharded_model_state(module: nn.Module, engine=None, group=None) -> dict[str, torch.Tensor]:
     """Model tensors for DCP: fp32 masters (flattened, DTensor-sharded on stages >= 1) + buffers/frozen.
     ``group``: the sub-group the engine shards over, when not the default group (pipeline stages)."""
+    if engine is not None:  # NVMe: a damaged read stops every rank here, not one rank inside the save
+        engine.make_states_resident()
     managed = _managed(engine)
     canonical, _ = _canonical(module)
     entry = _entry_fn(engine, module, group)
@@ -114,6 +116,7 @@ def _entry_fn(engine, module: nn.Module, group=None):
 def sharded_optimizer_state(engine, optimizer=None, group=None) -> dict[str, Any]:
     """Optimizer state keyed by parameter name: per-element tensors flattened like the masters.
     ``optimizer``: which of the engine's optimizers (default: the first); ``group``: as for the model."""
+    engine.make_states_resident()  # as sharded_model_state: every save takes this first or second
     name_of = {id(m): (n, spec) for n, (m, spec, _) in _managed(engine).items()}
     opt = engine.optimizer if optimizer is None else optimizer
     entry = _entry_fn(engine, engine.module, group)

@@ -34,7 +34,7 @@ from .config import ZeroConfig
 from .engine_state import EngineMode, StepCounters
 from .memory import MemoryReport, measure_model_states
 from .groups import engine_groups, tensor_parallel_mesh
-from .nvme_states import raise_if_any_rank_failed
+from .nvme_states import make_resident_on_every_rank, raise_if_any_rank_failed
 from .optimizer import ShardedOptimizer
 from .publish import PublishQueue, publish_chunk, publish_masters
 from .comm_report import CommReport, StepTraffic
@@ -314,6 +314,16 @@ class ZeroEngine:
                                  self.params[0].device if self.params else None)
         if params_store is not None:
             params_store.failure = None
+
+    def make_states_resident(self) -> None:
+        """NVMe offload, before a whole view every rank takes (checkpoint saves): masters, optimizer state and
+        stage 3's shards read back, any rank's failed read one error on all ([Note: verified scratch reads]).
+        Collective under NVMe offload (every rank's config says so alike); nothing otherwise."""
+        params_store = self.partitioner.nvme if self.partitions_params else None
+        if self.config.offload_optimizer != "nvme" and params_store is None:
+            return
+        make_resident_on_every_rank([s.nvme for s in self.shardeds] + [params_store], self.group,
+                                    self.params[0].device if self.params else None)
 
     def publish_params(self, optimizer=None, streamed: bool = True) -> None:
         """Copy the updated masters into the module's parameters, as the plan publishes (publish.py).

@@ -386,6 +386,22 @@ class NvmeStates:
 STEP_LOST = "this step's update is lost, the checkpoints already saved are intact"
 
 
+def make_resident_on_every_rank(stores: list, group=None, device: Optional[torch.device] = None) -> None:
+    """Before a whole view every rank takes (a checkpoint's save): every store read back into memory, and a
+    read that failed or was damaged on one rank stops every rank with its error, through the step's one
+    agreement, instead of that rank raising alone while its peers enter the save's collectives without it.
+    ``stores``: NvmeStates and stage 3's NvmeParams (None skipped). Collective over ``group``."""
+    for s in stores:
+        if s is None:
+            continue
+        try:
+            s.make_resident()
+        except OSError as e:  # ScratchDamaged included
+            if s.failure is None:
+                s.failure = io_failure("read back for a whole view", s.file.path, e)
+    raise_if_any_rank_failed(stores, group, device, lost="nothing was saved")
+
+
 def raise_if_any_rank_failed(states: list, group=None, device: Optional[torch.device] = None,
                              lost: str = STEP_LOST) -> None:
     """After an NVMe step: one agreement over ``group`` (a 1-element all-reduce on ``device``, the compute

@@ -53,6 +53,8 @@ class TrainerCheckpoints:
         is Lightning's own ``lightning_module_state_dict``)."""
         if self.sharded:
             return sharded_model_state(module, engine)
+        if engine is not None:  # NVMe: a damaged read stops every rank, not one rank inside the save
+            engine.make_states_resident()
         if engine is not None and engine.partitions_params:  # stage 3: nothing is whole in the module
             with engine.gathered_params():
                 state = {k: v.clone() for k, v in lightning_state().items()}
