@@ -14,18 +14,18 @@ resized to 0 bytes, as FSDP frees unsharded parameters); during the step::
     writer thread:  write chunk k-1 from its slot                 (os.pwritev)
 
 so a step costs about max(read + write, compute) per chunk and the host memory these states take is the ring
-(:attr:`NvmeStates.ring_bytes`): ``nvme_buffer_count`` slots, slot j sized to the largest of the chunks j, j +
-B, ... it holds, so the ring follows the states it streams -- never more than they are (fewer chunks than slots:
-one slot each), and far less when they are many buckets. A chunk is a whole bucket, and a master a whole
+(:attr:`NvmeStates.ring_bytes`): ``nvme_buffer_count`` slots, slot j sized to the largest of the chunks
+j, j + B, ... it holds, so the ring follows the states it streams -- never more than they are (fewer chunks than
+slots: one slot each), and far less when they are many buckets. A chunk is a whole bucket, and a master a whole
 parameter's slice: a model whose states are a few buckets, or one parameter (a large vocabulary's embedding),
 has a ring about as large as its states and NVMe saves it no host memory; the first step says so
 (docs/nvme_offload.md, "From which size NVMe pays"). The first step's optimizer creates its state tensors in
 ordinary memory; they are copied into the slot before the write and freed. Anything else that reads the masters
 or the state (checkpoints, whole-model views, the consolidated optimizer state) first calls
 :meth:`NvmeStates.make_resident`, which reads every chunk back into memory of its own; the next step streams it
-out again. Every read is whole and checked against the CRC32s of what this run wrote ([Note: verified scratch
-reads], nvme_checksums.py): a damaged file is an I/O failure of the step like a failed read, raised on every
-rank by :func:`raise_if_any_rank_failed`.
+out again. Every read is whole and checked against the CRC32s of what this run wrote
+([Note: verified scratch reads], nvme_checksums.py): a damaged file is an I/O failure of the step like a failed
+read, raised on every rank by :func:`raise_if_any_rank_failed`.
 
 [Note: NVMe states outlive teardown]
 A finished fit keeps its engine so that ``trainer.save_checkpoint`` after it writes the optimizer state
