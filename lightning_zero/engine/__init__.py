@@ -5,7 +5,8 @@ from .config import STAGES, ZeroConfig, parse_dtype
 from .engine import ZeroEngine
 from .engine_state import EngineMode, StepCounters
 from .loss_scaler import DynamicLossScaler, LossScalerError, StaticLossScaler
-from .memory import MemoryReport, model_state_floor
+from .memory import model_state_floor
+from .memory_report import MemoryReport
 from .optimizer import check_shardable, register_shardable_optimizer
 from .sharding import ShardSpec
 

@@ -32,7 +32,7 @@ from .activations import ActivationMemory, activation_memory
 from .stage3.deferred_init import compute_device, has_meta_params
 from .config import ZeroConfig
 from .engine_state import EngineMode, StepCounters
-from .memory import MemoryReport, measure_model_states
+from .memory_report import MemoryReport, measure_model_states
 from .groups import engine_groups, tensor_parallel_mesh
 from .nvme_states import make_resident_on_every_rank, raise_if_any_rank_failed
 from .optimizer import ShardedOptimizer

@@ -29,8 +29,10 @@ whole at the end (``ZeroEngine.partitions_params`` turns False then); the plan s
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from .placement import Placement
 
 
 class Publish(enum.Enum):
@@ -48,18 +50,22 @@ class ShardingPlan:
     publish: Publish
     overlap_publish: bool = False
     separate_masters: bool = False
+    # where each kind of state lives ([Note: placement], placement.py): every part asks this, not the knobs
+    placement: Placement = field(default_factory=Placement)
 
     @classmethod
     def of(cls, config: Any) -> "ShardingPlan":
         """The plan of a validated :class:`~.config.ZeroConfig` (its combinations are checked there)."""
         return cls.for_stage(config.stage, overlap_publish=config.overlap_publish,
-                             quantize_weights=config.quantize_weights)
+                             quantize_weights=config.quantize_weights,
+                             placement=Placement.of(config, shards_params=config.stage == 3))
 
     @classmethod
-    def for_stage(cls, stage: int, overlap_publish: bool = False, quantize_weights: bool = False) -> "ShardingPlan":
+    def for_stage(cls, stage: int, overlap_publish: bool = False, quantize_weights: bool = False,
+                  placement: Placement = Placement()) -> "ShardingPlan":
         """The stage's row of the table in [Note: sharding plan] (also for the estimator's what-if rows)."""
         publish = Publish.COPY if stage == 0 else Publish.UNIT_SHARDS if stage == 3 else Publish.ALL_GATHER
         gathers = publish is Publish.ALL_GATHER
         return cls(stage=stage, shards_optimizer_state=stage >= 1, shards_grads=stage >= 2,
                    shards_params=stage == 3, publish=publish, overlap_publish=overlap_publish and gathers,
-                   separate_masters=quantize_weights and gathers)
+                   separate_masters=quantize_weights and gathers, placement=placement)

@@ -98,7 +98,7 @@ def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: in
                       state_bytes: int = 8, accumulating: bool = True) -> dict[str, float]:
     """Bytes of params, grads, master and optimizer state one rank holds, and how many are on the host.
 
-    Same kinds as :class:`~lightning_zero.engine.memory.MemoryReport` (``grads`` here includes the reduced
+    Same kinds as :class:`~lightning_zero.engine.memory_report.MemoryReport` (``grads`` here includes the reduced
     shards), measured after a backward. ``accumulating``: gradient accumulation (``no_sync``), where stage
     1 keeps full gradients (the stage-1 floor); without it stage 1 reduces each bucket during backward and
     holds gradient shards, like stage 2.
