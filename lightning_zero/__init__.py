@@ -22,10 +22,10 @@ from typing import Any
 _PUBLIC = {
     "DeepSpeedConfigError": ".tools.deepspeed_auto",
     "DeepSpeedWarmupLR": ".tools.deepspeed_schedule",
-    "DynamicLossScaler": ".engine.loss_scaler",
-    "LossScalerError": ".engine.loss_scaler",
+    "DynamicLossScaler": ".engine.optim.loss_scaler",
+    "LossScalerError": ".engine.optim.loss_scaler",
     "RankDivergenceError": ".engine.stage3.join",
-    "StaticLossScaler": ".engine.loss_scaler",
+    "StaticLossScaler": ".engine.optim.loss_scaler",
     "ZeroBatchSizeFinder": ".lightning.batch_size_finder",
     "ZeroCheckpointIO": ".lightning.checkpoint_io",
     "ZeroConfig": ".engine.config",
@@ -38,10 +38,10 @@ _PUBLIC = {
     "estimate_model_states": ".tools.estimate",
     "from_deepspeed_config": ".tools.deepspeed_config",
     "load_pretrained": ".engine.stage3.pretrained",
-    "model_state_floor": ".engine.memory",
-    "register_shardable_optimizer": ".engine.optimizer",
-    "OneBitAdam": ".engine.onebit",
-    "ZeroOneAdam": ".engine.onebit",
+    "model_state_floor": ".engine.memory.floors",
+    "register_shardable_optimizer": ".engine.optim.optimizer",
+    "OneBitAdam": ".engine.optim.onebit",
+    "ZeroOneAdam": ".engine.optim.onebit",
     "tune": ".tools.tuning.tune",
 }
 _OLD_PATHS = ("strategy", "precision")  # lightning_zero.strategy / .precision: aliases of lightning/*
