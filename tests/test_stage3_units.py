@@ -33,7 +33,7 @@ def test_unit_and_order_moves_are_checked():
 
 
 def test_unit_gradient_buckets_in_backward_order_with_their_shard_views():
-    from lightning_zero.engine.stage3.units import grad_buckets_for_units
+    from lightning_zero.engine.grads.bucket_table import grad_buckets_for_units
 
     model, world, rank = TiedBlocks(), 2, 1
     units = build_units(model, world, rank, unit_classes=[Block])

@@ -18,9 +18,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .buckets import Bucket, build_buckets
+from .buckets import Bucket, _make, build_buckets
 from ..comm.buffer_pool import BufferPool
-from ..stage3.units import grad_buckets_for_units
 
 
 @dataclass
@@ -93,3 +92,24 @@ class BucketMaker:
         table = BucketTable()
         table.add(rows)
         return table
+
+
+def grad_buckets_for_units(units: list, managed: list[nn.Parameter], world_size: int, rank: int):
+    """One gradient bucket per unit (its trainable, optimizer-managed parameters), in backward order.
+
+    Returns (buckets, sources, owner): ``sources[b][i]`` is the unit-shard view of bucket ``b``'s
+    parameter ``i`` (where its master comes from); ``owner[b]`` is the unit of bucket ``b``.
+    Backward runs the units in reverse forward order and the root (embeddings, tied heads) last, so the
+    buckets are the non-root units reversed, then the root: in-order launching then rarely waits.
+    """
+    wanted = {id(p) for p in managed}
+    buckets, sources, owner = [], [], []
+    for u in list(reversed(units[:-1])) + [units[-1]]:
+        params = [p for p in u.params if id(p) in wanted]
+        if not params:
+            continue
+        views = dict(zip((id(p) for p in u.params), u.local_views()))
+        buckets.append(_make(len(buckets), params, world_size, rank, True))
+        sources.append([views[id(p)] for p in params])
+        owner.append(u)
+    return buckets, sources, owner

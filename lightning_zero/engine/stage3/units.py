@@ -145,24 +145,3 @@ def _innermost_common(chains: list[list[nn.Module]]) -> Optional[nn.Module]:
         if all(id(m) in r for r in rest):
             common = m
     return common
-
-
-def grad_buckets_for_units(units: list[Unit], managed: list[nn.Parameter], world_size: int, rank: int):
-    """One gradient bucket per unit (its trainable, optimizer-managed parameters), in backward order.
-
-    Returns (buckets, sources, owner): ``sources[b][i]`` is the unit-shard view of bucket ``b``'s
-    parameter ``i`` (where its master comes from); ``owner[b]`` is the unit of bucket ``b``.
-    Backward runs the units in reverse forward order and the root (embeddings, tied heads) last, so the
-    buckets are the non-root units reversed, then the root: in-order launching then rarely waits.
-    """
-    wanted = {id(p) for p in managed}
-    buckets, sources, owner = [], [], []
-    for u in list(reversed(units[:-1])) + [units[-1]]:
-        params = [p for p in u.params if id(p) in wanted]
-        if not params:
-            continue
-        views = dict(zip((id(p) for p in u.params), u.local_views()))
-        buckets.append(_make(len(buckets), params, world_size, rank, True))
-        sources.append([views[id(p)] for p in params])
-        owner.append(u)
-    return buckets, sources, owner
