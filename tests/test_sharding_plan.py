@@ -12,7 +12,7 @@ from lightning_zero.engine.plan import Publish, ShardingPlan
 
 ENGINE_DIR = pathlib.Path(engine_pkg.__file__).parent
 # the modules that compose whole engines (a pipeline holds one per stage chunk) may name the engine module
-COMPOSERS = {"engine.py", "__init__.py", "pipeline.py"}
+COMPOSERS = {"engine.py", "__init__.py", "pipeline/pipeline_zero.py"}
 
 
 def _collaborators(composers=COMPOSERS):
