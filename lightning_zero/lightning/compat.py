@@ -12,7 +12,8 @@ members the strategies override or call (``_configure_launcher``, ``_setup_distr
 class attributes ``lightning_io.py``'s import-time wrap and ``model_summary.py``'s per-fit binding read, and the
 names outside this layer (the engine's torch privates, :data:`TORCH_CANARIES`: ``engine/`` imports nothing
 from here; the transformers tables of ``tools/export_hf.py``). ``tests/test_compat_canaries.py`` resolves
-every entry of :data:`CANARIES` and the other tables, so an upgrade that moves one fails there first,
+every entry of :data:`CANARIES` and the other tables, and the instance attributes (Fabric's wrappers', a
+LightningModule's, a callback's) on real objects it builds, so an upgrade that moves one fails there first,
 with the same message.
 """
 

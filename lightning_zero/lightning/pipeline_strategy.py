@@ -47,13 +47,13 @@ the knobs and their checks, the precision plugin, the even-inputs check, teardow
 installs a different collaborator for the rest: ZeroStrategy's hooks that decide what is trained and how a
 step runs (``setup``, the steps, ``backward``, ``optimizer_step``, ``block_backward_sync``, the end of fit,
 ``teardown``, the checkpoint hooks) hand the call to ``self.model_side``, ZeroStrategy's
-:class:`~.engine_side.EngineSide` or the pipeline's :class:`~.pipeline_side.PipelineSide`. So the pipeline
-strategy overrides only its constructor and the (P, D) layout (launcher check, sampler); before, it
-overrode 20 of ZeroStrategy's methods and inherited engine code it kept from running by holding no engine.
-Not a sibling class of a shared base: ``isinstance(strategy, ZeroStrategy)`` stays true (the batch-size
-finder's and the Tuner's refusals, users' own checks), and one class keeps every hook ZeRO answers in one
-place, where a base class would split them by which subclass happens to agree.
-``tests/test_strategy_shape.py`` counts the overrides (at most 8) and checks both sides have the same methods.
+:class:`~.engine_side.EngineSide` or the pipeline's :class:`~.pipeline_side.PipelineSide`. So this class
+overrides only its constructor and the (P, D) layout (launcher check, sampler), and no engine code of
+ZeroStrategy's sits in it, skipped only because no engine is set. Not a sibling of a shared base class:
+``isinstance(strategy, ZeroStrategy)`` stays true (the batch-size finder's and the Tuner's refusals, users'
+own checks), and every hook ZeRO answers stays in one class, where a base class would split them by which
+subclass happens to agree. ``tests/test_strategy_shape.py`` counts the overrides (at most 8) and checks that
+both sides have the same methods.
 
 Checkpoints are :meth:`PipelineZero.save`'s directory (checkpoint/pipeline_dir.py): per stage a sharded DCP
 directory written by its data-parallel group (any data-parallel size and ZeRO stage resumes), Lightning's
