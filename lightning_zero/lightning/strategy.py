@@ -15,7 +15,7 @@ installs its own (pipeline_side.py) and keeps everything else here.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Generator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Generator, Mapping, Optional, Union
 
 from ..engine.plan import ShardingPlan
 from ..engine import ZeroEngine
@@ -41,6 +41,9 @@ from .precision import ZeroPrecision
 from .strategy_args import TRAINER as TRAINER_ARGS, bind, declare
 from .zero_setup import (as_zero_precision, check_strategy_knobs, checked_weights_path, external_launcher,
                          is_whole, setup_default_group, register_presets, zero_config)
+
+if TYPE_CHECKING:
+    from .pipeline_side import PipelineSide
 
 _LIGHTNING_TYPES = dict(accelerator=Accelerator, cluster_environment=ClusterEnvironment,  # the knob -> its class
                         checkpoint_io=CheckpointIO)
@@ -68,7 +71,8 @@ class ZeroStrategy(DDPStrategy):
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config,  # None without TP
                                                        checkpoint_format)
         super().__init__(**{k: knobs[k] for k in _DDP_ARGS})
-        self.model_side: Any = EngineSide(self)  # what is trained and how a step runs (engine_side.py)
+        # what is trained and how a step runs (engine_side.py; ZeroPipelineStrategy installs its own)
+        self.model_side: Union[EngineSide, PipelineSide] = EngineSide(self)
         self._failed = False
         self.memory_summary = knobs["memory_summary"]
         self.load_weights_from = checked_weights_path(knobs["load_weights_from"])
