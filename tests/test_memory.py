@@ -64,7 +64,7 @@ def test_model_states_meet_floor(world_size, case):
 @pytest.mark.parametrize("numel", [4096, 1_000_003])  # divisible by 1, 2, 4 / by none of 2, 4
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_estimator_and_floor_are_one_model(world_size, numel):
-    """tools/estimate.py and the floors share engine/memory.py's model: with the engine's padding (< 1
+    """tools/estimate.py and the floors share engine/memory/floors.py's model: with the engine's padding (< 1
     element per rank for one tensor) as the only difference, for every preset, precision and optimizer."""
     from lightning_zero.engine.config import PRESETS
     from lightning_zero.tools.estimate import ModelInfo, model_state_bytes

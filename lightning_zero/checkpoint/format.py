@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ..engine.collectives import barrier as _barrier, rank as _rank
+from ..engine.comm.collectives import barrier as _barrier, rank as _rank
 from . import integrity, tp_state as TS, trust as TR
 from .rank_local import RANKS_KEY, error_buffer_keys, rank_local_entries, restore_rank_local
 from .trust import ConfinedReader, UntrustedCheckpointError, read_dcp_metadata

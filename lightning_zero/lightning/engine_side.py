@@ -87,7 +87,7 @@ class EngineSide:
         """overlap_publish with a callback or module hook that may read the weights between a step and the
         next forward (EMAWeightAveraging, a user's on_train_batch_end): the step completes its all-gathers
         before returning, so they see every rank's update. Lightning's own bookkeeping callbacks keep the
-        overlap (engine/publish.py)."""
+        overlap (engine/optim/publish.py)."""
         s = self.strategy
         readers = weight_readers(trainer.callbacks, s.lightning_module) if self.engine.publisher is not None else []
         s.precision_plugin.ensure_published_after_step = bool(readers)

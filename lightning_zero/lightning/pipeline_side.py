@@ -1,4 +1,4 @@
-"""PipelineSide: ZeroPipelineStrategy's model side -- one :class:`~lightning_zero.engine.pipeline.PipelineZero` per
+"""PipelineSide: ZeroPipelineStrategy's model side -- one :class:`~lightning_zero.engine.pipeline.pipeline_zero.PipelineZero` per
 fit (and one evaluation-only pipeline outside fit), driven from Lightning's hooks.
 
 It has the methods of ZeroStrategy's own model side (engine_side.py), each taking Lightning's implementation of
@@ -18,7 +18,7 @@ from typing import Any, Callable, Generator, Mapping, Optional
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..engine.pipeline import PipelineZero
+from ..engine.pipeline.pipeline_zero import PipelineZero
 from .pipeline_checkpoint_strategy import PipelineCheckpoints
 from .pipeline_chunks import chunk_optimizers, sync_hyperparameters
 from .pipeline_launcher import TRAINED_ELSEWHERE

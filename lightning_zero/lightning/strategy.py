@@ -255,7 +255,7 @@ class ZeroStrategy(DDPStrategy):
             self.memory_table = memory_report(self, self.lightning_module.trainer)
 
     # 0/1 Adam between synchronizations: validation inside fit and the model fit ends with are the ranks' mean
-    # ([Note: the ranks' own models], engine/onebit/local_models.py)
+    # ([Note: the ranks' own models], engine/optim/onebit/local_models.py)
     def on_validation_start(self) -> None:
         if self.engine is not None and self.engine.mode is EngineMode.TRAIN:
             self.engine.mean_swap.swap_in()

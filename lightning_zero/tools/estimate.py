@@ -5,7 +5,7 @@ Design note
 Three parts, each checked against a measurement (tests/test_estimate.py, docs/tuning.md):
 
 * **Model states** (params, grads, fp32 master, optimizer state) follow what :class:`ZeroEngine` really
-  allocates: the engine's one model (``engine/memory.py`` ``rank_model_states``, whose exact Psi / N case
+  allocates: the engine's one model (``engine/memory/floors.py`` ``rank_model_states``, whose exact Psi / N case
   is the model-state floors of docs/ARCHITECTURE.md) with per-parameter shards padded to a multiple of
   the world size, frozen parameters without master or state, and a master aliasing its source when
   nothing forces a copy (fp32 stages 1-2; fp32 stage 3 with offloaded params, whose host shard *is* the
@@ -34,7 +34,7 @@ from typing import Optional, Sequence, Union
 from torch import nn
 
 from ..engine.config import PRESETS
-from ..engine.memory import optimizer_state_bytes_per_param, rank_model_states
+from ..engine.memory.floors import optimizer_state_bytes_per_param, rank_model_states
 
 GiB = 2**30
 MiB = 2**20
@@ -98,12 +98,12 @@ def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: in
                       state_bytes: int = 8, accumulating: bool = True) -> dict[str, float]:
     """Bytes of params, grads, master and optimizer state one rank holds, and how many are on the host.
 
-    Same kinds as :class:`~lightning_zero.engine.memory.MemoryReport` (``grads`` here includes the reduced
+    Same kinds as :class:`~lightning_zero.engine.memory.floors.MemoryReport` (``grads`` here includes the reduced
     shards), measured after a backward. ``accumulating``: gradient accumulation (``no_sync``), where stage
     1 keeps full gradients (the stage-1 floor); without it stage 1 reduces each bucket during backward and
     holds gradient shards, like stage 2.
     ``offload``: the optimizer (master + state) on the host; at stage 3 also the parameter shards.
-    The engine's own model (:func:`~lightning_zero.engine.memory.rank_model_states`, which the floors use
+    The engine's own model (:func:`~lightning_zero.engine.memory.floors.rank_model_states`, which the floors use
     too) with the shards as the engine pads them.
     """
     return rank_model_states(
@@ -124,7 +124,7 @@ def buffer_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mi
         bucket = p * min(info.trainable, cap)
         backward = 2 * bucket + (bucket if stage == 2 or (stage == 1 and not accumulating) else 0)
         # the step all-gathers at most two buckets at a time: send + gathered buffers of each; overlapped
-        # with the next forward (engine/publish.py) every bucket is in flight until its forward: the bound
+        # with the next forward (engine/optim/publish.py) every bucket is in flight until its forward: the bound
         whole = p * (info.padded(world_size, True) * world_size + info.padded(world_size, True))
         step = 2 * (bucket + bucket / world_size) if stage >= 1 else 0
         step = whole if stage >= 1 and overlap_publish else min(step, whole)
@@ -278,7 +278,7 @@ def estimate_model_states(
             parts = t5_activation_memory(info.t5, batch_size, src_len, tgt_len, mixed, activation_checkpointing,
                                          offload_activations)
             act = float(parts["device"])
-    from ..engine.layout import ParallelDims
+    from ..engine.layout.dims import ParallelDims
 
     dims = ParallelDims(shard_group_size, tensor_parallel_size)
     dims.check(0)  # types and combinations (the table's stages are per row)

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ...engine import ZeroEngine
-from ...engine.activations import SavedBytes, measure_recompute  # noqa: F401 (SavedBytes: re-exported)
+from ...engine.memory.activations import SavedBytes, measure_recompute  # noqa: F401 (SavedBytes: re-exported)
 from ..launch import run_ranks
-from ...engine.step_bytes import engine_memory, step_device_bytes
+from ...engine.memory.step_bytes import engine_memory, step_device_bytes
 
 
 # -- runners ----------------------------------------------------------------------------------------------

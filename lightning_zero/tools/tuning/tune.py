@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 
 from ..estimate import (GiB, MiB, PRECISIONS, SETTINGS, estimate_model_states, info_from_t5, model_state_bytes,
                         t5_dims_from_config)
-from ...engine.memory import optimizer_state_bytes_per_param
+from ...engine.memory.floors import optimizer_state_bytes_per_param
 from .recipe import TuneRecipe, load_recipe
 
 # overrides the tuner decides; the user's values for them are dropped from the written file
