@@ -54,6 +54,70 @@ def test_lightning_instance_attributes():
     assert compat.is_last_batch(trainer) is False  # the evaluation loop, before its first batch
     compat.private_attr(trainer, "_checkpoint_connector", "Trainer").restore  # noqa: B018
     compat.private_attr(trainer.fit_loop, "_data_source", "_FitLoop").is_module  # noqa: B018
+    assert compat.toggled_requires_grad(module) == {}  # toggle_optimizer's saved flags (optimizers.py)
+    from lightning.pytorch.callbacks import ModelSummary
+
+    assert compat.summary_max_depth(ModelSummary(max_depth=3)) == 3  # the stage-3 summary's depth
+
+
+def _rename(attrs: dict, name: str) -> None:
+    """As if Lightning renamed the instance attribute ``name`` (``attrs``: where the object keeps it)."""
+    attrs[name + "_renamed"] = attrs.pop(name)
+
+
+def _restore(attrs: dict, name: str) -> None:
+    attrs[name] = attrs.pop(name + "_renamed")
+
+
+def test_fabric_wrapper_attributes():
+    """The private attributes of Fabric's wrappers that fabric_strategy.py / fabric_precision.py read, resolved on
+    the real wrappers ``fabric.setup`` returns; a rename is one PrivateAPIMoved naming it (renamed here by hand).
+    The optimizer's is read through its public ``optimizer``."""
+    from lightning.fabric import Fabric
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    wrapped, wrapped_opt = fabric.setup(model, opt)
+    assert isinstance(wrapped, compat.fabric_module_wrapper())
+    assert isinstance(wrapped_opt, compat.fabric_optimizer_wrapper())
+    assert compat.fabric_forward_module(wrapped) is model and compat.fabric_forward_module(model) is model
+    assert compat.fabric_module_strategy(wrapped) is fabric.strategy
+    assert compat.fabric_optimizer(wrapped_opt) is opt and compat.fabric_optimizer(opt) is opt
+    _rename(wrapped._modules, "_forward_module")  # a child module: nn.Module keeps it in _modules
+    with pytest.raises(compat.PrivateAPIMoved, match=r"_FabricModule\._forward_module"):
+        compat.fabric_forward_module(wrapped)
+    _rename(vars(wrapped), "_strategy")
+    with pytest.raises(compat.PrivateAPIMoved, match=r"_FabricModule\._strategy"):
+        compat.fabric_module_strategy(wrapped)
+
+
+@pytest.mark.timeout(120)
+def test_zero_fabric_strategy_fails_loudly_when_the_wrapper_attributes_move():
+    """Through the entry points: a renamed ``_strategy`` used to read as "not set up under ZeRO", so
+    ``model.zero_grad()`` ran torch's and left the engine's gradient shards; a renamed ``_forward_module`` made
+    ``engine_of(model)`` claim the model was never set up. Now each is one PrivateAPIMoved naming the name."""
+    from lightning.fabric import Fabric
+
+    from lightning_zero import ZeroFabricStrategy
+
+    fabric = Fabric(strategy=ZeroFabricStrategy(stage=2), accelerator="cpu", devices=1)
+    fabric.launch()
+    module = torch.nn.Linear(4, 2)
+    model, _ = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    try:
+        assert fabric.strategy.engine_of(model) is not None
+        model.zero_grad()
+        _rename(vars(model), "_strategy")
+        with pytest.raises(compat.PrivateAPIMoved, match=r"_FabricModule\._strategy"):
+            model.zero_grad()
+        _restore(vars(model), "_strategy")
+        _rename(model._modules, "_forward_module")
+        with pytest.raises(compat.PrivateAPIMoved, match=r"_FabricModule\._forward_module"):
+            fabric.strategy.engine_of(model)
+        _restore(model._modules, "_forward_module")
+    finally:
+        fabric.strategy.teardown()
 
 
 def test_a_moved_name_fails_loudly_with_the_versions():

@@ -1,7 +1,7 @@
 """The Lightning adapter: the only part of lightning_zero that imports Lightning.
 
-``strategy.py`` (the Trainer strategy) + ``checkpoint_strategy.py`` (its checkpoint hooks) + ``precision.py``
-(the precision plugin) drive the engine; ``optimizers.py`` binds Lightning's optimizers to it,
+``strategy.py`` (the Trainer strategy) + ``engine_side.py`` (its model side) + ``checkpoint_strategy.py`` (what
+its checkpoint hooks write) + ``precision.py`` (the precision plugin) drive the engine; ``optimizers.py`` binds Lightning's optimizers to it,
 ``callback_checks.py`` refuses callbacks that cannot see sharded state, ``lightning_io.py`` lets
 ``load_from_checkpoint`` read the checkpoint directories and ``checkpoint_io.py`` (``ZeroCheckpointIO``) the
 other strategies. Only the ``lightning`` distribution is supported (not the

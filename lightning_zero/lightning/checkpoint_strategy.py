@@ -3,12 +3,13 @@
 Design note
 -----------
 :class:`TrainerCheckpoints` is a collaborator, not a base class: ``ZeroStrategy`` defines Lightning's hooks
-(``lightning_module_state_dict``, ``save_checkpoint``, ``load_checkpoint``, ...) itself and hands this object
-what each call needs -- the module, the engine to save or load, the strategy's ``broadcast`` / ``barrier`` --
-and takes Lightning's own behaviour (``super()``) where ZeRO has nothing to add (a single file, no engine).
+(``lightning_module_state_dict``, ``save_checkpoint``, ``load_checkpoint``, ...), its model side
+(engine_side.py) hands this object what each call needs -- the module, the engine to save or load, the
+strategy's ``broadcast`` / ``barrier`` -- and takes Lightning's own behaviour where ZeRO has nothing to add (a
+single file, no engine).
 ``checkpoint_format``: "sharded" (default) writes DCP directories; "full" writes Lightning's single file with
 consolidated (full, fp32) model and optimizer state. Both formats load in either mode, at any world size and
-stage. The pipeline strategy has its own collaborator (pipeline_checkpoint_strategy.py).
+stage. The pipeline's model side has its own collaborator (pipeline_checkpoint_strategy.py).
 """
 
 from __future__ import annotations

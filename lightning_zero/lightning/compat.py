@@ -12,7 +12,8 @@ members the strategies override or call (``_configure_launcher``, ``_setup_distr
 class attributes ``lightning_io.py``'s import-time wrap and ``model_summary.py``'s per-fit binding read, and the
 names outside this layer (the engine's torch privates, :data:`TORCH_CANARIES`: ``engine/`` imports nothing
 from here; the transformers tables of ``tools/export_hf.py``). ``tests/test_compat_canaries.py`` resolves
-every entry of :data:`CANARIES` and the other tables, so an upgrade that moves one fails there first,
+every entry of :data:`CANARIES` and the other tables, and the instance attributes (Fabric's wrappers', a
+LightningModule's, a callback's) on real objects it builds, so an upgrade that moves one fails there first,
 with the same message.
 """
 
@@ -88,6 +89,11 @@ def fabric_module_wrapper() -> type:
     return private(f"{_FABRIC}.wrappers", "_FabricModule")
 
 
+def fabric_optimizer_wrapper() -> type:
+    """Fabric's ``_FabricOptimizer``, what ``fabric.setup`` returns for an optimizer."""
+    return private(f"{_FABRIC}.wrappers", "_FabricOptimizer")
+
+
 def batch_size_scaling() -> Any:
     """Lightning's batch-size search module, whose loop helpers ZeroBatchSizeFinder reuses (checked here)."""
     module = importlib.import_module(f"{_PL}.tuner.batch_size_scaling")
@@ -139,6 +145,40 @@ def wrap_rank_zero_results(launcher: Any, wrap: Any) -> None:
     launcher._collect_rank_zero_results = wrap(original)
 
 
+def fabric_forward_module(module: Any) -> Any:
+    """The module a ``_FabricModule`` runs (its ``_forward_module``: what the strategy's ``setup_module``
+    returned); any other module as it is."""
+    if not isinstance(module, fabric_module_wrapper()):
+        return module
+    return private_attr(module, "_forward_module", "_FabricModule")
+
+
+def fabric_module_strategy(module: Any) -> Any:
+    """The strategy a ``_FabricModule`` was set up under (its ``_strategy``). Read from the wrapper's own
+    ``__dict__``: the wrapper's attribute lookup falls through to the user's module, whose ``_strategy``
+    (if it had one) is not Fabric's."""
+    own = vars(module)
+    if "_strategy" not in own:
+        raise moved("_FabricModule._strategy")
+    return own["_strategy"]
+
+
+def fabric_optimizer(optimizer: Any) -> Any:
+    """The optimizer a ``_FabricOptimizer`` wraps (its public ``optimizer``); any other optimizer as it is."""
+    return optimizer.optimizer if isinstance(optimizer, fabric_optimizer_wrapper()) else optimizer
+
+
+def toggled_requires_grad(module: Any) -> dict:
+    """The ``requires_grad`` flags ``toggle_optimizer`` saved on a LightningModule (its
+    ``_param_requires_grad_state``, which ``untoggle_optimizer`` restores from)."""
+    return private_attr(module, "_param_requires_grad_state", "LightningModule") or {}
+
+
+def summary_max_depth(cb: Any) -> int:
+    """A ``ModelSummary`` callback's ``max_depth`` (its ``_max_depth``)."""
+    return private_attr(cb, "_max_depth", "ModelSummary")
+
+
 def finetuning_state(cb: Any) -> tuple[Any, bool, dict]:
     """A ``BaseFinetuning``'s ``_store`` method, ``_restarting`` flag and ``_internal_optimizer_metadata``."""
     return (private_attr(cb, "_store", "BaseFinetuning"), private_attr(cb, "_restarting", "BaseFinetuning"),
@@ -170,6 +210,7 @@ CANARIES: tuple[tuple[str, str], ...] = (
     (f"{_FABRIC}.strategies.strategy", "_BackwardSyncControl"),
     (f"{_FABRIC}.utilities.types", "_Stateful"),
     (f"{_FABRIC}.wrappers", "_FabricModule"),
+    (f"{_FABRIC}.wrappers", "_FabricOptimizer"),
     (f"{_PL}.utilities.exceptions", "_TunerExitException"),
     (f"{_PL}.tuner.tuning", "_check_scale_batch_size_configuration"),
     *((f"{_PL}.tuner.batch_size_scaling", n) for n in _SCALING_NAMES),

@@ -22,6 +22,7 @@ from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from torch import Tensor
 from torch.nn import Module
 
+from .compat import fabric_optimizer
 from .precision import ZeroPrecision, _cast_inputs_to_param_dtype, _training
 
 
@@ -72,7 +73,7 @@ class ZeroFabricPrecision(ZeroPrecision):
 
     def engine_for(self, optimizer):
         """The attached training engine that shards ``optimizer`` (Fabric's wrapper unwrapped), or None."""
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        optimizer = fabric_optimizer(optimizer)
         for engine, _ in self._engines.values():
             if _training(engine) and any(s.optimizer is optimizer for s in engine.shardeds):
                 return engine
@@ -101,5 +102,5 @@ class ZeroFabricPrecision(ZeroPrecision):
         if engine is None:
             raise ValueError(f"{type(optimizer).__name__} is not an optimizer set up under this Fabric. "
                              "Allowed: the optimizers returned by fabric.setup(model, optimizer, ...).")
-        return [p for group in engine.sharded_for(getattr(optimizer, "_optimizer", optimizer)).group_params
+        return [p for group in engine.sharded_for(fabric_optimizer(optimizer)).group_params
                 for p in group]

@@ -49,7 +49,8 @@ from ..engine.plan import ShardingPlan
 from ..engine import ZeroEngine
 from ..engine.comm import collectives
 from ..engine.stage3.deferred_init import has_meta_params, meta_init
-from .compat import BackwardSyncControl, FabricSubprocessScriptLauncher, fabric_module_wrapper
+from .compat import (BackwardSyncControl, FabricSubprocessScriptLauncher, fabric_forward_module,
+                     fabric_module_strategy, fabric_module_wrapper)
 from .fabric_checkpoint import FabricCheckpoints
 from .fabric_precision import ZeroFabricPrecision
 from .tensor_parallel import TensorParallelLayout
@@ -158,7 +159,7 @@ class ZeroFabricStrategy(DDPStrategy):
         return model.engine
 
     def _model_of(self, module: Module) -> Optional["_SetUpModel"]:
-        module = getattr(module, "_forward_module", module)  # Fabric's wrapper -> the module itself
+        module = fabric_forward_module(module)  # Fabric's wrapper -> the module itself
         return next((m for m in self._models if m.module is module), None)
 
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler=None):
@@ -390,9 +391,9 @@ def _install_module_zero_grad() -> None:
         return
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        strategy = self.__dict__.get("_strategy")
+        strategy = fabric_module_strategy(self)
         if isinstance(strategy, ZeroFabricStrategy):
-            strategy.zero_grad_module(self._forward_module, set_to_none)
+            strategy.zero_grad_module(fabric_forward_module(self), set_to_none)
         else:
             Module.zero_grad(self, set_to_none)
 

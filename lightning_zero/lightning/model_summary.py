@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from .compat import summary_max_depth
+
 _COLUMN = "Params per Device"  # Lightning's spelling: RichModelSummary lays out a column of this name
 
 
@@ -65,4 +67,4 @@ def bind(trainer, engine) -> Callable[[], None]:
 
 
 def _summary(cb, cls, engine, trainer, pl_module):
-    return cls(pl_module, engine, max_depth=cb._max_depth)
+    return cls(pl_module, engine, max_depth=summary_max_depth(cb))

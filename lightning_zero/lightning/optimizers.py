@@ -24,7 +24,7 @@ from typing import Any, Callable
 from lightning.pytorch.callbacks.finetuning import BaseFinetuning
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
-from .compat import finetuning_state
+from .compat import finetuning_state, toggled_requires_grad
 
 
 def raw_optimizer(optimizer):
@@ -51,7 +51,7 @@ def bind(strategy, trainer) -> Callable[[], None]:
         module._param_requires_grad_state = state
 
     def untoggle_optimizer(optimizer) -> None:
-        state = getattr(module, "_param_requires_grad_state", {}) or {}
+        state = toggled_requires_grad(module)
         for opt in engine.optimizers:
             if opt is not raw_optimizer(optimizer):
                 for p in module_params(opt):

@@ -1,4 +1,5 @@
-"""What ZeroPipelineStrategy's checkpoint hooks do: the pipeline's checkpoint directory with Lightning's metadata.
+"""What ZeroPipelineStrategy's checkpoint hooks do (through its model side, pipeline_side.py): the pipeline's
+checkpoint directory with Lightning's metadata.
 
 Design note
 -----------
@@ -22,7 +23,7 @@ _LOADED_KEY = "lightning_zero_pipeline_dir"
 
 
 class PipelineCheckpoints:
-    """ZeroPipelineStrategy's checkpoint directory: its hooks call this with the pipe to save or load."""
+    """ZeroPipelineStrategy's checkpoint directory: its model side calls this with the pipe to save or load."""
 
     def __init__(self, trust_checkpoint: bool) -> None:
         self.trust_checkpoint = trust_checkpoint  # the strategy's knob (docs/security.md)

@@ -146,7 +146,7 @@ class ZeroPrecision(Precision):
             self._engine.zero_grad(optimizer)  # training_step returned None: skip this step, drop its gradients
             return None
         self._engine.step(optimizer)
-        if self.ensure_published_after_step:  # hooks that read weights run next (strategy._publish_before_hooks)
+        if self.ensure_published_after_step:  # hooks that read weights run next (engine_side.py, _publish_before_hooks)
             self._engine.ensure_published()
         if self.mixed and hasattr(model, "log"):
             if self.loss_scaler is not None:

@@ -6,30 +6,29 @@ DistributedSampler arguments, reduce/all_gather/broadcast/barrier -- and replace
 no DistributedDataParallel wrapper; after ``configure_optimizers`` the optimizer is sharded in place by
 the engine; ``block_backward_sync`` becomes the engine's ``no_sync``; optimizer checkpoints are
 consolidated (and re-sliced on load), so a run saved on N ranks at one stage resumes on M at another.
+
+The model side is a collaborator, ``self.model_side`` (engine_side.py): the hooks that decide what is
+trained and how a step runs hand it the call with Lightning's own implementation; the pipeline strategy
+installs its own (pipeline_side.py) and keeps everything else here.
 """
 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
-from typing import Any, Callable, Generator, Mapping, Optional
-
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Generator, Mapping, Optional, Union
 
 from ..engine.plan import ShardingPlan
 from ..engine import ZeroEngine
 from ..engine.stage3.deferred_init import has_meta_params, meta_init
-from ..engine.stage3.pretrained import load_pretrained, outermost_hf_model
 from ..engine.engine_state import EngineMode
-from ..checkpoint.format import resolve_checkpoint_dir
 from .compat import (SubprocessScriptLauncher, is_last_batch, module_trainer, set_module_device_mesh,
-                     sync_module_states, wrap_rank_zero_results)
-from .callback_checks import check_callbacks, check_no_lightning_finder, weight_readers
+                     wrap_rank_zero_results)
+from .callback_checks import check_no_lightning_finder
+from .engine_side import EngineSide
 from .even_inputs import check_even_inputs
 from .checkpoint_strategy import TrainerCheckpoints
 from .memory_summary import report as memory_report
-from .model_summary import bind as bind_summary
 from .tensor_parallel import TensorParallelLayout
-from .optimizers import bind as bind_optimizers
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.io import CheckpointIO
@@ -40,9 +39,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .precision import ZeroPrecision
 from .strategy_args import TRAINER as TRAINER_ARGS, bind, declare
-from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, checked_weights_path,
-                         external_launcher, guard_scheduler, is_whole, setup_default_group, register_presets,
-                         zero_config)
+from .zero_setup import (as_zero_precision, check_strategy_knobs, checked_weights_path, external_launcher,
+                         is_whole, setup_default_group, register_presets, zero_config)
+
+if TYPE_CHECKING:
+    from .pipeline_side import PipelineSide
 
 _LIGHTNING_TYPES = dict(accelerator=Accelerator, cluster_environment=ClusterEnvironment,  # the knob -> its class
                         checkpoint_io=CheckpointIO)
@@ -70,17 +71,24 @@ class ZeroStrategy(DDPStrategy):
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config,  # None without TP
                                                        checkpoint_format)
         super().__init__(**{k: knobs[k] for k in _DDP_ARGS})
-        self.engine: Optional[ZeroEngine] = None
-        self._trained_engine: Optional[ZeroEngine] = None  # see [Note: the trained state outlives fit]
+        # what is trained and how a step runs (engine_side.py; ZeroPipelineStrategy installs its own)
+        self.model_side: Union[EngineSide, PipelineSide] = EngineSide(self)
         self._failed = False
         self.memory_summary = knobs["memory_summary"]
         self.load_weights_from = checked_weights_path(knobs["load_weights_from"])
-        self._weights_loaded = False
         self._memory_reported = False
         self.memory_table: Optional[str] = None  # global rank 0: the table printed by this fit
         self._even_checked: Optional[tuple] = None  # (trainer, epoch) whose batch counts were compared
-        self._unguard: Optional[Callable[[], None]] = None  # undoes the LR-scheduler guard of this setup
-        self._unbind_optimizers: Optional[Callable[[], None]] = None  # undoes optimizers.bind (+ model_summary.bind)
+
+    @property
+    def engine(self) -> Optional[ZeroEngine]:
+        """The engine of this fit (or of this stage-3 evaluation); None outside one, and under pipeline
+        parallelism (one engine per stage chunk: ``ZeroPipelineStrategy.pipe.engines``)."""
+        return self.model_side.engine
+
+    @engine.setter
+    def engine(self, engine: Optional[ZeroEngine]) -> None:
+        self.model_side.engine = engine
 
     @property
     def stage(self) -> int:
@@ -121,52 +129,9 @@ class ZeroStrategy(DDPStrategy):
         super().model_to_device()
 
     def setup(self, trainer) -> None:
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.model_to_device()
-        if self.load_weights_from is not None and not self._weights_loaded:  # once: a later fit keeps training
-            load_pretrained(outermost_hf_model(self.lightning_module), self.load_weights_from)
-            self._weights_loaded = True
-        precision = self.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
-            check_callbacks(trainer.callbacks, self.stage, precision.compute_dtype, self.checkpoint_format)
-            if self._trained_engine is not None:  # the previous fit's state gives way before the new one is built
-                self._trained_engine.release_states()  # NVMe: its scratch files removed now, not when collected
-            self._trained_engine = None
-            self.setup_optimizers(trainer)
-            # several optimizers: each sharded on its own (disjoint parameters; see optimizers.py)
-            self.engine = build_engine(self.lightning_module, self.optimizers, self.zero_config, precision,
-                                       self.root_device, device_mesh=TensorParallelLayout.mesh_of(self.tensor_parallel))
-            self._memory_reported = not self.memory_summary
-            self._publish_before_hooks(trainer)
-            engine = self.engine  # a step skipped for overflow does not advance the LR schedule (as DeepSpeed)
-            self._unguard = guard_scheduler(self.lightning_module, lambda: engine.last_step_skipped)
-            self._unbind_optimizers = bind_optimizers(self, trainer)
-            if self.plan.shards_params:  # ModelSummary's "Params per Device" column, as DeepSpeed stage 3's
-                unbind_summary, unbind_opts = bind_summary(trainer, self.engine), self._unbind_optimizers
-                self._unbind_optimizers = lambda: (unbind_opts(), unbind_summary())
-        else:
-            # evaluation only: no optimizer. Weights stay fp32 (mixed precision runs under autocast, see
-            # ZeroPrecision.forward_context), so validate/test/predict never round the user's model.
-            if self.plan.shards_params:  # parameters still partitioned
-                self.engine = build_engine(self.lightning_module, None, self.zero_config, precision, self.root_device)
-            elif self.tensor_parallel is not None:  # TP ranks hold different pieces: over the DP dim only
-                self.tensor_parallel.sync_module_states(self.model)
-            else:  # every rank starts from rank 0's weights
-                sync_module_states(self.model)
-                precision.attach(self.engine, self.root_device.type)
-        self.setup_precision_plugin()
-
-    def _publish_before_hooks(self, trainer) -> None:
-        """overlap_publish with a callback or module hook that may read the weights between a step and the
-        next forward (EMAWeightAveraging, a user's on_train_batch_end): the step completes its all-gathers
-        before returning, so they see every rank's update. Lightning's own bookkeeping callbacks keep the
-        overlap (engine/optim/publish.py)."""
-        readers = weight_readers(trainer.callbacks, self.lightning_module) if self.engine.publisher is not None else []
-        self.precision_plugin.ensure_published_after_step = bool(readers)
-        if readers:
-            rank_zero_info(f"overlap_publish: {', '.join(readers)} may read the weights between steps, so each "
-                           "optimizer step completes its parameter all-gather before the hooks run.")
+            self._memory_reported = not self.memory_summary  # the table is printed once per fit
+        self.model_side.setup(trainer)
 
     def setup_distributed(self) -> None:
         setup_default_group(self, super().setup_distributed)  # torchrun restarts, teardown at exit
@@ -204,33 +169,27 @@ class ZeroStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         pass
 
-    @contextlib.contextmanager
-    def block_backward_sync(self) -> Generator:
-        if self.engine is None:
-            yield None
-            return
-        with self.engine.no_sync():
-            yield None
-
-    def _prepared(self, step, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is not None:  # rank 0's buffers; stage 3: the root unit
-            self.engine.prepare_forward()
-        return step(*args, **kwargs)
+    # -- what is trained and how a step runs: the model side (engine_side.py; the pipeline's: pipeline_side.py) ----
+    def block_backward_sync(self) -> ContextManager:
+        return self.model_side.no_sync()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.engine is None:
-            return self._prepared(super().training_step, *args, **kwargs)
-        with self.engine.activation_context():  # offload_activations: the loss's saved tensors too
-            return self._prepared(super().training_step, *args, **kwargs)
+        return self.model_side.training_step(super().training_step, args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._joined(self._prepared(super().validation_step, *args, **kwargs))
+        return self._joined(self.model_side.validation_step(super().validation_step, args, kwargs))
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._joined(self._prepared(super().test_step, *args, **kwargs))
+        return self._joined(self.model_side.test_step(super().test_step, args, kwargs))
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._joined(self._prepared(super().predict_step, *args, **kwargs))
+        return self._joined(self.model_side.predict_step(super().predict_step, args, kwargs))
+
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.model_side.backward(super().backward, closure_loss, optimizer, args, kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return self.model_side.optimizer_step(super().optimizer_step, optimizer, closure, model, kwargs)
 
     def _joined(self, output: Any) -> Any:
         """After a rank's last evaluation batch, serve the stage-3 gathers of ranks that still have batches
@@ -309,28 +268,11 @@ class ZeroStrategy(DDPStrategy):
 
     def on_train_end(self) -> None:
         self._report_memory()  # a fit too short to reach a second batch
-        if self.engine is not None:
-            self.engine.average_rank_models()
-            self.engine.restore_fp32_module()
+        self.model_side.on_train_end()
 
     def teardown(self) -> None:
-        if self._unguard is not None:
-            self._unguard()
-            self._unguard = None
-        if self._unbind_optimizers is not None:
-            self._unbind_optimizers()
-            self._unbind_optimizers = None
-        if self.engine is not None:
-            keep = self.engine.mode is EngineMode.TRAIN and not self._failed
-            self.engine.remove(hand_back=not self._failed, keep_states=keep)  # [Note: NVMe states outlive teardown]
-            if keep:
-                # [Note: the trained state outlives fit] As DDP keeps its optimizer, a finished fit keeps
-                # its engine, detached (no hooks, module whole), so save_checkpoint after fit (or after a
-                # later validate/test) writes the optimizer state, loss scale and stage; released when
-                # the next fit sets up. Memory: the masters and optimizer shards DDP would also hold.
-                self._trained_engine = self.engine
-            self.engine = None
         failed, self._failed = self._failed, False
+        self.model_side.teardown(failed)
         self.precision_plugin.attach(None)
         module = self.lightning_module
         if module is not None and (has_meta_params(module) or (failed and not is_whole(module))):
@@ -350,43 +292,16 @@ class ZeroStrategy(DDPStrategy):
         self._failed = True
         super().on_exception(exception)
 
-    # -- checkpoints: Lightning's hooks, the ZeRO work in TrainerCheckpoints (checkpoint_strategy.py) ------------
-    def _engine_to_save(self) -> Optional[ZeroEngine]:
-        """The engine whose state a save writes: the live one, else the detached one a finished fit left
-        ([Note: the trained state outlives fit]), which first adopts the module's values (a method, not a
-        property: it writes the masters): once fit is over the whole module is what the user holds."""
-        if self.engine is not None:
-            return self.engine
-        trained = self._trained_engine
-        if trained is not None:
-            trained.load_masters_from_module()
-        return trained
-
-    def _optimizer_engine(self) -> Optional[ZeroEngine]:
-        """The engine holding the optimizers' shards: the live training engine, else a finished fit's."""
-        engine = self.engine
-        return engine if engine is not None and engine.mode is EngineMode.TRAIN else self._trained_engine
-
+    # -- checkpoints: what is saved is the model side's; the directory work its collaborator's
+    # (TrainerCheckpoints, checkpoint_strategy.py; the pipeline's: pipeline_checkpoint_strategy.py) ---------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.checkpoints.module_state(self.lightning_module, self._engine_to_save(),
-                                             super().lightning_module_state_dict)
+        return self.model_side.lightning_module_state_dict(super().lightning_module_state_dict)
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        engine = self._optimizer_engine()
-        return super().optimizer_state(optimizer) if engine is None else self.checkpoints.optimizer_state(engine,
-                                                                                                           optimizer)
+        return self.model_side.optimizer_state(super().optimizer_state, optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
-        if not self.checkpoints.sharded:
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        elif storage_options is not None:
-            raise TypeError("ZeroStrategy.save_checkpoint(..., storage_options=...) is not supported for sharded "
-                            "checkpoints (they do not go through CheckpointIO).")
-        else:
-            self.checkpoints.save(Path(self.broadcast(str(filepath))), checkpoint, self.lightning_module,
-                                  self._engine_to_save(), self._optimizer_engine(), self.barrier)
-        if self.engine is None and self._trained_engine is not None:  # no step will stream them out again
-            self._trained_engine.spill_states()
+        self.model_side.save_checkpoint(super().save_checkpoint, checkpoint, filepath, storage_options)
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
@@ -394,21 +309,16 @@ class ZeroStrategy(DDPStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        # sharded: load into the engine's masters, which exist only after setup (as FSDPStrategy does)
-        return self.checkpoints.sharded or super().restore_checkpoint_after_setup
+        return self.model_side.restore_checkpoint_after_setup(super().restore_checkpoint_after_setup)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = resolve_checkpoint_dir(self.broadcast(str(checkpoint_path)))
-        if not path.is_dir():
-            return super().load_checkpoint(path, weights_only=weights_only)
-        return self.checkpoints.read(path, weights_only)
+        return self.model_side.load_checkpoint(super().load_checkpoint, checkpoint_path, weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self.checkpoints.load_model(checkpoint, self.lightning_module, self.engine, strict):
-            super().load_model_state_dict(checkpoint, strict=strict)
+        self.model_side.load_model_state_dict(super().load_model_state_dict, checkpoint, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        self.checkpoints.load_optimizers(checkpoint, self.lightning_module, self.engine)
+        self.model_side.load_optimizer_state_dict(checkpoint)
 
     # -- names ------------------------------------------------------------------------------------
     @classmethod
