@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..engine.placement import Location, Placement
+
 BYTE_VOCAB = 384  # the recipe's tokenizer=bytes: transformers' ByT5Tokenizer (256 bytes + 3 specials + 125 sentinels)
 # The recipe's default tokenizer: its subword BPE (conf/tokenizer/subword.yaml vocab_size; a test keeps the two
 # equal), hence the estimator's default vocabulary (--vocab). The tuner asks the recipe for the vocabulary of
@@ -188,8 +190,10 @@ def t5_activation_memory(dims: T5Dims, batch: int, src_len: int, tgt_len: int, m
     p = t5_activation_parts(dims, batch, src_len, tgt_len, mixed, dropout_rate)
     full = p["outside"] + dims.num_layers * p["enc_layer"] + dims.dec_layers * p["dec_layer"]
     saved = p["checkpointed"] if checkpointing else full
-    working = p["recompute"] if (checkpointing or offload) else 0
-    return {"device": int(working + (0 if offload else saved)), "host": int(saved if offload else 0),
+    placement = Placement.from_knobs(offload_activations=offload)  # [Note: placement]
+    working = p["recompute"] if (checkpointing or placement.activations.off_device) else 0
+    booked = placement.book(activations=saved)
+    return {"device": int(working + booked[Location.DEVICE]), "host": int(booked[Location.HOST]),
             "saved": int(saved), "recompute": int(working if checkpointing else 0)}
 
 
