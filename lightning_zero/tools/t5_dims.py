@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..engine.placement import Location, Placement
-
 BYTE_VOCAB = 384  # the recipe's tokenizer=bytes: transformers' ByT5Tokenizer (256 bytes + 3 specials + 125 sentinels)
 # The recipe's default tokenizer: its subword BPE (conf/tokenizer/subword.yaml vocab_size; a test keeps the two
 # equal), hence the estimator's default vocabulary (--vocab). The tuner asks the recipe for the vocabulary of
@@ -187,6 +185,8 @@ def t5_activation_memory(dims: T5Dims, batch: int, src_len: int, tgt_len: int, m
     block's recompute, alive together in backward. Offload: the saved tensors live on the host; the device
     holds a block's worth while its backward unpacks them (or the recompute, with checkpointing).
     """
+    from ..engine.placement import Location, Placement  # here: the CLI imports this module without torch
+
     p = t5_activation_parts(dims, batch, src_len, tgt_len, mixed, dropout_rate)
     full = p["outside"] + dims.num_layers * p["enc_layer"] + dims.dec_layers * p["dec_layer"]
     saved = p["checkpointed"] if checkpointing else full

@@ -17,6 +17,17 @@ SEARCHED: dict[str, tuple[Location, ...]] = {"both": (Location.DEVICE, Location.
                                              "only": (Location.HOST,)}
 
 
+def _presets_of_stage() -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for name, plan in SETTING_PLANS.items():
+        out.setdefault(plan.stage, []).append(name)
+    return out
+
+
+# stage label -> its presets, in the preset table's order (keyed by the numbers the user passes as --stages)
+PRESETS_OF_STAGE = _presets_of_stage()
+
+
 def searched_locations(offload: str) -> tuple[Location, ...]:
     """The locations of optimizer states an ``offload`` choice searches; an unknown choice is one error."""
     try:
@@ -31,5 +42,6 @@ def chosen_settings(stages: Sequence[int] | str = (0, 1, 2, 3), offload: str = "
     if isinstance(stages, str):
         stages = [int(s) for s in stages.split(",") if s.strip()]
     where = searched_locations(offload)
+    wanted = {name for label in stages for name in PRESETS_OF_STAGE.get(label, ())}
     return [name for name, plan in SETTING_PLANS.items()
-            if plan.stage in stages and plan.placement.optimizer_states in where]
+            if name in wanted and plan.placement.optimizer_states in where]
