@@ -125,13 +125,15 @@ def _branches(subpackage: str, asks) -> list:
         source = path.read_text()
         for test in _branch_tests(ast.parse(source)):
             if asks(path, _names(test)):
-                found.append(f"{path.relative_to(PACKAGE)}:{test.lineno}: {source.splitlines()[test.lineno - 1].strip()}")
+                line = source.splitlines()[test.lineno - 1].strip()
+                found.append(f"{path.relative_to(PACKAGE)}:{test.lineno}: {line}")
     return found
 
 
 def _is_store(path: Path) -> bool:
     """A module named for where bytes live (its branches on the target are its subject)."""
-    return any(re.search(r"store|offload|nvme|placement", part) for part in path.relative_to(PACKAGE).with_suffix("").parts)
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return any(re.search(r"store|offload|nvme|placement", part) for part in parts)
 
 
 # The engine is being moved onto the plan and its placement part by part; each subpackage joins these

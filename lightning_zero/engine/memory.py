@@ -17,7 +17,7 @@ state move to host memory.
 
 One model, two uses: :func:`rank_model_states` is what a rank holds, given how many elements of
 parameters and gradients it really keeps. The floor (:func:`model_state_floor`) calls it with the exact
-Psi / N of the table; the estimator (``tools/estimate.py``) with the per-parameter padding of the flat
+Psi / N of the table; the estimator (``tools/estimate_states.py``) with the per-parameter padding of the flat
 shards, frozen parameters and stage 1 without accumulation -- so the two agree by construction.
 Measurement (``memory_report.measure_model_states``) counts real tensor bytes (no allocator guesses), so tests can
 compare it with both exactly.

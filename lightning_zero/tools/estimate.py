@@ -241,10 +241,11 @@ def format_estimate(est: Estimate) -> str:
     for r in est.rows:
         st = r.states
         params_dev = r.plan.placement.book(param_shards=st["params"])[Location.DEVICE]
+        offload = OFFLOAD_WORDS[r.plan.placement.optimizer_states]
         mo = r.plan.placement.book(optimizer_states=st["master"] + st["optimizer_state"])[Location.DEVICE]
         fits = f" {'yes' if r.fits else 'NO':>{len(cap) - 3}} |" if cap else ""
         lines.append(
-            f"| {r.setting:<{w}} | {r.stage:>5} | {OFFLOAD_WORDS[r.plan.placement.optimizer_states]:>7} | {gib(params_dev):>6} "
+            f"| {r.setting:<{w}} | {r.stage:>5} | {offload:>7} | {gib(params_dev):>6} "
             f"| {gib(st['grads']):>5} | {gib(mo):>12} | {gib(st['device']):>13} "
             f"| {gib(r.buffers['backward']) + '/' + gib(r.buffers['step']):>16} | {gib(r.activations):>11} "
             f"| {gib(r.peak_device):>11} | {gib(r.host_per_rank):>9} | {gib(r.cpu_ram_per_node):>12} "
