@@ -25,6 +25,7 @@ compare it with both exactly.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional, Union
 
 from .nvme import OffloadDevice
@@ -80,7 +81,7 @@ def rank_model_states(
     separate_master = mixed or plan.separate_masters or not _own_master(plan.placement)
     master = 4 * trainable / div if separate_master else 0.0
     opt = state_bytes * trainable / div
-    # whole parameters (stages 0-2) are where the placement keeps unsharded ones: the device
+    # whole parameters (no shards) are on the device: the placement has them there
     booked = plan.placement.book(param_shards=params, optimizer_states=master + opt)
     host, nvme = booked[Location.HOST], booked[Location.NVME]
     total = params + grads + master + opt
@@ -95,9 +96,11 @@ def model_state_floor(
     """Device and host bytes per rank for params, grads, master and optimizer state (the ZeRO floor):
     :func:`rank_model_states` with the exact Psi / N of the table, every parameter trainable, for the plan
     of ``stage`` with the offload knobs' placement (``offload_params``: stage 3 only, as ``ZeroConfig``)."""
-    knobs = [OffloadDevice.parse(v, k).knob_value for k, v in (("offload_optimizer", offload_optimizer),
-                                                               ("offload_params", offload_params))]
-    plan = ShardingPlan.for_stage(stage, placement=Placement.from_knobs(*knobs))
+    knobs = SimpleNamespace(**{k: OffloadDevice.parse(v, k).knob_value for k, v in (
+        ("offload_optimizer", offload_optimizer), ("offload_params", offload_params))})
+    shards_params = ShardingPlan.for_stage(stage).shards_params
+    # the knobs' placement by ZeroConfig's rule: parameter shards only where the plan has them
+    plan = ShardingPlan.for_stage(stage, placement=Placement.of(knobs, shards_params=shards_params))
     r = rank_model_states(plan, world_size, mixed, numel, state_bytes=state_bytes)
     return {"params": r["params"], "grads": r["grads"], "optimizer": r["master"] + r["optimizer_state"],
             "device": r["device"], "host": r["host"], "nvme": r["nvme"]}
