@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import BLOCK_CLASS, TinyLM, loss_of, make_batches  # noqa: E402
 
 from lightning_zero import ZeroConfig, ZeroEngine  # noqa: E402
-from lightning_zero.engine import collectives as C  # noqa: E402
-from lightning_zero.engine import quantize as Q  # noqa: E402
+from lightning_zero.engine.comm import collectives as C  # noqa: E402
+from lightning_zero.engine.comm import quantize as Q  # noqa: E402
 from lightning_zero.tools.tuning.harness import launch  # noqa: E402
 
 

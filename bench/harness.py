@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.memory import model_state_floor
+from lightning_zero.engine.memory.floors import model_state_floor
 # Runner, the launcher and machine_line live in the package, shared with the autotuner (lightning-zero tune)
 from lightning_zero.tools.tuning.harness import Runner, _entry, launch, machine_line  # noqa: F401
 

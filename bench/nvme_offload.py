@@ -71,8 +71,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself: deepspeed_peer
 from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
-from lightning_zero.engine import nvme as NV  # noqa: E402
-from lightning_zero.engine.nvme import DIRECT_ALIGN, ScratchFile, aligned_empty  # noqa: E402
+from lightning_zero.engine.placement import nvme as NV  # noqa: E402
+from lightning_zero.engine.placement.nvme import DIRECT_ALIGN, ScratchFile, aligned_empty  # noqa: E402
 
 SETTINGS = {"zero3_offload": (True, True), "opt_nvme": (True, "nvme"), "zero3_offload_nvme": ("nvme", "nvme"),
             "zero3_offload_nvme_unverified": ("nvme", "nvme")}

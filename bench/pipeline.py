@@ -37,9 +37,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
-from lightning_zero.engine.memory import model_state_floor  # noqa: E402
-from lightning_zero.engine.pipeline import PipelineZero, bubble_fraction, pipeline_layout, virtual_stages  # noqa: E402
-from lightning_zero.engine.pipeline_split import split_gpt2  # noqa: E402
+from lightning_zero.engine.memory.floors import model_state_floor  # noqa: E402
+from lightning_zero.engine.pipeline.pipeline_zero import PipelineZero, bubble_fraction, pipeline_layout, virtual_stages  # noqa: E402
+from lightning_zero.engine.pipeline.split import split_gpt2  # noqa: E402
 from lightning_zero.tools.launch import run_ranks  # noqa: E402
 
 WORLD, P = 4, 2

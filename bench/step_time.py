@@ -29,7 +29,7 @@ ranks. Reported per method: median and p90 step time over all timed steps; the r
 median over cycles of (this method's step time / DDP's step time in the same cycle), so load changes
 of the shared machine cancel; model-state bytes per rank (``engine.memory_report().model_states`` taken
 after a backward, before the step, with the optimizer state materialized; for DDP the bytes of the
-params, their ``.grad`` and the optimizer-state tensors); the model-state floor (``lightning_zero.engine.memory.model_state_floor``, fp32, Adam K=8,
+params, their ``.grad`` and the optimizer-state tensors); the model-state floor (``lightning_zero.engine.memory.floors.model_state_floor``, fp32, Adam K=8,
 offloaded bytes counted too); and the final loss (mean over ranks of the last step's loss; all methods
 compute the same thing, so these must agree to ~1e-4 relative -- a mismatch is flagged).
 
@@ -83,8 +83,8 @@ def comm_microbench(numel: int, reps: int) -> dict:
     they differ from torch's flat calls: gloo's list forms, the all-gather of 2 ranks as one exchange, and
     the all-to-all reduce-scatter (``grad_reduce="all_to_all"``: one all-to-all of the rank-major rows, then
     the N rows summed here)."""
-    from lightning_zero.engine import collectives as C
-    from lightning_zero.engine import quantize as Q
+    from lightning_zero.engine.comm import collectives as C
+    from lightning_zero.engine.comm import quantize as Q
 
     n = dist.get_world_size()
     shard = (numel + n - 1) // n

@@ -53,7 +53,7 @@ class StrategyConf:
     # communication: auto (per backend) | reduce_scatter | all_reduce | all_to_all; the stage 1-2 publish
     # overlapped with the next forward; int8 all-gathers of parameters (qwZ) and reduce-scatters of gradients (qgZ)
     grad_reduce: str = "auto"
-    overlap_publish: bool = False  # true: read engine/publish.py first (callbacks reading weights)
+    overlap_publish: bool = False  # true: read engine/optim/publish.py first (callbacks reading weights)
     quantize_weights: bool = False
     quantize_grads: bool = False
     # popen | spawn | fork | forkserver.  Defaults to the trainer preset's choice (cpu: fork, gpu: popen).

@@ -1,6 +1,6 @@
 """Optimizers that do their own communication: ``OneBitAdam`` (1-bit Adam) and ``ZeroOneAdam`` (0/1 Adam).
-They live in the engine (``lightning_zero.engine.onebit``, no Lightning); this is their public name."""
+They live in the engine (``lightning_zero.engine.optim.onebit``, no Lightning); this is their public name."""
 
-from .engine.onebit import OneBitAdam, ZeroOneAdam
+from .engine.optim.onebit import OneBitAdam, ZeroOneAdam
 
 __all__ = ["OneBitAdam", "ZeroOneAdam"]

@@ -1,4 +1,4 @@
-"""Activation checkpointing and activation offload (engine/activations.py) against the same run without them.
+"""Activation checkpointing and activation offload (engine/memory/activations.py) against the same run without them.
 
 Checkpointing recomputes a forward in backward and offload moves saved tensors to host memory and back:
 neither may change a single number. Two gloo ranks, fp32, AdamW: losses and final weights of HF T5 and
@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.activations import SavedBytes, checkpoint_modules
+from lightning_zero.engine.memory.activations import SavedBytes, checkpoint_modules
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.lightning_models import _params, trainer_kwargs
 from tests.helpers.zoo_models import ZOO
@@ -221,7 +221,7 @@ def test_activation_bytes_match_the_estimator(preset, batch, src, tgt, dropout):
     """Saved bytes per micro-batch, measured with a saved-tensors hook, against tools/t5_dims.py (fp32)."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from lightning_zero.engine.activations import ActivationMemory, measure_recompute
+    from lightning_zero.engine.memory.activations import ActivationMemory, measure_recompute
     from lightning_zero.tools.t5_dims import t5_activation_memory, t5_dims
 
     d = t5_dims(preset, dropout_rate=dropout)

@@ -1,7 +1,7 @@
 """Batch-size search under ZeroStrategy (lightning_zero.ZeroBatchSizeFinder, `lightning-zero tune --module`),
 measured activations in `lightning-zero estimate --module`, and Lightning's own finder pointing to ours.
 
-The finder's answer is checked against a brute-force measurement of the same rule (engine/step_bytes.py)
+The finder's answer is checked against a brute-force measurement of the same rule (engine/memory/step_bytes.py)
 by the bare-engine harness the tuner uses (tools/tuning/harness.py ``Trial.probe``): an independent path that
 steps the engine without Lightning.
 """

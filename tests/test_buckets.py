@@ -5,8 +5,8 @@ and build_buckets' byte cap and order. (End to end they are covered by every par
 import pytest
 import torch
 
-from lightning_zero.engine.buckets import Bucket, build_buckets
-from lightning_zero.engine.sharding import ShardSpec
+from lightning_zero.engine.grads.buckets import Bucket, build_buckets
+from lightning_zero.engine.layout.sharding import ShardSpec
 
 
 @pytest.mark.parametrize("numel,world", [(10, 4), (3, 4), (8, 2), (1, 1), (0, 3)])
@@ -86,7 +86,7 @@ def test_bucket_one_copy_pack_unpack_matches_the_layout(world):
 def test_unpack_skipping_the_own_row_keeps_what_the_step_wrote(rank):
     """publish: a rank whose masters are its parameters' slices skips its own row of the gathered buffer
     (the step wrote it in place); every other row, and a padded parameter whole, still arrive."""
-    from lightning_zero.engine.publish import _own_row_in_place
+    from lightning_zero.engine.optim.publish import _own_row_in_place
 
     world = 3
     b = _bucket([(6, 2), (7,), (3,), (7,)], world, rank)  # two padded parameters with equal ShardSpecs

@@ -1,4 +1,4 @@
-"""Communication buffers kept across steps (engine/buffer_pool.py): the pool's lending rules, and a steady
+"""Communication buffers kept across steps (engine/comm/buffer_pool.py): the pool's lending rules, and a steady
 ZeRO step that makes none of its flat buffers anew while staying bit for bit the step it was."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.buffer_pool import BufferPool
+from lightning_zero.engine.comm.buffer_pool import BufferPool
 from tests.helpers.allocations import AllocationCounter
 from tests.helpers.dist_utils import run_distributed
 

@@ -12,7 +12,7 @@ import torch
 
 from lightning_zero import checkpoint as ck
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine import collectives as C
+from lightning_zero.engine.comm import collectives as C
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
 from tests.helpers.parity import UNITS, check_parity

@@ -22,13 +22,13 @@ def test_private_name_exists(module, name):
 
 
 def test_torch_process_group_names():
-    """engine/groups.py reads ``_world.pg_names`` (a dict of every group's name)."""
+    """engine/layout/groups.py reads ``_world.pg_names`` (a dict of every group's name)."""
     world = compat.private("torch.distributed.distributed_c10d", "_world")
     assert isinstance(compat.private_attr(world, "pg_names", "torch.distributed.distributed_c10d._World"), dict)
 
 
 def test_pipeline_schedule_loss_fn():
-    """engine/pipeline.py sets ``schedule._loss_fn`` to None for a forward-only (evaluation) run."""
+    """engine/pipeline/pipeline_zero.py sets ``schedule._loss_fn`` to None for a forward-only (evaluation) run."""
     init = compat.private("torch.distributed.pipelining.schedules", "_PipelineSchedule.__init__")
     if "self._loss_fn" not in inspect.getsource(init):
         raise compat.moved("torch.distributed.pipelining.schedules._PipelineSchedule._loss_fn")

@@ -138,7 +138,7 @@ def test_reduced_shards_go_to_pinned_host_memory_during_backward():
 def test_int8_blocks_on_the_device_match_the_host():
     """qwZ / qgZ quantize on the GPU where the buckets live: the device kernels give the host's blocks (each
     value within one int8 step, scales to fp32 rounding) and stay within half a step of the input."""
-    from lightning_zero.engine import quantize as Q
+    from lightning_zero.engine.comm import quantize as Q
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 1000, generator=g) * torch.tensor([[1e-3], [1.0], [1e3]])  # blocks of very different scale

@@ -1,4 +1,4 @@
-"""torchrun elastic restarts through torchrun's own rendezvous ([Note: torchrun restarts], engine/elastic.py).
+"""torchrun elastic restarts through torchrun's own rendezvous ([Note: torchrun restarts], engine/layout/elastic.py).
 
 ``python -m torch.distributed.run --nproc-per-node 2 --max-restarts 1`` runs tests/scripts/elastic_resume.py,
 a plain user script (Lightning makes the default group from torchrun's environment). In attempt 0 rank 1
@@ -51,7 +51,7 @@ def _reference(tmp_path_factory, mode: str) -> list[dict]:
 
 # Every mode under c10d (torchrun's default rendezvous), and static (the agent's own TCPStore) with zero3 and
 # hybrid. The backend decides only the store the default group gets per attempt, which every mode's groups
-# derive theirs from (engine/groups.py), so tp and pipeline under static would repeat the static store's path
+# derive theirs from (engine/layout/groups.py), so tp and pipeline under static would repeat the static store's path
 # at 2 more torchrun jobs of ~35 s each on two cores.
 RUNS = [("zero3", "static"), ("hybrid", "static"), ("zero3", "c10d"), ("hybrid", "c10d"), ("tp", "c10d"),
         ("pipeline", "c10d")]
@@ -86,7 +86,7 @@ def test_the_attempt_token_ignores_a_dead_attempts_keys(late):
 
     import torch.distributed as dist
 
-    from lightning_zero.engine.elastic import agree_attempt_token
+    from lightning_zero.engine.layout.elastic import agree_attempt_token
 
     timeout = datetime.timedelta(seconds=30)
     port = free_port()

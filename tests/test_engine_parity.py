@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_zero.engine import ZeroConfig, ZeroEngine, collectives
+from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.engine.comm import collectives
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
 from tests.helpers.parity import FP32_TIGHT, check_parity, close, ddp_reference

@@ -199,7 +199,7 @@ def test_nvme_bytes_per_step_are_what_the_engine_reads_and_writes(tmp_path, monk
     """zero3_offload_nvme's bandwidth line against the bytes the engine's scratch files are asked for in a
     step (ScratchFile.read / write counted): the parameter shards read twice (the root's and the last unit's
     once) and written once, the masters + state read and written once."""
-    from lightning_zero.engine import nvme as NV
+    from lightning_zero.engine.placement import nvme as NV
 
     model, mixed = _WithRoot(), precision != "32-true"
     dtype = torch.bfloat16 if mixed else torch.float32

@@ -86,7 +86,7 @@ def test_divergent_evaluation_raises_on_every_rank_fast():
 
 
 def _join_is_one_tiny_collective_when_even(rank, world_size):
-    from lightning_zero.engine import collectives
+    from lightning_zero.engine.comm import collectives
 
     model = make_model()
     engine = ZeroEngine(model, None, ZeroConfig(stage=3, unit_classes=UNITS, persist_numel=0))

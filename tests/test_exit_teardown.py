@@ -1,4 +1,4 @@
-"""Process groups are destroyed at exit whatever the backend (``destroy_groups_at_exit``, engine/elastic.py).
+"""Process groups are destroyed at exit whatever the backend (``destroy_groups_at_exit``, engine/layout/elastic.py).
 
 A gloo group left to the interpreter's own teardown aborts the process now and then after training
 finished ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489) — a torchrun

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import lightning_zero
 from lightning_zero import ZeroFabricPrecision, ZeroFabricStrategy, ZeroStrategy
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 from lightning_zero.engine.config import PRESETS
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.lightning_models import TokenDataset, trainer_kwargs, uses_sometimes

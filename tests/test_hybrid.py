@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint.format import load_checkpoint_dir, save_engine_checkpoint
-from lightning_zero.engine import ZeroConfig, ZeroEngine, collectives
+from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.engine.comm import collectives
 from lightning_zero.tools.estimate import estimate_model_states
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.models import batch, loss_fn, make_model, make_optimizer

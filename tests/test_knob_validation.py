@@ -370,8 +370,8 @@ def test_unit_class_matching_no_module_is_refused_at_setup(stage):
 
 # -- pipeline x offload_optimizer: accepted because it works ----------------------------------------------------------
 def _pipeline_offload(rank, world_size):
-    from lightning_zero.engine.pipeline import PipelineZero, pipeline_layout
-    from lightning_zero.engine.pipeline_split import split_gpt2
+    from lightning_zero.engine.pipeline.pipeline_zero import PipelineZero, pipeline_layout
+    from lightning_zero.engine.pipeline.split import split_gpt2
     from tests.helpers import pipeline_gpt2 as T
 
     module = split_gpt2(T.gpt2_model(), 2, pipeline_layout(2).stage_index)

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from lightning_zero.engine.loss_scaler import DynamicLossScaler, LossScalerError, StaticLossScaler
+from lightning_zero.engine.optim.loss_scaler import DynamicLossScaler, LossScalerError, StaticLossScaler
 
 O, C = True, False  # overflow / clean step
 

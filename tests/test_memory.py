@@ -64,7 +64,7 @@ def test_model_states_meet_floor(world_size, case):
 @pytest.mark.parametrize("numel", [4096, 1_000_003])  # divisible by 1, 2, 4 / by none of 2, 4
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_estimator_and_floor_are_one_model(world_size, numel):
-    """tools/estimate.py and the floors share engine/memory.py's model: with the engine's padding (< 1
+    """tools/estimate.py and the floors share engine/memory/floors.py's model: with the engine's padding (< 1
     element per rank for one tensor) as the only difference, for every preset, precision and optimizer."""
     from lightning_zero.engine.config import PRESETS
     from lightning_zero.tools.estimate import ModelInfo, model_state_bytes
@@ -96,8 +96,8 @@ def test_model_states_are_booked_where_the_placement_says():
     """``rank_model_states`` reads the plan and books each kind at its placement's location, for a placement no
     preset has too: stage 3's fp32 parameter shards in host memory (each its own master), the optimizer
     state on NVMe, the gradient shards on the device."""
-    from lightning_zero.engine.memory import rank_model_states
-    from lightning_zero.engine.placement import Placement
+    from lightning_zero.engine.memory.floors import rank_model_states
+    from lightning_zero.engine.placement.placement import Placement
     from lightning_zero.engine.plan import ShardingPlan
 
     plan = ShardingPlan.for_stage(3, placement=Placement.from_knobs(offload_optimizer="nvme", offload_params=True))

@@ -1,4 +1,4 @@
-"""A damaged NVMe scratch file stops the run ([Note: verified scratch reads], engine/nvme_checksums.py).
+"""A damaged NVMe scratch file stops the run ([Note: verified scratch reads], engine/placement/nvme_checksums.py).
 
 Mid-run, after step 2, a scratch file is truncated, overwritten with 0xFF, or deleted -- the optimizer's file
 (zero2 / zero3) or stage 3's parameter file -- at 1 and 2 ranks:
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.nvme_checksums import BlockChecksums, ScratchDamaged
-from lightning_zero.engine.nvme_space import reclaim_dead_files
+from lightning_zero.engine.placement.nvme_checksums import BlockChecksums, ScratchDamaged
+from lightning_zero.engine.placement.nvme_space import reclaim_dead_files
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.nvme_models import STACK_UNITS, Stack, swap_files
 

@@ -7,7 +7,7 @@ Lightning's default launcher starts the second rank): the kept states are only o
 full checkpoint saved after two earlier saves resumes (``ckpt_path=``) into a differently initialized model
 and ends where the uninterrupted run ends, bit for bit; the weights-only one holds the trained weights; and
 once every process has exited no scratch file is left
-([Note: NVMe states outlive teardown], engine/nvme_states.py).
+([Note: NVMe states outlive teardown], engine/placement/nvme_states.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zero.engine.nvme import NVME_PATH_ENV
+from lightning_zero.engine.placement.nvme import NVME_PATH_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "helpers" / "nvme_after_fit.py"

@@ -1,4 +1,4 @@
-"""ZeRO-Infinity: offload_optimizer="nvme" (engine/nvme.py, engine/nvme_states.py).
+"""ZeRO-Infinity: offload_optimizer="nvme" (engine/placement/nvme.py, engine/placement/nvme_states.py).
 
 * Exact: HF GPT-2 and T5 (from configs) at 2 ranks with gradient accumulation, norm clipping and a LambdaLR schedule:
   zero2 and zero3 with the states on NVMe equal torch DDP (fp32 rtol 1e-5) with the user's AdamW kernel
@@ -24,8 +24,8 @@ from torch import nn
 
 from lightning_zero import checkpoint as ck
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine import nvme as NV
-from lightning_zero.engine import nvme_space as NS
+from lightning_zero.engine.placement import nvme as NV
+from lightning_zero.engine.placement import nvme_space as NS
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.nvme_models import swap_files
 from tests.helpers.accum_runs import zoo_run, zoo_setup, zoo_steps

@@ -1,4 +1,4 @@
-"""ZeRO-Infinity parameter offload: offload_params="nvme" (engine/stage3/nvme_params.py).
+"""ZeRO-Infinity parameter offload: offload_params="nvme" (engine/placement/nvme_params.py).
 
 * Exact: HF GPT-2 (from a config) at 2 ranks with gradient accumulation, norm clipping and a LambdaLR schedule:
   zero3 with the parameter shards on NVMe (optimizer on NVMe, on the host, or on the device) equals torch DDP
@@ -20,7 +20,7 @@ import torch
 
 from lightning_zero import checkpoint as ck
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine import nvme as NV
+from lightning_zero.engine.placement import nvme as NV
 from tests.helpers.accum_runs import zoo_run, zoo_setup, zoo_steps
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.nvme_models import STACK_UNITS, Stack, swap_files
@@ -207,8 +207,8 @@ def test_setup_holds_one_unit_shard_at_a_time(tmp_path, monkeypatch, dtype, opti
     """Setup, counted at every scratch-file read / write and every master taken: the host bytes of parameter
     shards never exceed the largest unit's fp32 shard (cut, then spilled; read back for its masters; read back
     for the cast to the compute dtype), though this rank's shards are 40 units."""
-    from lightning_zero.engine.optimizer import ShardedOptimizer
-    from lightning_zero.engine.stage3 import nvme_params as NP
+    from lightning_zero.engine.optim.optimizer import ShardedOptimizer
+    from lightning_zero.engine.placement import nvme_params as NP
 
     units, seen = [], []
 

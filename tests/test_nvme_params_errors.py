@@ -1,4 +1,4 @@
-"""offload_params="nvme" (engine/stage3/nvme_params.py): the clear errors.
+"""offload_params="nvme" (engine/placement/nvme_params.py): the clear errors.
 
 No nvme_path; too little free space at setup, with the bytes needed (the fp32 staging counted with a bf16
 compute dtype); a failed read mid-run on one rank (one error on every rank), also in an evaluation-only
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine import nvme as NV
-from lightning_zero.engine import nvme_space as NS
+from lightning_zero.engine.placement import nvme as NV
+from lightning_zero.engine.placement import nvme_space as NS
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.nvme_models import STACK_UNITS, Stack, swap_files
 

@@ -1,4 +1,4 @@
-"""The NVMe ring follows the states it streams (engine/nvme_states.py, engine/stage3/nvme_params.py).
+"""The NVMe ring follows the states it streams (engine/placement/nvme_states.py, engine/placement/nvme_params.py).
 
 A model whose optimizer states are fewer buckets than the ring has slots -- here one large embedding, as a
 small GPT-2's vocabulary is most of its parameters -- gets one slot per bucket: the ring is never more host

@@ -1,4 +1,4 @@
-"""NVMe space across ranks and restarts ([Note: scratch space for the node], engine/nvme_space.py).
+"""NVMe space across ranks and restarts ([Note: scratch space for the node], engine/placement/nvme_space.py).
 
 * Two ranks on one disk, each of whose files would fit alone but not both: both ranks refuse at setup with the
   same error, naming the bytes each needs, their sum and the free space; nothing is created.
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine import nvme as NV
-from lightning_zero.engine import nvme_space as NS
+from lightning_zero.engine.placement import nvme as NV
+from lightning_zero.engine.placement import nvme_space as NS
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.nvme_models import STACK_UNITS, Stack, swap_files
 

@@ -139,7 +139,7 @@ def _dist_refusal(rank, world, what):
     elif what == "two":
         ZeroEngine(model, [opt, torch.optim.SGD([model[0].bias], lr=0.1)], ZeroConfig(stage=0))
     elif what == "fp16":
-        from lightning_zero.engine.loss_scaler import DynamicLossScaler
+        from lightning_zero.engine.optim.loss_scaler import DynamicLossScaler
         ZeroEngine(model, opt, ZeroConfig(stage=0), compute_dtype=torch.float16, loss_scaler=DynamicLossScaler())
 
 

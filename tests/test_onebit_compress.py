@@ -1,4 +1,4 @@
-"""1-bit compression kernels and the error-compensated compressed all-reduce (engine/onebit/).
+"""1-bit compression kernels and the error-compensated compressed all-reduce (engine/optim/onebit/).
 
 The distributed exchange is held bit for bit to a single-process reference of the same algorithm
 (same signs, scales and error buffers) at 2 and 4 gloo ranks."""
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_zero.engine import collectives as C
-from lightning_zero.engine.onebit import compress as K
-from lightning_zero.engine.onebit import exchange as X
+from lightning_zero.engine.comm import collectives as C
+from lightning_zero.engine.optim.onebit import compress as K
+from lightning_zero.engine.optim.onebit import exchange as X
 from tests.helpers.dist_utils import run_distributed
 
 

@@ -1,5 +1,5 @@
 """1-bit Adam on parameters whose true gradient is zero ([Note: elements without a gradient] in
-engine/onebit/base.py): HF GPT-2 built from its config, under the Trainer with Lightning's defaults (2 forked
+engine/optim/onebit/base.py): HF GPT-2 built from its config, under the Trainer with Lightning's defaults (2 forked
 gloo ranks), the variance frozen at 20% of the run. GPT-2's attention key bias has a zero true gradient
 (softmax is shift-invariant): its computed one is rounding noise. Before the rule, the 1-bit momentum gave it
 its chunk's scale over a denominator of eps, and it grew to hundreds; AdamW keeps it below 1e-4."""

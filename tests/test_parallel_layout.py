@@ -1,4 +1,4 @@
-"""The one parallel layout (engine/layout.py, engine/groups.py): one table refuses, one cache makes.
+"""The one parallel layout (engine/layout/dims.py, engine/layout/groups.py): one table refuses, one cache makes.
 
 * Every pair of dims the table refuses is refused the same way by ZeroConfig, both strategies and the pipeline,
   and every stage a dim does not take; a pair missing from the table would compose (the table is the truth).
@@ -16,7 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.layout import COMPOSE, DIMS, KNOBS, STAGES_WITH, ParallelDims
+from lightning_zero.engine.layout.dims import COMPOSE, DIMS, KNOBS, STAGES_WITH, ParallelDims
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.parity import TP_FP32, close
 from tests.helpers.tp_models import dp_batch, full_state, lm_loss, make_gpt, parallelize
@@ -63,7 +63,7 @@ def test_world_divisibility_names_the_allowed_sizes():
 
 # -- the engine takes its TP mesh from the config ---------------------------------------------------------------------
 def _train(rank, world_size, how):
-    from lightning_zero.engine.groups import cached_groups, tensor_parallel_mesh
+    from lightning_zero.engine.layout.groups import cached_groups, tensor_parallel_mesh
 
     torch.set_num_threads(1)
     mesh = tensor_parallel_mesh("cpu", 2)

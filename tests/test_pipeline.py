@@ -1,4 +1,4 @@
-"""Pipeline parallelism x ZeRO 1/2 (engine/pipeline.py) on a tiny HF GPT-2 cut between blocks.
+"""Pipeline parallelism x ZeRO 1/2 (engine/pipeline/pipeline_zero.py) on a tiny HF GPT-2 cut between blocks.
 
 Reference: the uncut GPT2LMHeadModel trained in this process on the same global batch, cut into the same
 D x M micro-batches whose gradients are summed (plain torch AdamW, ``clip_grad_norm_``, accumulation by
@@ -17,11 +17,12 @@ import os
 import pytest
 import torch
 
-from lightning_zero.engine import ZeroConfig, collectives
+from lightning_zero.engine import ZeroConfig
+from lightning_zero.engine.comm import collectives
 from lightning_zero.checkpoint.pipeline_dir import (consolidate_pipeline_checkpoint, load_pipeline_checkpoint,
                                                     save_pipeline_checkpoint)
-from lightning_zero.engine.pipeline import PipelineZero, check_pipeline_size, estimate_stage_states, pipeline_layout
-from lightning_zero.engine.pipeline_split import split_gpt2
+from lightning_zero.engine.pipeline.pipeline_zero import PipelineZero, check_pipeline_size, estimate_stage_states, pipeline_layout
+from lightning_zero.engine.pipeline.split import split_gpt2
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.parity import is_close as _close
 from tests.helpers.pipeline_gpt2 import (BATCH, M, ACCUM, CALLS, RTOL,

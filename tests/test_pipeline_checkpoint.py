@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_zero.checkpoint.pipeline_dir import (consolidate_pipeline_checkpoint, load_pipeline_checkpoint,
                                                     read_manifest, save_pipeline_checkpoint)
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.parity import is_close
 from tests.helpers.pipeline_gpt2 import (BATCH, CALLS, RTOL, global_batch as _batch, gpt2_model as _model,

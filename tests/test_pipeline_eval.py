@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from lightning_zero import ZeroPipelineStrategy, ZeroPrecision, ZeroStrategy
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.pipeline_split import split_gpt2
+from lightning_zero.engine.pipeline.split import split_gpt2
 from lightning_zero.tools.cli import main as cli
 from tests.helpers.pipeline_gpt2 import (ACCUM, ATOL, BATCH, CLIP, M, RTOL, global_batch as _batch, lm_loss as _loss,
     gpt2_model as _model, adamw as _optimizer)

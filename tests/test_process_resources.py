@@ -1,5 +1,5 @@
 """Process resources stay flat over many Trainers in one process (what a torchrun/SLURM script does: fit,
-fit again, ... in the ranks torchrun made). Groups and meshes are made once per process (engine/groups.py);
+fit again, ... in the ranks torchrun made). Groups and meshes are made once per process (engine/layout/groups.py);
 a Trainer that made its own again each time (the TP mesh did, in every ``setup_environment``) leaks the
 sockets and threads of their gloo pairs: ~30 file descriptors per Trainer at 2 ranks.
 

@@ -14,8 +14,8 @@ import torch
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine import collectives as C
-from lightning_zero.engine import quantize as Q
+from lightning_zero.engine.comm import collectives as C
+from lightning_zero.engine.comm import quantize as Q
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.zoo_models import ZOO
 

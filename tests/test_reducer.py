@@ -5,9 +5,9 @@ sum. Both against plain autograd's gradients. (End to end they are covered by ev
 import torch
 from torch import nn
 
-from lightning_zero.engine.buckets import build_buckets
+from lightning_zero.engine.grads.buckets import build_buckets
 from lightning_zero.engine.plan import ShardingPlan
-from lightning_zero.engine.reducer import BackwardPhase, GradReducer
+from lightning_zero.engine.grads.reducer import BackwardPhase, GradReducer
 
 
 class _Reversed(nn.Module):
@@ -53,7 +53,7 @@ def test_reducer_launches_in_bucket_order_whatever_order_gradients_complete():
 
 
 def test_reducer_no_sync_accumulates_then_finalize_reduces_the_sum():
-    from lightning_zero.engine.reducer import GradSync
+    from lightning_zero.engine.grads.reducer import GradSync
 
     torch.manual_seed(0)
     x = torch.randn(5, 4)

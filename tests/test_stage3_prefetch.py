@@ -17,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine import collectives as C
+from lightning_zero.engine.comm import collectives as C
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.parity import UNITS, close, ddp_reference, train_parity_net
 from tests.helpers.zoo_models import _hf

@@ -172,7 +172,7 @@ def test_onebit_adam_warmup_is_the_recipes_adamw(tmp_path, pairs_file, restore_t
 def test_recipe_reports_the_compressed_phase_bytes(tmp_path, pairs_file, restore_threads, capsys):
     """1-bit Adam at stage 1 in the recipe: one warmup step, then the compressed phase; the summary prints the
     bytes per step of each phase (rank 0's comm_report). A compressed step moves about half the warmup's
-    bytes (the first one more: it rebuilds the whole momentum, engine/onebit/sharded.py)."""
+    bytes (the first one more: it rebuilds the whole momentum, engine/optim/onebit/sharded.py)."""
     summary, _ = _fit(tmp_path, pairs_file, "zero1", "strategy=zero1", "optim.name=onebit_adam",
                       "optim.freeze_step=1")
     phases = summary["run_info"]["ranks"][0]["comm"]["phases"]

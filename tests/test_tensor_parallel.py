@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine import tensor_parallel as TPM
+from lightning_zero.engine.layout import tensor_parallel as TPM
 from tests.helpers.dist_utils import clip_and_step, run_distributed
 from tests.helpers.parity import TP_FP32, close
 from tests.helpers.tp_models import CLIP, T, dp_batch, full_state, lm_loss, make_gpt, parallelize

@@ -17,7 +17,7 @@ from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
 from lightning_zero import ZeroFabricStrategy
-from lightning_zero.engine import tensor_parallel as TPM
+from lightning_zero.engine.layout import tensor_parallel as TPM
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.parity import TP_FP32, close
 from tests.helpers.tp_models import CLIP

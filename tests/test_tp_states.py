@@ -12,7 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine import tensor_parallel as TPM
+from lightning_zero.engine.layout import tensor_parallel as TPM
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.parity import TP_FP32, close
 from tests.helpers.tp_models import tp_mesh as _mesh

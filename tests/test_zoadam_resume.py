@@ -1,4 +1,4 @@
-"""0/1 Adam between synchronizations ([Note: the ranks' own models], engine/onebit/local_models.py): a resume
+"""0/1 Adam between synchronizations ([Note: the ranks' own models], engine/optim/onebit/local_models.py): a resume
 from a checkpoint taken at any local step continues bit for bit on both ranks (Trainer and Fabric, after a
 SIGKILL too), and the one model such a checkpoint, a finished fit and a validation inside fit stand for is
 the ranks' mean. The runs: tests/helpers/zoadam_runs.py (2 gloo ranks, Lightning's defaults)."""

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ..engine.collectives import barrier as _barrier, rank as _rank
+from ..engine.comm.collectives import barrier as _barrier, rank as _rank
 from . import integrity, tp_state as TS
 from .rank_local import RANKS_KEY, rank_local_entries
 from .trust import UntrustedCheckpointError  # noqa: F401  (raised by every load; part of this module's API)

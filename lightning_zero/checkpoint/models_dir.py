@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from ..engine.collectives import barrier as _barrier, rank as _rank
+from ..engine.comm.collectives import barrier as _barrier, rank as _rank
 from .files import INFO_FILE, META_FILE, MODELS_FORMAT, is_checkpoint_dir, read_info
 from .trust import confined
 from .format import atomic_checkpoint_dir, write_checkpoint_files

@@ -29,9 +29,9 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..engine.collectives import rank as _rank
+from ..engine.comm.collectives import rank as _rank
 from ..engine.engine_state import EngineMode
-from ..engine.pipeline_state import source_names
+from ..engine.pipeline.state import source_names
 from . import integrity
 from .consolidate import atomic_output, full_model_state
 from .files import FORMAT, INFO_FILE, META_FILE, PIPELINE_FORMAT, read_info, resolve_checkpoint_dir

@@ -1,8 +1,8 @@
 """State that differs by rank in a checkpoint: what each rank writes and reads back as its own row.
 
-Two kinds, both of the compressed Adams (engine/onebit/): their error-feedback buffers (``per_rank_state``,
+Two kinds, both of the compressed Adams (engine/optim/onebit/): their error-feedback buffers (``per_rank_state``,
 always per rank; written in place of the one value under "optim", sharded_state.per_rank), and 0/1 Adam's
-rank-local models between synchronizations ([Note: the ranks' own models], engine/onebit/local_models.py):
+rank-local models between synchronizations ([Note: the ranks' own models], engine/optim/onebit/local_models.py):
 each rank's own masters and the optimizer entries its local steps move. Those keep their one-value entries
 (the ranks' mean, what every other reader sees) and add each rank's own values under a DCP key of their own::
 
@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..engine.onebit import local_models as LM
+from ..engine.optim.onebit import local_models as LM
 from .sharded_state import _managed, per_rank
 
 RANKS_KEY = "ranks"  # the DCP top-level key (the model is "model", optimizers "optim", "optim_1", ...)

@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.groups import device_mesh, group_mesh
-from ..engine.onebit import local_models as LM
+from ..engine.layout.groups import device_mesh, group_mesh
+from ..engine.optim.onebit import local_models as LM
 from . import tp_state as TS
 
 def _mesh(device_type: str, shard_size: int, group=None):
     """The default group's mesh: 1-D, or (hybrid sharding) 2-D ("replicate", "shard") with shard groups of
     ``shard_size`` consecutive ranks -- the engine's groups, so DCP writes each slice from one replica only.
     ``group``: a sub-group the engine shards over (a pipeline stage's data-parallel group), 1-D over it.
-    Made once per process (engine/groups.py): each new mesh would make new groups."""
+    Made once per process (engine/layout/groups.py): each new mesh would make new groups."""
     if group is not None:
         return group_mesh(device_type, group)
     world = dist.get_world_size()
@@ -46,7 +46,7 @@ def _flat(t: torch.Tensor, spec, group=None) -> torch.Tensor:
 
 
 def per_rank(t: torch.Tensor, group=None) -> torch.Tensor:
-    """A tensor that differs on every rank (1-bit Adam's error buffers, engine/onebit/base.py): one row per
+    """A tensor that differs on every rank (1-bit Adam's error buffers, engine/optim/onebit/base.py): one row per
     rank of ``group``, a DTensor Shard(0) of the ``[N * numel]`` global tensor, so each rank writes and reads
     back its own row (a plain tensor would be saved as replicated: rank 0's only)."""
     flat = t.detach().reshape(-1)

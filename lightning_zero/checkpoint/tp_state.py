@@ -23,8 +23,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..engine import collectives as C
-from ..engine import tensor_parallel as TP
+from ..engine.comm import collectives as C
+from ..engine.layout import tensor_parallel as TP
 
 NATURAL = "natural"  # zero_checkpoint.json "layout": per-parameter entries in full parameter coordinates
 

@@ -19,8 +19,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from .layout import ParallelDims
-from .nvme import NVME_PATH_ENV, OffloadDevice, check_nvme_dir
+from .layout.dims import ParallelDims
+from .placement.nvme import NVME_PATH_ENV, OffloadDevice, check_nvme_dir
 from .stage3.lifecycle import OrderCheck
 
 STAGES = (0, 1, 2, 3)
@@ -73,12 +73,12 @@ class ZeroConfig:
     offload_optimizer: fp32 master shards and optimizer state live in CPU memory; the step runs there.
         True or "cpu": in host memory; "nvme" (ZeRO-Infinity): in per-rank scratch files under ``nvme_path``
         between steps, streamed through a ring of ``nvme_buffer_count`` host buffers during the step
-        (engine/nvme_states.py); False or "none": on the compute device. Read back normalized: True, False
+        (engine/placement/nvme_states.py); False or "none": on the compute device. Read back normalized: True, False
         or "nvme".
     offload_params: stage 3 only -- where parameter shards live between uses: True or "cpu" (host memory),
         "nvme" (ZeRO-Infinity: per-rank scratch files under ``nvme_path``, each unit's shard read ahead of its
         gather in the recorded unit order through a ring of ``prefetch + nvme_buffer_count`` host buffers,
-        engine/stage3/nvme_params.py), False. Read back normalized: True, False or "nvme".
+        engine/placement/nvme_params.py), False. Read back normalized: True, False or "nvme".
     nvme_path: the directory of the NVMe scratch files (must exist and be writable); None = the
         environment variable LIGHTNING_ZERO_NVME_PATH (how the registered ``*_offload_nvme`` presets get it).
     nvme_buffer_count: host buffers of the NVMe ring (>= 2; 3 overlaps reading the next chunk, stepping
@@ -137,7 +137,7 @@ class ZeroConfig:
     shard_group_size: Optional[int] = None
     tensor_parallel_size: Optional[int] = None
 
-    # -- activation memory (engine/activations.py) ------------------------------------------------------
+    # -- activation memory (engine/memory/activations.py) ------------------------------------------------------
     # activation_checkpointing: None; "auto" (the modules the stage-3 unit policy picks: the units at stage 3,
     #     the same blocks below); or module classes / class names, e.g. ["T5Block"]: their forward runs under
     #     non-reentrant torch.utils.checkpoint and is recomputed in backward.
@@ -145,7 +145,7 @@ class ZeroConfig:
     activation_checkpointing: Optional[Union[str, Sequence[Union[type, str]]]] = None
     offload_activations: bool = False
 
-    # -- communication (engine/reducer.py, publish.py, quantize.py) ---------------------------------
+    # -- communication (engine/grads/reducer.py, publish.py, quantize.py) ---------------------------------
     # grad_reduce (stages 1-3): how a gradient bucket reaches its shard. "reduce_scatter"; "all_reduce" (the
     #     whole bucket summed, this rank's slice kept: same memory, since the full bucket exists either way,
     #     and the same sums); "all_to_all" (one all-to-all of the rank-major rows, the N received rows summed
@@ -154,7 +154,7 @@ class ZeroConfig:
     #     reduce-scatter is slow, gets its table entry; reduce_scatter elsewhere).
     # overlap_publish (stages 1-2, opt-in): the parameter all-gather after a step runs while the next
     #     forward computes; each bucket is waited for in the forward pre-hook of the modules that hold its
-    #     parameters and wherever the engine reads or writes them (engine/publish.py). Off by default: code
+    #     parameters and wherever the engine reads or writes them (engine/optim/publish.py). Off by default: code
     #     that reads parameters between the step and the next forward (EMA / weight-averaging callbacks, a
     #     weight norm logged in on_train_batch_end) would see this rank's slice new and the rest one step
     #     old unless it calls engine.ensure_published() first.
@@ -165,9 +165,9 @@ class ZeroConfig:
     overlap_publish: bool = False
     quantize_weights: bool = False
     quantize_grads: bool = False
-    # -- the offloaded step's kernel (engine/optimizer.py): "fused" | "user", see the docstring
+    # -- the offloaded step's kernel (engine/optim/optimizer.py): "fused" | "user", see the docstring
     offload_kernel: str = "fused"
-    # -- ZeRO-Infinity (engine/nvme.py, nvme_states.py): where offload_optimizer="nvme" keeps the states
+    # -- ZeRO-Infinity (engine/placement/nvme.py, nvme_states.py): where offload_optimizer="nvme" keeps the states
     nvme_path: Optional[str] = None
     nvme_buffer_count: int = 3
     nvme_direct: bool = False

@@ -24,27 +24,30 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import collectives as C, full_state as FS, grad_clear as GC, grad_norm as GN, param_groups as PG
-from . import tensor_parallel as TP
+from .comm import collectives as C
+from . import full_state as FS
+from .grads import grad_clear as GC, grad_norm as GN
+from .optim import param_groups as PG
+from .layout import tensor_parallel as TP
 from .module_routes import install_module_zero_grad, remove_module_zero_grad
-from .optimizer_routes import install_optimizer_methods, remove_optimizer_methods
-from .activations import ActivationMemory, activation_memory
+from .optim.optimizer_routes import install_optimizer_methods, remove_optimizer_methods
+from .memory.activations import ActivationMemory, activation_memory
 from .stage3.deferred_init import compute_device, has_meta_params
 from .config import ZeroConfig
 from .engine_state import EngineMode, StepCounters
-from .memory_report import MemoryReport, measure_model_states
-from .groups import engine_groups, tensor_parallel_mesh
-from .nvme_states import make_resident_on_every_rank, raise_if_any_rank_failed
-from .optimizer import ShardedOptimizer
-from .publish import PublishQueue, publish_chunk, publish_masters
-from .comm_report import CommReport, StepTraffic
-from .bucket_table import BucketMaker, BucketTable
-from .buffer_sync import BufferBroadcast
+from .memory.report import MemoryReport, measure_model_states
+from .layout.groups import engine_groups, tensor_parallel_mesh
+from .placement.nvme_states import make_resident_on_every_rank, raise_if_any_rank_failed
+from .optim.optimizer import ShardedOptimizer
+from .optim.publish import PublishQueue, publish_chunk, publish_masters
+from .comm.comm_report import CommReport, StepTraffic
+from .grads.bucket_table import BucketMaker, BucketTable
+from .grads.buffer_sync import BufferBroadcast
 from .plan import ShardingPlan
 from .stage3.partition import ParamPartitioner
-from .reducer import GradReducer
-from .onebit import binding as ONEBIT
-from .onebit import local_models as LM
+from .grads.reducer import GradReducer
+from .optim.onebit import binding as ONEBIT
+from .optim.onebit import local_models as LM
 from .stage3.setup import PartitionedParams, stage3_config
 
 _log = logging.getLogger("lightning_zero.engine")
@@ -458,7 +461,7 @@ class ZeroEngine:
         ``hand_back=False``: after a failure other ranks may be gone, and that collective would hang.
         ``keep_states=True``: the optimizers' NVMe scratch files stay, so the detached engine can still save
         its masters and optimizer state, until :meth:`release_states` ([Note: NVMe states outlive teardown],
-        engine/nvme_states.py); else they are removed here."""
+        engine/placement/nvme_states.py); else they are removed here."""
         params_store = self.partitioner.nvme if self.partitions_params else None  # closed once handed back
         if self.activations is not None:
             self.activations.remove()

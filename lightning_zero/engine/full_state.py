@@ -21,9 +21,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import tensor_parallel as TP
-from .param_groups import param_names as _names_by_id
-from .sharding import ShardSpec
+from .layout import tensor_parallel as TP
+from .optim.param_groups import param_names as _names_by_id
+from .layout.sharding import ShardSpec
 
 Rows = list[tuple[list[torch.Tensor], Any]]  # (masters of one bucket, the bucket), in master order
 Item = tuple[str, torch.Tensor, ShardSpec, torch.Size]  # (name, this rank's slice, spec, full shape)

@@ -32,7 +32,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from .placement import Placement
+from .placement.placement import Placement
 
 
 class Publish(enum.Enum):

@@ -10,7 +10,7 @@ checkpoint (weights, optimizer and scheduler state, loops) is restored and remov
 starts from the state it would have had -- and replaces two things:
 
 * **fits**: the peak of a trial's steps against ``max_bytes``. CPU: the rule of
-  ``engine/step_bytes.py`` (the engine's device model states + saved activations + the state the
+  ``engine/memory/step_bytes.py`` (the engine's device model states + saved activations + the state the
   step creates); GPU: ``torch.cuda.max_memory_allocated`` against ``max_bytes`` or the device's memory.
 * **agreement**: every rank measures, the peaks are all-reduced (max) before a decision, so all ranks
   take the same -- the smallest fitting -- answer and keep their collectives in step.
@@ -40,8 +40,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from .callback_checks import lightning_finder_refusal
 from .compat import (TunerExitException, batch_size_scaling, fit_data_is_module, fit_dataset_length,
                      restore_checkpoint, tuning_module)
-from ..engine.step_bytes import StepMeter, engine_memory, step_device_bytes
-from ..engine.placement import Location
+from ..engine.memory.step_bytes import StepMeter, engine_memory, step_device_bytes
+from ..engine.placement.placement import Location
 
 log = logging.getLogger(__name__)
 

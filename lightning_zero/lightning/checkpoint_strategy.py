@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..engine.engine_state import EngineMode
-from ..engine.onebit import local_models as LM
+from ..engine.optim.onebit import local_models as LM
 from ..checkpoint.format import (_IMPL_KEYS, _TMP, _remove, aside_path, check_optimizer_count, load_model_state,
                          load_optimizer_state, read_info, read_meta, save_checkpoint_dir,
                          sharded_model_state, sharded_optimizer_state)

@@ -183,7 +183,7 @@ CANARIES: tuple[tuple[str, str], ...] = (
     (f"{_FABRIC}.strategies", "DDPStrategy._setup_distributed"),
 )
 
-#: torch privates the engine reaches itself (engine/groups.py, pipeline.py, tensor_parallel.py)
+#: torch privates the engine reaches itself (engine/layout/groups.py, pipeline.py, tensor_parallel.py)
 TORCH_CANARIES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.distributed_c10d", "_world"),
     ("torch.distributed.distributed_c10d", "_get_default_group"),

@@ -46,7 +46,8 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from ..engine.plan import ShardingPlan
-from ..engine import ZeroEngine, collectives
+from ..engine import ZeroEngine
+from ..engine.comm import collectives
 from ..engine.stage3.deferred_init import has_meta_params, meta_init
 from .compat import BackwardSyncControl, FabricSubprocessScriptLauncher, fabric_module_wrapper
 from .fabric_checkpoint import FabricCheckpoints
@@ -375,7 +376,7 @@ class _ZeroBackwardSyncControl(BackwardSyncControl):
 
 def install() -> None:
     """``model.zero_grad()`` on Fabric's module wrapper reaches the engine (the optimizer wrapper needs nothing:
-    the engine routes the optimizer's own methods, engine/optimizer_routes.py)."""
+    the engine routes the optimizer's own methods, engine/optim/optimizer_routes.py)."""
     _install_module_zero_grad()
 
 

@@ -8,7 +8,7 @@ after the first optimizer step (or at the end of training, when there was none),
 ``engine.memory_report()``: exact tensor bytes, no allocator guesses. Gradients are freed by the step, so
 their row is what the next backward allocates again: the buckets' reduced slices (stages 1-3; at stage 1
 without accumulation the full gradients only live bucket by bucket), at stage 0 the full gradients. DDP's column is what the same model and
-optimizer hold without sharding (the floor of ``engine/memory.py`` at stage 0, with the optimizer-state
+optimizer hold without sharding (the floor of ``engine/memory/floors.py`` at stage 0, with the optimizer-state
 bytes the ranks really allocated added up), so the ratio is the saving this run gets. Global rank 0 prints
 it and hands the numbers to the loggers as ``zero/*`` metrics.
 
@@ -24,8 +24,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..engine import tensor_parallel as TP
-from ..engine.placement import Location
+from ..engine.layout import tensor_parallel as TP
+from ..engine.placement.placement import Location
 from ..engine.plan import ShardingPlan
 
 # where states live -> the header's word; the off-device rows, by location: on disk between steps (states,

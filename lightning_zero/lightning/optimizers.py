@@ -8,7 +8,7 @@ of each group (``ShardedOptimizer.group_params``):
 
 * ``LightningOptimizer`` (what ``self.optimizers()`` returns) subclasses the optimizer's class, so its
   ``zero_grad`` / ``add_param_group`` would be torch's: the engine gives the optimizer object a routed class
-  of its own while it manages it (engine/optimizer_routes.py), which every wrapper, however late Lightning
+  of its own while it manages it (engine/optim/optimizer_routes.py), which every wrapper, however late Lightning
   rebuilds it, finds first in its MRO. Nothing here touches Lightning's classes.
 * ``LightningModule.toggle_optimizer`` / ``untoggle_optimizer`` flip ``requires_grad`` of the module
   parameters of the other optimizers (Lightning's own would flip the masters', which autograd never sees).

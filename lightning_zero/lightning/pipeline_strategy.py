@@ -1,4 +1,4 @@
-"""ZeroPipelineStrategy: pipeline parallelism x ZeRO 0-2 under the Lightning Trainer (engine/pipeline.py).
+"""ZeroPipelineStrategy: pipeline parallelism x ZeRO 0-2 under the Lightning Trainer (engine/pipeline/pipeline_zero.py).
 
 Design note
 -----------
@@ -56,8 +56,8 @@ from typing import Any, Generator, Mapping, Optional
 
 import torch
 
-from ..engine.layout import ParallelDims
-from ..engine.pipeline import SCHEDULES, PipelineZero, check_pipeline_size, virtual_stages
+from ..engine.layout.dims import ParallelDims
+from ..engine.pipeline.pipeline_zero import SCHEDULES, PipelineZero, check_pipeline_size, virtual_stages
 from .compat import MultiProcessingLauncher
 from .pipeline_launcher import TRAINED_ELSEWHERE, PipelineLauncher
 from .pipeline_checkpoint_strategy import PipelineCheckpoints
@@ -88,7 +88,7 @@ def _check_inherited(knobs: dict) -> None:
 
 def _check_pipeline_knobs(config, max_imbalance: Any) -> None:
     """The pipeline's own float knob; its combinations with the ZeRO stage and the other parallel dims are
-    ZeroConfig's (engine/layout.py's one table), the ints are checked where they are read."""
+    ZeroConfig's (engine/layout/dims.py's one table), the ints are checked where they are read."""
     if max_imbalance is not None and (isinstance(max_imbalance, bool) or not isinstance(max_imbalance, numbers.Real)
                                       or not math.isfinite(max_imbalance) or max_imbalance < 1):
         raise ValueError(f"pipeline_max_imbalance must be a finite number >= 1 (the largest stage's parameters over "

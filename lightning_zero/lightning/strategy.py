@@ -161,7 +161,7 @@ class ZeroStrategy(DDPStrategy):
         """overlap_publish with a callback or module hook that may read the weights between a step and the
         next forward (EMAWeightAveraging, a user's on_train_batch_end): the step completes its all-gathers
         before returning, so they see every rank's update. Lightning's own bookkeeping callbacks keep the
-        overlap (engine/publish.py)."""
+        overlap (engine/optim/publish.py)."""
         readers = weight_readers(trainer.callbacks, self.lightning_module) if self.engine.publisher is not None else []
         self.precision_plugin.ensure_published_after_step = bool(readers)
         if readers:
@@ -296,7 +296,7 @@ class ZeroStrategy(DDPStrategy):
             self.memory_table = memory_report(self, self.lightning_module.trainer)
 
     # 0/1 Adam between synchronizations: validation inside fit and the model fit ends with are the ranks' mean
-    # ([Note: the ranks' own models], engine/onebit/local_models.py)
+    # ([Note: the ranks' own models], engine/optim/onebit/local_models.py)
     def on_validation_start(self) -> None:
         if self.engine is not None and self.engine.mode is EngineMode.TRAIN:
             self.engine.mean_swap.swap_in()

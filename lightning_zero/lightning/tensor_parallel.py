@@ -2,9 +2,9 @@
 
 The strategy builds ``init_device_mesh(device, (N // T, T), mesh_dim_names=("data_parallel",
 "tensor_parallel"))`` once the processes exist (``setup_environment``, as Lightning's ModelParallelStrategy
-does; made once per process, ``engine/groups.py`` ``tensor_parallel_mesh``) and sets it as ``LightningModule.device_mesh`` before ``configure_model``, where the user cuts the
+does; made once per process, ``engine/layout/groups.py`` ``tensor_parallel_mesh``) and sets it as ``LightningModule.device_mesh`` before ``configure_model``, where the user cuts the
 model with ``parallelize_module(..., self.device_mesh["tensor_parallel"], plan)``. The engine gets the
-mesh (``engine/tensor_parallel.py``: ZeRO over the data-parallel dim, norms over both). The sampler splits
+mesh (``engine/layout/tensor_parallel.py``: ZeRO over the data-parallel dim, norms over both). The sampler splits
 by the data-parallel rank only: the T ranks of one tensor-parallel group must see the same batch.
 Imports nothing from Lightning.
 """
@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..engine import tensor_parallel as TP
-from ..engine.groups import tensor_parallel_mesh
+from ..engine.layout import tensor_parallel as TP
+from ..engine.layout.groups import tensor_parallel_mesh
 
 
 class TensorParallelLayout:
@@ -28,7 +28,7 @@ class TensorParallelLayout:
 
     @classmethod
     def of(cls, size: Optional[int], config, checkpoint_format: str = "sharded") -> Optional["TensorParallelLayout"]:
-        if size is None:  # its type, stages and combinations: ZeroConfig (engine/layout.py's one table)
+        if size is None:  # its type, stages and combinations: ZeroConfig (engine/layout/dims.py's one table)
             return None
         if checkpoint_format != "sharded":  # a full file would need every TP piece gathered into one rank
             raise ValueError(f"checkpoint_format={checkpoint_format!r} is not available with tensor_parallel_size: "
@@ -38,7 +38,7 @@ class TensorParallelLayout:
 
     def build(self, world_size: int, device: torch.device) -> Any:
         """The 2-D mesh (collective: every rank calls it, after the process group exists)."""
-        # made once per process (engine/groups.py): a mesh per setup_environment leaked its groups' fds
+        # made once per process (engine/layout/groups.py): a mesh per setup_environment leaked its groups' fds
         self.mesh = tensor_parallel_mesh(device.type, self.size, world_size)
         return self.mesh
 

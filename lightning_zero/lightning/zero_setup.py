@@ -19,7 +19,7 @@ import torch
 from ..engine import ZeroConfig, ZeroEngine
 from ..engine.config import PRESETS
 from ..engine.plan import ShardingPlan
-from ..engine.elastic import destroy_groups_at_exit, init_attempt_default_group
+from ..engine.layout.elastic import destroy_groups_at_exit, init_attempt_default_group
 from ..engine.stage3.unit_policy import choose_unit_modules
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -162,7 +162,7 @@ def register_presets(cls: type, registry, what: str = "ZeRO") -> None:
 
 def setup_default_group(strategy, lightning_setup) -> None:
     """Under torchrun, the default group on a store prefix of this restart attempt's own ([Note: torchrun
-    restarts], engine/elastic.py), which Lightning's own setup (``lightning_setup``) then finds made; for
+    restarts], engine/layout/elastic.py), which Lightning's own setup (``lightning_setup``) then finds made; for
     every launcher, the groups destroyed at exit whatever the backend (``destroy_groups_at_exit``)."""
     device = strategy.root_device
     init_attempt_default_group(strategy._get_process_group_backend(), strategy._timeout,

@@ -4,13 +4,13 @@ ZeRO-Infinity's ``offload_optimizer.device: "nvme"`` becomes ``offload_optimizer
 and ``buffer_count`` (``nvme_buffer_count``), ``offload_param.device: "nvme"`` becomes ``offload_params="nvme"``
 (one ``nvme_path`` for both); ``"cpu"`` becomes ``True``; the keys that tune DeepSpeed's own offload machinery
 are listed as ignored with the reason. Every test of a device string lives here, in the translation of the
-JSON keys; what the knobs then mean is the run's placement ([Note: placement], ``engine/placement.py``).
+JSON keys; what the knobs then mean is the run's placement ([Note: placement], ``engine/placement/placement.py``).
 """
 
 from __future__ import annotations
 
 
-from ..engine.placement import Location, Placement
+from ..engine.placement.placement import Location, Placement
 from .deepspeed_auto import DeepSpeedConfigError, check_keys, positive_int, unset
 
 _OFFLOAD_KEYS = {"device", "pin_memory", "buffer_count", "buffer_size", "fast_init", "ratio", "max_in_cpu",

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..engine.onebit import OneBitAdam, ZeroOneAdam
+from ..engine.optim.onebit import OneBitAdam, ZeroOneAdam
 from .deepspeed_auto import DeepSpeedConfigError, unset
 
 OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
@@ -75,7 +75,7 @@ def check_composes_with(cls: type, kw: dict, config: Any, precision: Optional[st
     Trainer's flag when ``precision`` is None is not known here: the run checks it)."""
     if cls not in _COMPRESSED:
         return
-    from ..engine.onebit.binding import check_composes
+    from ..engine.optim.onebit.binding import check_composes
     from ..engine.plan import ShardingPlan
 
     stand_in = cls([torch.zeros(1, requires_grad=True)], **kw)

@@ -5,7 +5,7 @@ Design note
 Three parts, each checked against a measurement (tests/test_estimate.py, docs/tuning.md):
 
 * **Model states** (params, grads, fp32 master, optimizer state) follow what :class:`ZeroEngine` really
-  allocates: the engine's one model (``engine/memory.py`` ``rank_model_states``, whose exact Psi / N case
+  allocates: the engine's one model (``engine/memory/floors.py`` ``rank_model_states``, whose exact Psi / N case
   is the model-state floors of docs/ARCHITECTURE.md) with per-parameter shards padded to a multiple of
   the world size, frozen parameters without master or state, and a master aliasing its source when
   nothing forces a copy (fp32 stages 1-2; fp32 stage 3 with offloaded params, whose host shard *is* the
@@ -33,8 +33,8 @@ from typing import Optional, Sequence, Union
 
 from torch import nn
 
-from ..engine.memory import optimizer_state_bytes_per_param
-from ..engine.placement import Location, Placement
+from ..engine.memory.floors import optimizer_state_bytes_per_param
+from ..engine.placement.placement import Location, Placement
 from .estimate_knobs import check_estimate_knobs
 from .estimate_nvme import nvme_lines, nvme_optimizer_bytes, nvme_ring_bytes, nvme_step_bytes
 from .estimate_states import (SETTING_PLANS, SETTINGS, Row, buffer_bytes, host_step_grads,  # noqa: F401
@@ -171,7 +171,7 @@ def estimate_model_states(
             parts = t5_activation_memory(info.t5, batch_size, src_len, tgt_len, mixed, activation_checkpointing,
                                          offload_activations)
             act = float(parts["device"])
-    from ..engine.layout import ParallelDims
+    from ..engine.layout.dims import ParallelDims
 
     dims = ParallelDims(shard_group_size, tensor_parallel_size)
     dims.check(0)  # types and combinations (the table's stages are per row)

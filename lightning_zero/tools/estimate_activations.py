@@ -4,7 +4,7 @@ Design note
 -----------
 T5 has a closed formula (``t5_dims.py``); other models get a measurement: the model is built once, for real,
 on the CPU (in the compute dtype of ``precision``, as the engine's true fp16/bf16 module), and one forward of
-its training step at a probe micro-batch P runs under :class:`~lightning_zero.engine.activations.SavedBytes`
+its training step at a probe micro-batch P runs under :class:`~lightning_zero.engine.memory.activations.SavedBytes`
 (the saved-tensors hook the tuner and the finder count with: each storage once, parameters excluded). Then
 
     activation bytes at micro-batch B = B x (saved bytes at P) / P
@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ..engine.activations import SavedBytes
+from ..engine.memory.activations import SavedBytes
 
 _DTYPES = {"32-true": None, "32": None, "bf16-mixed": torch.bfloat16, "bf16": torch.bfloat16,
            "16-mixed": torch.float16, "16": torch.float16}

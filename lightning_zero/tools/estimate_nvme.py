@@ -2,8 +2,8 @@
 bytes the scratch files move per step, which is what the disks must sustain.
 
 What moves is what the engine issues (counted against it in tests/test_estimate.py): the optimizer's
-masters + state are read and written once by the step (engine/nvme_states.py); at stage 3 with the
-parameter shards on NVMe (engine/stage3/nvme_params.py) each shard is read by its unit's forward gather
+masters + state are read and written once by the step (engine/placement/nvme_states.py); at stage 3 with the
+parameter shards on NVMe (engine/placement/nvme_params.py) each shard is read by its unit's forward gather
 and again by its backward gather (a ring slot is free for the next read once its gather completes) -- but
 the root's and the last unit's, kept gathered from forward into backward -- and written once by the step's
 publish.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..engine.placement import Location
+from ..engine.placement.placement import Location
 from ..engine.plan import ShardingPlan
 from .model_sizes import MiB, ModelInfo, gib
 
@@ -34,7 +34,7 @@ def nvme_optimizer_bytes(info: ModelInfo, plan: ShardingPlan, shards: int, k: in
 
 def nvme_ring_bytes(info: ModelInfo, plan: ShardingPlan, shards: int, k: int, bucket_mb: float,
                     buffers: int = 3) -> float:
-    """Host bytes of the NVMe step's ring (engine/nvme_states.py): ``buffers`` slots of one bucket's shard of
+    """Host bytes of the NVMe step's ring (engine/placement/nvme_states.py): ``buffers`` slots of one bucket's shard of
     masters + state (a parameter larger than the cap gets a bucket of its own), never more than the states
     it streams (one slot per bucket when there are fewer buckets than slots; none without states on NVMe)."""
     return min(buffers * _bucket_numel(info, bucket_mb) * (4 + k) / shards, nvme_optimizer_bytes(info, plan, shards, k))
@@ -65,7 +65,7 @@ def nvme_step_bytes(info: ModelInfo, states: dict, plan: ShardingPlan, shards: i
     """Bytes one rank's scratch files move per training step: the masters + state read and written once by
     the step; at stage 3 each parameter shard read by its forward gather and again by its backward gather
     (the root unit's and the last unit's once: they stay gathered into backward) and written once by the publish
-    (engine/stage3/nvme_params.py; counted in tests/test_estimate.py). Units kept through backward
+    (engine/placement/nvme_params.py; counted in tests/test_estimate.py). Units kept through backward
     (persistent, ``reshard_after_forward=False``) are read once: fewer bytes than this."""
     params = plan.placement.book(param_shards=states["params"])[Location.NVME]  # parameter shards on disk
     kept = min(params, (2 if mixed else 4) * (info.root_unit + info.last_unit) / shards)

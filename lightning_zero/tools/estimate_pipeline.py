@@ -4,8 +4,8 @@ Design note
 -----------
 With P stages over N ranks, each stage's parameters live on its N / P data-parallel replicas only, and
 ZeRO stage 1 / 2 shards that stage's optimizer state (and gradients) over those replicas
-(engine/pipeline.py). So a rank of stage i holds the ZeRO floor of Psi_i parameters over D = N / P ranks:
-the engine's own formula (``engine.pipeline.estimate_stage_states`` -> ``engine/memory.py``), the figures
+(engine/pipeline/pipeline_zero.py). So a rank of stage i holds the ZeRO floor of Psi_i parameters over D = N / P ranks:
+the engine's own formula (``engine.pipeline.estimate_stage_states`` -> ``engine/memory/floors.py``), the figures
 ``PipelineZero``'s ``memory_report`` is checked against (tests/test_pipeline.py). What a stage holds comes
 from the split: given per stage (``stage_params``), cut by GPT-2 block for a module with
 ``transformer.h`` (``split_gpt2``'s even split: embeddings on the first stage, ``ln_f`` + head on the last),
@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 
 from torch import nn
 
-from ..engine.memory import optimizer_state_bytes_per_param
-from ..engine.pipeline import bubble_fraction, check_pipeline_size, estimate_stage_states
+from ..engine.memory.floors import optimizer_state_bytes_per_param
+from ..engine.pipeline.pipeline_zero import bubble_fraction, check_pipeline_size, estimate_stage_states
 from .estimate_knobs import check_knobs
 
 GiB, MiB = 2**30, 2**20
@@ -64,7 +64,7 @@ def stage_numels(model, num_stages: int, stage_params: Optional[Sequence[int]] =
     if isinstance(model, nn.Module):
         blocks = getattr(getattr(model, "transformer", None), "h", None)
         if isinstance(blocks, nn.ModuleList) and len(blocks) >= num_stages and hasattr(model, "lm_head"):
-            from ..engine.pipeline_split import even_split
+            from ..engine.pipeline.split import even_split
 
             starts = even_split(len(blocks), num_stages) + [len(blocks)]
             counts = []

@@ -3,7 +3,7 @@ holds under it.
 
 Every number here comes from the plan ([Note: sharding plan], ``engine/plan.py``): what is sharded, whether
 full gradients are kept, how updated masters are published; where bytes live from its placement
-([Note: placement], ``engine/placement.py``). The stage number and the offload knob of a row are labels.
+([Note: placement], ``engine/placement/placement.py``). The stage number and the offload knob of a row are labels.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..engine.config import PRESETS
-from ..engine.memory import rank_model_states
-from ..engine.placement import Location, Placement
+from ..engine.memory.floors import rank_model_states
+from ..engine.placement.placement import Location, Placement
 from ..engine.plan import Publish, ShardingPlan
 from .model_sizes import MiB, ModelInfo
 
@@ -47,11 +47,11 @@ def plan_state_bytes(info: ModelInfo, plan: ShardingPlan, world_size: int, mixed
     """Bytes of params, grads, master and optimizer state one rank holds under ``plan``, and how many are on
     the host and in NVMe scratch files.
 
-    Same kinds as :class:`~lightning_zero.engine.memory_report.MemoryReport` (``grads`` here includes the
+    Same kinds as :class:`~lightning_zero.engine.memory.report.MemoryReport` (``grads`` here includes the
     reduced shards), measured after a backward. ``accumulating``: gradient accumulation (``no_sync``), where
     stage 1 keeps full gradients (the stage-1 floor); without it stage 1 reduces each bucket during backward
     and holds gradient shards, like stage 2. The engine's own model
-    (:func:`~lightning_zero.engine.memory.rank_model_states`, which the floors use too) with the shards as the
+    (:func:`~lightning_zero.engine.memory.floors.rank_model_states`, which the floors use too) with the shards as the
     engine pads them.
     """
     return rank_model_states(plan, world_size, mixed, info.numel, info.trainable, state_bytes,
@@ -79,7 +79,7 @@ def buffer_bytes(info: ModelInfo, plan: ShardingPlan, world_size: int, mixed: bo
         step = 0.0
         if plan.publish is Publish.ALL_GATHER:
             # the step all-gathers at most two buckets at a time: send + gathered buffers of each; overlapped
-            # with the next forward (engine/publish.py) every bucket is in flight until its forward: the bound
+            # with the next forward (engine/optim/publish.py) every bucket is in flight until its forward: the bound
             whole = p * (info.padded(world_size, True) * world_size + info.padded(world_size, True))
             step = whole if overlap_publish else min(2 * (bucket + bucket / world_size), whole)
         return {"backward": backward, "step": float(step)}

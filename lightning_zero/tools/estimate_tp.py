@@ -5,7 +5,7 @@ Design note
 With ``tensor_parallel_size=T`` a rank holds the *local pieces* of the parameters its TP plan cuts (a
 column-parallel Linear: rows of its weight and bias; a row-parallel one: columns of its weight, the bias
 whole) and every other parameter whole; ZeRO then shards each local piece over the N / T data-parallel
-ranks (``engine/tensor_parallel.py``). So the estimate is the engine's own model (``estimate.py``
+ranks (``engine/layout/tensor_parallel.py``). So the estimate is the engine's own model (``estimate.py``
 ``model_state_bytes``) applied to a :class:`~.estimate.ModelInfo` of local sizes, over N / T shards:
 
 * an ``nn.Module`` with a ``tensor_parallel_plan`` (``{module name: ColwiseParallel() | RowwiseParallel()}``,
@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from ..engine import tensor_parallel as TP
+from ..engine.layout import tensor_parallel as TP
 
 COLWISE, ROWWISE = "ColwiseParallel", "RowwiseParallel"
 T5_COLWISE, T5_ROWWISE = ("q", "k", "v", "wi", "wi_0", "wi_1"), ("o", "wo")
@@ -120,7 +120,7 @@ def _t5_info(info, dims, size: int):
 def tensor_parallel_info(model: Any, info, size: int, world_size: int, shard_group_size: Optional[int],
                          plan: Optional[dict] = None):
     """(:class:`TensorParallelSplit`, the ModelInfo of one rank's local pieces) for ``model`` at TP ``size``."""
-    # the size's type, its divisibility and its combinations: estimate() checked them (engine/layout.py)
+    # the size's type, its divisibility and its combinations: estimate() checked them (engine/layout/dims.py)
     if isinstance(model, nn.Module):
         local, full, split = _module_info(info, model, size, plan)
     elif info.t5 is not None:

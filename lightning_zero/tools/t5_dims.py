@@ -185,7 +185,7 @@ def t5_activation_memory(dims: T5Dims, batch: int, src_len: int, tgt_len: int, m
     block's recompute, alive together in backward. Offload: the saved tensors live on the host; the device
     holds a block's worth while its backward unpacks them (or the recompute, with checkpointing).
     """
-    from ..engine.placement import Location, Placement  # here: the CLI imports this module without torch
+    from ..engine.placement.placement import Location, Placement  # here: the CLI imports this module without torch
 
     p = t5_activation_parts(dims, batch, src_len, tgt_len, mixed, dropout_rate)
     full = p["outside"] + dims.num_layers * p["enc_layer"] + dims.dec_layers * p["dec_layer"]

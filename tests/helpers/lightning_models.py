@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_zero.engine import collectives
+from lightning_zero.engine.comm import collectives
 from tests.helpers.models import VOCAB, loss_fn, make_model, make_optimizer
 
 

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_zero import ZeroPipelineStrategy
-from lightning_zero.engine.nvme import NVME_PATH_ENV
-from lightning_zero.engine.pipeline_split import split_gpt2
+from lightning_zero.engine.placement.nvme import NVME_PATH_ENV
+from lightning_zero.engine.pipeline.split import split_gpt2
 
 BATCHES = 3  # per epoch and rank: the first fit ends at an epoch's end, the resumed one starts the next
 

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from lightning_zero.engine.onebit.exchange import ChunkLayout, reference_all_reduce
+from lightning_zero.engine.optim.onebit.exchange import ChunkLayout, reference_all_reduce
 
 LR, BETAS, EPS, WD = 0.02, (0.9, 0.99), 1e-8, 0.01
 
@@ -33,7 +33,7 @@ def loss_of(model: nn.Module, rank: int, step: int) -> torch.Tensor:
 
 def takes_part(v: torch.Tensor, var_steps: int) -> torch.Tensor:
     """The elements with a gradient: variance above zero and a bias-corrected scale reaching eps ([Note:
-    elements without a gradient] in engine/onebit/base.py)."""
+    elements without a gradient] in engine/optim/onebit/base.py)."""
     scale = v.sqrt() / math.sqrt(1 - BETAS[1] ** float(var_steps)) if var_steps else v.sqrt()
     return (v > 0) & (scale >= EPS)
 

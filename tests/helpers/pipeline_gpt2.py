@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_zero.engine import ZeroConfig
-from lightning_zero.engine.pipeline import PipelineZero, pipeline_layout, virtual_stages
-from lightning_zero.engine.pipeline_split import split_gpt2
+from lightning_zero.engine.pipeline.pipeline_zero import PipelineZero, pipeline_layout, virtual_stages
+from lightning_zero.engine.pipeline.split import split_gpt2
 
 VOCAB, SEQ, BATCH, M = 64, 8, 8, 2  # global batch of 8 sequences; M micro-batches per replica
 ACCUM, CLIP, LR = 2, 0.5, 1e-3

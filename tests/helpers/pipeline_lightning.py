@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_zero.engine.pipeline_split import split_gpt2
+from lightning_zero.engine.pipeline.split import split_gpt2
 from tests.helpers.pipeline_gpt2 import ACCUM, ATOL, BATCH, CLIP, M, RTOL, global_batch, lm_loss, gpt2_model, adamw
 
 BATCHES = 4  # per epoch: 2 optimizer steps

@@ -106,7 +106,7 @@ def tp_lightning_module(out: str, tag: str, tensor_parallel: bool):
     its losses, full parameters and sampler arguments per rank."""
     import lightning.pytorch as pl
 
-    from lightning_zero.engine import tensor_parallel as TPM
+    from lightning_zero.engine.layout import tensor_parallel as TPM
 
     class TPModule(pl.LightningModule):
         def __init__(self):

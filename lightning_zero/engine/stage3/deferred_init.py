@@ -46,7 +46,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import collectives as C
+from ..comm import collectives as C
 
 _WAYS_OUT = ("Allowed: build the model eagerly (outside configure_model / with init_module(empty_init=False)), "
              "add reset_parameters() to these modules, or load pretrained weights into the meta model "

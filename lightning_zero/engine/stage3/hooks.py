@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..activations import in_checkpointed_forward, recomputing
+from ..memory.activations import in_checkpointed_forward, recomputing
 from .guard import ReleasedParamGuard
 from .join import RankDivergenceError
 from .lifecycle import OrderCheck, OrderState, UnitState

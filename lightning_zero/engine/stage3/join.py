@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import collectives as C
+from ..comm import collectives as C
 
 JOINED = -1  # the announcement of a rank with no more evaluation work
 

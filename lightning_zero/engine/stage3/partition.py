@@ -42,17 +42,17 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from .. import collectives as C
-from .. import quantize as Q
+from ..comm import collectives as C
+from ..comm import quantize as Q
 from .deferred_init import has_meta_params, materialize
 from .pretrained import fill_shards, marked
 from .lifecycle import OrderCheck, OrderState, UnitState
-from ..nvme_states import raise_if_any_rank_failed
-from .nvme_params import NvmeParams
+from ..placement.nvme_states import raise_if_any_rank_failed
+from ..placement.nvme_params import NvmeParams
 from .join import RankDivergenceError, agreed_unit, announce, serve_until_all_joined  # noqa: F401 (re-export)
 from .hooks import UnitHooks
 from .units import Unit
-from ..buffer_pool import BufferPool
+from ..comm.buffer_pool import BufferPool
 
 
 class ParamPartitioner(UnitHooks):
@@ -76,7 +76,7 @@ class ParamPartitioner(UnitHooks):
         along the same recorded order that drives ``prefetch``."""
         self.module = module
         self.init_group = init_group if init_group is not None else group  # deferred init broadcasts from rank 0 of it
-        # qwZ: training and evaluation gathers travel as int8 blocks (engine/quantize.py); gathered()
+        # qwZ: training and evaluation gathers travel as int8 blocks (engine/comm/quantize.py); gathered()
         # (export, generate, handing the module back) stays exact
         self.quantize = quantize
         self.pool: Optional[BufferPool] = None  # the engine's (bucket table's): the gather buffers come from it

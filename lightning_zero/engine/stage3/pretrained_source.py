@@ -2,7 +2,7 @@
 
 Design note
 -----------
-A stage-3 rank owns a contiguous slice ``[lo, hi)`` of every *flattened* parameter (engine/sharding.py
+A stage-3 rank owns a contiguous slice ``[lo, hi)`` of every *flattened* parameter (engine/layout/sharding.py
 ``ShardSpec``). For a tensor of shape ``(d0, d1, ...)`` that slice lies in rows ``lo // R .. ceil(hi / R)`` of
 its first dimension (``R = d1 * d2 * ...``): those rows are read -- safetensors' ``get_slice`` reads only the
 requested rows from the file, a ``torch.load(mmap=True)`` state dict only touches their pages -- and cut to

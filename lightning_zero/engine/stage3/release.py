@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..activations import recomputing
+from ..memory.activations import recomputing
 
 
 class BackwardReleaser:

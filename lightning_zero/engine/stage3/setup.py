@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from .. import collectives as C
+from ..comm import collectives as C
 from ..config import ZeroConfig
 from .deferred_init import compute_device
 from .lifecycle import OrderCheck

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from ..buckets import Bucket, _make
+from ..grads.buckets import Bucket, _make
 from .lifecycle import UnitState
 from .unit_policy import auto_persist_numel, choose_unit_modules, describe_units
 

@@ -33,10 +33,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ...engine import ZeroEngine
-from ...engine.activations import SavedBytes, measure_recompute  # noqa: F401 (SavedBytes: re-exported)
+from ...engine.memory.activations import SavedBytes, measure_recompute  # noqa: F401 (SavedBytes: re-exported)
 from ..launch import run_ranks
-from ...engine.placement import Location, Placement
-from ...engine.step_bytes import engine_memory, step_device_bytes
+from ...engine.placement.placement import Location, Placement
+from ...engine.memory.step_bytes import engine_memory, step_device_bytes
 
 # the peers' placements (bench/peers.py): FSDP2 with CPUOffloadPolicy keeps every model state in host memory
 PEER_PLACEMENTS = {"fsdp2_offload": Placement(param_shards=Location.HOST, optimizer_states=Location.HOST,

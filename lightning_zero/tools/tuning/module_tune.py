@@ -10,7 +10,7 @@ stopped after the search (as Lightning's ``Tuner`` stops its finder). The N rank
 (:func:`..launch.run_ranks`, forked on CPU, spawned on CUDA) and, as under torchrun, every Trainer runs
 inside them on the process group they share; each preset gets a fresh module from the factory.
 
-"Fits" is the finder's rule (``engine/step_bytes.py`` on CPU, ``torch.cuda.max_memory_allocated`` on a GPU), the
+"Fits" is the finder's rule (``engine/memory/step_bytes.py`` on CPU, ``torch.cuda.max_memory_allocated`` on a GPU), the
 answer the one all ranks agree on. The winner is the preset with the largest micro-batch (ties: the
 earlier preset, which shards less and so communicates less); no timing is done here -- a micro-batch that
 fits is what this answers.

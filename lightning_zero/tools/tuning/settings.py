@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ...engine.placement import Location
+from ...engine.placement.placement import Location
 from ..estimate_states import SETTING_PLANS
 
 # the ``offload`` choice -> where the searched presets keep their optimizer states

@@ -36,8 +36,8 @@ from ..estimate import PRECISIONS, estimate_model_states
 from ..estimate_states import SETTING_PLANS, SETTINGS, plan_state_bytes
 from ..model_sizes import GiB, MiB, info_from_t5
 from ..t5_dims import t5_dims_from_config
-from ...engine.memory import optimizer_state_bytes_per_param
-from ...engine.placement import Location
+from ...engine.memory.floors import optimizer_state_bytes_per_param
+from ...engine.placement.placement import Location
 from .recipe import TuneRecipe, load_recipe
 from .settings import chosen_settings, searched_locations
 

@@ -1,0 +1,95 @@
+"""BucketTable: one row per gradient bucket -- the bucket, the optimizer that owns it, and at stage 3 the
+unit it belongs to and the unit-shard slices its masters come from and are published into.
+
+One table instead of parallel per-bucket lists: a bucket added after setup (``add_param_group``) is one
+row appended, so what the sharded optimizers, the publish and the releaser read can never fall out of
+step (the engine hands the new rows' buckets to the reducer, which numbers them the same way).
+
+Launch order ([Note: sharding plan] decides the layout): stages 0-2 order buckets by the registration
+position of their first parameter, reversed (as backward produces gradients); stage 3 by unit, the
+non-root units reversed and the root last; ties by optimizer, so several optimizers share one numbering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .buckets import Bucket, build_buckets
+from ..comm.buffer_pool import BufferPool
+from ..stage3.units import grad_buckets_for_units
+
+
+@dataclass
+class BucketRow:
+    bucket: Bucket
+    optimizer: int  # index into the engine's optimizers
+    sources: Optional[list[torch.Tensor]] = None  # stage 3: this rank's unit-shard slice per parameter
+    unit: Optional[Any] = None  # stage 3: the unit whose backward completes this bucket
+
+
+class BucketTable:
+    def __init__(self) -> None:
+        self.rows: list[BucketRow] = []
+        self.buckets: list[Bucket] = []
+        self.pool = BufferPool()  # every bucket's transient flat buffers ([Note: kept communication buffers])
+
+    def add(self, rows: list[BucketRow]) -> list[Bucket]:
+        """Append ``rows`` (numbered after the existing ones); returns their buckets."""
+        for i, r in enumerate(rows):
+            r.bucket.index = len(self.rows) + i
+            r.bucket.pool = self.pool
+        self.rows.extend(rows)
+        new = [r.bucket for r in rows]
+        self.buckets.extend(new)
+        return new
+
+    def of_optimizer(self, k: int) -> list[BucketRow]:
+        return [r for r in self.rows if r.optimizer == k]
+
+    def sources(self, index: int) -> Optional[list[torch.Tensor]]:
+        return self.rows[index].sources
+
+    def repoint_sources(self) -> None:
+        """Stage 3 after the unit shards were cast to the compute dtype: they are new tensors, so the
+        sources point at them, not at the fp32 originals."""
+        for r in self.rows:
+            if r.unit is not None:
+                views = dict(zip(map(id, r.unit.params), r.unit.local_views()))
+                r.sources = [views[id(p)] for p in r.bucket.params]
+
+
+@dataclass(frozen=True)
+class BucketMaker:
+    """How parameters become buckets: one per unit when ``units`` (stage 3), else by size, sliced rank-major
+    when ``sharded`` (stages 1-2) or whole (stage 0)."""
+
+    world_size: int
+    rank: int
+    bucket_bytes: int
+    sharded: bool
+    units: Optional[list] = None
+
+    def rows(self, params: list[nn.Parameter], optimizer: int) -> list[BucketRow]:
+        if self.units is not None:
+            bs, srcs, owner = grad_buckets_for_units(self.units, params, self.world_size, self.rank)
+            return [BucketRow(b, optimizer, s, u) for b, s, u in zip(bs, srcs, owner)]
+        return [BucketRow(b, optimizer) for b in
+                build_buckets(params, self.world_size, self.rank, self.bucket_bytes, sharded=self.sharded)]
+
+    def table(self, module: nn.Module, per_opt: list[list[nn.Parameter]]) -> BucketTable:
+        """Every optimizer's buckets in one launch order (see the module docstring)."""
+        rows = [r for k, params in enumerate(per_opt) for r in self.rows(params, k)]
+        if self.units is not None:
+            backward = list(reversed(self.units[:-1])) + [self.units[-1]]
+            pos = {id(u): i for i, u in enumerate(backward)}
+            rows.sort(key=lambda r: (pos[id(r.unit)], r.optimizer))
+        else:
+            order = {id(p): i for i, p in enumerate(module.parameters())}
+            rows.sort(key=lambda r: (-order[id(r.bucket.params[0])], r.optimizer))
+        table = BucketTable()
+        table.add(rows)
+        return table

@@ -1,0 +1,60 @@
+"""What a rank really holds: tensor bytes counted by kind (``ZeroEngine.memory_report()``), no allocator guesses,
+so tests compare them exactly with the floors of memory.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from ..layout.tensor_parallel import local
+
+
+def measure_model_states(params, shardeds, reducer=None, partitioner=None, offload_optimizer: bool = False,
+                         offload_params: bool = False, frozen=()) -> "MemoryReport":
+    """The tensor bytes one rank holds now: ``params`` (managed parameters) and ``frozen`` (the module's
+    parameters no optimizer manages: LoRA's base, whole and replicated on every rank at stages 0-2, like
+    DDP's), the ShardedOptimizers' masters and state, the reducer's gradient shards, stage 3's unit shards
+    (frozen parameters are partitioned like the others) and gathered units."""
+    def nbytes(ts):  # a DTensor (tensor parallel) counts its local piece: what this rank holds
+        return sum(local(t).numel() * t.element_size() for t in ts if t is not None)
+
+    part = partitioner
+    r = MemoryReport(
+        params=part.shard_bytes() + part.gathered_bytes() if part is not None else nbytes(params) + nbytes(frozen),
+        grads=nbytes(p.grad for p in params),
+        grad_shards=nbytes(reducer.grad_shards) if reducer is not None else 0,
+        master=sum(s.master_bytes() for s in shardeds),
+        optimizer_state=sum(s.state_bytes() for s in shardeds),
+    )
+    if offload_optimizer:  # NVMe: what is only in the scratch files now is on disk, not in host memory
+        r.nvme = sum(s.nvme_bytes() for s in shardeds)
+        r.ring = sum(s.ring_bytes() for s in shardeds)
+        r.host = r.master + r.optimizer_state - r.nvme
+    if part is not None and offload_params:  # NVMe: the shards only in the file now are on disk, the ring aside
+        r.host += part.shard_bytes() - part.nvme_shard_bytes()
+        r.nvme += part.nvme_shard_bytes()
+        r.ring += part.nvme.ring_bytes if part.nvme is not None else 0
+    return r
+
+
+@dataclass
+class MemoryReport:
+    """Tensor bytes one rank holds right now, by kind."""
+
+    params: int = 0  # every parameter (frozen too) as this rank holds it (full, or shards in stage 3)
+    grads: int = 0  # full-size gradients in ``param.grad``
+    grad_shards: int = 0  # reduced gradient shards (stages 1-3)
+    master: int = 0  # fp32 master copies that do not alias the parameters
+    optimizer_state: int = 0  # tensors in optimizer.state
+    host: int = 0  # bytes of the above that live in CPU memory while compute is on an accelerator
+    nvme: int = 0  # bytes of the above only in NVMe scratch files now (offload_optimizer="nvme")
+    ring: int = 0  # host buffers the NVMe step streams those through (not model states: the bound on them)
+    comm_buffers: int = 0  # flat collective buffers kept across steps (buffer_pool.py; not model states)
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.grad_shards + self.master + self.optimizer_state
+
+    def as_dict(self) -> dict[str, int]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["model_states"] = self.model_states
+        return d
