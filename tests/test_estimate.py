@@ -232,3 +232,18 @@ def test_nvme_bytes_per_step_are_what_the_engine_reads_and_writes(tmp_path, monk
     assert per_step[1] == per_step[2] == row.nvme_moved_per_step > 2 * row.nvme_per_rank, (per_step, row)
     line = str(estimate_model_states(info, precision=precision, settings=["zero3_offload_nvme"], nvme_step_time=1e-6))
     assert f"{per_step[2] / 1e-6 / 1e9:.2f} GB/s per node" in line
+
+
+def test_every_row_is_the_plan_the_run_builds():
+    """The estimator's rows come from the presets' sharding plans, placement included ([Note: placement]): the
+    plan a run of each preset builds from its ZeroConfig, not a re-derivation of the stage rules."""
+    from lightning_zero.engine.config import PRESETS
+    from lightning_zero.engine.plan import ShardingPlan
+
+    est = estimate_model_states(10**6, world_size=2)
+    assert [r.setting for r in est.rows] == list(PRESETS)
+    for row in est.rows:
+        knobs = dict(PRESETS[row.setting])
+        if "nvme" in (knobs.get("offload_optimizer"), knobs.get("offload_params")):
+            knobs["nvme_path"] = "/on/the/training/machine"  # checked where the run starts
+        assert row.plan == ShardingPlan.of(ZeroConfig.for_another_machine(**knobs)), row.setting

@@ -90,3 +90,19 @@ def test_estimator_and_floor_are_one_model(world_size, numel):
                 assert est["device"] - floor["device"] == pytest.approx(extra, abs=1e-6), case
                 if numel % world_size == 0:
                     assert est["device"] == pytest.approx(floor["device"]) and est["host"] == floor["host"]
+
+
+def test_model_states_are_booked_where_the_placement_says():
+    """``rank_model_states`` reads the plan and books each kind at its placement's location, for a placement no
+    preset has too: stage 3's fp32 parameter shards in host memory (each its own master), the optimizer
+    state on NVMe, the gradient shards on the device."""
+    from lightning_zero.engine.memory.floors import rank_model_states
+    from lightning_zero.engine.placement.placement import Placement
+    from lightning_zero.engine.plan import ShardingPlan
+
+    plan = ShardingPlan.for_stage(3, placement=Placement.from_knobs(offload_optimizer="nvme", offload_params=True))
+    r = rank_model_states(plan, 4, False, 4000, state_bytes=8)
+    assert (r["params"], r["grads"], r["master"], r["optimizer_state"]) == (4000, 4000, 0, 8000)
+    assert (r["host"], r["nvme"], r["device"]) == (4000, 8000, 4000)
+    mixed = rank_model_states(plan, 4, True, 4000, state_bytes=8)  # bf16 shards: a separate fp32 master, on NVMe
+    assert (mixed["master"], mixed["host"], mixed["nvme"], mixed["device"]) == (4000, 2000, 12000, 2000)

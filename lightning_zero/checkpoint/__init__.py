@@ -1,6 +1,7 @@
 """Sharded checkpoint directories (torch.distributed.checkpoint) and their consolidation. No Lightning.
 
-``format.py`` writes and reads the directories, ``files.py`` names what is in them, ``consolidate.py``
+``format.py`` writes the directories (``load_dir.py`` reads them back), ``files.py`` finds and checks
+what is in them (``names.py``: the names), ``consolidate.py``
 turns one into a single fp32 state dict without a process group. The names of ``format.py`` are this
 package's API (``from lightning_zero import checkpoint as ck; ck.save_engine_checkpoint(...)``).
 """

@@ -29,12 +29,9 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from . import integrity
+from .names import DCP_METADATA, FORMAT, INFO_FILE, META_FILE, MODELS_FORMAT, PIPELINE_FORMAT, VERSION  # noqa: F401
 from .trust import UntrustedCheckpointError, load_pickled, read_dcp_metadata, storage_files, trusted
 
-FORMAT, VERSION = "lightning_zero.dcp", 1
-MODELS_FORMAT = "lightning_zero.models"  # several models' directories in one (models_dir.py)
-PIPELINE_FORMAT = "lightning_zero.pipeline"  # pipeline_dir.py's manifest
-INFO_FILE, META_FILE, DCP_METADATA = "zero_checkpoint.json", "meta.pt", ".metadata"
 _TMP, _OLD = ".zero-tmp", ".zero-old"
 _PathLike = Union[str, os.PathLike]
 

@@ -34,6 +34,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_md
 
+from .names import DCP_METADATA
+
 _PathLike = Union[str, os.PathLike]
 
 OPT_IN = "trust_checkpoint=True (Python API, ZeroStrategy / ZeroFabricStrategy) or --trust-checkpoint (CLI)"
@@ -124,8 +126,6 @@ def confined(directory: _PathLike, relative: Any, what: str) -> Path:
 def read_dcp_metadata(directory: _PathLike, trust_checkpoint: bool = False) -> Any:
     """DCP's ``Metadata`` of ``directory``, read with the restricted unpickler and checked: no pickled
     (bytes) entries, every storage file inside the directory. Clear errors for a truncated or foreign file."""
-    from .files import DCP_METADATA
-
     file = Path(directory) / DCP_METADATA
     if trusted(trust_checkpoint):
         return FileSystemReader(str(directory)).read_metadata()

@@ -41,6 +41,7 @@ from .callback_checks import lightning_finder_refusal
 from .compat import (TunerExitException, batch_size_scaling, fit_data_is_module, fit_dataset_length,
                      restore_checkpoint, tuning_module)
 from ..engine.memory.step_bytes import StepMeter, engine_memory, step_device_bytes
+from ..engine.placement.placement import Location
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +104,10 @@ class _TrialMeter(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._after_backward is not None:  # None: the step was skipped (training_step returned None)
             mem, act = self._after_backward
-            created = 0
-            if not self.strategy.zero_config.offload_optimizer:  # offloaded state is host memory
-                created = max(0, self.strategy.engine.memory_report().optimizer_state - mem["optimizer_state"])
+            engine = self.strategy.engine
+            state = max(0, engine.memory_report().optimizer_state - mem["optimizer_state"])
+            # the state the first step creates counts where the placement keeps it ([Note: placement])
+            created = int(engine.plan.placement.book(optimizer_states=state)[Location.DEVICE])
             self.peak = max(self.peak, step_device_bytes(mem, act, created))
         self._close()
 

@@ -25,7 +25,14 @@ import torch
 import torch.distributed as dist
 
 from ..engine.layout import tensor_parallel as TP
+from ..engine.placement.placement import Location
+from ..engine.plan import ShardingPlan
 
+# where states live -> the header's word; the off-device rows, by location: on disk between steps (states,
+# parameter shards), streamed through a host ring during use
+_WHERE = {Location.HOST: "", Location.NVME: " (NVMe)"}
+_OFF_DEVICE_ROWS = ((Location.HOST, "host (offloaded)", "host"), (Location.NVME, "NVMe (offloaded)", "nvme"),
+                    (Location.NVME, "host NVMe ring", "ring"))
 _ROWS = (("params", "params"), ("grads", "grads"), ("master", "master (fp32)"), ("optimizer_state", "optimizer state"))
 
 
@@ -93,10 +100,9 @@ def _ratio(ddp: float, zero: float) -> str:
 def format_table(zero_config, world_size: int, ranks: list[dict], ddp: dict) -> str:
     """One compact table: the largest rank's bytes (and rank 0's when they differ), DDP's, the saving."""
     worst = {k: max(r[k] for r in ranks) for k in ranks[0]}
-    nvme = " (NVMe)" if zero_config.offload_optimizer == "nvme" else ""
-    pnvme = " (NVMe)" if zero_config.offload_params == "nvme" else ""
-    off = [w for w, on in (("optimizer" + nvme, zero_config.offload_optimizer), ("params" + pnvme,
-                                                                                  zero_config.offload_params)) if on]
+    placement = ShardingPlan.of(zero_config).placement  # [Note: placement]
+    kinds = (("optimizer", placement.optimizer_states), ("params", placement.param_shards))
+    off = [what + _WHERE[where] for what, where in kinds if where.off_device]
     tp = len({r["tp_rank"] for r in ranks}) if "tp_rank" in ranks[0] else None
     head = (f"ZeRO stage {zero_config.stage} on {world_size} rank(s)" + (f", offload {'+'.join(off)}" if off else "")
             + (f", tensor parallel {tp} x data parallel {world_size // tp}" if tp else "")
@@ -106,10 +112,9 @@ def format_table(zero_config, world_size: int, ranks: list[dict], ddp: dict) -> 
     for key, label in _ROWS:
         rows.append((label, _mb(worst[key]), _mb(ddp[key]), _ratio(ddp[key], worst[key])))
     rows.append(("device total", _mb(worst["device"]), _mb(ddp["device"]), _ratio(ddp["device"], worst["device"])))
-    rows.append(("host (offloaded)", _mb(worst["host"]), _mb(0), ""))
-    if worst.get("nvme"):  # offload_optimizer="nvme": on disk between steps, through the ring during one
-        rows.append(("NVMe (offloaded)", _mb(worst["nvme"]), _mb(0), ""))
-        rows.append(("host NVMe ring", _mb(worst["ring"]), _mb(0), ""))
+    # the host row always; a scratch file's rows where the placement puts states on disk
+    used = {Location.HOST} | {where for _, where in kinds}
+    rows += [(label, _mb(worst[key]), _mb(0), "") for loc, label, key in _OFF_DEVICE_ROWS if loc in used]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = [head] + ["  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
                       for r in rows]

@@ -1,4 +1,5 @@
-"""HF Trainer's ``"auto"`` in a DeepSpeed config, resolved as HF resolves it (``deepspeed_config.py`` uses it).
+"""HF Trainer's ``"auto"`` in a DeepSpeed config, resolved as HF resolves it (``deepspeed_config.py`` uses it);
+and the value checks every ``deepspeed_*`` module shares (what sets nothing, unknown keys, positive ints).
 
 HF's ``HfTrainerDeepSpeedConfig.trainer_config_process`` fills each "auto" from the ``TrainingArguments`` beside
 the config (clipping from ``max_grad_norm``, weight decay from ``weight_decay``, precision from ``--bf16``, the
@@ -8,10 +9,7 @@ without one is left to the setting beside it (a Trainer flag, or the recipe's fi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
-
-if TYPE_CHECKING:
-    from .deepspeed_config import DeepSpeedTranslation
+from typing import Any, Optional
 
 
 def unset(v) -> bool:
@@ -19,8 +17,28 @@ def unset(v) -> bool:
     return v is None or v == "auto"
 
 
+def setting(block: dict, key: str, default: Any) -> Any:
+    """``block[key]``, or DeepSpeed's ``default`` where the config sets nothing (:func:`unset`)."""
+    value = block.get(key)
+    return default if unset(value) else value
+
+
 class DeepSpeedConfigError(ValueError):
     """A DeepSpeed config setting that has no equivalent here (the message names what is allowed)."""
+
+
+def check_keys(block: dict, allowed: set, where: str) -> None:
+    """One error naming a block's unknown keys and the allowed ones (every deepspeed_* module's check)."""
+    unknown = sorted(set(block) - allowed)
+    if unknown:
+        raise DeepSpeedConfigError(
+            f"DeepSpeed config {where}: unsupported key(s) {unknown}. Allowed: {', '.join(sorted(allowed))}.")
+
+
+def positive_int(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DeepSpeedConfigError(f"DeepSpeed config {where}={value!r}: allowed a positive integer (or \"auto\").")
+    return value
 
 
 # "auto" key -> (HF TrainingArguments name it resolves from, the recipe field that then stays in force)
@@ -46,10 +64,10 @@ AUTO_SOURCES = {
 
 class _Auto:
     """Resolves "auto" values as HF's Trainer does (from ``values``, HF ``TrainingArguments`` names), recording
-    each resolution in ``out.auto``."""
+    each resolution in ``record`` (the translation's ``auto``: key -> what it resolved to)."""
 
-    def __init__(self, values: Optional[dict], out: "DeepSpeedTranslation") -> None:
-        self.values, self.out = dict(values or {}), out
+    def __init__(self, values: Optional[dict], record: dict) -> None:
+        self.values, self.record = dict(values or {}), record
         unknown = sorted(set(self.values) - {a for a, _ in AUTO_SOURCES.values()} - {
             "adam_beta1", "adam_beta2", "hidden_size"})
         if unknown:
@@ -69,8 +87,8 @@ class _Auto:
         else:
             resolved = self.values.get(source)
         if resolved is not None:
-            self.out.auto[key] = f"{resolved!r} (from {source})"
+            self.record[key] = f"{resolved!r} (from {source})"
         else:
-            self.out.auto[key] = (f"left to the recipe's {field_}" if field_ else f"HF derives it from {name}; "
+            self.record[key] = (f"left to the recipe's {field_}" if field_ else f"HF derives it from {name}; "
                                   "left to the setting beside it")
         return resolved

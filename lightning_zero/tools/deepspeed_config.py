@@ -37,9 +37,11 @@ import torch
 
 from ..engine.config import ZeroConfig
 from .deepspeed_auto import AUTO_SOURCES, DeepSpeedConfigError, _Auto  # noqa: F401  (AUTO_SOURCES: public)
+from .deepspeed_auto import check_keys, positive_int, setting
 from .deepspeed_auto import unset as _unset
 from .deepspeed_batch import deepspeed_batch
 from .deepspeed_json import read_config
+from .deepspeed_offload import offload_knobs, preset_label
 from .deepspeed_optimizer import check_composes_with, recipe_overrides, translate_optimizer
 from .deepspeed_schedule import DeepSpeedWarmupLR
 
@@ -76,8 +78,6 @@ _ZERO_NO_EFFECT = {
     "memory_efficient_linear": "DeepSpeed kernel",
     "use_multi_rank_bucket_allreduce": "DeepSpeed kernel",
 }
-_OFFLOAD_KEYS = {"device", "pin_memory", "buffer_count", "buffer_size", "fast_init", "ratio", "max_in_cpu",
-                 "nvme_path", "pipeline", "pipeline_read", "pipeline_write"}
 _TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
              "gradient_clipping", "fp16", "bf16", "zero_optimization", "optimizer", "scheduler",
              "communication_data_type"} | set(_NO_EFFECT)
@@ -88,13 +88,6 @@ _FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window
 _SCHEDULERS = ("WarmupLR", "WarmupDecayLR")
 
 
-
-
-def _check_keys(block: dict, allowed: set, where: str) -> None:
-    unknown = sorted(set(block) - allowed)
-    if unknown:
-        raise DeepSpeedConfigError(
-            f"DeepSpeed config {where}: unsupported key(s) {unknown}. Allowed: {', '.join(sorted(allowed))}.")
 
 
 @dataclass
@@ -151,9 +144,7 @@ class DeepSpeedTranslation:
 
     def hydra_overrides(self) -> tuple[list[str], list[str]]:
         """(overrides for ``examples/t5_finetune.py``, notes on what the recipe cannot take as it is)."""
-        offload = self.strategy.get("offload_optimizer") or self.strategy.get("offload_params")
-        nvme = "_nvme" if "nvme" in (self.strategy.get("offload_optimizer"), self.strategy.get("offload_params")) else ""
-        o = {"strategy.name": f"zero{self.strategy.get('stage', 0)}{'_offload' + nvme if offload else ''}"}  # a label
+        o = {"strategy.name": preset_label(self.strategy)}
         o.update({f"strategy.{k}": v for k, v in self.strategy.items()})
         # no unit_classes: the recipe's default unit policy already makes one unit per T5Block, as its preset
         if self.precision is not None:
@@ -189,60 +180,10 @@ def _hydra(v) -> str:
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
-_OFFLOAD_NOTES = {
-    "pin_memory": "host buffers are always pinned when a CUDA device is used",
-    "fast_init": "offloaded state is built shard by shard", "ratio": "the whole optimizer state is offloaded",
-    "buffer_size": "each NVMe ring buffer holds one gradient bucket's masters + state (bucket_mb sets it)",
-    "max_in_cpu": "NVMe offload keeps nothing in host memory beyond the ring",
-    "pipeline": "the NVMe step always overlaps reads, the CPU step and writes",
-    "pipeline_read": "the NVMe step always overlaps reads, the CPU step and writes",
-    "pipeline_write": "the NVMe step always overlaps reads, the CPU step and writes",
-}
-
-
-def _positive_int(value, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DeepSpeedConfigError(f"DeepSpeed config {where}={value!r}: allowed a positive integer (or \"auto\").")
-    return value
-
-
-def _offload(block, key: str, out: "DeepSpeedTranslation", nvme: dict):
-    """True for device 'cpu', False for 'none'/absent, "nvme" (ZeRO-Infinity; ``nvme_path`` and, for the
-    optimizer, ``buffer_count`` into ``nvme``); unknown devices are refused."""
-    if _unset(block):
-        return False
-    _check_keys(block, _OFFLOAD_KEYS, f"zero_optimization.{key}")
-    device = str(block.get("device", "none")).lower()
-    allowed = ("cpu", "none", "nvme")
-    if device not in allowed:
-        raise DeepSpeedConfigError(f"zero_optimization.{key}.device={device!r} is not supported. "
-                                   f"Allowed: {', '.join(map(repr, allowed))}.")
-    notes = dict(_OFFLOAD_NOTES)
-    if device == "nvme":
-        if not _unset(block.get("nvme_path")):
-            path = str(block["nvme_path"])
-            if nvme.get("nvme_path", path) != path:
-                raise DeepSpeedConfigError(f"zero_optimization.{key}.nvme_path={path!r} differs from the optimizer's "
-                                           f"{nvme['nvme_path']!r}. Allowed: one nvme_path for both (each rank's "
-                                           f"scratch files are named apart in it).")
-            nvme["nvme_path"] = path
-        if key == "offload_param":  # the parameter ring: prefetch + nvme_buffer_count slots of the largest unit
-            notes["buffer_count"] = ("the parameter ring has prefetch + nvme_buffer_count slots "
-                                     "(offload_optimizer.buffer_count sets nvme_buffer_count)")
-            notes["buffer_size"] = "each parameter ring slot holds the largest unit's shard"
-            notes["max_in_cpu"] = "parameter shards in host memory are the ring's slots only"
-        elif not _unset(block.get("buffer_count")):
-            nvme["nvme_buffer_count"] = _positive_int(block["buffer_count"], f"zero_optimization.{key}.buffer_count")
-    else:
-        notes.update({k: "NVMe offload tuning (device is not 'nvme')" for k in ("buffer_count", "nvme_path")})
-    out.ignored.update({f"zero_optimization.{key}.{k}": why for k, why in notes.items() if k in block})
-    return "nvme" if device == "nvme" else device == "cpu"
-
-
 def _precision(cfg: dict, out: DeepSpeedTranslation, auto: _Auto) -> None:
     fp16, bf16 = cfg.get("fp16") or {}, cfg.get("bf16") or {}
-    _check_keys(fp16, _FP16_KEYS, "fp16")
-    _check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16")
+    check_keys(fp16, _FP16_KEYS, "fp16")
+    check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16")
     if "auto" in (fp16.get("enabled"), bf16.get("enabled")):  # HF: from --bf16 / --fp16, i.e. the Trainer's flag
         chosen = auto.values.get("precision")
         for key, block in (("fp16.enabled", fp16), ("bf16.enabled", bf16)):
@@ -271,13 +212,8 @@ def _precision(cfg: dict, out: DeepSpeedTranslation, auto: _Auto) -> None:
 
 def _zero(cfg: dict, out: DeepSpeedTranslation, elem_bytes: int, auto: _Auto) -> ZeroConfig:
     zero = cfg.get("zero_optimization") or {}
-    _check_keys(zero, _ZERO_KEYS, "zero_optimization")
-    stage = 0 if _unset(zero.get("stage")) else zero["stage"]
-    nvme: dict = {}
-    offload_opt = (_offload(zero.get("offload_optimizer"), "offload_optimizer", out, nvme)
-                   or zero.get("cpu_offload") is True)
-    offload_par = _offload(zero.get("offload_param"), "offload_param", out, nvme) or zero.get("cpu_offload_params") is True
-    s = {"stage": stage, "offload_optimizer": offload_opt, "offload_params": offload_par, **nvme}
+    check_keys(zero, _ZERO_KEYS, "zero_optimization")
+    s = {"stage": setting(zero, "stage", 0), **offload_knobs(zero, out.ignored)}
     hidden = lambda v: v.get("hidden_size")  # noqa: E731
     bucket = auto.resolve("zero_optimization.reduce_bucket_size", zero.get("reduce_bucket_size"), "hidden_size",
                           lambda v: hidden(v) and hidden(v) ** 2)
@@ -338,9 +274,9 @@ def from_deepspeed_config(config: Union[dict, str, Path], world_size: Optional[i
     a compressed Adam by the engine's ``check_composes``), but ``nvme_path``: it names a directory on the
     training machine, checked when the run starts there ([Note: nvme_path is the training machine's])."""
     config = read_config(config)
-    _check_keys(config, _TOP_KEYS, "top level")
+    check_keys(config, _TOP_KEYS, "top level")
     out = DeepSpeedTranslation()
-    resolver = _Auto(auto, out)
+    resolver = _Auto(auto, out.auto)
     _precision(config, out, resolver)
     zero_config = _zero(config, out, elem_bytes=4 if out.precision in ("32-true", None) else 2, auto=resolver)
     _optimizer(config, out, resolver)
@@ -370,7 +306,7 @@ def _batch(config: dict, out: DeepSpeedTranslation, resolver: _Auto, world_size:
             value = resolver.resolve(key, "auto")
             if value is None and key != "train_batch_size":  # left to the setting beside it
                 open_keys.append(key)
-        sizes[key] = None if value is None else _positive_int(value, key)
+        sizes[key] = None if value is None else positive_int(value, key)
     batch = deepspeed_batch(sizes["train_batch_size"], sizes["train_micro_batch_size_per_gpu"],
                             sizes["gradient_accumulation_steps"], world_size, tuple(open_keys))
     out.micro_batch_size = batch.micro

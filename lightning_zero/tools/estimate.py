@@ -28,132 +28,24 @@ full gradients together is conservative (backward frees activations as gradients
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from torch import nn
 
-from ..engine.config import PRESETS
-from ..engine.memory.floors import optimizer_state_bytes_per_param, rank_model_states
-
-GiB = 2**30
-MiB = 2**20
-# (stage, offload) -> conf/strategy preset; offload = optimizer offload (+ param shards at stage 3)
-# (stage, offloaded) -> preset name, from the one preset table
-SETTINGS: dict[tuple[int, Union[bool, str]], str] = {(kw["stage"], kw.get("offload_optimizer", False)): name
-                                         for name, kw in PRESETS.items()}
-PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
+from ..engine.memory.floors import optimizer_state_bytes_per_param
+from ..engine.placement.placement import Location, Placement
 from .estimate_knobs import check_estimate_knobs
-from .estimate_nvme import nvme_bandwidth_line, nvme_ring_bytes, nvme_ring_line, nvme_step_bytes
+from .estimate_nvme import nvme_lines, nvme_optimizer_bytes, nvme_ring_bytes, nvme_step_bytes
+from .estimate_states import (SETTING_PLANS, SETTINGS, Row, buffer_bytes, host_step_grads,  # noqa: F401
+                              model_state_bytes, plan_state_bytes)
+from .model_sizes import GiB, MiB, ModelInfo, gib, info_from_module, info_from_t5  # noqa: F401
 from .t5_dims import (BYTE_VOCAB, RECIPE_VOCAB, T5_PRESETS, T5Dims, t5_activation_bytes,  # noqa: F401
                       t5_activation_memory, t5_dims, t5_dims_from_config)
 
-@dataclass
-class ModelInfo:
-    """Parameter sizes the estimate needs (element counts)."""
-
-    numel: int
-    trainable: int
-    sizes: list[int] = field(default_factory=list)  # per parameter (padding); empty: treat as one tensor
-    trainable_sizes: list[int] = field(default_factory=list)
-    largest_param: int = 0
-    largest_unit: int = 0  # stage 3: the biggest unit (0: unknown)
-    root_unit: int = 0  # stage 3: parameters outside every unit
-    last_unit: int = 0  # stage 3: the unit forward runs last (kept gathered into its backward): the last registered
-    name: str = "model"
-    t5: Optional[T5Dims] = None
-
-    def padded(self, world_size: int, trainable: bool) -> int:
-        sizes = self.trainable_sizes if trainable else self.sizes
-        if not sizes:
-            return math.ceil((self.trainable if trainable else self.numel) / world_size)
-        return sum(math.ceil(n / world_size) for n in sizes)
-
-
-def info_from_module(module: nn.Module, unit_classes: Optional[Sequence] = None, unit_mb: Optional[float] = None,
-                     name: Optional[str] = None) -> ModelInfo:
-    """Sizes of a module (a meta-device module works: nothing is allocated); units as the engine's default
-    policy chooses them (``unit_classes`` / ``unit_mb`` override, as in ZeroConfig)."""
-    from ..engine.stage3.units import build_units
-
-    params = list(module.parameters())
-    sizes = [p.numel() for p in params]
-    train = [p.numel() for p in params if p.requires_grad]
-    units = build_units(module, 1, 0, unit_classes, max(1, int(unit_mb * MiB)) if unit_mb is not None else None)
-    numels = [sum(p.numel() for p in u.params) for u in units]
-    return ModelInfo(sum(sizes), sum(train), sizes, train, max(sizes, default=0), max(numels[:-1], default=0),
-                     numels[-1], numels[-2] if len(numels) > 1 else 0, name or type(module).__name__)
-
-
-def info_from_t5(dims: T5Dims) -> ModelInfo:
-    blocks = [dims.block_numel(False, i == 0) for i in range(dims.num_layers)]
-    blocks += [dims.block_numel(True, i == 0) for i in range(dims.dec_layers)]
-    emb = dims.vocab_size * dims.d_model
-    return ModelInfo(dims.numel, dims.numel, largest_param=max(emb, dims.d_model * dims.d_ff),
-                     largest_unit=max(blocks), root_unit=dims.root_numel, last_unit=blocks[-1], name=dims.name,
-                     t5=dims)
-
-
-def model_state_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mixed: bool,
-                      state_bytes: int = 8, accumulating: bool = True) -> dict[str, float]:
-    """Bytes of params, grads, master and optimizer state one rank holds, and how many are on the host.
-
-    Same kinds as :class:`~lightning_zero.engine.memory.report.MemoryReport` (``grads`` here includes the reduced
-    shards), measured after a backward. ``accumulating``: gradient accumulation (``no_sync``), where stage
-    1 keeps full gradients (the stage-1 floor); without it stage 1 reduces each bucket during backward and
-    holds gradient shards, like stage 2.
-    ``offload``: the optimizer (master + state) on the host; at stage 3 also the parameter shards.
-    The engine's own model (:func:`~lightning_zero.engine.memory.floors.rank_model_states`, which the floors use
-    too) with the shards as the engine pads them.
-    """
-    return rank_model_states(
-        stage, world_size, mixed, info.numel, info.trainable, state_bytes, offload_optimizer=offload,
-        offload_params=(offload if offload == "nvme" else bool(offload)) if stage == 3 else False,  # the presets' rule
-        full_grads=stage == 0 or (stage == 1 and accumulating),
-        param_shard=info.padded(world_size, False), grad_shard=info.padded(world_size, True))
-
-
-def buffer_bytes(info: ModelInfo, stage: int, offload: bool, world_size: int, mixed: bool,
-                 bucket_mb: float = 25.0, accumulating: bool = False, overlap_publish: bool = False
-                 ) -> dict[str, float]:
-    """Transient device buffers on top of the model states: during backward and at the optimizer step."""
-    p = 2 if mixed else 4
-    if stage < 3:
-        # the cap is checked against the fp32 parameters at wrap time; one parameter never splits
-        cap = max(bucket_mb * MiB / 4, info.largest_param)
-        bucket = p * min(info.trainable, cap)
-        backward = 2 * bucket + (bucket if stage == 2 or (stage == 1 and not accumulating) else 0)
-        # the step all-gathers at most two buckets at a time: send + gathered buffers of each; overlapped
-        # with the next forward (engine/optim/publish.py) every bucket is in flight until its forward: the bound
-        whole = p * (info.padded(world_size, True) * world_size + info.padded(world_size, True))
-        step = 2 * (bucket + bucket / world_size) if stage >= 1 else 0
-        step = whole if stage >= 1 and overlap_publish else min(step, whole)
-        return {"backward": backward, "step": float(step)}
-    unit = info.largest_unit or min(info.trainable, 8 * MiB / 4)  # unknown units: the default unit_mb
-    root = info.root_unit
-    backward = p * (root + 4 * unit)  # root + current + prefetched unit, its grads and reduce buffer
-    backward = max(backward, p * 3 * root)  # end of backward: the root's grads and reduce buffer
-    return {"backward": float(backward), "step": 0.0}
-
-
-# -- the estimate ----------------------------------------------------------------------------------------
-@dataclass
-class Row:
-    setting: str
-    stage: int
-    offload: bool
-    states: dict
-    buffers: dict
-    activations: Optional[float]
-    peak_device: float
-    host_per_rank: float
-    cpu_ram_per_node: float
-    fits: Optional[bool] = None
-    nvme_per_rank: float = 0.0  # *_offload_nvme: masters + state (+ stage 3's parameter shards) in the scratch files
-    nvme_moved_per_step: float = 0.0  # bytes those files move per step (nvme_step_bytes)
-    nvme_ring: float = 0.0  # host bytes of the optimizer's NVMe ring (nvme_ring_bytes), part of host_per_rank
-    nvme_optimizer: float = 0.0  # the masters + optimizer state that ring streams
-    states_world: Optional[dict] = None  # hybrid sharding: the same setting's model states at K = world size
+PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16": True, "16-mixed": True, "16": True}
+# where the optimizer's states live -> the table's "offload" column
+OFFLOAD_WORDS = {Location.DEVICE: "no", Location.HOST: "yes", Location.NVME: "nvme"}
 
 
 @dataclass
@@ -263,9 +155,10 @@ def estimate_model_states(
         raise ValueError(f"model must be an nn.Module, a positive parameter count, a preset name "
                          f"({', '.join(T5_PRESETS)}) or T5Dims; got {model!r}.")
     act, parts = None, None
+    activations_at = Placement.from_knobs(offload_activations=offload_activations).activations
     if batch_size is not None:
         if activation_probe is not None:
-            if activation_checkpointing or offload_activations:
+            if activation_checkpointing or activations_at.off_device:
                 raise ValueError("A measured activation probe runs without activation checkpointing or offload. "
                                  "Allowed: those options with a T5 model (the formula), or the probe without them.")
             act = float(activation_probe.at(batch_size))
@@ -293,20 +186,22 @@ def estimate_model_states(
         shards = world_size // tensor_parallel_size
     ranks_per_node = math.ceil(world_size / num_nodes)
     rows = []
+    accumulating = grad_accumulation > 1
     for (stage, offload), name in SETTINGS.items():
-        if (settings is not None and name not in settings) or (split is not None and stage == 3):
+        plan = SETTING_PLANS[name]
+        # tensor parallelism shards local pieces over the data-parallel ranks: not partitioned parameters
+        if (settings is not None and name not in settings) or (split is not None and plan.shards_params):
             continue
-        st = model_state_bytes(info, stage, offload, shards, mixed, k, grad_accumulation > 1)
-        buf = buffer_bytes(info, stage, offload, shards, mixed, bucket_mb, grad_accumulation > 1)
+        st = plan_state_bytes(info, plan, shards, mixed, k, accumulating)
+        buf = buffer_bytes(info, plan, shards, mixed, bucket_mb, accumulating)
         peak = st["device"] + max(buf["backward"] + (act or 0.0), buf["step"])
-        staging = 4 * info.trainable / shards if offload else 0.0  # fp32 gradient copies for the CPU step
-        ring = nvme_ring_bytes(info, offload, shards, k, bucket_mb)
-        host = st["host"] + staging + (parts["host"] if parts else 0) + ring
+        ring = nvme_ring_bytes(info, plan, shards, k, bucket_mb)
+        host = st["host"] + host_step_grads(plan, info.trainable, shards) + (parts["host"] if parts else 0) + ring
         row = Row(name, stage, offload, st, buf, act, peak, host, host * ranks_per_node, nvme_per_rank=st["nvme"],
-                  nvme_moved_per_step=nvme_step_bytes(info, st, stage, offload, shards, mixed), nvme_ring=ring,
-                  nvme_optimizer=(4 + k) * info.trainable / shards if offload == "nvme" else 0.0)
-        if shards != world_size and stage >= 1:
-            row.states_world = model_state_bytes(info, stage, offload, world_size, mixed, k, grad_accumulation > 1)
+                  nvme_moved_per_step=nvme_step_bytes(info, st, plan, shards, mixed), nvme_ring=ring,
+                  nvme_optimizer=nvme_optimizer_bytes(info, plan, shards, k), plan=plan)
+        if shards != world_size and plan.shards_optimizer_state:  # hybrid: the same row sharded over the world
+            row.states_world = plan_state_bytes(info, plan, world_size, mixed, k, accumulating)
         if device_memory_gb is not None:
             row.fits = peak <= device_memory_gb * GiB and (cpu_memory_gb is None or row.cpu_ram_per_node <= cpu_memory_gb * GiB)
         rows.append(row)
@@ -318,18 +213,6 @@ def estimate_model_states(
                     activation_checkpointing, offload_activations, parts, split, activation_probe, nvme_step_time)
 
 
-def _offload_word(offload) -> str:
-    return "nvme" if offload == "nvme" else ("yes" if offload else "no")
-
-
-def _gib(x: Optional[float]) -> str:
-    if x is None:
-        return "-"
-    if x == 0:
-        return "0"
-    return f"{x / GiB:.2f}" if x >= 0.01 * GiB else f"{x / MiB:.2f}M"
-
-
 def format_estimate(est: Estimate) -> str:
     info = est.info
     k = optimizer_state_bytes_per_param(est.optimizer)
@@ -339,12 +222,12 @@ def format_estimate(est: Estimate) -> str:
              + ("" if est.grad_accumulation > 1 else " (stage 1 keeps full gradients only when accumulating)")]
     if est.batch is not None and est.activation_probe is not None:
         pr = est.activation_probe
-        lines.append(f"activations: micro-batch {est.batch[0]} per rank = {_gib(est.activations)} GiB on the device "
+        lines.append(f"activations: micro-batch {est.batch[0]} per rank = {gib(est.activations)} GiB on the device "
                      f"(measured: saved-tensor bytes of one training forward at micro-batch {pr.probe_batch}, "
-                     f"{_gib(pr.probe_bytes)} GiB from {pr.source}, scaled linearly in the batch size)")
+                     f"{gib(pr.probe_bytes)} GiB from {pr.source}, scaled linearly in the batch size)")
     elif est.batch is not None:
         b, s, t = est.batch
-        lines.append(f"activations: micro-batch {b} x (src {s}, tgt {t}) tokens per rank = {_gib(est.activations)} "
+        lines.append(f"activations: micro-batch {b} x (src {s}, tgt {t}) tokens per rank = {gib(est.activations)} "
                      f"GiB on the device (T5 formula, docs/tuning.md); {activation_line(est)}")
     elif info.t5 is None:
         lines.append("activations: not included (give --batch-size: the T5 formula, or one measured probe step "
@@ -357,15 +240,16 @@ def format_estimate(est: Estimate) -> str:
     lines += [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in est.rows:
         st = r.states
-        params_dev = 0.0 if (r.stage == 3 and r.offload) else st["params"]
-        mo = 0.0 if r.offload else st["master"] + st["optimizer_state"]
+        params_dev = r.plan.placement.book(param_shards=st["params"])[Location.DEVICE]
+        offload = OFFLOAD_WORDS[r.plan.placement.optimizer_states]
+        mo = r.plan.placement.book(optimizer_states=st["master"] + st["optimizer_state"])[Location.DEVICE]
         fits = f" {'yes' if r.fits else 'NO':>{len(cap) - 3}} |" if cap else ""
         lines.append(
-            f"| {r.setting:<{w}} | {r.stage:>5} | {_offload_word(r.offload):>7} | {_gib(params_dev):>6} "
-            f"| {_gib(st['grads']):>5} | {_gib(mo):>12} | {_gib(st['device']):>13} "
-            f"| {_gib(r.buffers['backward']) + '/' + _gib(r.buffers['step']):>16} | {_gib(r.activations):>11} "
-            f"| {_gib(r.peak_device):>11} | {_gib(r.host_per_rank):>9} | {_gib(r.cpu_ram_per_node):>12} "
-            f"| {_gib(r.nvme_per_rank):>9} |{fits}")
+            f"| {r.setting:<{w}} | {r.stage:>5} | {offload:>7} | {gib(params_dev):>6} "
+            f"| {gib(st['grads']):>5} | {gib(mo):>12} | {gib(st['device']):>13} "
+            f"| {gib(r.buffers['backward']) + '/' + gib(r.buffers['step']):>16} | {gib(r.activations):>11} "
+            f"| {gib(r.peak_device):>11} | {gib(r.host_per_rank):>9} | {gib(r.cpu_ram_per_node):>12} "
+            f"| {gib(r.nvme_per_rank):>9} |{fits}")
     if est.tensor_parallel is not None:
         from .estimate_tp import tensor_parallel_line
 
@@ -374,15 +258,12 @@ def format_estimate(est: Estimate) -> str:
         lines.append(f"hybrid sharding: shard_group_size={est.shard_group_size} (states sharded over "
                      f"{est.shard_group_size} ranks, replicated {est.world_size // est.shard_group_size}x); "
                      f"device states per rank at K={est.world_size} vs K={est.shard_group_size}: " + ", ".join(
-                         f"{r.setting} {_gib(r.states_world['device'])} vs {_gib(r.states['device'])}"
+                         f"{r.setting} {gib(r.states_world['device'])} vs {gib(r.states['device'])}"
                          for r in est.rows if r.states_world is not None))
     lines.append(f"host/rank: offloaded states + fp32 gradient copies for the CPU step; CPU RAM/node = host/rank x "
-                 f"{est.ranks_per_node} rank(s) per node (plus {_gib(4 * info.numel * est.ranks_per_node)} GiB/node "
+                 f"{est.ranks_per_node} rank(s) per node (plus {gib(4 * info.numel * est.ranks_per_node)} GiB/node "
                  "while building an fp32 model eagerly; stage 3 with meta-device init avoids it).")
-    nvme = [r for r in est.rows if r.nvme_per_rank]
-    if nvme:
-        lines.append(nvme_bandwidth_line(nvme, est.ranks_per_node, est.nvme_step_time))
-        lines.append(nvme_ring_line(nvme, info, est.bucket_mb))
+    lines += nvme_lines(est.rows, info, est.ranks_per_node, est.nvme_step_time, est.bucket_mb)
     if est.device_memory is not None:
         ok = [r for r in est.rows if r.fits]
         no = [r for r in est.rows if not r.fits]
@@ -390,11 +271,11 @@ def format_estimate(est: Estimate) -> str:
         if est.cpu_memory is not None:
             cap_s += f" and {est.cpu_memory / GiB:g} GiB CPU RAM per node"
         if ok:
-            lines.append(f"FITS in {cap_s}: " + ", ".join(f"{r.setting} ({_gib(r.peak_device)})" for r in ok) + ".")
+            lines.append(f"FITS in {cap_s}: " + ", ".join(f"{r.setting} ({gib(r.peak_device)})" for r in ok) + ".")
         else:
             lines.append(f"NOTHING FITS in {cap_s}" + (" at this micro-batch" if est.batch else "") + ".")
         if no:
-            lines.append("Does not fit: " + ", ".join(f"{r.setting} (needs {_gib(r.peak_device)})" for r in no) + ".")
+            lines.append("Does not fit: " + ", ".join(f"{r.setting} (needs {gib(r.peak_device)})" for r in no) + ".")
         if not ok:
             lines.append(suggestion(est))
     return "\n".join(lines)
@@ -409,9 +290,9 @@ def activation_line(est: Estimate) -> str:
     parts = [f"activation_checkpointing {'auto (every T5Block)' if ck else 'off'}",
              f"offload_activations {'on' if off else 'off'}"]
     if ck:
-        parts.append(f"forward saves {_gib(p.get('saved'))}, one block's recompute {_gib(p.get('recompute'))}")
+        parts.append(f"forward saves {gib(p.get('saved'))}, one block's recompute {gib(p.get('recompute'))}")
     if off:
-        parts.append(f"{_gib(p.get('host'))} GiB per rank in host memory")
+        parts.append(f"{gib(p.get('host'))} GiB per rank in host memory")
     return ", ".join(parts)
 
 
@@ -439,9 +320,8 @@ def suggestion(est: Estimate) -> str:
         if n is not None:
             parts.append(f"{name} on >= {n} ranks")
     if est.activations:
-        if not est.activation_checkpointing:
-            parts.append("activation_checkpointing='auto' (recompute each block in backward)")
-        if not est.offload_activations:
-            parts.append("offload_activations=True (saved activations in host memory)")
+        remedies = {"activation_checkpointing='auto' (recompute each block in backward)": est.activation_checkpointing,
+                    "offload_activations=True (saved activations in host memory)": est.offload_activations}
+        parts += [remedy for remedy, already_on in remedies.items() if not already_on]
         parts.append("a smaller micro-batch or shorter sequences")
     return "What would fit: " + ("; ".join(parts) if parts else "nothing at this memory size") + "."

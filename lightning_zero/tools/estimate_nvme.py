@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .estimate import ModelInfo, Row
+from ..engine.placement.placement import Location
+from ..engine.plan import ShardingPlan
+from .model_sizes import MiB, ModelInfo, gib
 
-MiB = 2**20
+if TYPE_CHECKING:
+    from .estimate_states import Row
 
 
 def _bucket_numel(info: ModelInfo, bucket_mb: float) -> float:
@@ -24,13 +26,18 @@ def _bucket_numel(info: ModelInfo, bucket_mb: float) -> float:
     return min(info.trainable, max(bucket_mb * MiB / 4, info.largest_param, info.largest_unit))
 
 
-def nvme_ring_bytes(info: ModelInfo, offload, shards: int, k: int, bucket_mb: float, buffers: int = 3) -> float:
+def nvme_optimizer_bytes(info: ModelInfo, plan: ShardingPlan, shards: int, k: int) -> float:
+    """The masters + optimizer state one rank keeps in its scratch files (0 where the plan keeps them
+    elsewhere)."""
+    return plan.placement.book(optimizer_states=(4 + k) * info.trainable / shards)[Location.NVME]
+
+
+def nvme_ring_bytes(info: ModelInfo, plan: ShardingPlan, shards: int, k: int, bucket_mb: float,
+                    buffers: int = 3) -> float:
     """Host bytes of the NVMe step's ring (engine/placement/nvme_states.py): ``buffers`` slots of one bucket's shard of
     masters + state (a parameter larger than the cap gets a bucket of its own), never more than the states
-    it streams (one slot per bucket when there are fewer buckets than slots)."""
-    if offload != "nvme":
-        return 0.0
-    return min(buffers * _bucket_numel(info, bucket_mb), info.trainable) * (4 + k) / shards
+    it streams (one slot per bucket when there are fewer buckets than slots; none without states on NVMe)."""
+    return min(buffers * _bucket_numel(info, bucket_mb) * (4 + k) / shards, nvme_optimizer_bytes(info, plan, shards, k))
 
 
 def nvme_pays_from(info: ModelInfo, bucket_mb: float, buffers: int = 3) -> float:
@@ -54,27 +61,31 @@ def nvme_ring_line(rows: list[Row], info: ModelInfo, bucket_mb: float) -> str:
             + f")); this model has {info.trainable / 1e6:.1f}M (docs/nvme_offload.md).")
 
 
-def nvme_step_bytes(info: ModelInfo, states: dict, stage: int, offload, shards: int, mixed: bool) -> float:
+def nvme_step_bytes(info: ModelInfo, states: dict, plan: ShardingPlan, shards: int, mixed: bool) -> float:
     """Bytes one rank's scratch files move per training step: the masters + state read and written once by
     the step; at stage 3 each parameter shard read by its forward gather and again by its backward gather
     (the root unit's and the last unit's once: they stay gathered into backward) and written once by the publish
     (engine/placement/nvme_params.py; counted in tests/test_estimate.py). Units kept through backward
     (persistent, ``reshard_after_forward=False``) are read once: fewer bytes than this."""
-    if offload != "nvme":
-        return 0.0
-    params = states["params"] if stage == 3 else 0.0
+    params = plan.placement.book(param_shards=states["params"])[Location.NVME]  # parameter shards on disk
     kept = min(params, (2 if mixed else 4) * (info.root_unit + info.last_unit) / shards)
     return 2 * (states["nvme"] - params) + 3 * params - kept
 
 
 def nvme_bandwidth_line(rows: list[Row], ranks_per_node: int, step_time: float) -> str:
     """What the disk must sustain per node at ``step_time`` seconds a step (:func:`nvme_step_bytes`)."""
-    from .estimate import _gib
-
-    parts = [f"{r.setting} {_gib(r.nvme_moved_per_step)} GiB/rank/step = "
+    parts = [f"{r.setting} {gib(r.nvme_moved_per_step)} GiB/rank/step = "
              f"{r.nvme_moved_per_step * ranks_per_node / step_time / 1e9:.2f} GB/s per node" for r in rows]
     return (f"NVMe/rank: masters + optimizer state (+ stage 3's parameter shards) in the scratch files; each step "
             f"reads and writes the optimizer's once, reads each parameter shard twice (forward and backward "
             f"gathers; the root unit and the last unit once) and writes it once, so at a {step_time:g} s step the disks need: "
             + "; ".join(parts) + " (sequential read + write; host/rank of those rows includes the optimizer's "
             "ring of 3 buffers).")
+
+
+def nvme_lines(rows: list[Row], info: ModelInfo, ranks_per_node: int, step_time: float, bucket_mb: float) -> list[str]:
+    """The bandwidth and ring lines of the rows with bytes in scratch files (none: no lines)."""
+    on_disk = [r for r in rows if r.nvme_per_rank]
+    if not on_disk:
+        return []
+    return [nvme_bandwidth_line(on_disk, ranks_per_node, step_time), nvme_ring_line(on_disk, info, bucket_mb)]

@@ -185,11 +185,15 @@ def t5_activation_memory(dims: T5Dims, batch: int, src_len: int, tgt_len: int, m
     block's recompute, alive together in backward. Offload: the saved tensors live on the host; the device
     holds a block's worth while its backward unpacks them (or the recompute, with checkpointing).
     """
+    from ..engine.placement.placement import Location, Placement  # here: the CLI imports this module without torch
+
     p = t5_activation_parts(dims, batch, src_len, tgt_len, mixed, dropout_rate)
     full = p["outside"] + dims.num_layers * p["enc_layer"] + dims.dec_layers * p["dec_layer"]
     saved = p["checkpointed"] if checkpointing else full
-    working = p["recompute"] if (checkpointing or offload) else 0
-    return {"device": int(working + (0 if offload else saved)), "host": int(saved if offload else 0),
+    placement = Placement.from_knobs(offload_activations=offload)  # [Note: placement]
+    working = p["recompute"] if (checkpointing or placement.activations.off_device) else 0
+    booked = placement.book(activations=saved)
+    return {"device": int(working + booked[Location.DEVICE]), "host": int(booked[Location.HOST]),
             "saved": int(saved), "recompute": int(working if checkpointing else 0)}
 
 

@@ -17,7 +17,7 @@ state move to host memory.
 
 One model, two uses: :func:`rank_model_states` is what a rank holds, given how many elements of
 parameters and gradients it really keeps. The floor (:func:`model_state_floor`) calls it with the exact
-Psi / N of the table; the estimator (``tools/estimate.py``) with the per-parameter padding of the flat
+Psi / N of the table; the estimator (``tools/estimate_states.py``) with the per-parameter padding of the flat
 shards, frozen parameters and stage 1 without accumulation -- so the two agree by construction.
 Measurement (``memory_report.measure_model_states``) counts real tensor bytes (no allocator guesses), so tests can
 compare it with both exactly.
@@ -25,8 +25,11 @@ compare it with both exactly.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Optional, Union
 
+from ..placement.nvme import OffloadDevice
+from ..placement.placement import Location, Placement
 from ..plan import ShardingPlan
 
 
@@ -45,58 +48,59 @@ def optimizer_state_bytes_per_param(name: str) -> int:
                      f"adamax, adadelta (8 bytes of state per parameter), sgd_momentum, rmsprop, adagrad (4), sgd (0).")
 
 
-def rank_model_states(
-    stage: int, world_size: int, mixed: bool, numel: float, trainable: Optional[float] = None,
-    state_bytes: int = 8, offload_optimizer: Union[bool, str] = False, offload_params: Union[bool, str] = False,
-    full_grads: Optional[bool] = None, param_shard: Optional[float] = None, grad_shard: Optional[float] = None,
-) -> dict[str, float]:
-    """Bytes of params, grads, master and optimizer state one rank holds, and how many are on the host.
+def _own_master(placement: Placement) -> bool:
+    """Whether an fp32 parameter (stage 3: its shard) can serve as its own master, by where it lives: on the
+    device when the step runs there, in host memory always (the step or a CPU run reads it there), in a
+    scratch file never (its memory is empty between uses)."""
+    return {Location.DEVICE: not placement.steps_on_host, Location.HOST: True,
+            Location.NVME: False}[placement.param_shards]
 
-    ``numel`` parameters, ``trainable`` of them with a master and optimizer state (default: all). Stage 3
-    keeps ``param_shard`` elements of parameters and stages 2-3 ``grad_shard`` of gradients (defaults: the
-    exact ``numel / N`` and ``trainable / N``; the engine's flat shards pad each parameter to a multiple of
-    N). ``full_grads``: full-size gradients (default: stages 0-1; stage 1 reducing during backward, without
-    accumulation, holds shards like stage 2). ``offload_params`` (stage 3): the parameter shards live on the
-    host, and in fp32 such a shard *is* the master (no separate copy); ``offload_params="nvme"``: in the
-    scratch files, with a separate fp32 master (the shard's memory is empty between uses).
+
+def rank_model_states(
+    plan: ShardingPlan, world_size: int, mixed: bool, numel: float, trainable: Optional[float] = None,
+    state_bytes: int = 8, full_grads: Optional[bool] = None, param_shard: Optional[float] = None,
+    grad_shard: Optional[float] = None,
+) -> dict[str, float]:
+    """Bytes of params, grads, master and optimizer state one rank holds under ``plan``, and how many of them
+    are on the host and in NVMe scratch files (``plan.placement`` books them, [Note: placement]).
+
+    ``numel`` parameters, ``trainable`` of them with a master and optimizer state (default: all). Sharded
+    parameters keep ``param_shard`` elements and sharded gradients ``grad_shard`` (defaults: the exact
+    ``numel / N`` and ``trainable / N``; the engine's flat shards pad each parameter to a multiple of N).
+    ``full_grads``: full-size gradients (default: unless the plan shards them; stage 1 reducing during
+    backward, without accumulation, holds shards like stage 2). An fp32 parameter shard in host memory
+    *is* its master (no separate copy); one in a scratch file never is.
     """
     n = world_size
-    plan = ShardingPlan.for_stage(stage)  # [Note: sharding plan]
     trainable = numel if trainable is None else trainable
     p = 2 if mixed else 4
     full_grads = not plan.shards_grads if full_grads is None else full_grads
-    if not plan.shards_params:
-        params = p * numel
-    else:
-        params = p * numel / n if param_shard is None else p * param_shard
-    if full_grads:
-        grads = p * trainable
-    else:
-        grads = p * trainable / n if grad_shard is None else p * grad_shard
+    params = p * ((numel / n if param_shard is None else param_shard) if plan.shards_params else numel)
+    grads = p * trainable if full_grads else p * (trainable / n if grad_shard is None else grad_shard)
     div = n if plan.shards_optimizer_state else 1
-    disk_params = plan.shards_params and offload_params == "nvme"
-    host_params = plan.shards_params and bool(offload_params) and not disk_params
-    # a separate fp32 master: mixed precision, or offloaded (the host copy), unless it is the host shard;
-    # parameter shards on NVMe never hold a master
-    separate_master = ((mixed or offload_optimizer) and not (host_params and not mixed)) or disk_params
+    separate_master = mixed or plan.separate_masters or not _own_master(plan.placement)
     master = 4 * trainable / div if separate_master else 0.0
     opt = state_bytes * trainable / div
-    # offload_optimizer="nvme": master + state in the scratch files (the step's ring is not a model state)
-    on_disk = offload_optimizer == "nvme"
-    host = (master + opt if offload_optimizer and not on_disk else 0.0) + (params if host_params else 0.0)
-    nvme = (master + opt if on_disk else 0.0) + (params if disk_params else 0.0)
+    # whole parameters (no shards) are on the device: the placement has them there
+    booked = plan.placement.book(param_shards=params, optimizer_states=master + opt)
+    host, nvme = booked[Location.HOST], booked[Location.NVME]
     total = params + grads + master + opt
     return {"params": params, "grads": grads, "master": master, "optimizer_state": opt,
             "model_states": total, "host": host, "nvme": nvme, "device": total - host - nvme}
 
 
 def model_state_floor(
-    stage: int, numel: int, world_size: int, mixed: bool, state_bytes: int = 8, offload_optimizer: bool = False,
-    offload_params: bool = False,
+    stage: int, numel: int, world_size: int, mixed: bool, state_bytes: int = 8,
+    offload_optimizer: Union[bool, str] = False, offload_params: Union[bool, str] = False,
 ) -> dict[str, float]:
     """Device and host bytes per rank for params, grads, master and optimizer state (the ZeRO floor):
-    :func:`rank_model_states` with the exact Psi / N of the table, every parameter trainable."""
-    r = rank_model_states(stage, world_size, mixed, numel, state_bytes=state_bytes,
-                          offload_optimizer=offload_optimizer, offload_params=offload_params)
+    :func:`rank_model_states` with the exact Psi / N of the table, every parameter trainable, for the plan
+    of ``stage`` with the offload knobs' placement (``offload_params``: stage 3 only, as ``ZeroConfig``)."""
+    knobs = SimpleNamespace(**{k: OffloadDevice.parse(v, k).knob_value for k, v in (
+        ("offload_optimizer", offload_optimizer), ("offload_params", offload_params))})
+    shards_params = ShardingPlan.for_stage(stage).shards_params
+    # the knobs' placement by ZeroConfig's rule: parameter shards only where the plan has them
+    plan = ShardingPlan.for_stage(stage, placement=Placement.of(knobs, shards_params=shards_params))
+    r = rank_model_states(plan, world_size, mixed, numel, state_bytes=state_bytes)
     return {"params": r["params"], "grads": r["grads"], "optimizer": r["master"] + r["optimizer_state"],
             "device": r["device"], "host": r["host"], "nvme": r["nvme"]}

@@ -35,7 +35,12 @@ from torch import nn
 from ...engine import ZeroEngine
 from ...engine.memory.activations import SavedBytes, measure_recompute  # noqa: F401 (SavedBytes: re-exported)
 from ..launch import run_ranks
+from ...engine.placement.placement import Location, Placement
 from ...engine.memory.step_bytes import engine_memory, step_device_bytes
+
+# the peers' placements (bench/peers.py): FSDP2 with CPUOffloadPolicy keeps every model state in host memory
+PEER_PLACEMENTS = {"fsdp2_offload": Placement(param_shards=Location.HOST, optimizer_states=Location.HOST,
+                                              grad_shards=Location.HOST)}
 
 
 # -- runners ----------------------------------------------------------------------------------------------
@@ -100,8 +105,10 @@ class Runner:
             "host": 0,
         }
         mem["model_states"] = mem["params"] + mem["grads"] + mem["optimizer_state"]
-        if self.method == "fsdp2_offload":
-            mem["host"] = mem["model_states"]
+        placement = PEER_PLACEMENTS.get(self.method, Placement())
+        booked = placement.book(param_shards=mem["params"], grad_shards=mem["grads"],
+                                optimizer_states=mem["optimizer_state"])
+        mem["host"] = int(booked[Location.HOST])
         return mem
 
     def zero_grad(self) -> None:

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from ..estimate import GiB, MiB, SETTINGS
+from ..model_sizes import GiB, MiB
+from .settings import chosen_settings
 
 _FINDER_KEYS = ("mode", "steps_per_trial", "init_val", "max_trials", "max_val", "batch_arg_name")
 
@@ -91,16 +92,6 @@ class ModuleTuneResult:
                          f"preset). Train with batch_size={best.batch_size} and strategy=\"{best.setting}\", or "
                          f"keep callbacks=[lightning_zero.ZeroBatchSizeFinder({cap_arg})] to search at fit start.")
         return "\n".join(lines)
-
-
-def chosen_settings(stages: Sequence[int] | str = (0, 1, 2, 3), offload: str = "both") -> list[str]:
-    if isinstance(stages, str):
-        stages = [int(s) for s in stages.split(",") if s.strip()]
-    if offload not in ("both", "no", "only"):
-        raise ValueError(f"offload must be 'both', 'no' or 'only'; got {offload!r}.")
-    # the NVMe presets hold on the device what their CPU-offload twins hold: nothing more to measure
-    return [name for (stage, off), name in SETTINGS.items() if off != "nvme"
-            and stage in stages and not (offload == "no" and off) and not (offload == "only" and not off)]
 
 
 def tune_module(spec: str, memory_mb: Optional[float] = None, memory_gb: Optional[float] = None, devices: int = 1,

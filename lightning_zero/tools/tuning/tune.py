@@ -32,10 +32,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from ..estimate import (GiB, MiB, PRECISIONS, SETTINGS, estimate_model_states, info_from_t5, model_state_bytes,
-                        t5_dims_from_config)
+from ..estimate import PRECISIONS, estimate_model_states
+from ..estimate_states import SETTING_PLANS, SETTINGS, plan_state_bytes
+from ..model_sizes import GiB, MiB, info_from_t5
+from ..t5_dims import t5_dims_from_config
 from ...engine.memory.floors import optimizer_state_bytes_per_param
+from ...engine.placement.placement import Location
 from .recipe import TuneRecipe, load_recipe
+from .settings import chosen_settings, searched_locations
 
 # overrides the tuner decides; the user's values for them are dropped from the written file
 _DECIDED = ("strategy", "strategy.name", "strategy.stage", "strategy.offload_optimizer", "strategy.offload_params",
@@ -188,10 +192,7 @@ def tune(
     if (memory_mb is None) == (memory_gb is None):
         raise ValueError("Give exactly one memory cap: memory_mb or memory_gb.")
     budget = int(memory_mb * MiB if memory_mb is not None else memory_gb * GiB)
-    if isinstance(stages, str):
-        stages = [int(s) for s in stages.split(",") if s.strip()]
-    if offload not in ("both", "no", "only"):
-        raise ValueError(f"offload must be 'both', 'no' or 'only'; got {offload!r}.")
+    chosen = chosen_settings(stages, offload)
     if activations not in ("recipe", "search"):
         raise ValueError(f"activations must be 'recipe' or 'search'; got {activations!r}.")
     searched = activations == "search"
@@ -221,12 +222,11 @@ def tune(
 
     cands: list[Candidate] = []
     specs: dict[str, dict] = {}
-    for (stage, off), name in SETTINGS.items():
-        if stage not in stages or (offload == "no" and off) or (offload == "only" and not off) or off == "nvme":
-            continue  # an NVMe preset's device memory is its CPU-offload twin's: nothing more to measure
+    labels = {name: label for label, name in SETTINGS.items()}  # (stage, offload), as the result reports them
+    for name in chosen:  # an NVMe preset's device memory is its CPU-offload twin's: nothing more to measure
         for suffix in (ACTIVATION_VARIANTS if searched else [""]):
-            c = Candidate(name + suffix, stage, off,
-                          model_state_bytes(info, stage, off, world, mixed, k, accum > 1)["device"])
+            c = Candidate(name + suffix, *labels[name],
+                          plan_state_bytes(info, SETTING_PLANS[name], world, mixed, k, accum > 1)["device"])
             cands.append(c)
             if prefilter and c.est_states > budget:
                 c.status, c.reason = "rejected", f"model states alone need {c.est_states / MiB:.2f} MiB (estimate)"
@@ -277,7 +277,7 @@ def tune(
         res.message = (f"best: {best.setting} at micro-batch {best.max_batch} ({best.samples_per_s:.1f} samples/s)"
                        + (f"; overrides written to {out}: python examples/t5_finetune.py $(cat {out})" if out else ""))
     else:
-        res.message = nothing_fits_message(res, info, mixed, k, dims, src, tgt, offload, accum)
+        res.message = nothing_fits_message(res, info, mixed, k, dims, src, tgt, searched_locations(offload), accum)
     if json_out:
         Path(json_out).write_text(json.dumps({"header": header, "budget_bytes": budget, "world_size": world,
                                               "candidates": [asdict(c) for c in cands],
@@ -285,8 +285,8 @@ def tune(
     return res
 
 
-def nothing_fits_message(res: TuneResult, info, mixed: bool, k: int, dims, src: int, tgt: int, offload: str,
-                         accum: int = 1) -> str:
+def nothing_fits_message(res: TuneResult, info, mixed: bool, k: int, dims, src: int, tgt: int,
+                         searched: Sequence[Location], accum: int = 1) -> str:
     """Say that nothing fits and what would: more ranks (stage 3 shards everything), offload, a bigger cap.
 
     "What would" uses the estimator's peak (model states + stage-3 unit buffers + one sample's activations).
@@ -308,8 +308,8 @@ def nothing_fits_message(res: TuneResult, info, mixed: bool, k: int, dims, src: 
         fixed = row.buffers["backward"] + (row.activations or 0)
         would.append(f"more ranks alone do not help: stage 3's gathered units and one sample's activations "
                      f"need {fixed / MiB:.2f} MiB per rank whatever the rank count (estimate)")
-    if offload == "no":
-        off = model_state_bytes(info, 3, True, world, mixed, k, accum > 1)["device"]
+    if Location.HOST not in searched:  # where the search kept optimizer states ([Note: placement])
+        off = plan_state_bytes(info, SETTING_PLANS["zero3_offload"], world, mixed, k, accum > 1)["device"]
         would.append(f"offload: zero3_offload keeps only {off / MiB:.2f} MiB of model states per rank on "
                      f"{world} rank(s) (search with offload)")
     best = min(est.rows, key=lambda r: r.peak_device)
