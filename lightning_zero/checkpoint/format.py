@@ -46,6 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..engine.comm.collectives import barrier as _barrier, rank as _rank
+from ..engine.optim.kinds import per_rank_state
 from . import integrity, tp_state as TS, trust as TR
 from .rank_local import RANKS_KEY, error_buffer_keys, rank_local_entries, restore_rank_local
 from .trust import ConfinedReader, UntrustedCheckpointError, read_dcp_metadata
@@ -315,7 +316,7 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
                              f"{have} (another optimizer class or options?).")
         targets[n] = {}
         for k in keys:
-            if k in getattr(opt, "per_rank_state", ()):  # this rank's own row (sharded_state.per_rank)
+            if k in per_rank_state(opt):  # this rank's own row (sharded_state.per_rank)
                 if rank_keys:
                     targets[n][k] = per_rank(st[k], process_group)
                 else:  # saved at another world size: no row of this rank's; the error memory restarts
