@@ -43,6 +43,7 @@ class StepParts:
     overflow: Callable[[Any], bool]  # (optimizer or None) -> a non-finite gradient on some rank
     skip: Callable[[bool], bool]  # overflow -> this step is skipped (the scaler, else the engine's counter)
     phase: Callable[[], Optional[str]]  # the coming step's traffic label, asked before it steps
+    loss_scale: Callable[[], float]  # the scale the gradients carry (1 without a scaler)
 
 
 def assemble(engine: Any, module, optimizer, config: Optional[ZeroConfig], compute_dtype, loss_scaler,
@@ -156,8 +157,11 @@ def _step_parts(engine, kinds) -> StepParts:
         return not bool(torch.isfinite(GN.total_sq_norm(engine.shard_sq_norms(optimizer))))
 
     labelled = [(k, o) for k, o in zip(kinds, engine.optimizers) if k.kind is Kind.COMMUNICATING]
+    scaler = engine.loss_scaler
     return StepParts(
         overflow=norm_not_finite if engine.check_finite else (lambda optimizer: False),
-        # whoever decides the skip records it in engine.counters: the scaler, else the engine itself
-        skip=engine.loss_scaler.update if engine.loss_scaler is not None else engine.counters.record,
-        phase=(lambda: labelled[0][0].phase(labelled[0][1])) if labelled else (lambda: None))
+        # whoever decides the skip records it in engine.counters: the scaler, else the engine itself (its
+        # counters as they are then: a precision plugin hands the engine its own after construction)
+        skip=scaler.update if scaler is not None else (lambda overflow: engine.counters.record(overflow)),
+        phase=(lambda: labelled[0][0].phase(labelled[0][1])) if labelled else (lambda: None),
+        loss_scale=(lambda: float(scaler.scale)) if scaler is not None else (lambda: 1.0))

@@ -153,7 +153,7 @@ class ZeroEngine:
 
     @property
     def loss_scale(self) -> float:
-        return float(self.loss_scaler.scale) if self.loss_scaler is not None else 1.0
+        return self._step_parts.loss_scale()
 
     # -- step-side ----------------------------------------------------------------------------------
     # ``optimizer``: the one to act on (several optimizers step independently); None = all of them.
@@ -204,7 +204,7 @@ class ZeroEngine:
         self.finalize_grads(optimizer)
         parts = self._step_parts  # chosen once by the builder: no feature flag read here
         phase = parts.phase()  # comm_report's label of this step (a communicating kind's phase)
-        inv_scale = 1.0 / self.loss_scale  # the scale the gradients carry; the skip decision may change it
+        inv_scale = 1.0 / parts.loss_scale()  # the scale the gradients carry; the skip decision may change it
         skip = self.last_step_skipped = parts.skip(parts.overflow(optimizer))
         if not skip:
             for s in self.opts.select(optimizer):
