@@ -161,11 +161,7 @@ class ZeroEngine:
         """Complete reductions and point the masters' ``.grad`` at this rank's reduced gradients."""
         self.ensure_published()  # before the step writes masters that may alias the parameters
         for s in self.opts.select(optimizer):
-            if s.grads_final:
-                continue
-            if s.frozen_at_setup:
-                s.check_not_unfrozen(lambda: PG.param_names(self.module))
-            s.take_reduced_grads(self.reducer)
+            s.finalize(self.reducer, lambda: PG.param_names(self.module))
 
     def shard_sq_norms(self, optimizer=None) -> list[torch.Tensor]:
         """Per sharded optimizer, the squared norm of its whole gradient, cached for the step (grad_norm.py)."""

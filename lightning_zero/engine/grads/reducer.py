@@ -53,7 +53,6 @@ un-synced backwards only (an engine user's choice) replicates what is left in :m
 from __future__ import annotations
 
 import contextlib
-import enum
 import math
 from typing import Any, Callable, Optional, Union
 
@@ -64,6 +63,7 @@ from ..comm import collectives as C
 from . import grad_clear as GC
 from ..comm import quantize as Q
 from ..layout import tensor_parallel as TP
+from .backward_phase import BackwardPhase, GradSync
 from .bucket_rows import BucketRow
 from .buckets import Bucket
 from .host_copy import host_copy_for
@@ -71,31 +71,6 @@ from ..plan import ShardingPlan
 
 _SHARD_REDUCTIONS = {"reduce_scatter": C.reduce_scatter, "all_reduce": C.reduce_scatter_by_all_reduce,
                      "all_to_all": Q.reduce_scatter_by_all_to_all, "int8": Q.reduce_scatter_int8}
-
-
-class BackwardPhase(enum.Enum):
-    """Where the reducer is in a backward: IDLE between backwards (an un-synced backward -- stages 0-1
-    under ``no_sync`` -- stays IDLE: its gradients only accumulate, noted in the rows' ``dirty``), REDUCING from
-    the first synced gradient hook to the end-of-backward callback, which completes every bucket."""
-
-    IDLE = "idle"
-    REDUCING = "reducing"
-
-    def check(self, to: "BackwardPhase") -> "BackwardPhase":
-        if to is self:
-            raise RuntimeError(f"GradReducer: already {self.name} (a backward inside a backward?).")
-        return to
-
-
-class GradSync(enum.Enum):
-    """What a micro-batch's backward does with its gradients, set for the whole backward by ``no_sync``:
-    BOUNDARY (the default: the last micro-batch of a step, whose reductions give the step's gradients) or
-    ACCUMULATE (an earlier one: stages 0-1 issue no collective and only note the buckets touched in
-    ``dirty`` rows, reduced by the next ``finalize``; stages 2-3 still reduce into the gradient shard, but an
-    offloaded shard is copied to the host only at the boundary)."""
-
-    BOUNDARY = "boundary"
-    ACCUMULATE = "accumulate"
 
 
 class GradReducer:

@@ -15,7 +15,7 @@ from ..layout import tensor_parallel as TP
 
 class MasterGrads:
     """Mixed into ShardedOptimizer, which provides ``masters``, ``buckets``, ``plan``, ``kind``, ``offload``,
-    ``device``, ``master_device`` and ``tp_group`` / ``tp_size``."""
+    ``device``, ``master_device``, ``tp_group`` / ``tp_size`` and ``frozen_at_setup`` / ``check_not_unfrozen``."""
 
     def reset_step_state(self) -> None:
         """Per-step bookkeeping of this optimizer's gradients (several optimizers step independently)."""
@@ -27,6 +27,14 @@ class MasterGrads:
         self.clip_coef: Optional[float] = None
         self.clip_value: Optional[float] = None
         self.sq_norm: Optional[torch.Tensor] = None
+
+    def finalize(self, reducer, names) -> None:
+        """This step's gradients taken, once (``names()``: {id(param): name}, for an error message only)."""
+        if self.grads_final:
+            return
+        if self.frozen_at_setup:
+            self.check_not_unfrozen(names)
+        self.take_reduced_grads(reducer)
 
     def take_reduced_grads(self, reducer) -> None:
         """Complete the reductions of this optimizer's buckets and hand the step's gradients to the masters,
