@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .base import OptimizerKind
+from .base import KindSetup, OptimizerKind
 from .elementwise import ELEMENTWISE
 from .whole_tensor import WholeTensor
 
@@ -61,10 +61,13 @@ def kind_of(optimizer: Any) -> OptimizerKind:
 
 
 def check_shardable(optimizer: Any, stage: int) -> None:
-    """The stage check alone (no engine): one clear error if ``optimizer`` cannot run at ``stage``."""
-    kind = kind_of(optimizer)
-    if isinstance(kind, WholeTensor):
-        kind.check_stage(optimizer, stage)
+    """The kind's check alone (no engine): one clear error if ``optimizer`` cannot run at ``stage`` with the
+    default config."""
+    from ...config import ZeroConfig
+    from ...plan import ShardingPlan
+
+    config = ZeroConfig(stage=stage)
+    kind_of(optimizer).check(optimizer, KindSetup(ShardingPlan.of(config), config, [optimizer]))
 
 
 def per_rank_state(optimizer: Any) -> tuple[str, ...]:
