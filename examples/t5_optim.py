@@ -4,7 +4,7 @@
 Design note: the compressed Adams compose with fewer strategies than AdamW (1-bit Adam: stages 0-1; 0/1 Adam:
 stage 0; neither with fp16 loss scaling or tensor parallelism). The engine refuses the rest when a fit sets it
 up, inside every launched rank; :func:`check_optimizer` asks the engine's own check
-(``engine/optim/onebit/binding.check_composes``) before any process starts, so the recipe stops with one config error
+(``engine/optim/onebit/kind.check_composes``) before any process starts, so the recipe stops with one config error
 carrying the engine's message (what is allowed) instead of a traceback per rank.
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ def check_optimizer(cfg: Any, strategy: Any) -> None:
         raise ConfigError(f"Invalid optimizer config (optim.name={cfg.optim.name!r}): {e}") from e
     if cfg.optim.name == "adamw":
         return
-    from lightning_zero.engine.optim.onebit.binding import check_composes
+    from lightning_zero.engine.optim.onebit.kind import check_composes
     from lightning_zero.engine.plan import ShardingPlan
 
     z = strategy.zero_config

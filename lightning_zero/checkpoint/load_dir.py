@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..engine.optim.kinds import per_rank_state
 from . import tp_state as TS, trust as TR
 from .files import check_state_entries, read_info, read_meta, resolve_checkpoint_dir
 from .names import META_FILE
@@ -152,7 +153,7 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
                              f"{have} (another optimizer class or options?).")
         targets[n] = {}
         for k in keys:
-            if k in getattr(opt, "per_rank_state", ()):  # this rank's own row (sharded_state.per_rank)
+            if k in per_rank_state(opt):  # this rank's own row (sharded_state.per_rank)
                 if rank_keys:
                     targets[n][k] = per_rank(st[k], process_group)
                 else:  # saved at another world size: no row of this rank's; the error memory restarts

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..engine.optim.onebit import local_models as LM
 from .sharded_state import _managed, per_rank
+from ..engine.optim.kinds import per_rank_state
 
 RANKS_KEY = "ranks"  # the DCP top-level key (the model is "model", optimizers "optim", "optim_1", ...)
 
@@ -38,7 +39,7 @@ def error_buffer_keys(opt, info: Mapping[str, Any], process_group=None) -> tuple
     """The per-rank state entries (1-bit Adam's error buffers, one row per rank) that this load restores: all
     of them at the world size they were saved at; none at another (each rank's row has no counterpart
     there): they restart at zero, as DeepSpeed's did on every load, with a warning."""
-    keys = tuple(getattr(opt, "per_rank_state", ()))
+    keys = per_rank_state(opt)
     saved = info.get("world_size")
     world = _world(process_group)
     if not keys or saved is None or int(saved) == world:

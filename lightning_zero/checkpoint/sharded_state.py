@@ -17,6 +17,7 @@ from torch import nn
 from ..engine.layout.groups import device_mesh, group_mesh
 from ..engine.optim.onebit import local_models as LM
 from . import tp_state as TS
+from ..engine.optim.kinds import per_rank_state
 
 def _mesh(device_type: str, shard_size: int, group=None):
     """The default group's mesh: 1-D, or (hybrid sharding) 2-D ("replicate", "shard") with shard groups of
@@ -122,7 +123,7 @@ def sharded_optimizer_state(engine, optimizer=None, group=None) -> dict[str, Any
     entry = _entry_fn(engine, engine.module, group)
     state: dict[str, dict] = {}
     other: dict[str, dict] = {}
-    rank_keys = getattr(opt, "per_rank_state", ())
+    rank_keys = per_rank_state(opt)
     # 0/1 Adam's local steps: one value per tensor is the ranks' mean ([Note: the ranks' own models]); each
     # rank's own values ride beside it (rank_local.py)
     mean = LM.mean_state(engine.sharded_for(opt)) if LM.rank_local_keys(opt) else {}

@@ -7,7 +7,7 @@ from .engine_state import EngineMode, StepCounters
 from .optim.loss_scaler import DynamicLossScaler, LossScalerError, StaticLossScaler
 from .memory.floors import model_state_floor
 from .memory.report import MemoryReport
-from .optim.optimizer import check_shardable, register_shardable_optimizer
+from .optim.kinds import check_shardable, register_shardable_optimizer, register_whole_tensor_optimizer
 from .layout.sharding import ShardSpec
 
 __all__ = [
@@ -26,4 +26,5 @@ __all__ = [
     "model_state_floor",
     "parse_dtype",
     "register_shardable_optimizer",
+    "register_whole_tensor_optimizer",
 ]

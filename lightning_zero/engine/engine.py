@@ -10,47 +10,36 @@ The engine imports nothing from Lightning; it is usable from plain torch.distrib
         loss.backward()            # gradients are reduced (and sharded) during backward
         engine.step()              # master shards step, full params are rebuilt, grads cleared
 
-The engine composes its parts and nothing writes into it: the plan ([Note: sharding plan], plan.py), the
-bucket table and optimizers (bucket_table.py, param_groups.py), the reducer, the publish, stage 3's
-partitioned parameters (stage3/setup.py). Path of one step: docs/ARCHITECTURE.md, "One training step".
+The engine composes its parts and only its builder (builder.py) writes into it: the plan ([Note: sharding
+plan], plan.py), the optimizers' kinds ([Note: optimizer kinds]), the bucket table and optimizers
+(bucket_table.py, param_groups.py), the reducer, the publish, stage 3's partitioned parameters
+(stage3/setup.py). Path of one step: docs/ARCHITECTURE.md, "One training step".
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from .comm import collectives as C
 from . import full_state as FS
+from .builder import assemble
 from .grads import grad_clear as GC, grad_norm as GN
-from .optim import param_groups as PG
 from .layout import tensor_parallel as TP
-from .module_routes import install_module_zero_grad, remove_module_zero_grad
-from .optim.optimizer_routes import install_optimizer_methods, remove_optimizer_methods
-from .memory.activations import ActivationMemory, activation_memory
-from .stage3.deferred_init import compute_device, has_meta_params
+from .module_routes import remove_module_zero_grad
+from .optim import param_groups as PG
+from .optim.optimizer_routes import remove_optimizer_methods
 from .config import ZeroConfig
-from .engine_state import EngineMode, StepCounters
+from .engine_state import EngineMode
 from .memory.report import MemoryReport, measure_model_states
-from .layout.groups import engine_groups, tensor_parallel_mesh
 from .placement.nvme_states import make_resident_on_every_rank, raise_if_any_rank_failed
 from .optim.optimizer import ShardedOptimizer
-from .optim.publish import PublishQueue, publish_chunk, publish_masters
-from .comm.comm_report import CommReport, StepTraffic
-from .grads.bucket_table import BucketMaker, BucketTable
-from .grads.buffer_sync import BufferBroadcast
-from .plan import ShardingPlan
+from .optim.publish import publish_chunk, publish_masters
+from .comm.comm_report import CommReport
 from .stage3.partition import ParamPartitioner
-from .grads.reducer import GradReducer
-from .optim.onebit import binding as ONEBIT
 from .optim.onebit import local_models as LM
-from .stage3.setup import PartitionedParams, stage3_config
-
-_log = logging.getLogger("lightning_zero.engine")
 
 
 class ZeroEngine:
@@ -77,82 +66,8 @@ class ZeroEngine:
         ``device_mesh``: tensor parallelism, a 2-D ("data_parallel", "tensor_parallel") DeviceMesh whose TP dim
         the module was parallelized over: ZeRO shards each local piece over the DP dim (tensor_parallel.py);
         without one, ``config.tensor_parallel_size=T`` takes the process's (N // T, T) mesh (groups.py)."""
-        self.config = cfg = config or ZeroConfig()
-        self.plan = plan = ShardingPlan.of(cfg)  # what the stage means, read below ([Note: sharding plan])
-        self.module = module
-        self.optimizers = PG.as_optimizer_list(optimizer)
-        self.optimizer = self.optimizers[0] if self.optimizers else None
-        self.mode = EngineMode.TRAIN if self.optimizers else EngineMode.EVAL_ONLY
-        self.compute_dtype = compute_dtype
-        self.loss_scaler = loss_scaler
-        self.counters = StepCounters.of(loss_scaler)  # the one count of skipped steps (engine_state.py)
-        self.check_finite = check_finite or loss_scaler is not None
-        if device_mesh is None and cfg.tensor_parallel_size is not None and C.world_size(group) > 1:
-            where = torch.device(device) if device is not None else compute_device(module)
-            device_mesh = tensor_parallel_mesh(where.type, cfg.tensor_parallel_size)
-        # [Note: one parallel layout] (layout.py): hybrid sharding's shard / replicate groups, the stage-3
-        # reduce-scatter group, the TP view; ``world`` (the group, or the mesh's data-parallel dim) broadcasts
-        self.groups = groups = engine_groups(cfg, plan, self.mode is EngineMode.TRAIN, group, device_mesh, module)
-        self.tensor_parallel = groups.tensor
-        self.group = group = groups.world
-        self.shard_group, self.replicate_group = groups.shard, groups.replicate
-        self.world_size = C.world_size(self.shard_group)  # the ranks a parameter is sharded over
-        self.rank = C.rank(self.shard_group)
-        ONEBIT.check_composes(self.optimizers, plan, cfg, self.tensor_parallel, loss_scaler)  # 1-bit Adam
-        ONEBIT.bind_group(self.optimizers, self.shard_group)
-        per_opt = PG.managed_params(module, self.optimizers)
-        if not has_meta_params(module):  # a meta model is broadcast unit by unit as it is built
-            self.sync_module_states()
-        train = self.mode is EngineMode.TRAIN
-        self._partitioned: Optional[PartitionedParams] = None
-        if plan.shards_params:
-            cfg = self.config = stage3_config(cfg, len(self.optimizers))
-            self._partitioned = PartitionedParams(module, cfg, self.world_size, self.rank, compute_dtype, device,
-                                                  self.shard_group, group, eval_only=not train)
-        maker = BucketMaker(self.world_size, self.rank, cfg.bucket_bytes, plan.shards_optimizer_state,
-                            self._partitioned.units if self._partitioned is not None else None)
-        self.table: BucketTable = maker.table(module, per_opt)
-        if self._partitioned is not None:  # the unit gathers borrow from the buckets' pool too
-            self._partitioned.partitioner.use_pool(self.table.pool)
-        # masters are cut from the fp32 values before the module drops to the compute dtype
-        self.opts = PG.OptimizerSet(self.optimizers, per_opt, self.table, maker, PG.shard_optimizers(
-            self.optimizers, self.table, plan, cfg, compute_dtype, self.tensor_parallel,
-            self._partitioned.partitioner.shard_readable if self._partitioned is not None else None, group))
-        self.shardeds: list[ShardedOptimizer] = self.opts.shardeds
-        self.params: list[nn.Parameter] = self.opts.params  # managed, optimizer by optimizer; add_param_group appends
-        self.sharded: Optional[ShardedOptimizer] = self.shardeds[0] if self.shardeds else None
-        ONEBIT.bind_shards(self.shardeds, plan)  # stage 1: 1-bit Adam steps master slices
-        if compute_dtype is not None and compute_dtype != torch.float32:
-            module.to(compute_dtype)  # params (released ones too) and floating buffers, like module.half()
-            if self._partitioned is not None and train:
-                self.partitioner.cast_shards(compute_dtype)
-                self.table.repoint_sources()  # new shard tensors: publish into them, not the fp32 originals
-        if self._partitioned is not None and cfg.offload_params == "nvme":  # the shards into their file now
-            self.partitioner.spill_shards()
-            raise_if_any_rank_failed([self.partitioner.nvme], group, self.partitioner.device)
-        self.reducer: Optional[GradReducer] = None
-        self.publisher = PublishQueue(module) if plan.overlap_publish and train else None  # publish.py
-        if train:
-            part = self._partitioned
-            self.reducer = GradReducer(
-                list(self.table.buckets), plan, cfg.reduce_dtype, groups.reduce,
-                on_bucket_complete=part.bucket_complete if part is not None else None,
-                on_end_of_backward=part.end_of_backward if part is not None else self.ensure_published,
-                host_grads=cfg.offload_optimizer, replicate_group=self.replicate_group,
-                mode="int8" if cfg.quantize_grads else C.grad_reduce_mode(cfg.grad_reduce, groups.reduce),
-                local_grads=ONEBIT.local_grads_probe(self.optimizers),
-            )
-            install_optimizer_methods(self.optimizers, self.add_param_group, self.zero_grad)
-            install_module_zero_grad(module, self.zero_grad_params)
-        if self._partitioned is not None:
-            self._partitioned.release_by_buckets(
-                self.table, lambda: self.reducer is not None and self.reducer.in_backward)
-        self.last_step_skipped = False
-        self.mean_swap = LM.MeanSwap(self)  # 0/1 Adam: the ranks' mean model during evaluation inside fit
-        self._buffers = BufferBroadcast(module, group, cfg.broadcast_buffers, eval_only=not train)
-        self._traffic = StepTraffic(group)  # comm_report(): the collectives of the last step
-        self.activations: Optional[ActivationMemory] = activation_memory(  # None: no checkpointing / offload
-            module, cfg, self._partitioned.units if self._partitioned is not None else None)
+        assemble(self, module, optimizer, config, compute_dtype, loss_scaler, check_finite, group, device,
+                 device_mesh)  # builder.py: every part, chosen once from the plan and the optimizers' kinds
 
     @property
     def partitions_params(self) -> bool:
@@ -238,7 +153,7 @@ class ZeroEngine:
 
     @property
     def loss_scale(self) -> float:
-        return float(self.loss_scaler.scale) if self.loss_scaler is not None else 1.0
+        return self._step_parts.loss_scale()
 
     # -- step-side ----------------------------------------------------------------------------------
     # ``optimizer``: the one to act on (several optimizers step independently); None = all of them.
@@ -246,11 +161,7 @@ class ZeroEngine:
         """Complete reductions and point the masters' ``.grad`` at this rank's reduced gradients."""
         self.ensure_published()  # before the step writes masters that may alias the parameters
         for s in self.opts.select(optimizer):
-            if s.grads_final:
-                continue
-            if s.frozen_at_setup:
-                s.check_not_unfrozen(lambda: PG.param_names(self.module))
-            s.take_reduced_grads(self.reducer)
+            s.finalize(self.reducer, lambda: PG.param_names(self.module))
 
     def shard_sq_norms(self, optimizer=None) -> list[torch.Tensor]:
         """Per sharded optimizer, the squared norm of its whole gradient, cached for the step (grad_norm.py)."""
@@ -287,19 +198,13 @@ class ZeroEngine:
         (only when a loss scaler or ``check_finite`` is active); every rank then skips together.
         """
         self.finalize_grads(optimizer)
-        phase = ONEBIT.step_phase(self.optimizers)  # comm_report's warmup / compressed split (None: no 1-bit)
-        inv_scale = 1.0 / self.loss_scale  # the scale the gradients carry; update() below may change it
-        overflow = False
-        if self.check_finite:
-            overflow = not bool(torch.isfinite(GN.total_sq_norm(self.shard_sq_norms(optimizer))))
-        # whoever decides the skip records it in self.counters: the scaler, else the engine itself
-        skip = self.loss_scaler.update(overflow) if self.loss_scaler is not None else self.counters.record(overflow)
-        self.last_step_skipped = skip
+        parts = self._step_parts  # chosen once by the builder: no feature flag read here
+        phase = parts.phase()  # comm_report's label of this step (a communicating kind's phase)
+        inv_scale = 1.0 / parts.loss_scale()  # the scale the gradients carry; the skip decision may change it
+        skip = self.last_step_skipped = parts.skip(parts.overflow(optimizer))
         if not skip:
             for s in self.opts.select(optimizer):
-                s.scale_grads(inv_scale * (s.clip_coef if s.clip_coef is not None else 1.0))
-                if s.clip_value is not None:
-                    s.clamp_grads(s.clip_value)
+                s.unscale_and_clip(inv_scale)
                 s.step(self._publish_chunk if s.nvme is not None else None)  # NVMe: published as streamed
             self.publish_params(optimizer, streamed=False)
         self._agree_on_nvme_io(optimizer)
@@ -345,23 +250,14 @@ class ZeroEngine:
         ``set_to_none`` ([Note: clearing reduced gradients], grad_clear.py)."""
         if self.mode is EngineMode.EVAL_ONLY:
             return
-        chosen = self.opts.select(optimizer)
-        self.reducer.clear(None if optimizer is None else [b.index for s in chosen for b in s.buckets], set_to_none)
-        for s in chosen:
-            s.clear_grads()
-            s.reset_step_state()
+        GC.clear_optimizers(self.opts.select(optimizer), self.reducer, optimizer is None, set_to_none)
 
     def zero_grad_params(self, params, set_to_none: bool = True) -> None:
         """``module.zero_grad()`` of the engine's module or a submodule (module_routes.py): the gradients of
         ``params`` only -- whole optimizers as their own ``zero_grad``, part of one in place."""
         if self.mode is EngineMode.EVAL_ONLY:
             return
-        whole, part = GC.split_by_optimizer(self.shardeds, params)
-        for s in whole:
-            self.zero_grad(s.optimizer, set_to_none)
-        for s, k, positions in part:
-            self.reducer.clear_params(s.buckets[k].index, positions, set_to_none)
-            GC.clear_masters(s, k, positions, set_to_none)
+        GC.clear_params(self.shardeds, self.reducer, params, set_to_none)
 
     def add_param_group(self, optimizer, group: dict) -> None:
         """``optimizer.add_param_group(group)`` after setup (installed on the user's optimizer; param_groups.py)."""

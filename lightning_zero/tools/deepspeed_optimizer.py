@@ -75,7 +75,7 @@ def check_composes_with(cls: type, kw: dict, config: Any, precision: Optional[st
     Trainer's flag when ``precision`` is None is not known here: the run checks it)."""
     if cls not in _COMPRESSED:
         return
-    from ..engine.optim.onebit.binding import check_composes
+    from ..engine.optim.onebit.kind import check_composes
     from ..engine.plan import ShardingPlan
 
     stand_in = cls([torch.zeros(1, requires_grad=True)], **kw)

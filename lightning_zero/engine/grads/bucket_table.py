@@ -13,27 +13,19 @@ non-root units reversed and the root last; ties by optimizer, so several optimiz
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 
+from .bucket_rows import BucketRow
 from .buckets import Bucket, _make, build_buckets
 from ..comm.buffer_pool import BufferPool
-
-
-@dataclass
-class BucketRow:
-    bucket: Bucket
-    optimizer: int  # index into the engine's optimizers
-    sources: Optional[list[torch.Tensor]] = None  # stage 3: this rank's unit-shard slice per parameter
-    unit: Optional[Any] = None  # stage 3: the unit whose backward completes this bucket
 
 
 class BucketTable:
     def __init__(self) -> None:
         self.rows: list[BucketRow] = []
-        self.buckets: list[Bucket] = []
         self.pool = BufferPool()  # every bucket's transient flat buffers ([Note: kept communication buffers])
 
     def add(self, rows: list[BucketRow]) -> list[Bucket]:
@@ -42,9 +34,11 @@ class BucketTable:
             r.bucket.index = len(self.rows) + i
             r.bucket.pool = self.pool
         self.rows.extend(rows)
-        new = [r.bucket for r in rows]
-        self.buckets.extend(new)
-        return new
+        return [r.bucket for r in rows]
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [r.bucket for r in self.rows]
 
     def of_optimizer(self, k: int) -> list[BucketRow]:
         return [r for r in self.rows if r.optimizer == k]

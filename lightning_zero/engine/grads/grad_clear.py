@@ -25,12 +25,32 @@ from ..layout import tensor_parallel as TP
 # slice of this rank's shard, of its host copy and of hybrid sharding's unreplicated sum, and its count.
 
 
-def zero_params(bucket, positions, set_to_none: bool, sharded: bool, shards, unreplicated: Optional[torch.Tensor],
-                counts: Optional[torch.Tensor]) -> None:
-    """The gradients of parameters ``positions`` of ``bucket`` in place: their ``param.grad``, their slices
-    of this rank's reduced ``shards`` (the device shard and its host copy; stages 1-3), hybrid's
-    ``unreplicated`` sum (its counts behind it) and, with ``set_to_none``, their ``counts``."""
+def clear_optimizers(shardeds, reducer, everything: bool, set_to_none: bool) -> None:
+    """An optimizer's ``zero_grad`` (``everything``: the engine's, every optimizer): their rows' reduced
+    gradients and their masters' ``.grad``, and the step's bookkeeping (master_grads.py)."""
+    reducer.clear(None if everything else [b for s in shardeds for b in s.buckets], set_to_none)
+    for s in shardeds:
+        s.clear_grads()
+        s.reset_step_state()
+
+
+def clear_params(shardeds, reducer, params, set_to_none: bool) -> None:
+    """``module.zero_grad()`` of the engine's module or a submodule (module_routes.py): the gradients of
+    ``params`` only -- whole optimizers as their own ``zero_grad``, part of one in place."""
+    whole, part = split_by_optimizer(shardeds, params)
+    for s in whole:
+        clear_optimizers([s], reducer, False, set_to_none)
+    for s, k, positions in part:
+        reducer.clear_params(reducer.rows[s.buckets[k].index], positions, set_to_none)
+        clear_masters(s, k, positions, set_to_none)
+
+
+def zero_params(row, positions, set_to_none: bool, sharded: bool) -> None:
+    """The gradients of parameters ``positions`` of the bucket ``row`` (bucket_rows.py) in place: their
+    ``param.grad``, their slices of this rank's reduced shard and of its host copy (stages 1-3), of hybrid's
+    unreplicated sum (its counts behind it) and, with ``set_to_none``, their counts of users."""
     positions = list(positions)
+    bucket = row.bucket
     n = len(bucket.params)
     for j in positions:
         p = bucket.params[j]
@@ -39,19 +59,18 @@ def zero_params(bucket, positions, set_to_none: bool, sharded: bool, shards, unr
         elif p.grad is not None:  # stage 0's reduced gradient, or one not reduced yet (no_sync)
             TP.local_grad(p).zero_()
     if sharded:
-        device_shard, host_shard = shards
-        if host_shard is not None and device_shard is not None and device_shard.is_cuda:
+        if row.host is not None and row.shard is not None and row.shard.is_cuda:
             # offload: the boundary's device->host copy may still be landing in the pinned buffer
-            torch.cuda.current_stream(device_shard.device).synchronize()
+            torch.cuda.current_stream(row.shard.device).synchronize()
         seen: set[int] = set()
-        for flat in shards:
+        for flat in (row.shard, row.host):
             if flat is not None and id(flat) not in seen:  # a CPU run's host copy is the shard itself
                 seen.add(id(flat))
                 _zero_views(bucket.local_views(flat), positions)
-        if unreplicated is not None:
-            _zero_views(bucket.local_views(unreplicated[:-n]), positions)
-            _zero_counts(unreplicated[-n:], positions, set_to_none)
-    _zero_counts(counts, positions, set_to_none)
+        if row.unreplicated is not None:
+            _zero_views(bucket.local_views(row.unreplicated[:-n]), positions)
+            _zero_counts(row.unreplicated[-n:], positions, set_to_none)
+    _zero_counts(row.used, positions, set_to_none)
 
 
 def clear_masters(sharded, k: int, positions, set_to_none: bool) -> None:

@@ -35,9 +35,10 @@ stream, so reductions overlap the rest of backward; freed gradients are ``record
 caching allocator does not hand their memory to the compute stream too early. On CPU (gloo) collectives
 are issued with ``async_op=True`` and completed at the end of backward.
 
-With the optimizer offloaded, each completed shard of the boundary micro-batch is also copied to (pinned)
-host memory right there -- on the side stream, so device->host traffic overlaps the rest of backward
-instead of following it. On a CPU-only machine the same copy runs (host to host), so tests exercise it.
+With the optimizer offloaded, each completed shard of the boundary micro-batch also goes to host memory right
+there (host_copy.py, chosen once from the placement), on the side stream, so device->host traffic overlaps the
+rest of backward instead of following it. Everything the reducer keeps about a bucket is in its
+:class:`~.bucket_rows.BucketRow`.
 
 [Note: hybrid reduction]
 With hybrid sharding (``ZeroConfig.shard_group_size``) the reduce-scatter runs inside the shard group and
@@ -52,9 +53,8 @@ un-synced backwards only (an engine user's choice) replicates what is left in :m
 from __future__ import annotations
 
 import contextlib
-import enum
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.autograd import Variable
@@ -63,56 +63,36 @@ from ..comm import collectives as C
 from . import grad_clear as GC
 from ..comm import quantize as Q
 from ..layout import tensor_parallel as TP
+from .backward_phase import BackwardPhase, GradSync
+from .bucket_rows import BucketRow
 from .buckets import Bucket
+from .host_copy import host_copy_for
 from ..plan import ShardingPlan
 
 _SHARD_REDUCTIONS = {"reduce_scatter": C.reduce_scatter, "all_reduce": C.reduce_scatter_by_all_reduce,
                      "all_to_all": Q.reduce_scatter_by_all_to_all, "int8": Q.reduce_scatter_int8}
 
 
-class BackwardPhase(enum.Enum):
-    """Where the reducer is in a backward: IDLE between backwards (an un-synced backward -- stages 0-1
-    under ``no_sync`` -- stays IDLE: its gradients only accumulate, noted in ``_dirty``), REDUCING from
-    the first synced gradient hook to the end-of-backward callback, which completes every bucket."""
-
-    IDLE = "idle"
-    REDUCING = "reducing"
-
-    def check(self, to: "BackwardPhase") -> "BackwardPhase":
-        if to is self:
-            raise RuntimeError(f"GradReducer: already {self.name} (a backward inside a backward?).")
-        return to
-
-
-class GradSync(enum.Enum):
-    """What a micro-batch's backward does with its gradients, set for the whole backward by ``no_sync``:
-    BOUNDARY (the default: the last micro-batch of a step, whose reductions give the step's gradients) or
-    ACCUMULATE (an earlier one: stages 0-1 issue no collective and only note the buckets touched in
-    ``_dirty``, reduced by the next ``finalize``; stages 2-3 still reduce into the gradient shard, but an
-    offloaded shard is copied to the host only at the boundary)."""
-
-    BOUNDARY = "boundary"
-    ACCUMULATE = "accumulate"
-
-
 class GradReducer:
     def __init__(
         self,
-        buckets: list[Bucket],
+        rows: list[Union[BucketRow, Bucket]],
         plan: ShardingPlan,
         reduce_dtype: Optional[torch.dtype],
         group: Optional[Any] = None,
         on_bucket_complete: Optional[Callable[[int], None]] = None,
         on_end_of_backward: Optional[Callable[[], None]] = None,
-        host_grads: bool = False,
         replicate_group: Optional[Any] = None,
         mode: str = "reduce_scatter",
-        local_grads: Optional[Callable[[], bool]] = None,
+        local_grads: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.buckets = buckets
-        # asked before every reduction: True while the optimizer exchanges what it needs itself (1-bit Adam's
-        # compressed phase, engine/optim/onebit/): backward launches nothing and the step takes the local gradients
-        self._local_grads = local_grads
+        """``rows``: the bucket table's rows, in launch order; the reducer fills them (bucket_rows.py); a bare
+        ``Bucket`` gets a row of its own (a reducer used without a table).
+        ``local_grads``: asked before every reduction, True while the optimizer exchanges what it needs itself
+        (a communicating optimizer kind, engine/optim/kinds/): backward launches nothing and the step takes
+        the local gradients."""
+        self.rows = [r if isinstance(r, BucketRow) else BucketRow(r, 0) for r in rows]
+        self.takes_local_grads = local_grads
         self.plan = plan  # [Note: sharding plan]: whole or scattered reductions, and when they happen
         self.reduce_dtype = reduce_dtype
         self.group = group
@@ -125,7 +105,6 @@ class GradReducer:
         # fp16 sums of many ranks can overflow: split the 1/N averaging into a pre- and a post-factor.
         pre = math.sqrt(ranks) if reduce_dtype == torch.float16 else float(ranks)
         self._pre, self._post = pre, ranks / pre
-        self._unreplicated: list[Optional[torch.Tensor]] = [None] * len(buckets)  # hybrid: shard + counts
         self.sync = GradSync.BOUNDARY
         # stages 1-3: "reduce_scatter", "all_reduce" (the whole bucket, this rank's row kept), "all_to_all"
         # (the rows exchanged, summed in fp32 on arrival) or "int8" (qgZ: the same all-to-all, int8 blocks);
@@ -135,54 +114,52 @@ class GradReducer:
         self.mode = mode
         self._on_bucket_complete = on_bucket_complete  # stage 3: release the unit's parameters
         self._on_end_of_backward = on_end_of_backward
-        self.grad_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
-        # offload: each reduced shard is also copied to (pinned) host memory as its bucket completes, in
-        # the reduce dtype (half the PCIe bytes of fp32); the optimizer reads these after one synchronize
-        self.host_grads = host_grads
-        self.host_shards: list[Optional[torch.Tensor]] = [None] * len(buckets)
-        # per bucket, how many ranks had a gradient for each parameter (filled by the reductions; kept on
-        # the device so reading it never stalls the host mid-backward)
-        self._used: list[Optional[torch.Tensor]] = [None] * len(buckets)
-        self._ready = [0] * len(buckets)
+        device = self.rows[0].bucket.params[0].device if self.rows else torch.device("cpu")
+        # offload: where the step reads the boundary's shards, decided once (host_copy.py, [Note: placement])
+        self.host_copy = host_copy_for(plan.placement.grad_shards, device)
         self._next = 0
         self._pending: list[tuple] = []
         self.phase = BackwardPhase.IDLE
-        self._dirty: set[int] = set()  # buckets with local gradients that no collective has seen yet
-        # buckets whose parameters all have requires_grad=False in this backward (another optimizer's, under
-        # Lightning's toggle_optimizer) are skipped: the flag is the same on every rank, so the sequence of
-        # collectives stays identical, and a frozen bucket would only reduce zeros
-        self._active = [True] * len(buckets)
-        device = buckets[0].params[0].device if buckets else torch.device("cpu")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._handles: list = []
-        self._register(0)
+        self._register(self.rows)
 
-    def _register(self, first: int) -> None:
-        for bi in range(first, len(self.buckets)):
-            for p in self.buckets[bi].params:
+    # views for readers that think in buckets (memory_report, tests); the rows hold the tensors
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [r.bucket for r in self.rows]
+
+    @property
+    def grad_shards(self) -> list[Optional[torch.Tensor]]:
+        return [r.shard for r in self.rows]
+
+    @property
+    def host_shards(self) -> list[Optional[torch.Tensor]]:
+        return [r.host for r in self.rows]
+
+    @property
+    def host_grads(self) -> bool:
+        return self.host_copy.copies
+
+    def _register(self, rows: list[BucketRow]) -> None:
+        for row in rows:
+            for p in row.bucket.params:
                 # a hook needs requires_grad at registration only; it survives freezing and unfreezing
                 # (a frozen parameter of a group added after setup, to be unfrozen later)
                 frozen = not p.requires_grad
                 p.requires_grad_(True)
-                self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(bi)))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._make_hook(row)))
                 p.requires_grad_(not frozen)
 
-    def add_buckets(self, buckets: list[Bucket]) -> None:
-        """Reduce these buckets too (parameters added to an optimizer after setup); ``index`` continues
-        this reducer's numbering. Called between backwards only."""
+    def add_rows(self, rows: list[BucketRow]) -> None:
+        """Reduce these rows too (parameters added to an optimizer after setup); their buckets' ``index``
+        continues this reducer's numbering. Called between backwards only."""
         if self.in_backward:
             raise RuntimeError("Parameters cannot be added to the optimizer during backward.")
-        first = len(self.buckets)
-        assert [b.index for b in buckets] == list(range(first, first + len(buckets)))
-        self.buckets.extend(buckets)
-        n = len(buckets)
-        self.grad_shards += [None] * n
-        self.host_shards += [None] * n
-        self._used += [None] * n
-        self._ready += [0] * n
-        self._active += [True] * n
-        self._unreplicated += [None] * n
-        self._register(first)
+        first = len(self.rows)
+        assert [r.index for r in rows] == list(range(first, first + len(rows)))
+        self.rows.extend(rows)
+        self._register(rows)
 
     @property
     def in_backward(self) -> bool:
@@ -202,63 +179,59 @@ class GradReducer:
         return self.sync is GradSync.BOUNDARY
 
     # -- hooks ----------------------------------------------------------------------------------
-    def _make_hook(self, bi: int):
+    def _make_hook(self, row: BucketRow):
         def hook(_param: torch.Tensor) -> None:
-            self._on_grad_ready(bi)
+            self._on_grad_ready(row)
 
         return hook
-
-    def takes_local_grads(self) -> bool:
-        """This step's optimizer takes this rank's own gradients (1-bit Adam's compressed phase): no reduction."""
-        return self._local_grads is not None and self._local_grads()
 
     def _syncing(self) -> bool:
         if self.takes_local_grads():
             return False
         return self.plan.shards_grads or self.sync is GradSync.BOUNDARY
 
-    def _on_grad_ready(self, bi: int) -> None:
+    def _on_grad_ready(self, row: BucketRow) -> None:
         if not self._syncing():
-            self._dirty.add(bi)
+            row.dirty = True
             return
         if self.phase is BackwardPhase.IDLE:
             self.phase = self.phase.check(BackwardPhase.REDUCING)
             self._begin_cycle()
             Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._ready[bi] += 1
-        if self._on_bucket_complete is not None and self._ready[bi] == len(self.buckets[bi].params):
-            self._on_bucket_complete(bi)
+        row.ready += 1
+        if self._on_bucket_complete is not None and row.complete:
+            self._on_bucket_complete(row.index)
         self._launch_in_order(upto_ready=True)
 
-    def _begin_cycle(self, only: Optional[set[int]] = None) -> None:
-        self._ready = [0] * len(self.buckets)
+    def _begin_cycle(self, only: Optional[list[BucketRow]] = None) -> None:
         self._next = 0
-        if only is None:
-            self._active = [any(p.requires_grad for p in b.params) for b in self.buckets]
-        else:
-            self._active = [b.index in only for b in self.buckets]
+        for r in self.rows:
+            r.ready = 0
+            r.active = any(p.requires_grad for p in r.bucket.params) if only is None else r in only
 
     def _launch_in_order(self, upto_ready: bool) -> None:
-        while self._next < len(self.buckets):
-            b = self.buckets[self._next]
-            if not self._active[self._next]:
+        while self._next < len(self.rows):
+            row = self.rows[self._next]
+            if not row.active:
                 self._next += 1
                 continue
-            if upto_ready and self._ready[self._next] < len(b.params):
+            if upto_ready and not row.complete:
                 return
-            self._launch(b)
+            self._launch(row)
             self._next += 1
 
     def _end_of_backward(self) -> None:
         self._launch_in_order(upto_ready=False)
         self.wait()
         self.phase = self.phase.check(BackwardPhase.IDLE)
-        self._dirty.clear()
+        for r in self.rows:
+            r.dirty = False
         if self._on_end_of_backward is not None:
             self._on_end_of_backward()
 
     # -- one bucket ---------------------------------------------------------------------------
-    def _launch(self, b: Bucket) -> None:
+    def _launch(self, row: BucketRow) -> None:
+        b = row.bucket
         grads = [TP.local_grad(p) for p in b.params]  # a DTensor's local piece
         n = len(grads)
         dtype = self.reduce_dtype or b.params[0].dtype
@@ -294,36 +267,36 @@ class GradReducer:
                     if p.grad is not None and self._stream is not None:
                         p.grad.record_stream(self._stream)
                     p.grad = None
-            self._pending.append((b, work, flat, out))
+            self._pending.append((row, work, flat, out))
             if self._stream is not None:  # NCCL orders the unpack after the collective on this stream
                 self._complete(self._pending.pop())
 
     def _complete(self, item: tuple) -> None:
-        b, work, flat, out = item
+        row, work, flat, out = item
         work.wait()
         if self.replicate_group is not None:  # [Note: hybrid reduction]
-            acc = self._unreplicated[b.index]
-            self._unreplicated[b.index] = out if acc is None else acc.add_(out)
+            row.unreplicated = out if row.unreplicated is None else row.unreplicated.add_(out)
             if self.sync is GradSync.BOUNDARY:
-                self._replicate(b)
+                self._replicate(row)
         else:
-            self._add_shard(b, out)
+            self._add_shard(row, out)
         if out is not flat or not self.plan.shards_optimizer_state:  # else one rank kept it as its shard
-            b.done_with(flat)  # read to the end; ``out`` is a separate buffer whenever it is kept (stages 1-3)
+            row.bucket.done_with(flat)  # read to the end; ``out`` is a separate buffer whenever it is kept
 
-    def _replicate(self, b: Bucket) -> None:
-        out, self._unreplicated[b.index] = self._unreplicated[b.index], None
+    def _replicate(self, row: BucketRow) -> None:
+        out, row.unreplicated = row.unreplicated, None
         C.all_reduce(out, group=self.replicate_group)
-        self._add_shard(b, out)
+        self._add_shard(row, out)
 
-    def _add_shard(self, b: Bucket, out: torch.Tensor) -> None:
+    def _add_shard(self, row: BucketRow, out: torch.Tensor) -> None:
+        b = row.bucket
         if self._post != 1.0:
             out.div_(self._post)
         n = len(b.params)
         counts = out[-n:].float()
         if not self.plan.shards_optimizer_state and counts.data_ptr() == out[-n:].data_ptr():
             counts = counts.clone()  # stage 0's ``out`` is its pooled pack buffer: the counts outlive it
-        self._used[b.index] = counts if self._used[b.index] is None else self._used[b.index] + counts
+        row.count_users(counts)
         out = out[:-n]
         if not self.plan.shards_optimizer_state:
             for p, red in zip(b.params, b.full_views(out)):
@@ -332,20 +305,9 @@ class GradReducer:
                 else:
                     TP.local_grad(p).copy_(red)
             return
-        shard = self.grad_shards[b.index]
-        if shard is None:
-            shard = self.grad_shards[b.index] = out
-        else:
-            shard.add_(out)
-        if self.host_grads and self.sync is GradSync.BOUNDARY:  # this sum is the final one
-            if shard.device.type == "cpu":  # already in host memory (a CPU-only run): the shard is the host copy
-                self.host_shards[b.index] = shard
-                return
-            host = self.host_shards[b.index]
-            if host is None:
-                host = self.host_shards[b.index] = torch.empty(
-                    shard.shape, dtype=shard.dtype, device="cpu", pin_memory=shard.is_cuda)
-            host.copy_(shard, non_blocking=True)  # CUDA: on the side stream, overlapping the rest of backward
+        row.add_reduced(out)
+        if self.sync is GradSync.BOUNDARY:  # this sum is the final one
+            self.host_copy.keep(row)
 
     def wait(self) -> None:
         """Complete every launched reduction (their results are in place afterwards)."""
@@ -356,50 +318,42 @@ class GradReducer:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
 
     # -- step boundary --------------------------------------------------------------------------
-    def finalize(self, indices: Optional[list[int]] = None) -> list[torch.Tensor]:
-        """Make the reduced gradients of buckets ``indices`` (default: all) final for an optimizer step.
-
-        Returns, per such bucket, a bool mask of the parameters that got a gradient on any rank.
-        """
+    def finalize(self, buckets: Optional[list[Bucket]] = None) -> list[tuple[BucketRow, torch.Tensor]]:
+        """Make the reduced gradients of ``buckets`` (default: all) final for an optimizer step: per bucket
+        its row and a bool mask of the parameters that got a gradient on any rank."""
         self.wait()
-        indices = list(range(len(self.buckets))) if indices is None else list(indices)
+        rows = list(self.rows) if buckets is None else [self.rows[b.index] for b in buckets]
         if self.takes_local_grads():  # nothing reduced: this rank's own grads
-            self._dirty -= set(indices)
-            return [torch.tensor([p.grad is not None for p in self.buckets[i].params], dtype=torch.bool)
-                    for i in indices]
-        if self._dirty & set(indices):  # a step after un-synced backwards only: reduce what accumulated
-            self._begin_cycle(only=set(indices))
+            for r in rows:
+                r.dirty = False
+            return [(r, torch.tensor([p.grad is not None for p in r.bucket.params], dtype=torch.bool))
+                    for r in rows]
+        if any(r.dirty for r in rows):  # a step after un-synced backwards only: reduce what accumulated
+            self._begin_cycle(only=rows)
             self._launch_in_order(upto_ready=False)
             self.wait()
-            self._dirty -= set(indices)
-        for i in indices:
-            if self._unreplicated[i] is not None:
-                self._replicate(self.buckets[i])
-        sizes = [len(self.buckets[i].params) for i in indices]
-        counts = [self._used[i] if self._used[i] is not None else torch.zeros(k) for i, k in zip(indices, sizes)]
-        masks = list((torch.cat([c.cpu() for c in counts]) > 0).split(sizes)) if counts else []
-        for i in indices:
-            self._used[i] = None
-        return masks
+            for r in rows:
+                r.dirty = False
+        for r in rows:
+            if r.unreplicated is not None:
+                self._replicate(r)
+        counts = [r.take_used() for r in rows]
+        masks = list((torch.cat([c.cpu() for c in counts]) > 0).split([len(c) for c in counts])) if rows else []
+        return list(zip(rows, masks))
 
-    def clear(self, indices: Optional[list[int]] = None, set_to_none: bool = True) -> None:
-        """Drop (``set_to_none``) or zero the gradients (full, sharded, counted) of buckets ``indices``
-        (default: all): after a step, or a user's ``zero_grad`` ([Note: clearing reduced gradients])."""
-        for i in range(len(self.buckets)) if indices is None else indices:
-            self.clear_params(i, None, set_to_none)
+    def clear(self, buckets: Optional[list[Bucket]] = None, set_to_none: bool = True) -> None:
+        """Drop (``set_to_none``) or zero the gradients (full, sharded, counted) of ``buckets`` (default: all):
+        after a step, or a user's ``zero_grad`` ([Note: clearing reduced gradients])."""
+        for row in self.rows if buckets is None else [self.rows[b.index] for b in buckets]:
+            self.clear_params(row, None, set_to_none)
 
-    def clear_params(self, i: int, positions: Optional[list[int]] = None, set_to_none: bool = True) -> None:
-        """The gradients of parameters ``positions`` (default: all) of bucket ``i``; the others are kept."""
-        b = self.buckets[i]
+    def clear_params(self, row: BucketRow, positions: Optional[list[int]] = None, set_to_none: bool = True) -> None:
+        """The gradients of parameters ``positions`` (default: all) of ``row``; the others are kept."""
         if positions is None and set_to_none:
-            self.grad_shards[i] = self.host_shards[i] = self._unreplicated[i] = self._used[i] = None
-            for p in b.params:
-                p.grad = None
-            self._dirty.discard(i)
+            row.drop()
             return
-        GC.zero_params(b, range(len(b.params)) if positions is None else positions, set_to_none,
-                       self.plan.shards_optimizer_state, (self.grad_shards[i], self.host_shards[i]),
-                       self._unreplicated[i], self._used[i])
+        GC.zero_params(row, range(len(row.bucket.params)) if positions is None else positions, set_to_none,
+                       self.plan.shards_optimizer_state)
 
     def remove_hooks(self) -> None:
         for h in self._handles:

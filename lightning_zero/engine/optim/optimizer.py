@@ -12,10 +12,10 @@ then the optimizer updates the parameter's own slice in place and no extra fp32 
 what the fp32 memory floors assume. With fp16/bf16 compute, or with the optimizer offloaded to the CPU,
 the master is a separate fp32 tensor (pinned on CUDA machines so host<->device copies can overlap).
 
-Sharding is only valid for *elementwise* optimizers: the update of each element depends on that
-element's gradient and state alone. Optimizers that look at whole tensors (LBFGS, Adafactor's factored
-moments, LAMB/LARS trust ratios, Muon/Shampoo) would silently compute something else on a shard, so they
-are refused with an error; :func:`register_shardable_optimizer` admits a custom elementwise class.
+How the optimizer steps is its kind, asked once by the builder ([Note: optimizer kinds], kinds/): an
+elementwise one steps the master shards at any stage; whole-tensor ones are refused above stage 0; a
+communicating one (the 1-bit family) takes its gradients through its kind. The gradient side (what the
+masters' ``.grad`` are, norms, clipping) is master_grads.py.
 """
 
 from __future__ import annotations
@@ -25,27 +25,15 @@ from typing import Callable, Optional
 
 import torch
 
-from ..comm import collectives as C
 from ..layout import tensor_parallel as TP
 from ..grads.buckets import Bucket
 from ..placement.nvme_states import NvmeStates
 from .optimizer_routes import user_class
 from .optimizer_state import consolidate_optimizer_state, load_sharded_optimizer_state
 from ..plan import ShardingPlan
+from .kinds import OptimizerKind, kind_of
+from .master_grads import MasterGrads
 
-_SHARDABLE: set[type] = {
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.ASGD,
-    torch.optim.Rprop,
-}
 # torch's fused implementations run on the CPU: the offloaded step swaps them in (offload_kernel="fused").
 # They are not bit-identical to the default (for-loop) kernel DDP runs: about 1 ulp per step, which Adam's
 # normalization turns into a full +-lr update where the true gradient is zero (a bias whose gradient
@@ -53,36 +41,7 @@ _SHARDABLE: set[type] = {
 _FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
 
-def register_shardable_optimizer(cls: type) -> type:
-    """Declare a custom optimizer class elementwise, hence safe to run on shards. Usable as decorator."""
-    _SHARDABLE.add(cls)
-    return cls
-
-
-def check_shardable(optimizer: torch.optim.Optimizer, stage: int) -> None:
-    if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(
-            "LBFGS re-evaluates the loss through a closure inside step(), which ZeRO's step (reduce, step, "
-            "gather) cannot interleave with. Allowed: optimizers whose step() needs no closure "
-            "(SGD, Adam, AdamW, ...)."
-        )
-    if stage == 0:
-        return  # stage 0 steps whole parameters: any closure-free optimizer works
-    cls = type(optimizer)
-    # exact classes only: a subclass may override step() with a whole-tensor rule (LAMB written as
-    # ``class Lamb(torch.optim.Adam)``), which issubclass would admit and which trains wrong on shards
-    if cls in _SHARDABLE:
-        return
-    names = sorted(c.__name__ for c in _SHARDABLE)
-    raise ValueError(
-        f"{cls.__name__} cannot run on parameter shards: ZeRO stage {stage} needs an elementwise optimizer "
-        f"(each element's update depends only on its own gradient and state). Allowed: {', '.join(names)} "
-        "(exactly these classes: a subclass may change step()). Use stage=0, or, if your optimizer is "
-        f"elementwise, declare it with lightning_zero.register_shardable_optimizer({cls.__name__})."
-    )
-
-
-class ShardedOptimizer:
+class ShardedOptimizer(MasterGrads):
     """Owns the master shards of the managed parameters and steps the user's optimizer on them."""
 
     def full_state_dict(self, group=None) -> dict:
@@ -119,6 +78,7 @@ class ShardedOptimizer:
         nvme: Optional[dict] = None,
         alias_sources: bool = True,
         source_scope: Optional[Callable] = None,
+        kind: Optional[OptimizerKind] = None,
     ) -> None:
         """``sources`` (stage 3): per bucket and parameter, this rank's fp32 slice to take the master from
         (the parameter itself no longer holds its values then). ``plan`` ([Note: sharding plan]): whole or
@@ -130,9 +90,10 @@ class ShardedOptimizer:
         ``alias_sources=False`` (``offload_params="nvme"``): a master never aliases its stage-3 source, whose
         storage is empty whenever the unit shard is on disk; the masters are separate fp32 tensors.
         ``source_scope(bucket)``: a context in which that bucket's ``sources`` can be read (NVMe: its unit's
-        shard read back for the block, so setup holds one unit's shard at a time)."""
+        shard read back for the block, so setup holds one unit's shard at a time). ``kind``: how the optimizer
+        steps (kinds/, checked by the builder before anything is sharded; default: asked here)."""
         self._source_scope = source_scope
-        check_shardable(optimizer, plan.stage)
+        self.kind = kind if kind is not None else kind_of(optimizer)
         self.optimizer = optimizer
         self.plan = plan
         self.offload = offload
@@ -160,17 +121,6 @@ class ShardedOptimizer:
         if self._swap_kernel:
             self._use_fused_cpu_kernels()
         self.reset_step_state()
-
-    def reset_step_state(self) -> None:
-        """Per-step bookkeeping of this optimizer's gradients (several optimizers step independently)."""
-        self.grads_final = False
-        # 1-bit Adam's compressed phase at stage 1: nothing was reduced, and the optimizer takes this rank's
-        # whole local gradients (fp32, keyed by master) instead of slices ([Note: 1-bit Adam at stage 1])
-        self.whole_grads: dict[int, torch.Tensor] = {}
-        self.takes_whole = False
-        self.clip_coef: Optional[float] = None
-        self.clip_value: Optional[float] = None
-        self.sq_norm: Optional[torch.Tensor] = None
 
     def _add_masters(self, buckets: list[Bucket], sources) -> dict[int, torch.Tensor]:
         by_param: dict[int, torch.Tensor] = {}
@@ -283,104 +233,6 @@ class ShardedOptimizer:
                 "be stepped. Allowed: pass only trainable parameters to the optimizer and add the unfrozen ones "
                 "with optimizer.add_param_group (what Lightning's BaseFinetuning does), or unfreeze before setup."
             )
-
-    # -- gradients ------------------------------------------------------------------------------
-    def take_reduced_grads(self, reducer) -> None:
-        """Complete the reductions of this optimizer's buckets and point the masters' ``.grad`` at this
-        rank's reduced gradients (parameters no rank used keep ``grad=None``, as under DDP)."""
-        masks = reducer.finalize([b.index for b in self.buckets])
-        if self.plan.shards_optimizer_state and reducer.takes_local_grads():
-            self._take_whole_local_grads(masks)
-            return
-        grads: list[list[Optional[torch.Tensor]]] = []
-        for b, mask in zip(self.buckets, masks):
-            if not self.plan.shards_optimizer_state:  # stage 0: the all-reduced whole gradients
-                row = [TP.local_grad(p) if used else None for p, used in zip(b.params, mask.tolist())]
-            else:
-                host = reducer.host_shards[b.index]  # offload: already copied as the bucket completed
-                shard = host if host is not None else reducer.grad_shards[b.index]
-                views = b.local_views(shard) if shard is not None else [None] * len(b.params)
-                row = [v if used else None for v, used in zip(views, mask.tolist())]
-            grads.append(row)
-        self.assign_grads(grads)
-        self.grads_final = True
-
-    def _take_whole_local_grads(self, masks: list[torch.Tensor]) -> None:
-        """No reduction ran (the optimizer exchanges what it needs itself): each master's ``.grad`` stays None
-        and :attr:`whole_grads` holds this rank's whole gradient of its parameter, in fp32 as stage 0 casts
-        it; the norm, clipping and scaling below act on these (each rank's own, as at stage 0)."""
-        self.clear_grads()
-        for row, b, mask in zip(self.masters, self.buckets, masks):
-            for m, p, used in zip(row, b.params, mask.tolist()):
-                if used:
-                    g = TP.local_grad(p)
-                    self.whole_grads[id(m)] = g if g.dtype == torch.float32 else g.float()
-        self.takes_whole = self.grads_final = True
-
-    def assign_grads(self, grads: list[list[Optional[torch.Tensor]]]) -> None:
-        """Point each master's ``.grad`` at its reduced gradient (fp32, on the master's device)."""
-        for row, grow in zip(self.masters, grads):
-            for m, g in zip(row, grow):
-                if g is None:
-                    m.grad = None
-                elif g.dtype == m.dtype and g.device == m.device:
-                    m.grad = g.view_as(m)
-                else:
-                    m.grad = g.to(device=m.device, dtype=m.dtype, non_blocking=True).view_as(m)
-        if self.offload and self.device.type == "cuda":
-            # the device->host copies must land before the CPU reads them (norm, overflow check, step).
-            # They were queued on the reducer's side stream as buckets completed (which the current stream
-            # of the gradients' device waits for) or just above; that device need not be
-            # torch.cuda.current_device() (an engine on cuda:1 without torch.cuda.set_device(1)).
-            torch.cuda.current_stream(self.device).synchronize()
-
-    def grads(self) -> list[torch.Tensor]:
-        if self.takes_whole:
-            return [self.whole_grads[id(m)] for row in self.masters for m in row if id(m) in self.whole_grads]
-        return [m.grad for row in self.masters for m in row if m.grad is not None]
-
-    def local_sq_norm(self) -> torch.Tensor:
-        """Sum of squares of this rank's master gradients (fp32). Non-finite if any grad is."""
-        grads = self.grads()
-        if not grads:
-            return torch.zeros((), device=self.master_device)
-        squares = torch.stack(torch._foreach_norm(grads, 2.0)).float().pow(2)
-        if self.tp_group is not None:
-            weights = [TP.norm_weight(p, self.tp_size) for row, b in zip(self.masters, self.buckets)
-                       for m, p in zip(row, b.params) if m.grad is not None]
-            squares = squares * torch.tensor(weights, dtype=squares.dtype, device=squares.device)
-        return squares.sum()
-
-    def global_sq_norm(self, group=None, device: Optional[torch.device] = None) -> torch.Tensor:
-        """Sum of squares of the whole gradient over all ranks, once per step (``sq_norm``): the shards of
-        stages 1-3 are disjoint, so their squares add (one all-reduce, on ``device``: the compute device)."""
-        if self.sq_norm is None:
-            sq = self.local_sq_norm()
-            if self.plan.shards_optimizer_state and not self.takes_whole:  # whole local grads: this rank's own
-                sq_dev = sq.to(device if device is not None else sq.device)
-                C.all_reduce(sq_dev, group=group)
-                sq = sq_dev.to(sq.device)
-            if self.tp_group is not None:  # the TP pieces add up; a replicated one counts once (weighted 1/T)
-                sq_dev = sq.to(device if device is not None else sq.device)
-                C.all_reduce(sq_dev, group=self.tp_group)
-                sq = sq_dev.to(sq.device)
-            self.sq_norm = sq
-        return self.sq_norm
-
-    def scale_grads(self, coef: float) -> None:
-        grads = self.grads()
-        if grads and coef != 1.0:
-            torch._foreach_mul_(grads, coef)
-
-    def clamp_grads(self, value: float) -> None:
-        for g in self.grads():
-            g.clamp_(-value, value)
-
-    def clear_grads(self) -> None:
-        self.whole_grads, self.takes_whole = {}, False
-        for row in self.masters:
-            for m in row:
-                m.grad = None
 
     # -- update -------------------------------------------------------------------------------------
     def step(self, publish_chunk: Optional[Callable[[list[torch.Tensor], Bucket], None]] = None) -> None:

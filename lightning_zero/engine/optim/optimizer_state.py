@@ -20,6 +20,7 @@ import torch
 
 from ..comm import collectives as C
 from .onebit.local_models import mean_state, rank_local_keys
+from .kinds import per_rank_state
 
 
 def _positions(s) -> list[Optional[tuple[int, int]]]:
@@ -46,7 +47,7 @@ def consolidate_optimizer_state(s, group: Optional[Any] = None) -> dict:
     # torch numbers the masters in param_groups order: map them to (bucket, index)
     local_bp = [bp for bp in positions if bp is not None]
     by_bp = {bp: local["state"].get(i, {}) for i, bp in enumerate(local_bp)}
-    per_rank = getattr(s.optimizer, "per_rank_state", ())  # 1-bit Adam's error buffers: no single full value
+    per_rank = per_rank_state(s.optimizer)  # 1-bit Adam's error buffers: no single full value
     # 0/1 Adam between synchronizations: the one value is the ranks' mean ([Note: the ranks' own models])
     means = mean_state(s) if rank_local_keys(s.optimizer) else {}
     keys = sorted({k for st in by_bp.values() for k, v in st.items()
@@ -123,7 +124,7 @@ def _slice_state(s, bp: tuple[int, int], st: dict, pos: int) -> dict:
     spec, p = b.specs[pi], b.params[pi]
     out = {}
     for k, v in st.items():
-        if k in getattr(s.optimizer, "per_rank_state", ()):  # restarts at zero (engine/optim/onebit/base.py)
+        if k in per_rank_state(s.optimizer):  # restarts at zero (engine/optim/onebit/base.py)
             continue
         if torch.is_tensor(v) and v.dim() > 0:
             if v.numel() != p.numel():

@@ -91,10 +91,11 @@ def _nvme_args(cfg, group=None) -> Optional[dict]:
 
 
 def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, unit_scope=None,
-                     group=None) -> list[ShardedOptimizer]:
+                     group=None, kinds=None) -> list[ShardedOptimizer]:
     """One :class:`ShardedOptimizer` per optimizer over its own rows of the bucket ``table``; ``tp``: the
     tensor-parallel mesh, whose group the gradient norm also sums over; ``unit_scope(unit)`` (stage 3): a
-    context in which the unit's shard can be read (the partitioner's ``shard_readable``)."""
+    context in which the unit's shard can be read (the partitioner's ``shard_readable``); ``kinds``: each
+    optimizer's kind, as the builder asked it ([Note: optimizer kinds])."""
     out = []
     for k, opt in enumerate(optimizers):
         rows = table.of_optimizer(k)
@@ -105,7 +106,7 @@ def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, unit_
                                     tp_group=tp.tp_group if tp is not None else None,
                                     tp_size=tp.tp_size if tp is not None else 1,
                                     nvme=_nvme_args(cfg, group), alias_sources=cfg.offload_params != "nvme",
-                                    source_scope=scope))
+                                    source_scope=scope, kind=kinds[k] if kinds is not None else None))
     swap = kernel_swap_line(out)
     if swap is not None and C.rank() == 0:
         _log.info(swap)
@@ -185,6 +186,6 @@ class OptimizerSet:
         self.params.extend(new_params)
         if partitioned is not None:
             partitioned.add_rows(rows)
-        reducer.add_buckets(new)
+        reducer.add_rows(rows)
         self.shardeds[k].add_group({**group, "params": params}, new,
                                    [r.sources for r in rows] if self._maker.units is not None else None)

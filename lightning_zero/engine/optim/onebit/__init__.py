@@ -10,5 +10,6 @@ compressed all-reduce on torch.distributed collectives and its single-process re
 from .adam import OneBitAdam
 from .base import CompressedAdamBase
 from .zoadam import ZeroOneAdam
+from . import kind as _kind  # noqa: F401  the family's optimizer kind, registered on import (kind.py)
 
 __all__ = ["CompressedAdamBase", "OneBitAdam", "ZeroOneAdam"]

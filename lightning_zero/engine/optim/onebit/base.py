@@ -76,7 +76,7 @@ class CompressedAdamBase(torch.optim.Optimizer):
         self.whole_momentum = WholeMomentum()  # stage 1: the last exchange's result, kept at one bit
 
     def bind_shards(self, binding: Optional[ShardBinding]) -> None:
-        """ZeRO stage 1 (binding.py): the params are slices of whole parameters, described by ``binding``."""
+        """ZeRO stage 1 (kind.py): the params are slices of whole parameters, described by ``binding``."""
         self.shards = binding
         self._layout = None
         self.whole_momentum.invalidate()

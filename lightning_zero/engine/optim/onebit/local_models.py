@@ -38,12 +38,12 @@ from typing import Any, Optional
 import torch
 
 from ...comm import collectives as C
+from ..kinds import kind_of
 
 
 def rank_local_keys(optimizer: Any) -> tuple[str, ...]:
     """The state entries of ``optimizer`` that differ by rank now (with its parameters), or ``()``."""
-    probe = getattr(optimizer, "rank_local_state", None)
-    return tuple(probe()) if probe is not None else ()
+    return tuple(kind_of(optimizer).rank_local_state(optimizer))
 
 
 def diverged(engine: Any) -> list[tuple[Any, tuple[str, ...]]]:

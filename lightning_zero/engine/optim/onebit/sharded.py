@@ -47,9 +47,9 @@ from .exchange import ChunkLayout, gathered_result
 
 
 class ShardBinding:
-    """What the engine tells a compressed optimizer at stage 1 (binding.bind_shards): per master the parameter
+    """What the engine tells a compressed optimizer at stage 1 (its kind's ``bind``, kind.py): per master the parameter
     it is a slice of and its ``ShardSpec``, and this step's whole local gradients (engine/optim/optimizer.py
-    ``whole_grads``, set when the engine reduced nothing)."""
+    ``whole_grads``, set when the engine reduced nothing: kinds/communicating.py)."""
 
     def __init__(self, sharded: Any) -> None:
         self.sharded = sharded  # the engine's ShardedOptimizer over this optimizer

@@ -1,14 +1,8 @@
-"""How the engine composes with a compressed optimizer (1-bit Adam, 0/1 Adam): the combinations refused,
-the reducer's probe, the process group bound, the phase a step ran in (comm_report).
+"""The 1-bit family's optimizer kind (1-bit Adam, 0/1 Adam): COMMUNICATING ([Note: optimizer kinds],
+engine/optim/kinds/communicating.py), with the combinations it refuses and its stage-1 shard binding.
 
-Design note
------------
-The seam is one question the reducer asks before every reduction, ``optimizer.uses_local_grads()``: while it
-is True the backward launches no collective and the step hands the optimizer this rank's own gradients; the
-optimizer exchanges its momentum itself. At stage 0 the optimizer steps whole parameters that it updates
-identically on every rank (the exchange's result is the same everywhere). At stage 1 (1-bit Adam only) it
-steps master slices: the engine hands it each step's whole local gradients (``ShardedOptimizer.whole_grads``)
-and the slices' specs (:func:`bind_shards`), and publishes the updated slices as for any optimizer
+At stage 0 the optimizer steps whole parameters that it updates identically on every rank (the exchange's
+result is the same everywhere). At stage 1 (1-bit Adam only) it steps master slices
 ([Note: 1-bit Adam at stage 1], sharded.py). Stages 2-3 are refused: the compressed phase needs each rank's
 whole local gradient, which they never hold (their point); 0/1 Adam at stage 1 too: its local steps move each
 rank's parameters by its own gradient, which one owner per master slice cannot do. See docs/onebit_adam.md.
@@ -16,16 +10,24 @@ rank's parameters by its own gradient, which one owner per master slice cannot d
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any
 
-from ..optimizer import register_shardable_optimizer
+from ..kinds import KindSetup, register_optimizer_kind
+from ..kinds.communicating import Communicating
 from .adam import OneBitAdam
 from .base import CompressedAdamBase
 from .sharded import ShardBinding
 
-# not elementwise (its exchange spans whole tensors), but at stage 1 it steps its slices through the
-# ShardBinding below; stages 2-3 are refused in check_composes before the engine shards anything
-register_shardable_optimizer(OneBitAdam)
+
+class CompressedAdamKind(Communicating):
+    def check(self, optimizer: Any, setup: KindSetup) -> None:
+        check_composes(setup.optimizers, setup.plan, setup.config, setup.tensor_parallel, setup.loss_scaler)
+
+    def shard_binding(self, sharded: Any) -> ShardBinding:
+        return ShardBinding(sharded)
+
+
+register_optimizer_kind(CompressedAdamBase, CompressedAdamKind())
 
 
 def compressed(optimizers: list) -> list[CompressedAdamBase]:
@@ -61,34 +63,3 @@ def check_composes(optimizers: list, plan: Any, config: Any, tensor_parallel: An
         why = f"{name} exchanges whole local tensors over the world, not DTensor pieces over data_parallel"
     if why is not None:
         raise ValueError(f"{name} does not compose with this setup: {why}. {allowed}")
-
-
-def bind_shards(shardeds: list, plan: Any) -> None:
-    """Stage 1: each compressed optimizer learns which slice of which parameter its params are (sharded.py)."""
-    if not plan.shards_optimizer_state:
-        return
-    for s in shardeds:
-        if isinstance(s.optimizer, CompressedAdamBase):
-            s.optimizer.bind_shards(ShardBinding(s))
-
-
-def bind_group(optimizers: list, group: Optional[Any]) -> None:
-    """The engine's data-parallel group is the exchange's, unless the user chose one."""
-    for o in compressed(optimizers):
-        if o.process_group is None:
-            o.process_group = group
-
-
-def local_grads_probe(optimizers: list) -> Optional[Callable[[], bool]]:
-    """What the reducer asks before reducing (None: no compressed optimizer, nothing to ask)."""
-    found = compressed(optimizers)
-    if not found:
-        return None
-    opt = found[0]
-    return opt.uses_local_grads
-
-
-def step_phase(optimizers: list) -> Optional[str]:
-    """The phase the coming step runs in ("warmup" / "compressed"), None without a compressed optimizer."""
-    found = compressed(optimizers)
-    return found[0].phase() if found else None
