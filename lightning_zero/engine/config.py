@@ -10,6 +10,7 @@ construction, not in the middle of the first step).
 from __future__ import annotations
 
 import difflib
+import enum
 import math
 import numbers
 import os
@@ -21,13 +22,28 @@ import torch
 
 from .layout.dims import ParallelDims
 from .placement.nvme import NVME_PATH_ENV, OffloadDevice, check_nvme_dir
-from .stage3.lifecycle import OrderCheck
 
 STAGES = (0, 1, 2, 3)
 GRAD_REDUCE = ("auto", "reduce_scatter", "all_reduce", "all_to_all")
 OFFLOAD_KERNELS = ("fused", "user")
 # the knobs only NVMe offload reads: any other value without it is refused (it would be ignored)
 NVME_KNOB_DEFAULTS = dict(nvme_path=None, nvme_buffer_count=3, nvme_direct=False)
+
+
+class OrderCheck(enum.Enum):
+    """``ZeroConfig.order_check`` named (the config keeps the strings users write: "strict", ...)."""
+
+    STRICT = "strict"
+    ALWAYS = "always"
+    OFF = "off"
+
+    @classmethod
+    def parse(cls, value) -> "OrderCheck":
+        try:
+            return value if isinstance(value, cls) else cls(value)
+        except ValueError:
+            allowed = ", ".join(repr(c.value) for c in cls)
+            raise ValueError(f"order_check must be one of {allowed}; got {value!r}.") from None
 
 
 def _is_int(value) -> bool:

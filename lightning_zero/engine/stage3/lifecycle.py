@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import enum
 
+from ..config import OrderCheck  # noqa: F401  (the knob's values; stage 3 reads them)
+
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
@@ -80,22 +82,6 @@ class OrderState(enum.Enum):
         if to is not self and to not in _NEXT_ORDER[self]:
             raise RuntimeError(f"ZeRO-3 forward order: no move from {self.name} to {to.name}.")
         return to
-
-
-class OrderCheck(enum.Enum):
-    """``ZeroConfig.order_check`` named (the config keeps the strings users write: "strict", ...)."""
-
-    STRICT = "strict"
-    ALWAYS = "always"
-    OFF = "off"
-
-    @classmethod
-    def parse(cls, value) -> "OrderCheck":
-        try:
-            return value if isinstance(value, cls) else cls(value)
-        except ValueError:
-            allowed = ", ".join(repr(c.value) for c in cls)
-            raise ValueError(f"order_check must be one of {allowed}; got {value!r}.") from None
 
 
 _NEXT_ORDER = {OrderState.RECORDING: {OrderState.RECORDED}, OrderState.RECORDED: {OrderState.VERIFIED},
