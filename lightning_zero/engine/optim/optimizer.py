@@ -30,7 +30,7 @@ from ..layout import tensor_parallel as TP
 from ..grads.buckets import Bucket
 from ..placement import host_kernels as HK
 from ..placement.location import Location
-from ..placement.state_stores import DeviceStates, StateStore
+from ..placement.state_stores import DeviceStates, StateStore, planned_masters
 from .optimizer_routes import user_class
 from .optimizer_state import consolidate_optimizer_state, load_sharded_optimizer_state
 from ..plan import ShardingPlan
@@ -147,10 +147,12 @@ class ShardedOptimizer:
         # tensor parallelism (engine/layout/tensor_parallel.py): the TP group the squares are also summed over, and
         # what each parameter's squares count for there (1/T for one every TP rank holds whole)
         self.tp_group, self.tp_size = tp_group, tp_size
-        self.states.reserve(optimizer, *self._planned(buckets, sources))
+        self.states.reserve(optimizer, *planned_masters(  # before any master is made
+            buckets, sources, self.plan.shards_optimizer_state,
+            lambda p, spec, src: self._aliases(self._source(p, spec, src), src is not None)))
         self._rebind(self._add_masters(buckets, sources))
         if self._swap_kernel:
-            self._use_fused_cpu_kernels()
+            HK.use_fused_cpu_kernels(self.optimizer)
         self.reset_step_state()
 
     def reset_step_state(self) -> None:
@@ -181,16 +183,6 @@ class ShardedOptimizer:
             self.states.add_chunk(row, [not a for a in self._aliased[-len(row):]])
         return by_param
 
-    def _planned(self, buckets: list[Bucket], sources) -> tuple[list[list[int]], list[list[bool]]]:
-        """Per bucket, each master's size and whether the state store holds it (not when it aliases its source:
-        a stage-3 fp32 host shard is the master itself and stays where it is), before any master is made."""
-        numel, held = [], []
-        for bi, b in enumerate(buckets):
-            numel.append([spec.shard_len if self.plan.shards_optimizer_state else spec.numel for spec in b.specs])
-            held.append([not self._aliases(self._source(p, spec, sources[bi][pi] if sources is not None else None),
-                                           sources is not None) for pi, (p, spec) in enumerate(zip(b.params, b.specs))])
-        return numel, held
-
     def add_group(self, group: dict, buckets: list[Bucket], sources=None) -> None:
         """``optimizer.add_param_group`` after setup: masters for the new buckets (from the parameters'
         current values), then torch's own add_param_group on them (defaults filled in, existing state
@@ -202,7 +194,7 @@ class ShardedOptimizer:
         user_class(self.optimizer).add_param_group(
             self.optimizer, {**group, "params": [by_param[id(p)] for p in params if id(p) in by_param]})
         if self._swap_kernel:
-            self._use_fused_cpu_kernels()
+            HK.use_fused_cpu_kernels(self.optimizer)
 
     def _source(self, p: torch.Tensor, spec, src: Optional[torch.Tensor]) -> torch.Tensor:
         if src is not None:
@@ -241,9 +233,6 @@ class ShardedOptimizer:
         self.frozen_at_setup = [p for g in self.group_params for p in g if id(p) not in by_param]
         for group in self.optimizer.param_groups:
             group["params"] = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
-
-    def _use_fused_cpu_kernels(self) -> None:
-        HK.use_fused_cpu_kernels(self.optimizer)
 
     @property
     def uses_fused(self) -> bool:

@@ -23,7 +23,7 @@ the store lends one buffer per gather).
 The base class is a shard held in memory on ``keep_on`` (the compute device, or the host); its subclasses
 are today's three cases: :class:`DeviceShards`, :class:`HostShards` and the NVMe file
 (``nvme_params.NvmeParams``). A new store subclasses :class:`ParamShardStore` and is registered by name
-(``lightning_zero.register_param_store``, store_registry.py); ``ZeroConfig(offload_params=<name>)`` picks it.
+(``lightning_zero.register_param_store``, param_store_registry.py); ``ZeroConfig(offload_params=<name>)`` picks it.
 """
 
 from __future__ import annotations

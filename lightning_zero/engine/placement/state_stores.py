@@ -17,12 +17,12 @@ plan chose ([Note: placement], placement.py):
     ring_bytes, failure, checks_io, close
 
 :class:`DeviceStates` and :class:`HostStates` are here; the NVMe file and its ring are
-``nvme_states.NvmeStates``. ``state_store(location, config, group)`` (store_registry.py) builds the plan's.
+``nvme_states.NvmeStates``. ``make_state_store(location, config, group)`` (stores.py) builds the plan's.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -94,3 +94,16 @@ class HostStates(StateStore):
     def __init__(self) -> None:
         super().__init__()
         self.pin_masters = torch.cuda.is_available()
+
+
+def planned_masters(buckets: list, sources: Optional[list], sliced: bool,
+                    aliases: Callable[[Any, Any, Any], bool]) -> tuple[list[list[int]], list[list[bool]]]:
+    """What :meth:`StateStore.reserve` is given: per bucket, each master's size (``sliced``: this rank's slice)
+    and whether the store holds it -- not when ``aliases(param, spec, source)`` says the master is its source
+    (a stage-3 fp32 host shard is the master itself and stays where it is)."""
+    numel, held = [], []
+    for bi, b in enumerate(buckets):
+        numel.append([spec.shard_len if sliced else spec.numel for spec in b.specs])
+        held.append([not aliases(p, spec, sources[bi][pi] if sources is not None else None)
+                     for pi, (p, spec) in enumerate(zip(b.params, b.specs))])
+    return numel, held

@@ -1,4 +1,4 @@
-"""The stores a plan's placement names, built for one engine ([Note: placement]).
+"""The state stores a plan's placement names, built for one engine ([Note: placement]).
 
 Parameter shards: the registered store of ``placement.param_store`` (param_store_registry.py). Masters +
 optimizer state: one :class:`~.state_stores.StateStore` per ShardedOptimizer, by ``placement.optimizer_states``.
@@ -11,7 +11,6 @@ from typing import Any, Callable
 from ..comm import collectives as C
 from .location import Location
 from .nvme_states import NvmeStates
-from .param_store_registry import make_param_store  # noqa: F401 (the other half of "the stores")
 from .state_stores import DeviceStates, HostStates, StateStore
 
 

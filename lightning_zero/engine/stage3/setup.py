@@ -20,7 +20,7 @@ from ..comm import collectives as C
 from ..config import ZeroConfig
 from ..placement.param_stores import ParamShardStore, ParamStoreSetup
 from ..placement.placement import Placement
-from ..placement.stores import make_param_store
+from ..placement.param_store_registry import make_param_store
 from ..plan import ShardingPlan
 from .deferred_init import compute_device
 from .lifecycle import OrderCheck
