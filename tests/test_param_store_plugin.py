@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lightning_zero
-from lightning_zero import ParamShardStore, ParamStoreSetup, ZeroConfig, ZeroEngine
+from lightning_zero import ParamShardStore, ParamStoreSetup, ZeroConfig, ZeroEngine, ZeroStrategy
 from lightning_zero.engine.placement import param_store_registry
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.parity import close
@@ -98,10 +98,13 @@ def test_a_store_defined_outside_the_package_trains_stage3_equal_to_ddp(tmp_path
 
 def test_an_unknown_store_name_is_one_clear_error(registry):
     lightning_zero.register_param_store("mmap", lambda setup: None)
-    with pytest.raises(ValueError, match=r"offload_params must be True or False, or one of 'none', 'cpu', 'nvme', "
-                                         r"'mmap' \(True = 'cpu'\); got 'mmapp'"):
+    msg = r"offload_params must be True or False, or one of 'none', 'cpu', 'nvme', 'mmap' \(True = 'cpu'\); got 'mmapp'"
+    with pytest.raises(ValueError, match=msg):
         ZeroConfig(stage=3, offload_params="mmapp")
+    with pytest.raises(ValueError, match=msg):  # the strategy's knob is the config's
+        ZeroStrategy(stage=3, offload_params="mmapp")
     assert ZeroConfig(stage=3, offload_params="MMAP").offload_params == "mmap"
+    assert ZeroStrategy(stage=3, offload_params="mmap").zero_config.offload_params == "mmap"
     with pytest.raises(ValueError, match=r"needs partitioned parameters \(stage 3\)"):
         ZeroConfig(stage=2, offload_params="mmap")
 
