@@ -52,7 +52,7 @@ import torch
 
 from .nvme import ScratchFile, aligned_empty
 from .nvme_space import io_failure, prepare_scratch
-from .param_stores import ParamShardStore, ParamStoreSetup
+from .param_stores import ParamShardStore
 from .location import Location
 
 _ALIGN = 4096  # every unit's region starts on a page
@@ -104,16 +104,6 @@ class NvmeParams(ParamShardStore):
     masters_may_alias = False  # a shard's storage is empty whenever it is on disk
     gathers_one_at_a_time = True  # a whole-model gather holds one unit's shard in the ring at a time
     checks_io = True
-
-    @classmethod
-    def for_setup(cls, setup: ParamStoreSetup) -> "NvmeParams":
-        """The ring: one slot per unit gathered ahead, one for the unit being gathered and
-        ``nvme_buffer_count - 1`` for reads ahead of those."""
-        cfg = setup.config
-        return cls(setup.units, setup.shard_dtype, cfg.nvme_path, setup.rank,
-                   cfg.prefetch_depth + cfg.nvme_buffer_count,
-                   pin=torch.cuda.is_available() and setup.device.type == "cuda", group=setup.group,
-                   device=setup.device)
 
     def __init__(self, units, shard_dtype: torch.dtype, directory: str, rank: int, slots: int,
                  pin: bool = False, group=None, device: Optional[torch.device] = None) -> None:

@@ -133,8 +133,7 @@ class NvmeStates(StateStore):
         super().__init__()
         self.directory = directory
         self.buffer_count = buffer_count
-        self.pin = torch.cuda.is_available()  # the ring's slots, not every master
-        self._direct, self._group = direct, group
+        self.pin, self._direct, self._group = torch.cuda.is_available(), direct, group  # pin: the ring's slots
         self.file: Optional[ScratchFile] = None  # reserve() creates it, once the sizes are known
         self._align = DIRECT_ALIGN if direct else 1  # O_DIRECT: page-aligned buffers and lengths
         self.chunks: list[_Chunk] = []
@@ -154,10 +153,9 @@ class NvmeStates(StateStore):
         self.optimizer = optimizer
         self.state_per_elem = predicted_state_bytes(optimizer)
         needed = sum(self._capacity(n, s) for n, s in zip(planned_numel, planned_swap))
-        directory, rank, direct = self.directory, self.rank, self._direct
-        self.file = prepare_scratch(directory, needed, f"fp32 masters and optimizer state "
-                                    f"({4 + self.state_per_elem} bytes per element)", self.knob, rank, self._group,
-                                    lambda: ScratchFile(directory, rank, direct=direct))
+        what = f"fp32 masters and optimizer state ({4 + self.state_per_elem} bytes per element)"
+        self.file = prepare_scratch(self.directory, needed, what, self.knob, self.rank, self._group,
+                                    lambda: ScratchFile(self.directory, self.rank, direct=self._direct))
 
     def step(self, optimizer, step_bucket, after_bucket) -> None:
         self.stream(step_bucket, after_bucket)

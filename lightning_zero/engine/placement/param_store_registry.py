@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Union
 
+import torch
+
 from .location import Location
 from .nvme_params import NvmeParams
 from .param_stores import DeviceShards, HostShards, ParamShardStore, ParamStoreSetup
@@ -25,8 +27,18 @@ class _Entry:
     location: Location
 
 
+def _nvme_shards(setup: ParamStoreSetup) -> NvmeParams:
+    """The ring: one slot per unit gathered ahead, one for the unit being gathered and ``nvme_buffer_count - 1``
+    for reads ahead of those."""
+    cfg = setup.config
+    return NvmeParams(setup.units, setup.shard_dtype, cfg.nvme_path, setup.rank,
+                      cfg.prefetch_depth + cfg.nvme_buffer_count,
+                      pin=torch.cuda.is_available() and setup.device.type == "cuda", group=setup.group,
+                      device=setup.device)
+
+
 _BUILTIN = {"none": _Entry(DeviceShards, Location.DEVICE), "cpu": _Entry(HostShards, Location.HOST),
-            "nvme": _Entry(NvmeParams.for_setup, Location.NVME)}
+            "nvme": _Entry(_nvme_shards, Location.NVME)}
 _PARAM_STORES: dict[str, _Entry] = dict(_BUILTIN)
 
 
