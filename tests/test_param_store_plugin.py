@@ -96,6 +96,21 @@ def test_a_store_defined_outside_the_package_trains_stage3_equal_to_ddp(tmp_path
         close(got["state"], ref["state"], f"rank {rank} weights")
 
 
+@pytest.mark.timeout(300)
+def test_the_trainer_takes_a_registered_store_and_fits_as_ddp(tmp_path, registry):
+    """Lightning's Trainer with ``ZeroStrategy(stage=3, offload_params="mmap")`` (fork launcher: the ranks
+    inherit the registration) against Lightning's DDP, same module, seed and data."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from tests.helpers.lightning_parity import compare_rank_files, fit_parity_module
+
+    lightning_zero.register_param_store("mmap", lambda setup: MmapShards(setup, str(tmp_path / f"r{setup.rank}.f32")))
+    ref = fit_parity_module(tmp_path, DDPStrategy(start_method="fork", find_unused_parameters=True))
+    got = fit_parity_module(tmp_path, ZeroStrategy(stage=3, offload_params="mmap", start_method="fork"))
+    compare_rank_files(got, ref)
+    assert sorted(p.name for p in tmp_path.glob("r*.f32")) == ["r0.f32", "r1.f32"]
+
+
 def test_an_unknown_store_name_is_one_clear_error(registry):
     lightning_zero.register_param_store("mmap", lambda setup: None)
     msg = r"offload_params must be True or False, or one of 'none', 'cpu', 'nvme', 'mmap' \(True = 'cpu'\); got 'mmapp'"
