@@ -73,6 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ itself:
 from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
 from lightning_zero.engine.placement import nvme as NV  # noqa: E402
 from lightning_zero.engine.placement.nvme import DIRECT_ALIGN, ScratchFile, aligned_empty  # noqa: E402
+from lightning_zero.engine.placement.location import Location  # noqa: E402
 
 SETTINGS = {"zero3_offload": (True, True), "opt_nvme": (True, "nvme"), "zero3_offload_nvme": ("nvme", "nvme"),
             "zero3_offload_nvme_unverified": ("nvme", "nvme")}
@@ -118,7 +119,7 @@ def build(layers: int, width: int, params, optimizer, path: str, direct: bool = 
 def shard_host_bytes(engine: ZeroEngine) -> int:
     """Host bytes held for parameter shards now: the shards' own storages (0 while on disk) + the ring."""
     part = engine.partitioner
-    ring = sum(s.buf.numel() for s in part.nvme.ring) if part.nvme is not None else 0
+    ring = sum(s.buf.numel() for s in part.store.ring) if part.store.checks_io else 0
     return sum(u.shard.untyped_storage().nbytes() for u in part.units if u.shard is not None) + ring
 
 
@@ -302,9 +303,9 @@ def main() -> None:
     per = {n: {k: v / args.steps for k, v in moved[n].items()} for n in runs}
     reps = {n: e.memory_report() for n, (_, e) in runs.items()}
     part = runs["zero3_offload_nvme"][1].partitioner
-    params_on_disk = part.nvme_shard_bytes()
+    params_on_disk = part.store.bytes_by_location().get(Location.NVME, 0)
     opt_on_disk = reps["opt_nvme"].nvme
-    slot = max(e.sharded.nvme.slot_bytes for n, (_, e) in runs.items() if n != "zero3_offload")
+    slot = max(e.sharded.states.slot_bytes for n, (_, e) in runs.items() if n != "zero3_offload")
 
     def best_of_3(direct: bool) -> dict:  # the VM's disk is noisy
         return min((disk_bandwidth(args.path, opt_on_disk + params_on_disk, slot, args.drop_cache, direct)
@@ -314,7 +315,7 @@ def main() -> None:
     crc = crc_gbs(slot)
     # the parameter file always goes through the page cache: its bytes against that mode's figures
     disk_params = best_of_3(False) if args.direct else disk
-    ring = part.nvme.ring_bytes
+    ring = part.store.ring_bytes
     for _, engine in runs.values():
         engine.remove(hand_back=False)
 

@@ -222,6 +222,7 @@ def test_activation_bytes_match_the_estimator(preset, batch, src, tgt, dropout):
     from transformers import T5Config, T5ForConditionalGeneration
 
     from lightning_zero.engine.memory.activations import ActivationMemory, measure_recompute
+    from lightning_zero.engine.placement.location import Location
     from lightning_zero.tools.t5_dims import t5_activation_memory, t5_dims
 
     d = t5_dims(preset, dropout_rate=dropout)
@@ -233,7 +234,7 @@ def test_activation_bytes_match_the_estimator(preset, batch, src, tgt, dropout):
     for ckpt, offload in ((False, False), (True, False), (True, True)):
         torch.manual_seed(0)
         model = T5ForConditionalGeneration(cfg).train()
-        act = ActivationMemory(model, checkpoint_modules(model, "auto" if ckpt else None), offload)
+        act = ActivationMemory(model, checkpoint_modules(model, "auto" if ckpt else None), Location.of_knob(offload))
         counter = SavedBytes(model.parameters())
         with counter.hooks():
             loss = model(input_ids=x, labels=y, use_cache=False).loss

@@ -115,7 +115,7 @@ class Stack(nn.Module):
 
 def _outside_ring_bytes(s) -> int:
     """Bytes of the masters and optimizer state that live in host memory other than the ring's slots."""
-    ring = {slot.untyped_storage().data_ptr() for slot in s.nvme.ring}
+    ring = {slot.untyped_storage().data_ptr() for slot in s.states.ring}
     tensors = [m for row in s.masters for m in row]
     tensors += [v for st in s.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
     return sum(t.untyped_storage().nbytes() for t in tensors if t.untyped_storage().data_ptr() not in ring)
@@ -147,7 +147,7 @@ def _bounded(rank, world_size, path):
     files = [f for f in os.listdir(path) if f.endswith(".swap") and f"-rank{rank}-" in f]
     sizes = sum(os.path.getsize(os.path.join(path, f)) for f in files)
     out = dict(first=first_step_max, later=max(seen), chunk_state=chunk_state_bytes, rep=rep.as_dict(),
-               ring_alloc=sum(t.numel() for t in s.nvme.ring), ring=s.ring_bytes(), slot=s.nvme.slot_bytes,
+               ring_alloc=sum(t.numel() for t in s.states.ring), ring=s.ring_bytes(), slot=s.states.slot_bytes,
                buckets=len(s.masters), files=len(files), file_size=sizes, between=_outside_ring_bytes(s))
     engine.remove()
     return out

@@ -135,7 +135,7 @@ def test_checkpoints_resume_across_param_offload_none_cpu_nvme(tmp_path):
 def _shard_host_bytes(part) -> int:
     """Host bytes held for parameter shards: the shards' own storages (0 while on disk) and the ring's buffers."""
     return (sum(u.shard.untyped_storage().nbytes() for u in part.units if u.shard is not None)
-            + sum(s.buf.numel() for s in part.nvme.ring))
+            + sum(s.buf.numel() for s in part.store.ring))
 
 
 def _bounded(rank, world_size, path):
@@ -143,7 +143,7 @@ def _bounded(rank, world_size, path):
     model = Stack()
     engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                         _cfg("nvme", "nvme", path, nvme_buffer_count=2, **STACK_UNITS))
-    part, store = engine.partitioner, engine.partitioner.nvme
+    part, store = engine.partitioner, engine.partitioner.store
     seen = {"shards": [], "gathered": []}
 
     def probe(*_):
@@ -235,7 +235,7 @@ def test_setup_holds_one_unit_shard_at_a_time(tmp_path, monkeypatch, dtype, opti
     engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
                         _cfg("nvme", optimizer, str(tmp_path), **STACK_UNITS), compute_dtype=dtype)
     seen.append(held())
-    store = engine.partitioner.nvme
+    store = engine.partitioner.store
     unit_fp32 = max(u.layout.shard_numel for u in units if u.params) * 4
     total_fp32 = sum(u.layout.shard_numel for u in units if u.params) * 4
     monkeypatch.undo()

@@ -35,7 +35,7 @@ def test_the_optimizer_ring_is_never_more_than_the_states_it_streams_and_the_fir
                         ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path)))  # default bucket_mb
     with caplog.at_level(logging.WARNING, logger="lightning_zero.engine"):
         _train(engine, model)
-    nvme = engine.sharded.nvme
+    nvme = engine.sharded.states
     assert len(nvme.chunks) == 1  # one bucket: fewer than the 3 slots
     states = nvme.state_bytes
     assert 12 * numel <= states < 12 * numel + 4096 * 4  # masters + AdamW's two moments, aligned
@@ -58,7 +58,7 @@ def test_the_ring_of_many_buckets_stays_three_of_them_and_no_warning(tmp_path, c
         for step in range(2):
             model(torch.randn(4, 64, generator=torch.Generator().manual_seed(step))).pow(2).mean().backward()
             engine.step()
-    nvme = engine.sharded.nvme
+    nvme = engine.sharded.states
     assert len(nvme.chunks) >= 10 and len(nvme.ring) == 3
     assert nvme.ring_bytes == sum(t.numel() for t in nvme.ring) <= 3 * nvme.slot_bytes
     assert 3 * nvme.ring_bytes <= nvme.state_bytes  # 3 slots of 12 buckets
@@ -70,7 +70,7 @@ def test_stage3_parameter_ring_holds_at_most_one_slot_per_unit(tmp_path):
     model = Embedded()
     cfg = ZeroConfig(stage=3, offload_optimizer="nvme", offload_params="nvme", nvme_path=str(tmp_path))
     engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg)
-    store = engine.partitioner.nvme
+    store = engine.partitioner.store
     units = len(store.units)
     assert units < cfg.prefetch_depth + cfg.nvme_buffer_count  # fewer units than the slots asked for
     assert len(store.ring) == units and store.ring_bytes == units * store.slot_bytes

@@ -8,6 +8,8 @@ from .optim.loss_scaler import DynamicLossScaler, LossScalerError, StaticLossSca
 from .memory.floors import model_state_floor
 from .memory.report import MemoryReport
 from .optim.kinds import check_shardable, register_shardable_optimizer, register_whole_tensor_optimizer
+from .placement.param_store_registry import register_param_store
+from .placement.param_stores import ParamShardStore, ParamStoreSetup
 from .layout.sharding import ShardSpec
 
 __all__ = [
@@ -16,6 +18,8 @@ __all__ = [
     "EngineMode",
     "LossScalerError",
     "MemoryReport",
+    "ParamShardStore",
+    "ParamStoreSetup",
     "ShardSpec",
     "StaticLossScaler",
     "StepCounters",
@@ -25,6 +29,7 @@ __all__ = [
     "collectives",
     "model_state_floor",
     "parse_dtype",
+    "register_param_store",
     "register_shardable_optimizer",
     "register_whole_tensor_optimizer",
 ]

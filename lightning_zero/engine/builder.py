@@ -29,7 +29,7 @@ from .optim.kinds import Kind, KindSetup, kind_of
 from .optim.onebit import local_models as LM
 from .optim.optimizer_routes import install_optimizer_methods
 from .optim.publish import PublishQueue
-from .placement.nvme_states import raise_if_any_rank_failed
+from .placement.io_agreement import agree_on_io
 from .plan import ShardingPlan
 from .stage3.deferred_init import compute_device, has_meta_params
 from .stage3.setup import PartitionedParams, stage3_config
@@ -123,7 +123,7 @@ def _stores(engine, cfg, plan, per_opt, kinds) -> None:
         part.partitioner.use_pool(engine.table.pool)
     engine.opts = PG.OptimizerSet(engine.optimizers, per_opt, engine.table, maker, PG.shard_optimizers(
         engine.optimizers, engine.table, plan, cfg, compute_dtype, engine.tensor_parallel,
-        part.partitioner.shard_readable if part is not None else None, engine.group, kinds))
+        part.partitioner.store if part is not None else None, engine.group, kinds))
     engine.shardeds = engine.opts.shardeds
     engine.params = engine.opts.params  # managed, optimizer by optimizer; add_param_group appends
     engine.sharded = engine.shardeds[0] if engine.shardeds else None
@@ -134,9 +134,9 @@ def _stores(engine, cfg, plan, per_opt, kinds) -> None:
         if part is not None and engine.mode is EngineMode.TRAIN:
             part.partitioner.cast_shards(compute_dtype)
             engine.table.repoint_sources()  # new shard tensors: publish into them, not the fp32 originals
-    if part is not None and cfg.offload_params == "nvme":  # the shards into their file now
-        part.partitioner.spill_shards()
-        raise_if_any_rank_failed([part.partitioner.nvme], engine.group, part.partitioner.device)
+    if part is not None:  # the shards where they live between uses (NVMe: their file) now
+        part.partitioner.store.spill()
+        agree_on_io([part.partitioner.store], engine.group, part.partitioner.device)
 
 
 def _reducer(engine, cfg, plan, kinds) -> GradReducer:

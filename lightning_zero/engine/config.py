@@ -22,6 +22,7 @@ import torch
 
 from .layout.dims import ParallelDims
 from .placement.nvme import NVME_PATH_ENV, OffloadDevice, check_nvme_dir
+from .placement.param_store_registry import param_store_knob
 
 STAGES = (0, 1, 2, 3)
 GRAD_REDUCE = ("auto", "reduce_scatter", "all_reduce", "all_to_all")
@@ -94,7 +95,9 @@ class ZeroConfig:
     offload_params: stage 3 only -- where parameter shards live between uses: True or "cpu" (host memory),
         "nvme" (ZeRO-Infinity: per-rank scratch files under ``nvme_path``, each unit's shard read ahead of its
         gather in the recorded unit order through a ring of ``prefetch + nvme_buffer_count`` host buffers,
-        engine/placement/nvme_params.py), False. Read back normalized: True, False or "nvme".
+        engine/placement/nvme_params.py), False, or the name of a store registered with
+        ``lightning_zero.register_param_store`` (engine/placement/param_store_registry.py). Read back
+        normalized: True, False, "nvme" or the registered name.
     nvme_path: the directory of the NVMe scratch files (must exist and be writable); None = the
         environment variable LIGHTNING_ZERO_NVME_PATH (how the registered ``*_offload_nvme`` presets get it).
     nvme_buffer_count: host buffers of the NVMe ring (>= 2; 3 overlaps reading the next chunk, stepping
@@ -232,7 +235,7 @@ class ZeroConfig:
         """The device forms of the offload knobs, normalized to True / False / "nvme" (what the rest of the
         engine tests for truth keeps working); nvme_path resolved and checked (exists, writable)."""
         self.offload_optimizer = OffloadDevice.parse(self.offload_optimizer, "offload_optimizer").knob_value
-        self.offload_params = OffloadDevice.parse(self.offload_params, "offload_params").knob_value
+        self.offload_params = param_store_knob(self.offload_params)  # or a registered store's name
         if not _is_int(self.nvme_buffer_count) or self.nvme_buffer_count < 2:
             raise ValueError(f"nvme_buffer_count must be an int >= 2 (host buffers of the NVMe ring; 3 overlaps "
                              f"read, step and write); got {self.nvme_buffer_count!r}.")

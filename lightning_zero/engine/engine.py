@@ -34,7 +34,7 @@ from .optim.optimizer_routes import remove_optimizer_methods
 from .config import ZeroConfig
 from .engine_state import EngineMode
 from .memory.report import MemoryReport, measure_model_states
-from .placement.nvme_states import make_resident_on_every_rank, raise_if_any_rank_failed
+from .placement.io_agreement import agree_on_io, make_resident_on_every_rank
 from .optim.optimizer import ShardedOptimizer
 from .optim.publish import publish_chunk, publish_masters
 from .comm.comm_report import CommReport
@@ -205,41 +205,41 @@ class ZeroEngine:
         if not skip:
             for s in self.opts.select(optimizer):
                 s.unscale_and_clip(inv_scale)
-                s.step(self._publish_chunk if s.nvme is not None else None)  # NVMe: published as streamed
+                s.step(self._publish_chunk)  # a streaming state store (NVMe) publishes each bucket as stepped
             self.publish_params(optimizer, streamed=False)
-        self._agree_on_nvme_io(optimizer)
+        self._agree_on_io(optimizer)
         self.zero_grad(optimizer)
         self._traffic.step_done(phase)
         return not skip
 
-    def _agree_on_nvme_io(self, optimizer=None) -> None:
-        """NVMe offload: an I/O error on one rank (the step's reads / writes, the parameter shards' reads in
-        forward and backward) stops every rank with one error (nvme_states.raise_if_any_rank_failed)."""
-        params_store = self.partitioner.nvme if self.partitions_params else None
-        if self.config.offload_optimizer != "nvme" and params_store is None:
-            return
-        raise_if_any_rank_failed([s.nvme for s in self.opts.select(optimizer)] + [params_store], self.group,
-                                 self.params[0].device if self.params else None)
-        if params_store is not None:
-            params_store.failure = None
+    def _stores(self, shardeds) -> list:
+        """The state stores of ``shardeds`` and, while partitioned, the parameter-shard store."""
+        return [s.states for s in shardeds] + ([self.partitioner.store] if self.partitions_params else [])
+
+    def _agree_on_io(self, optimizer=None) -> None:
+        """An I/O error of a store on one rank (NVMe: the step's reads / writes, the parameter shards' reads in
+        forward and backward) stops every rank with one error (placement/io_agreement.py); no collective when
+        no store does I/O that can fail."""
+        agree_on_io(self._stores(self.opts.select(optimizer)), self.group,
+                    self.params[0].device if self.params else None)
+        if self.partitions_params:
+            self.partitioner.store.failure = None
 
     def make_states_resident(self) -> None:
-        """NVMe offload, before a whole view every rank takes (checkpoint saves): masters, optimizer state and
-        stage 3's shards read back, any rank's failed read one error on all ([Note: verified scratch reads]).
-        Collective under NVMe offload (every rank's config says so alike); nothing otherwise."""
-        params_store = self.partitioner.nvme if self.partitions_params else None
-        if self.config.offload_optimizer != "nvme" and params_store is None:
-            return
-        make_resident_on_every_rank([s.nvme for s in self.shardeds] + [params_store], self.group,
+        """Before a whole view every rank takes (checkpoint saves): masters, optimizer state and stage 3's shards
+        in memory (NVMe: read back), any rank's failed read one error on all ([Note: verified scratch reads]).
+        Collective where a store's I/O can fail (every rank's config chose the same stores); nothing otherwise."""
+        make_resident_on_every_rank(self._stores(self.shardeds), self.group,
                                     self.params[0].device if self.params else None)
 
     def publish_params(self, optimizer=None, streamed: bool = True) -> None:
         """Copy the updated masters into the module's parameters, as the plan publishes (publish.py).
-        ``streamed=False``: leave out the NVMe-offloaded optimizers, whose step published each bucket."""
-        cfg = self.config
-        chosen = [s for s in self.opts.select(optimizer) if streamed or s.nvme is None]
+        ``streamed=False``: leave out the optimizers whose state store streams the step (NVMe), which
+        published each bucket as it was stepped."""
+        chosen = [s for s in self.opts.select(optimizer) if streamed or not s.states.streams]
         publish_masters(self.master_rows(chosen), self.plan, self.table, self.partitioner,
-                        self.publisher, self.shard_group, cfg.offload_optimizer, cfg.quantize_weights)
+                        self.publisher, self.shard_group, self.plan.placement.steps_on_host,
+                        self.config.quantize_weights)
 
     def _publish_chunk(self, row: list[torch.Tensor], bucket) -> None:
         publish_chunk(row, bucket, self.plan, self.table, self.shard_group, self.config.quantize_weights,
@@ -273,8 +273,7 @@ class ZeroEngine:
         """The tensor bytes this rank holds now, by kind (exact: tests compare them with the floors)."""
         managed = {id(p) for p in self.params}
         frozen = [p for p in self.module.parameters() if id(p) not in managed]  # tied ones once
-        report = measure_model_states(self.params, self.shardeds, self.reducer, self.partitioner,
-                                      self.config.offload_optimizer, self.config.offload_params, frozen)
+        report = measure_model_states(self.params, self.shardeds, self.reducer, self.partitioner, frozen)
         report.comm_buffers = self.table.pool.nbytes
         return report
 
@@ -301,8 +300,7 @@ class ZeroEngine:
     def _unpartition(self) -> None:
         masters = dict(zip(map(id, self.bucket_params), self.full_master_params()))  # {} if EVAL_ONLY
         FS.unpartition(self.module, self.partitioner, masters)
-        if self.partitioner.nvme is not None:  # the module is whole: the parameter scratch file is spent
-            self.partitioner.nvme.close()
+        self.partitioner.store.close()  # the module is whole: the shards' store is spent (NVMe: its file)
         if self.mode is EngineMode.TRAIN:
             self.reducer.remove_hooks()
         self._partitioned = None
@@ -327,13 +325,13 @@ class ZeroEngine:
         """Stage 3: (name, unit-shard slice, spec, shape) of each parameter without a master; else empty."""
         if not self.partitions_params:
             return []
-        self.partitioner.resident_shards()  # NVMe: read back until the next step (checkpoints write / load them)
+        self.partitioner.store.make_resident()  # NVMe: read back until the next step (checkpoints write / load)
         return FS.unmanaged_shard_items(self.module, self.partitioner.units, set(map(id, self.bucket_params)))
 
     def load_full_state_dict(self, state_dict, strict: bool = True) -> None:
         """A full state dict into the module, the masters and (stage 3) the unit shards; then published."""
         if self.partitions_params:
-            self.partitioner.resident_shards()  # NVMe: written back at the publish's end (after_step)
+            self.partitioner.store.make_resident()  # NVMe: written back at the publish's end (after_step)
         FS.load_full_state_dict(self.module, state_dict, strict, self.partitions_params,
                                 self.master_items() + self.unmanaged_shard_items())
         if self.mode is EngineMode.TRAIN:
@@ -358,7 +356,7 @@ class ZeroEngine:
         ``keep_states=True``: the optimizers' NVMe scratch files stay, so the detached engine can still save
         its masters and optimizer state, until :meth:`release_states` ([Note: NVMe states outlive teardown],
         engine/placement/nvme_states.py); else they are removed here."""
-        params_store = self.partitioner.nvme if self.partitions_params else None  # closed once handed back
+        params_store = self.partitioner.store if self.partitions_params else None  # closed once handed back
         if self.activations is not None:
             self.activations.remove()
             self.activations = None
@@ -378,18 +376,17 @@ class ZeroEngine:
             self.publisher = None
         if not keep_states:
             self.release_states()
-        if params_store is not None:  # the module is whole or the run failed: the shards' file is spent either way
+        if params_store is not None:  # the module is whole or the run failed: the shards' store is spent either way
             params_store.close()
 
     def spill_states(self) -> None:
-        """NVMe offload: the masters and optimizer state a whole view read back written out again and freed
-        (a detached engine after a save; a training engine's next step does it itself)."""
+        """The masters and optimizer state a whole view read back given up again (NVMe: written out and freed;
+        a detached engine after a save; a training engine's next step does it itself)."""
         for s in self.shardeds:
-            if s.nvme is not None:
-                s.nvme.spill()
+            s.states.spill()
 
     def release_states(self) -> None:
-        """Remove the optimizers' NVMe scratch files (idempotent; nothing without NVMe offload): a detached
+        """The optimizers' state stores let go (NVMe: the scratch files removed; idempotent): a detached
         engine's masters and optimizer state are gone after it, it can no longer save them."""
         for s in self.shardeds:
             s.close()

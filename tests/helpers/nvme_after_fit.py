@@ -124,8 +124,8 @@ def main(kind: str, devices: int, out: str, scratch: str) -> None:
     first.save_checkpoint(os.path.join(out, "again"))  # the states written back after each save, read again
     record["held"] = sorted(f for f in os.listdir(scratch) if f"-rank{rank}-" in f)
     kept = first.strategy.pipe.engines if kind == "pipeline" else [first.strategy.model_side.trained_engine]
-    record["in_memory"] = sum(e.sharded.nvme.resident_bytes() for e in kept)  # between saves: only the file
-    record["on_disk"] = sum(e.sharded.nvme.swapped_bytes() for e in kept)
+    record["in_memory"] = sum(e.sharded.states.resident_bytes() for e in kept)  # between saves: only the file
+    record["on_disk"] = sum(e.sharded.states.swapped_bytes() for e in kept)
 
     strategy, resumed = make(kind, devices, scratch, seed=1)  # the checkpoint must bring weights and moments
     trainer(strategy, 2).fit(resumed, ckpt_path=os.path.join(out, "again"))

@@ -30,13 +30,15 @@ from __future__ import annotations
 import contextlib
 import difflib
 import threading
-import weakref
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..placement.activation_stores import activation_store
+from ..placement.location import Location
+from ..plan import ShardingPlan
 from ..stage3.unit_policy import NO_FORWARD, _outermost, choose_unit_modules
 
 _local = threading.local()  # recompute depth: per thread (CUDA backward runs on the autograd engine's device thread)
@@ -180,62 +182,18 @@ class ActivationCheckpointing:
         self._undo.clear()
 
 
-def _is_param_storage(t: torch.Tensor) -> bool:
-    base = t._base if t._base is not None else t
-    return isinstance(t, nn.Parameter) or isinstance(base, nn.Parameter)
-
-
-class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
-    """Saved tensors (not parameters, which stay where they are) go to host memory and come back for backward.
-
-    On CUDA the host copies are pinned and both copies are asynchronous on the current stream (the caching
-    allocators keep both buffers alive until their copy has run). ``offloaded_bytes`` counts what moved.
-    """
-
-    def __init__(self, owner: "ActivationMemory") -> None:
-        # one host copy per tensor: a mask, a position bias or the encoder output that every block saves again
-        # is copied once. Keyed by the tensor object, checked alive (a weak reference) and unmodified: a key
-        # by storage address would hand a stale copy to a tensor allocated where a freed one was.
-        self._copies: dict[int, tuple[weakref.ref, int, Any]] = {}
-
-        def pack(t: torch.Tensor) -> Any:
-            if _is_param_storage(t):
-                return t
-            hit = self._copies.get(id(t))
-            if hit is not None and hit[0]() is t and hit[1] == t._version:
-                return hit[2]
-            pin = t.is_cuda
-            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pin)
-            host.copy_(t, non_blocking=pin)
-            owner.offloaded_bytes += host.numel() * host.element_size()
-            packed = (t.device, host)
-            self._copies[id(t)] = (weakref.ref(t), t._version, packed)
-            return packed
-
-        def unpack(packed: Any) -> torch.Tensor:
-            if torch.is_tensor(packed):
-                return packed
-            device, host = packed
-            return host if device.type == "cpu" else host.to(device, non_blocking=True)
-
-        super().__init__(pack, unpack)
-
-    def __exit__(self, *exc: Any) -> None:
-        self._copies.clear()  # the graph holds what it saved; the cache is only for this forward
-        super().__exit__(*exc)
-
-
 class ActivationMemory:
     """Both options on one module: checkpointed regions and the offload context around the root's forward."""
 
-    def __init__(self, root: nn.Module, checkpointing: list[nn.Module], offload: bool) -> None:
+    def __init__(self, root: nn.Module, checkpointing: list[nn.Module], where: Location) -> None:
+        """``where``: the saved activations' location (the plan's ``placement.activations``)."""
         self.root = root
-        self.offload = offload
+        self.store = activation_store(where)
         self.checkpointing = ActivationCheckpointing(checkpointing)
-        self.offloaded_bytes = 0
+        self.offloaded_bytes = 0  # bytes the store moved off the device
         self._open: list[Any] = []
         self._handles = []
-        if offload:
+        if self.store.moves_saved_tensors:  # the root's own forward (outside training_step) goes there too
             self._handles = [root.register_forward_pre_hook(self._enter),
                              root.register_forward_hook(self._exit, always_call=True)]
 
@@ -245,7 +203,7 @@ class ActivationMemory:
 
     def context(self) -> contextlib.AbstractContextManager:
         """Where saved activations go for a block of training code (Lightning: ``training_step``)."""
-        return ActivationOffload(self) if self.offload else contextlib.nullcontext()
+        return self.store.context(self)
 
     def _enter(self, module: nn.Module, _args) -> None:
         ctx = self.context()
@@ -267,13 +225,14 @@ def activation_memory(root: nn.Module, config, units=None) -> Optional[Activatio
     """The options of a :class:`~.config.ZeroConfig` applied to ``root`` (None when both are off); at stage 3
     (``units`` given) ``"auto"`` checkpoints exactly the units."""
     spec = config.activation_checkpointing
-    if spec is None and not config.offload_activations:
+    where = ShardingPlan.of(config).placement.activations
+    if spec is None and not activation_store(where).moves_saved_tensors:
         return None
     if spec == "auto" and units is not None:
         regions = [u.module for u in units[:-1]]
     else:
         regions = checkpoint_modules(root, spec, config.unit_classes, config.unit_bytes)
-    return ActivationMemory(root, regions, config.offload_activations)
+    return ActivationMemory(root, regions, where)
 
 
 class SavedBytes:

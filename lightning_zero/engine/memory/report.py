@@ -6,14 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..layout.tensor_parallel import local
+from ..placement.location import Location
 
 
-def measure_model_states(params, shardeds, reducer=None, partitioner=None, offload_optimizer: bool = False,
-                         offload_params: bool = False, frozen=()) -> "MemoryReport":
+def measure_model_states(params, shardeds, reducer=None, partitioner=None, frozen=()) -> "MemoryReport":
     """The tensor bytes one rank holds now: ``params`` (managed parameters) and ``frozen`` (the module's
     parameters no optimizer manages: LoRA's base, whole and replicated on every rank at stages 0-2, like
     DDP's), the ShardedOptimizers' masters and state, the reducer's gradient shards, stage 3's unit shards
-    (frozen parameters are partitioned like the others) and gathered units."""
+    (frozen parameters are partitioned like the others) and gathered units. Where the masters, the state and
+    the unit shards are (host, NVMe) is their stores' answer ([Note: placement])."""
     def nbytes(ts):  # a DTensor (tensor parallel) counts its local piece: what this rank holds
         return sum(local(t).numel() * t.element_size() for t in ts if t is not None)
 
@@ -25,14 +26,11 @@ def measure_model_states(params, shardeds, reducer=None, partitioner=None, offlo
         master=sum(s.master_bytes() for s in shardeds),
         optimizer_state=sum(s.state_bytes() for s in shardeds),
     )
-    if offload_optimizer:  # NVMe: what is only in the scratch files now is on disk, not in host memory
-        r.nvme = sum(s.nvme_bytes() for s in shardeds)
-        r.ring = sum(s.ring_bytes() for s in shardeds)
-        r.host = r.master + r.optimizer_state - r.nvme
-    if part is not None and offload_params:  # NVMe: the shards only in the file now are on disk, the ring aside
-        r.host += part.shard_bytes() - part.nvme_shard_bytes()
-        r.nvme += part.nvme_shard_bytes()
-        r.ring += part.nvme.ring_bytes if part.nvme is not None else 0
+    stores = [s.bytes_by_location() for s in shardeds]
+    stores += [part.store.bytes_by_location()] if part is not None else []
+    r.host = sum(b.get(Location.HOST, 0) for b in stores)
+    r.nvme = sum(b.get(Location.NVME, 0) for b in stores)  # only in the scratch files now: on disk, not in memory
+    r.ring = sum(s.ring_bytes() for s in shardeds) + (part.store.ring_bytes if part is not None else 0)
     return r
 
 

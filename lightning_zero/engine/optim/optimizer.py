@@ -27,18 +27,14 @@ import torch
 
 from ..layout import tensor_parallel as TP
 from ..grads.buckets import Bucket
-from ..placement.nvme_states import NvmeStates
+from ..placement import host_kernels as HK
+from ..placement.location import Location
+from ..placement.state_stores import DeviceStates, StateStore, planned_masters
 from .optimizer_routes import user_class
 from .optimizer_state import consolidate_optimizer_state, load_sharded_optimizer_state
 from ..plan import ShardingPlan
 from .kinds import OptimizerKind, kind_of
 from .master_grads import MasterGrads
-
-# torch's fused implementations run on the CPU: the offloaded step swaps them in (offload_kernel="fused").
-# They are not bit-identical to the default (for-loop) kernel DDP runs: about 1 ulp per step, which Adam's
-# normalization turns into a full +-lr update where the true gradient is zero (a bias whose gradient
-# cancels); offload_kernel="user" keeps the user's kernel for DDP-exact runs.
-_FUSED_ON_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
 
 class ShardedOptimizer(MasterGrads):
@@ -55,27 +51,24 @@ class ShardedOptimizer(MasterGrads):
         load_sharded_optimizer_state(self, full)
 
     def make_resident(self) -> None:
-        """NVMe offload: masters and state back in host memory until the next step (whole views)."""
-        if self.nvme is not None:
-            self.nvme.make_resident()
+        """Masters and state in memory until the next step (whole views; the state store reads them back)."""
+        self.states.make_resident()
 
     def close(self) -> None:
-        """End of the engine: the NVMe scratch file removed (no-op otherwise)."""
-        if self.nvme is not None:
-            self.nvme.close()
+        """End of the engine: the state store lets go of what it holds (NVMe: the scratch file removed)."""
+        self.states.close()
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         buckets: list[Bucket],
         plan: ShardingPlan,
-        offload: bool = False,
+        states: Optional[StateStore] = None,
         compute_dtype: Optional[torch.dtype] = None,
         sources: Optional[list[list[torch.Tensor]]] = None,
         fused_on_cpu: bool = True,
         tp_group: Optional[object] = None,
         tp_size: int = 1,
-        nvme: Optional[dict] = None,
         alias_sources: bool = True,
         source_scope: Optional[Callable] = None,
         kind: Optional[OptimizerKind] = None,
@@ -83,43 +76,43 @@ class ShardedOptimizer(MasterGrads):
         """``sources`` (stage 3): per bucket and parameter, this rank's fp32 slice to take the master from
         (the parameter itself no longer holds its values then). ``plan`` ([Note: sharding plan]): whole or
         sliced masters, and ``separate_masters`` (never alias a parameter whose gathered copy is rounded:
-        quantized publish). ``fused_on_cpu``: an offloaded step
-        swaps in torch's fused CPU kernel (``ZeroConfig.offload_kernel="fused"``); False keeps the user's.
-        ``nvme`` (``offload_optimizer="nvme"``): dict(directory, rank, buffer_count): the offloaded masters and
-        state live in a scratch file there between steps and the step streams them (nvme_states.py).
-        ``alias_sources=False`` (``offload_params="nvme"``): a master never aliases its stage-3 source, whose
-        storage is empty whenever the unit shard is on disk; the masters are separate fp32 tensors.
-        ``source_scope(bucket)``: a context in which that bucket's ``sources`` can be read (NVMe: its unit's
-        shard read back for the block, so setup holds one unit's shard at a time). ``kind``: how the optimizer
-        steps (kinds/, checked by the builder before anything is sharded; default: asked here)."""
+        quantized publish). ``states``: where the masters and optimizer state live and how the step runs
+        ([Note: optimizer-state stores] in engine/placement/state_stores.py; default: on the compute device).
+        ``fused_on_cpu``: a step on the host swaps in torch's fused CPU kernel (``ZeroConfig.offload_kernel=
+        "fused"``); False keeps the user's. ``alias_sources=False`` (a parameter-shard store whose shards are
+        not always in memory: NVMe): a master never aliases its stage-3 source; the masters are separate fp32
+        tensors. ``source_scope(bucket)``: a context in which that bucket's ``sources`` can be read (NVMe: its
+        unit's shard read back for the block, so setup holds one unit's shard at a time). ``kind``: how the
+        optimizer steps (kinds/, checked by the builder before anything is sharded; default: asked here)."""
         self._source_scope = source_scope
         self.kind = kind if kind is not None else kind_of(optimizer)
         self.optimizer = optimizer
         self.plan = plan
-        self.offload = offload
-        self._swap_kernel = offload and fused_on_cpu
-        # a master may alias its parameter only if the parameter stays fp32 on the compute device
+        self.states = states if states is not None else DeviceStates()
+        self.offload = self.states.steps_on_host  # the reduced gradients are copied to the host (assign_grads)
+        self._swap_kernel = self.states.steps_on_host and fused_on_cpu
+        # a master may alias its parameter only if the parameter stays fp32 where the master lives
         self._compute_fp32 = compute_dtype in (None, torch.float32)  # else the shards are cast later
         self._alias_sources = alias_sources
-        self._may_alias = self._compute_fp32 and not offload and not plan.separate_masters and alias_sources
+        self._may_alias = (self._compute_fp32 and self.states.masters_alias_params and not plan.separate_masters
+                           and alias_sources)
         params = [p for b in buckets for p in b.params]
         device = params[0].device if params else torch.device("cpu")
         self.device = device  # where the gradients are reduced (the compute device)
-        self.master_device = torch.device("cpu") if offload else device
-        pin = offload and torch.cuda.is_available()
-        self._pin = pin and nvme is None  # NVMe: the ring's slots are pinned, not every master
-        self.nvme: Optional[NvmeStates] = None
+        self.master_device = self.states.master_device(device)
+        self._pin = self.states.pin_masters
         self.masters: list[list[torch.Tensor]] = []  # per bucket of self.buckets
         self._aliased: list[bool] = []  # a master aliasing its source costs no extra bytes
         self.buckets: list[Bucket] = []  # this optimizer's buckets (a bucket never spans two optimizers)
         # tensor parallelism (engine/layout/tensor_parallel.py): the TP group the squares are also summed over, and
         # what each parameter's squares count for there (1/T for one every TP rank holds whole)
         self.tp_group, self.tp_size = tp_group, tp_size
-        if nvme is not None:
-            self.nvme = self._nvme_states(nvme, buckets, sources, pin)
+        self.states.reserve(optimizer, *planned_masters(  # before any master is made
+            buckets, sources, self.plan.shards_optimizer_state,
+            lambda p, spec, src: self._aliases(self._source(p, spec, src), src is not None)))
         self._rebind(self._add_masters(buckets, sources))
         if self._swap_kernel:
-            self._use_fused_cpu_kernels()
+            HK.use_fused_cpu_kernels(self.optimizer)
         self.reset_step_state()
 
     def _add_masters(self, buckets: list[Bucket], sources) -> dict[int, torch.Tensor]:
@@ -135,21 +128,9 @@ class ShardedOptimizer(MasterGrads):
                     by_param[id(p)] = m
             self.masters.append(row)
             self.buckets.append(b)
-            if self.nvme is not None:  # into the file now: setup holds one bucket's masters at a time
-                self.nvme.add_chunk(row, [not a for a in self._aliased[-len(row):]])
+            # into the store now (NVMe: the file; setup holds one bucket's masters at a time)
+            self.states.add_chunk(row, [not a for a in self._aliased[-len(row):]])
         return by_param
-
-    def _nvme_states(self, nvme: dict, buckets: list[Bucket], sources, pin: bool) -> NvmeStates:
-        """The scratch file, its free space checked for every bucket's masters + state before any is written."""
-        numel, swap = [], []
-        for bi, b in enumerate(buckets):
-            numel.append([spec.shard_len if self.plan.shards_optimizer_state else spec.numel for spec in b.specs])
-            # a stage-3 host fp32 shard is the master itself (offload_params): it stays where it is
-            swap.append([not (sources is not None and self._alias_sources and self._compute_fp32
-                              and sources[bi][pi].dtype == torch.float32
-                              and sources[bi][pi].device.type == "cpu") for pi in range(len(b.params))])
-        return NvmeStates(self.optimizer, nvme["directory"], nvme["rank"], nvme["buffer_count"], pin, numel, swap,
-                          nvme.get("direct", False), nvme.get("group"))
 
     def add_group(self, group: dict, buckets: list[Bucket], sources=None) -> None:
         """``optimizer.add_param_group`` after setup: masters for the new buckets (from the parameters'
@@ -162,16 +143,24 @@ class ShardedOptimizer(MasterGrads):
         user_class(self.optimizer).add_param_group(
             self.optimizer, {**group, "params": [by_param[id(p)] for p in params if id(p) in by_param]})
         if self._swap_kernel:
-            self._use_fused_cpu_kernels()
+            HK.use_fused_cpu_kernels(self.optimizer)
+
+    def _source(self, p: torch.Tensor, spec, src: Optional[torch.Tensor]) -> torch.Tensor:
+        if src is not None:
+            return src
+        return TP.local_data(p).view(-1)[spec.lo : spec.hi] if self.plan.shards_optimizer_state else TP.local(p)
+
+    def _aliases(self, src: torch.Tensor, sources_given: bool) -> bool:
+        """Whether the master of ``src`` is ``src`` itself. Stage 3 sources are this rank's unit shards: an fp32
+        shard already where the master must live (host memory, shards and states both there) is the master;
+        no second copy."""
+        may_alias = self._may_alias or (sources_given and self._compute_fp32 and self._alias_sources)
+        return may_alias and src.dtype == torch.float32 and src.device == self.master_device
 
     def _make_master(self, p: torch.Tensor, spec, pin: bool, src: Optional[torch.Tensor]) -> torch.Tensor:
         sources_given = src is not None
-        if src is None:
-            src = TP.local_data(p).view(-1)[spec.lo : spec.hi] if self.plan.shards_optimizer_state else TP.local(p)
-        # stage 3 sources are this rank's unit shards: an fp32 shard already where the master must live
-        # (host memory with offload_params) is the master; no second copy
-        may_alias = self._may_alias or (sources_given and self.offload and self._compute_fp32 and self._alias_sources)
-        alias = may_alias and src.dtype == torch.float32 and src.device == self.master_device
+        src = self._source(p, spec, src)
+        alias = self._aliases(src, sources_given)
         self._aliased.append(alias)
         if alias:
             return src  # stage 0: the parameter itself (DDP); else a view of this rank's slice
@@ -194,33 +183,14 @@ class ShardedOptimizer(MasterGrads):
         for group in self.optimizer.param_groups:
             group["params"] = [by_param[id(p)] for p in group["params"] if id(p) in by_param]
 
-    def _use_fused_cpu_kernels(self) -> None:
-        if not isinstance(self.optimizer, _FUSED_ON_CPU):
-            for group in self.optimizer.param_groups:
-                if "foreach" in group and group.get("foreach") is None:
-                    group["foreach"] = True
-            return
-        for group in self.optimizer.param_groups:
-            if group.get("differentiable") or group.get("capturable"):
-                continue
-            group["fused"], group["foreach"] = True, False
-        self.optimizer.defaults.update(fused=True, foreach=False)
-
     @property
     def uses_fused(self) -> bool:
-        return all(g.get("fused") for g in self.optimizer.param_groups)
+        return HK.uses_fused(self.optimizer)
 
     def kernel_note(self) -> Optional[str]:
-        """What the offloaded step runs instead of the user's kernel (the setup line says it); None if the
-        kernel is the user's own."""
-        if not self._swap_kernel:
-            return None
-        name = type(self.optimizer).__name__
-        if self.uses_fused:
-            return f"{name} steps with torch's fused CPU kernel (fused=True)"
-        if any(g.get("foreach") for g in self.optimizer.param_groups):
-            return f"{name} steps with torch's foreach kernel (foreach=True)"
-        return None
+        """What the host step runs instead of the user's kernel (the setup line says it); None if the kernel
+        is the user's own."""
+        return HK.kernel_note(self.optimizer) if self._swap_kernel else None
 
     def check_not_unfrozen(self, names) -> None:
         """One clear error instead of a parameter that silently never trains (DDP would drift instead).
@@ -236,13 +206,11 @@ class ShardedOptimizer(MasterGrads):
 
     # -- update -------------------------------------------------------------------------------------
     def step(self, publish_chunk: Optional[Callable[[list[torch.Tensor], Bucket], None]] = None) -> None:
-        """The optimizer's step on the masters. NVMe offload: bucket by bucket through the ring, each bucket
-        published by ``publish_chunk(masters, bucket)`` while its masters are in memory."""
-        if self.nvme is None:
-            self.optimizer.step()
-            return
+        """The optimizer's step on the masters, as the state store runs it: all at once, or (``states.streams``:
+        NVMe) bucket by bucket through its ring, each bucket published by ``publish_chunk(masters, bucket)``
+        while its masters are in memory."""
         after = (lambda k: publish_chunk(self.masters[k], self.buckets[k])) if publish_chunk is not None else None
-        self.nvme.stream(self._step_bucket, after)
+        self.states.step(self.optimizer, self._step_bucket, after)
 
     def _step_bucket(self, k: int) -> None:
         """The user's optimizer on bucket ``k``'s masters only: every group keeps its hyper-parameters and
@@ -259,7 +227,7 @@ class ShardedOptimizer(MasterGrads):
                 g["params"] = params
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank owns (NVMe offload: wherever they are; see nvme_bytes)."""
+        """Bytes of optimizer state this rank owns, wherever they are (see bytes_by_location)."""
         total = 0
         for st in self.optimizer.state.values():
             for v in st.values():
@@ -272,20 +240,10 @@ class ShardedOptimizer(MasterGrads):
         flat = (m for row in self.masters for m in row)
         return sum(m.numel() * m.element_size() for m, a in zip(flat, self._aliased) if not a)
 
-    def nvme_bytes(self) -> int:
-        """Bytes of masters and state now only in the NVMe scratch file (0 without NVMe offload)."""
-        return self.nvme.swapped_bytes() if self.nvme is not None else 0
+    def bytes_by_location(self) -> dict[Location, int]:
+        """Where the masters (those separate from the parameters) and the optimizer state are now."""
+        return self.states.bytes_by_location(self.master_bytes() + self.state_bytes())
 
     def ring_bytes(self) -> int:
-        """Host bytes of the NVMe ring buffers (the bound on the states' host memory during a step)."""
-        return self.nvme.ring_bytes if self.nvme is not None else 0
-
-
-def kernel_swap_line(shardeds: list["ShardedOptimizer"]) -> Optional[str]:
-    """The setup line of an offloaded engine whose step does not run the user's own kernel."""
-    notes = [n for n in (s.kernel_note() for s in shardeds) if n is not None]
-    if not notes:
-        return None
-    return (f"offload_optimizer: {'; '.join(notes)} instead of the default kernel DDP runs: faster on the "
-            "CPU, but not bit-identical to DDP (about 1 ulp per step; Adam turns that into +-lr where the true "
-            "gradient is zero). offload_kernel='user' keeps your optimizer's own kernel (DDP-exact).")
+        """Host bytes of the state store's ring buffers (NVMe: the bound on the states' host memory in a step)."""
+        return self.states.ring_bytes

@@ -22,13 +22,14 @@ from __future__ import annotations
 import contextlib
 
 import logging
-from typing import Optional
 
 import torch
 from torch import nn
 
 from ..comm import collectives as C
-from .optimizer import ShardedOptimizer, kernel_swap_line
+from ..placement.host_kernels import kernel_swap_line
+from ..placement.stores import make_state_store
+from .optimizer import ShardedOptimizer
 
 _log = logging.getLogger("lightning_zero.engine")
 
@@ -81,31 +82,26 @@ def _shared_error(name: str, a: int, b: int) -> str:
             "optimizers over disjoint parameter sets (e.g. a GAN's generator and discriminator).")
 
 
-def _nvme_args(cfg, group=None) -> Optional[dict]:
-    """Where an optimizer's states go with offload_optimizer="nvme" (one scratch file per rank and optimizer);
-    ``group``: the ranks that agree on the files' space at setup ([Note: scratch space for the node])."""
-    if cfg.offload_optimizer != "nvme":
-        return None
-    return dict(directory=cfg.nvme_path, rank=C.rank(), buffer_count=cfg.nvme_buffer_count, direct=cfg.nvme_direct,
-                group=group)
-
-
-def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, unit_scope=None,
+def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, param_store=None,
                      group=None, kinds=None) -> list[ShardedOptimizer]:
     """One :class:`ShardedOptimizer` per optimizer over its own rows of the bucket ``table``; ``tp``: the
-    tensor-parallel mesh, whose group the gradient norm also sums over; ``unit_scope(unit)`` (stage 3): a
-    context in which the unit's shard can be read (the partitioner's ``shard_readable``); ``kinds``: each
-    optimizer's kind, as the builder asked it ([Note: optimizer kinds])."""
+    tensor-parallel mesh, whose group the gradient norm also sums over; ``param_store`` (stage 3): the unit
+    shards' store, whose ``readable(unit)`` is a context in which the unit's shard can be read and whose
+    ``masters_may_alias`` says whether an fp32 shard may be its own master. Each optimizer gets a state store
+    of its own where the plan's placement puts masters + optimizer state (``group``: the ranks that agree on
+    the stores' space at setup); ``kinds``: each optimizer's kind, as the builder asked it ([Note: optimizer
+    kinds])."""
     out = []
     for k, opt in enumerate(optimizers):
         rows = table.of_optimizer(k)
-        scope = _bucket_scope(table, unit_scope) if unit_scope is not None else None
-        out.append(ShardedOptimizer(opt, [r.bucket for r in rows], plan, cfg.offload_optimizer, compute_dtype,
+        scope = _bucket_scope(table, param_store.readable) if param_store is not None else None
+        out.append(ShardedOptimizer(opt, [r.bucket for r in rows], plan,
+                                    make_state_store(plan.placement.optimizer_states, cfg, group), compute_dtype,
                                     [r.sources for r in rows] if plan.shards_params else None,
                                     fused_on_cpu=cfg.offload_kernel == "fused",
                                     tp_group=tp.tp_group if tp is not None else None,
                                     tp_size=tp.tp_size if tp is not None else 1,
-                                    nvme=_nvme_args(cfg, group), alias_sources=cfg.offload_params != "nvme",
+                                    alias_sources=param_store is None or param_store.masters_may_alias,
                                     source_scope=scope, kind=kinds[k] if kinds is not None else None))
     swap = kernel_swap_line(out)
     if swap is not None and C.rank() == 0:

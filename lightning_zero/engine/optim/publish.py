@@ -91,20 +91,15 @@ def publish_chunk(row: list[torch.Tensor], b: Bucket, plan: ShardingPlan, table:
 def into_unit_shards(row: list[torch.Tensor], b: Bucket, table: Any, partitioner: Optional[Any],
                      non_blocking: bool = True) -> None:
     """Stage 3: one bucket's masters into their unit-shard sources (the bucket table's), a master that *is*
-    its source (fp32 host shards) already there; with ``offload_params="nvme"`` into the unit's region of
-    the parameter file (stage3/nvme_params.py), or its shard when that is in memory. ``non_blocking=False``:
-    the masters' memory is reused right after (the NVMe optimizer ring)."""
-    store = partitioner.nvme if partitioner is not None else None
+    its source (fp32 host shards) already there; each unit's slices written by the parameter-shard store
+    ([Note: parameter-shard stores]: in memory, or NVMe's region of the parameter file when the shard is on
+    disk). ``non_blocking=False``: the masters' memory is reused right after (a streaming state store's ring)."""
     by_unit: dict[int, list] = {}
     for m, src, p in zip(row, table.sources(b.index), b.params):
-        if m is src:
-            continue
-        if store is None:
-            src.copy_(m, non_blocking=non_blocking)
-        else:
+        if m is not src:
             by_unit.setdefault(partitioner.unit_of[id(p)].index, []).append((src, m))
     for index, pairs in by_unit.items():
-        store.write_slices(partitioner.units[index], pairs)
+        partitioner.store.write_slices(partitioner.units[index], pairs, non_blocking=non_blocking)
 
 
 @torch.no_grad()

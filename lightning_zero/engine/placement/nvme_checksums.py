@@ -6,9 +6,9 @@ block it wrote (``zlib.crc32``: about 4 GB/s on one core, computed on the reader
 released, beside the disk's own bandwidth). A read must give back every byte asked for (a short read means the
 file was truncated under the run) and every block it covers must match its CRC (a file overwritten by someone
 else, a bad sector the disk did not report); either is a :class:`ScratchDamaged`, an ``OSError``, so the
-engine's one agreement (``nvme_states.raise_if_any_rank_failed``) stops every rank with it instead of the step
+engine's one agreement (``io_agreement.raise_if_any_rank_failed``) stops every rank with it instead of the step
 training on whatever the ring slot held before. A checkpoint's save reads every shard back first through the
-same agreement (``nvme_states.make_resident_on_every_rank``), so a damaged file stops the save on every rank
+same agreement (``io_agreement.make_resident_on_every_rank``), so a damaged file stops the save on every rank
 too. Blocks are the writes' own pieces: by default :data:`BLOCK` bytes from the write's start; a caller that
 later rewrites parts of a region (stage 3's publish writes one parameter's slice of a unit shard) writes the
 whole region in those same pieces, so a slice write replaces exactly its block and the others keep theirs. A

@@ -30,7 +30,7 @@ shard, writes it in the compute dtype into its region and frees it (:meth:`cast`
 fp32 stages the fp32 shards in regions after the final ones, which the file gives back (``ftruncate``) once
 every shard is cast; the free-space check counts both. I/O
 errors are recorded in :attr:`failure` (a gather still runs, on whatever the slot holds: its peers wait in
-it) and one agreement raises on every rank (``nvme_states.raise_if_any_rank_failed``): the engine's after the
+it) and one agreement raises on every rank (``io_agreement.raise_if_any_rank_failed``): the engine's after the
 step, or, evaluating, the partitioner's at the end of the evaluation (``join``) -- an evaluation-only engine
 on one rank raises at the gather itself.
 
@@ -52,6 +52,8 @@ import torch
 
 from .nvme import ScratchFile, aligned_empty
 from .nvme_space import io_failure, prepare_scratch
+from .param_stores import ParamShardStore
+from .location import Location
 
 _ALIGN = 4096  # every unit's region starts on a page
 
@@ -94,17 +96,22 @@ class _Region:
     nbytes: int
 
 
-class NvmeParams:
-    """One rank's stage-3 parameter shards in a scratch file between uses."""
+class NvmeParams(ParamShardStore):
+    """One rank's stage-3 parameter shards in a scratch file between uses: the ``"nvme"`` parameter-shard
+    store ([Note: parameter-shard stores], param_stores.py)."""
 
-    knob = "offload_params"  # what an I/O error names
+    location = Location.NVME
+    masters_may_alias = False  # a shard's storage is empty whenever it is on disk
+    gathers_one_at_a_time = True  # a whole-model gather holds one unit's shard in the ring at a time
+    checks_io = True
 
     def __init__(self, units, shard_dtype: torch.dtype, directory: str, rank: int, slots: int,
-                 pin: bool = False, group=None) -> None:
+                 pin: bool = False, group=None, device: Optional[torch.device] = None) -> None:
         """``shard_dtype``: the dtype the shards will have when spilled (the compute dtype of a training
         engine); ``slots``: ring buffers, each of the largest unit shard. Planned before the shards are cut
         (from the units' layouts): free space is checked (with the bytes needed) and the file reserved before
         anything is written."""
+        super().__init__(device if device is not None else torch.device("cpu"), torch.device("cpu"))
         self.units = {u.index: u for u in units if u.params and u.layout.shard_numel}
         esize = torch.empty((), dtype=shard_dtype).element_size()
         self.regions: dict[int, _Region] = {}
@@ -139,6 +146,14 @@ class NvmeParams:
         """The bound on host bytes held for parameter shards during training (the ring's buffers)."""
         return len(self.ring) * self.slot_bytes
 
+    @property
+    def read_ahead_depth(self) -> int:
+        return len(self.ring)
+
+    def bytes_by_location(self) -> dict[Location, int]:
+        on_disk = self.on_disk_bytes()
+        return {Location.HOST: self.shard_bytes() - on_disk, Location.NVME: on_disk}
+
     # -- where the shards are -----------------------------------------------------------------------
     @staticmethod
     def _bytes_of(u) -> torch.Tensor:
@@ -160,6 +175,18 @@ class NvmeParams:
         return self.staging[i] if self.home[i] is ShardHome.STAGED else self.regions[i]
 
     # -- setup, unit by unit ------------------------------------------------------------------------
+    def install(self, u, chunk: torch.Tensor) -> None:
+        """``chunk`` in memory of its own size (spilling frees exactly it; the ring is pinned, the shards not),
+        then into the file: setup holds one unit's shard at a time."""
+        chunk = chunk.cpu()
+        if chunk.untyped_storage().nbytes() != chunk.numel() * chunk.element_size():
+            chunk = chunk.clone()
+        u.shard = chunk
+        self.stage(u)
+
+    def readable(self, u):
+        return self.unit_resident(u)
+
     @torch.no_grad()
     def stage(self, u) -> None:
         """``u``'s fp32 shard, just cut, into the file and its memory freed (a failed write keeps it: the
@@ -192,8 +219,12 @@ class NvmeParams:
         finally:
             u.shard.untyped_storage().resize_(0)
 
+    def cast(self, u, dtype: torch.dtype) -> None:
+        if not self._cast_staged(u, dtype):
+            u.shard = u.shard.to(dtype)
+
     @torch.no_grad()
-    def cast(self, u, dtype: torch.dtype) -> bool:
+    def _cast_staged(self, u, dtype: torch.dtype) -> bool:
         """A staged unit's shard as ``dtype`` into its region, one unit in memory (False: not staged here)."""
         if u.index not in self.units or self.home[u.index] is not ShardHome.STAGED:
             return False
@@ -289,9 +320,10 @@ class NvmeParams:
         return ok
 
     @torch.no_grad()
-    def send_of(self, u, device: torch.device) -> torch.Tensor:
+    def send_of(self, u) -> torch.Tensor:
         """The tensor ``u``'s all-gather sends: its shard (resident) or the ring slot its bytes were read
         into; on CUDA the slot's copy on ``device`` (the slot is free again once that copy has run)."""
+        device = self.device
         if self.resident(u):
             return u.shard.to(device, non_blocking=True)
         s = self._slot_of(u.index) or self._take(u.index)
@@ -326,7 +358,7 @@ class NvmeParams:
 
     # -- the step's publish -------------------------------------------------------------------------
     @torch.no_grad()
-    def write_slices(self, u, pairs) -> None:
+    def write_slices(self, u, pairs, non_blocking: bool = False) -> None:
         """``pairs``: (source, master): each master, cast to the shard's dtype, into its source's place --
         in memory when the shard is resident, else straight into the file."""
         if self.resident(u):

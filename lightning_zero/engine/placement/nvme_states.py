@@ -25,7 +25,7 @@ or the state (checkpoints, whole-model views, the consolidated optimizer state) 
 :meth:`NvmeStates.make_resident`, which reads every chunk back into memory of its own; the next step streams it
 out again. Every read is whole and checked against the CRC32s of what this run wrote
 ([Note: verified scratch reads], nvme_checksums.py): a damaged file is an I/O failure of the step like a failed
-read, raised on every rank by :func:`raise_if_any_rank_failed`.
+read, raised on every rank by :func:`~.io_agreement.raise_if_any_rank_failed`.
 
 [Note: NVMe states outlive teardown]
 A finished fit keeps its engine so that ``trainer.save_checkpoint`` after it writes the optimizer state
@@ -49,10 +49,11 @@ from typing import Callable, Optional
 
 import torch
 
-from ..comm import collectives as C
 from ..memory.floors import optimizer_state_bytes_per_param
 from .nvme import DIRECT_ALIGN, ScratchFile, aligned_empty
 from .nvme_space import io_failure, prepare_scratch
+from .location import Location
+from .state_stores import StateStore
 
 _log = logging.getLogger("lightning_zero.engine")
 _ALIGN = 4096  # chunk regions start on a page (and an O_DIRECT block) boundary
@@ -119,26 +120,21 @@ class _Chunk:
     on_disk: int = 0  # bytes of the region written so far (a read reads only these)
 
 
-class NvmeStates:
-    """One ShardedOptimizer's masters and optimizer state, on disk between steps."""
+class NvmeStates(StateStore):
+    """One ShardedOptimizer's masters and optimizer state, on disk between steps: the ``"nvme"`` state store
+    ([Note: optimizer-state stores], state_stores.py)."""
 
-    knob = "offload_optimizer"  # what an I/O error names
+    location = Location.NVME
+    masters_alias_params = False
+    streams = True
+    checks_io = True
 
-    def __init__(self, optimizer: torch.optim.Optimizer, directory: str, rank: int, buffer_count: int,
-                 pin: bool, planned_numel: list[list[int]], planned_swap: list[list[bool]], direct: bool = False,
-                 group=None) -> None:
-        """``planned_*``: per bucket, the master sizes and whether each lives in the file: the free space
-        is checked for all of them, on every rank of ``group`` sharing the disk, before anything is written
-        ([Note: scratch space for the node], nvme_space.py)."""
-        self.optimizer = optimizer
+    def __init__(self, directory: str, rank: int, buffer_count: int, direct: bool = False, group=None) -> None:
+        super().__init__()
         self.directory = directory
         self.buffer_count = buffer_count
-        self.pin = pin
-        self.state_per_elem = predicted_state_bytes(optimizer)
-        needed = sum(self._capacity(n, s) for n, s in zip(planned_numel, planned_swap))
-        self.file = prepare_scratch(directory, needed, f"fp32 masters and optimizer state "
-                                    f"({4 + self.state_per_elem} bytes per element)", self.knob, rank, group,
-                                    lambda: ScratchFile(directory, rank, direct=direct))
+        self.pin, self._direct, self._group = torch.cuda.is_available(), direct, group  # pin: the ring's slots
+        self.file: Optional[ScratchFile] = None  # reserve() creates it, once the sizes are known
         self._align = DIRECT_ALIGN if direct else 1  # O_DIRECT: page-aligned buffers and lengths
         self.chunks: list[_Chunk] = []
         self._end = 0  # bump allocator over the file
@@ -148,6 +144,25 @@ class NvmeStates:
         self.rank = rank
         self._warned_overflow = self._warned_ring = False
         self.failure: Optional[str] = None  # the last step's first I/O error on this rank
+
+    def reserve(self, optimizer: torch.optim.Optimizer, planned_numel: list[list[int]],
+                planned_swap: list[list[bool]]) -> None:
+        """``planned_*``: per bucket, the master sizes and whether each lives in the file: the free space
+        is checked for all of them, on every rank of the group sharing the disk, before anything is written
+        ([Note: scratch space for the node], nvme_space.py)."""
+        self.optimizer = optimizer
+        self.state_per_elem = predicted_state_bytes(optimizer)
+        needed = sum(self._capacity(n, s) for n, s in zip(planned_numel, planned_swap))
+        what = f"fp32 masters and optimizer state ({4 + self.state_per_elem} bytes per element)"
+        self.file = prepare_scratch(self.directory, needed, what, self.knob, self.rank, self._group,
+                                    lambda: ScratchFile(self.directory, self.rank, direct=self._direct))
+
+    def step(self, optimizer, step_bucket, after_bucket) -> None:
+        self.stream(step_bucket, after_bucket)
+
+    def bytes_by_location(self, nbytes: int) -> dict[Location, int]:
+        on_disk = self.swapped_bytes()
+        return {Location.HOST: nbytes - on_disk, Location.NVME: on_disk}
 
     def _capacity(self, numels: list[int], swap: list[bool]) -> int:
         elems = sum(numels)
@@ -277,7 +292,7 @@ class NvmeStates:
         """One pass over the chunks: read ahead, ``step_chunk(k)`` then ``after_chunk(k)`` (publish) while
         chunk k is in its slot, write back behind. An I/O error is recorded in :attr:`failure` (the rest of the
         pass still runs ``after_chunk``, a collective at stages 1-2, so every rank reaches the engine's
-        agreement, :func:`raise_if_any_rank_failed`); a chunk whose read failed is not stepped."""
+        agreement, :func:`~.io_agreement.raise_if_any_rank_failed`); a chunk whose read failed is not stepped."""
         self._check_open()
         self.failure = None
         ring, (reader, writer) = self._ring(), self._executors()
@@ -379,47 +394,7 @@ class NvmeStates:
             for ex in self._io:
                 ex.shutdown(wait=True)
             self._io = None
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         self.ring = []
         self.state = NvmeState.CLOSED
-
-
-STEP_LOST = "this step's update is lost, the checkpoints already saved are intact"
-
-
-def make_resident_on_every_rank(stores: list, group=None, device: Optional[torch.device] = None) -> None:
-    """Before a whole view every rank takes (a checkpoint's save): every store read back into memory, and a
-    read that failed or was damaged on one rank stops every rank with its error, through the step's one
-    agreement, instead of that rank raising alone while its peers enter the save's collectives without it.
-    ``stores``: NvmeStates and stage 3's NvmeParams (None skipped). Collective over ``group``."""
-    for s in stores:
-        if s is None:
-            continue
-        try:
-            s.make_resident()
-        except OSError as e:  # ScratchDamaged included
-            if s.failure is None:
-                s.failure = io_failure("read back for a whole view", s.file.path, e)
-    raise_if_any_rank_failed(stores, group, device, lost="nothing was saved")
-
-
-def raise_if_any_rank_failed(states: list, group=None, device: Optional[torch.device] = None,
-                             lost: str = STEP_LOST) -> None:
-    """After an NVMe step: one agreement over ``group`` (a 1-element all-reduce on ``device``, the compute
-    device: NCCL reduces device tensors), so that a read or write that failed on one rank stops the run with
-    one error on every rank, naming the rank, instead of the others hanging in their next collective. The
-    step's update is not trusted anywhere then; checkpoints already saved are separate directories.
-    ``states``: NvmeStates and stage 3's NvmeParams (anything with a ``failure`` and a ``knob``, None skipped);
-    ``lost``: what is not to be trusted. The error is the failing rank's own (its knob, its words) on every rank."""
-    failed_here = next((s for s in states if s is not None and s.failure is not None), None)
-    mine = (failed_here.knob, failed_here.failure) if failed_here is not None else None
-    rank = C.rank(group)
-    failed = torch.tensor([rank + 1 if mine is not None else 0], dtype=torch.int64, device=device)
-    if C.world_size(group) > 1:
-        C.all_reduce(failed, op=torch.distributed.ReduceOp.MAX, group=group)
-    who = int(failed.item()) - 1
-    if who < 0:
-        return
-    # a failure is the rare path: its words travel, so every rank raises the failing rank's error itself
-    knob, what = C.all_gather_object(mine, group)[who]
-    raise RuntimeError(f"{knob}='nvme': on rank {who}, {what}. The run stops on every rank; {lost}.")

@@ -8,45 +8,27 @@ turns the knobs into a :class:`Location` per :class:`StateKind` in one place, an
 carries it. The kinds:
 
     kind               what                                         where it can live
-    PARAM_SHARDS       stage 3's unit shards between uses            DEVICE, HOST, NVME (or a registered store)
+    PARAM_SHARDS       stage 3's unit shards between uses            DEVICE, HOST, NVME (or a registered store's)
     OPTIMIZER_STATES   fp32 masters + the optimizer's state          DEVICE, HOST, NVME
     GRAD_SHARDS        the reduced gradient shards the step reads    DEVICE, or HOST beside host optimizer states
     ACTIVATIONS        tensors autograd saves for backward           DEVICE, HOST
 
 Bytes are booked by asking the placement where a kind lives (:meth:`Placement.book`), never by testing a knob,
 so a model of memory (the estimator) and a measurement of it (``memory_report``) need no branch per target.
-Which object serves a kind's bytes is a store (the stores' modules); the placement names it.
+Which object serves a kind's bytes is a store, built from the placement: parameter shards by the store
+named ``param_store`` ([Note: parameter-shard stores], param_stores.py; any registered one,
+``register_param_store``), masters + optimizer state by ``state_store`` ([Note: optimizer-state stores],
+state_stores.py), saved activations by ``activation_store`` (activation_stores.py). Code outside the stores
+asks the store, never the knob or the location.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Any, Union
 
-
-class Location(enum.Enum):
-    """Where bytes are: the compute device, (pinned) host memory, or a scratch file on local disk."""
-
-    DEVICE = "device"
-    HOST = "host"
-    NVME = "nvme"
-
-    @property
-    def off_device(self) -> bool:
-        return self is not Location.DEVICE
-
-    @classmethod
-    def of_knob(cls, value: Union[bool, str, None]) -> "Location":
-        """An offload knob's normalized value (False / True / "nvme", see ``ZeroConfig``) as a location."""
-        return {False: cls.DEVICE, None: cls.DEVICE, True: cls.HOST, "nvme": cls.NVME}[value]
-
-
-class StateKind(enum.Enum):
-    PARAM_SHARDS = "param_shards"
-    OPTIMIZER_STATES = "optimizer_states"
-    GRAD_SHARDS = "grad_shards"
-    ACTIVATIONS = "activations"
+from .location import Location, StateKind
+from .param_store_registry import param_store_location, param_store_name
 
 
 @dataclass(frozen=True)
@@ -54,6 +36,7 @@ class Placement:
     """One :class:`Location` per :class:`StateKind` ([Note: placement])."""
 
     param_shards: Location = Location.DEVICE
+    param_store: str = "none"  # the registered parameter-shard store that serves PARAM_SHARDS (param_store_registry.py)
     optimizer_states: Location = Location.DEVICE
     grad_shards: Location = Location.DEVICE
     activations: Location = Location.DEVICE
@@ -70,7 +53,8 @@ class Placement:
                    offload_activations: bool = False) -> "Placement":
         """Also the estimator's what-if rows (knob values as ``ZeroConfig`` normalizes them)."""
         states = Location.of_knob(offload_optimizer)
-        return cls(param_shards=Location.of_knob(offload_params), optimizer_states=states,
+        store = param_store_name(offload_params)
+        return cls(param_shards=param_store_location(store), param_store=store, optimizer_states=states,
                    # the step reads the reduced shards where it runs: host memory for host or disk states
                    grad_shards=Location.HOST if states.off_device else Location.DEVICE,
                    activations=Location.HOST if offload_activations else Location.DEVICE)

@@ -1,8 +1,8 @@
 """Stage 3's module hooks: what runs a unit's gathers, releases and prefetches around its forward and backward.
 
 :class:`UnitHooks` is the hook half of :class:`~.partition.ParamPartitioner` (which inherits it): the
-pre-forward hook gathers the unit and, once the order is verified, prefetches the ones after it (and reads
-the NVMe shards of those after them ahead); the post-forward hook releases it and arms a pre-backward hook
+pre-forward hook gathers the unit and, once the order is verified, prefetches the ones after it (and tells
+the parameter-shard store of those after them: NVMe reads them ahead); the post-forward hook releases it and arms a pre-backward hook
 on its outputs, which gathers it again and prefetches in reverse recorded order. The first training forward
 records the unit order here (:meth:`_track_forward`); later ones are checked against it before any
 collective. The lifecycle and its states: partition.py's design note and lifecycle.py.
@@ -117,7 +117,8 @@ class UnitHooks:
         if self.on_backward is not None:
             self.on_backward()
         self.gather(u)  # a no-op for a unit kept since its forward
-        if self.order_state is OrderState.VERIFIED and (self.prefetch or self.nvme) and u.index in self._order:
+        if self.order_state is OrderState.VERIFIED and (self.prefetch or self.store.read_ahead_depth) \
+                and u.index in self._order:
             i = len(self._order) - 1 - self._order[::-1].index(u.index)
             self._prefetch_next(self._order[:i][::-1])
 
@@ -131,13 +132,12 @@ class UnitHooks:
 
     def _prefetch_next(self, upcoming: list[int]) -> None:
         """``upcoming``: the recorded order from the next unit on (forward, or reversed for backward): the
-        first ``prefetch`` units are gathered ahead; with NVMe the shards of the ones after them are read
-        ahead, as far as the ring has free slots."""
+        first ``prefetch`` units are gathered ahead; the store is told of the ``read_ahead_depth`` after them
+        (NVMe: their shards read ahead, as far as the ring has free slots)."""
         for k in upcoming[: self.prefetch]:
             self._prefetch(self.units[k])
-        if self.nvme is not None:
-            for k in upcoming[self.prefetch : self.prefetch + len(self.nvme.ring)]:
-                self.nvme.read_ahead(self.units[k])
+        for k in upcoming[self.prefetch : self.prefetch + self.store.read_ahead_depth]:
+            self.store.read_ahead(self.units[k])
 
     def _prefetch(self, u: Unit) -> None:
         if u.state is UnitState.SHARDED and u.params:

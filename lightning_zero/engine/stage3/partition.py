@@ -47,8 +47,8 @@ from ..comm import quantize as Q
 from .deferred_init import has_meta_params, materialize
 from .pretrained import fill_shards, marked
 from .lifecycle import OrderCheck, OrderState, UnitState
-from ..placement.nvme_states import raise_if_any_rank_failed
-from ..placement.nvme_params import NvmeParams
+from ..placement.io_agreement import agree_on_io
+from ..placement.param_stores import ParamShardStore
 from .join import RankDivergenceError, agreed_unit, announce, serve_until_all_joined  # noqa: F401 (re-export)
 from .hooks import UnitHooks
 from .units import Unit
@@ -62,18 +62,17 @@ class ParamPartitioner(UnitHooks):
         units: list[Unit],
         compute_dtype: Optional[torch.dtype],
         device: torch.device,
-        offload_params: bool = False,
+        store: ParamShardStore,
         group: Optional[Any] = None,
         prefetch: int = 1,
         order_check: "str | OrderCheck" = "strict",
         init_group: Optional[Any] = None,
         quantize: bool = False,
         reshard_after_forward: bool = True,
-        nvme: Optional[dict] = None,
     ) -> None:
-        """``offload_params``: False, True (host shards) or "nvme" with ``nvme`` = dict(directory, rank, slots,
-        shard_dtype): the shards in a scratch file between uses (nvme_params.py), read ahead of their gathers
-        along the same recorded order that drives ``prefetch``."""
+        """``store``: where the unit shards live between uses ([Note: parameter-shard stores] in
+        engine/placement/param_stores.py): every shard goes in through it and every gather reads from it; a store
+        that reads ahead (NVMe) is told the units along the same recorded order that drives ``prefetch``."""
         self.module = module
         self.init_group = init_group if init_group is not None else group  # deferred init broadcasts from rank 0 of it
         # qwZ: training and evaluation gathers travel as int8 blocks (engine/comm/quantize.py); gathered()
@@ -83,7 +82,7 @@ class ParamPartitioner(UnitHooks):
         self.units = units
         self.root = units[-1]
         self.device = device
-        self.offload = offload_params
+        self.store = store
         self.group = group
         self.order_check = OrderCheck.parse(order_check)
         # units gathered ahead (0: none); prefetch needs a trusted order
@@ -107,11 +106,7 @@ class ParamPartitioner(UnitHooks):
         # called as a unit's backward begins: this backward's end must release what it gathers even when
         # none of the engine's parameters gets a gradient (setup.py, PartitionedParams._backward_begins)
         self.on_backward: Optional[Callable[[], None]] = None
-        self.nvme: Optional[NvmeParams] = None
-        self.eval_only = False  # no step of this engine agrees on the NVMe I/O: evaluation does (setup.py)
-        if nvme is not None:  # checks the free space for every shard before any is cut: each is spilled as cut
-            self.nvme = NvmeParams(units, nvme["shard_dtype"], nvme["directory"], nvme["rank"], nvme["slots"],
-                                   pin=torch.cuda.is_available() and device.type == "cuda", group=self.init_group)
+        self.eval_only = False  # no step of this engine agrees on the store's I/O: evaluation does (setup.py)
         self._shard_all()
         self._install_hooks()
 
@@ -139,18 +134,9 @@ class ParamPartitioner(UnitHooks):
         u.layout.done_with(packed)
 
     def _install_shard(self, u: Unit, chunk: torch.Tensor) -> None:
-        """``chunk``: this rank's fp32 slices of the unit, rank-major; the parameters keep no storage."""
-        if not self.offload:
-            chunk = chunk.to(self.device)
-        elif self.offload == "nvme":  # own storage of its size: spilling frees exactly it; the ring is pinned
-            chunk = chunk.cpu()
-            if chunk.untyped_storage().nbytes() != chunk.numel() * chunk.element_size():
-                chunk = chunk.clone()
-        else:
-            chunk = chunk.cpu().pin_memory() if torch.cuda.is_available() else chunk.cpu()
-        u.shard = chunk
-        if self.nvme is not None:  # into the file now: setup holds one unit's shard at a time
-            self.nvme.stage(u)
+        """``chunk``: this rank's fp32 slices of the unit, rank-major, into the store (``u.shard``); the
+        parameters keep no storage."""
+        self.store.install(u, chunk)
         for p in u.params:
             # own storage of exactly the param's size, so releasing frees exactly it
             dtype = self.compute_dtype if (self.compute_dtype and p.is_floating_point()) else p.dtype
@@ -166,36 +152,15 @@ class ParamPartitioner(UnitHooks):
         """Drop the flat shards to the compute dtype once masters have been taken from them."""
         for u in self.units:
             if u.shard is not None and u.shard.dtype != dtype:
-                if self.nvme is not None and self.nvme.cast(u, dtype):  # from the file, one unit at a time
-                    continue
-                u.shard = u.shard.to(dtype)
-                if self.offload is True and torch.cuda.is_available():
-                    u.shard = u.shard.pin_memory()
+                self.store.cast(u, dtype)
 
     def shard_bytes(self) -> int:
-        """Bytes of this rank's unit shards, wherever they are (with NVMe: see :meth:`nvme_shard_bytes`)."""
+        """Bytes of this rank's unit shards, wherever they are (where: the store's ``bytes_by_location``)."""
         return sum(u.shard.numel() * u.shard.element_size() for u in self.units if u.shard is not None)
 
-    def nvme_shard_bytes(self) -> int:
-        """Bytes of unit shards only in the NVMe scratch file now (0 without ``offload_params="nvme"``)."""
-        return self.nvme.on_disk_bytes() if self.nvme is not None else 0
-
     def shard_readable(self, u: Unit) -> "contextlib.AbstractContextManager":
-        """A block that reads ``u``'s shard values (setup takes the masters from them): with NVMe, the shard
-        read back into memory of its own for the block."""
-        return self.nvme.unit_resident(u) if self.nvme is not None else contextlib.nullcontext()
-
-    def spill_shards(self) -> None:
-        """``offload_params="nvme"``: every shard in memory written to the file and freed (setup's end, after
-        every step: the publish wrote the new values, a whole view may have read them back)."""
-        if self.nvme is not None:
-            self.nvme.spill()
-
-    def resident_shards(self) -> None:
-        """``offload_params="nvme"``: every shard in memory (whole views read or write them), until the next
-        :meth:`spill_shards`."""
-        if self.nvme is not None:
-            self.nvme.make_resident()
+        """A block that reads ``u``'s shard values (setup takes the masters from them)."""
+        return self.store.readable(u)
 
     def gathered_bytes(self) -> int:
         """Bytes of full parameters held now, counting all-gather buffers still in flight (kept as a
@@ -211,13 +176,10 @@ class ParamPartitioner(UnitHooks):
         self._launch_gather_unannounced(u, exact)
 
     def _launch_gather_unannounced(self, u: Unit, exact: bool = False) -> None:
-        if self.nvme is not None:
-            send = self.nvme.send_of(u, self.device)  # from the ring slot its read ahead filled
-            if self.nvme.failure is not None and self.eval_only and self.world_size == 1:
-                self.nvme.gather_done(u)  # no peer waits in this gather: stop before computing on the slot
-                self.raise_nvme_failure()
-        else:
-            send = u.shard.to(self.device, non_blocking=True) if self.offload else u.shard
+        send = self.store.send_of(u)
+        if self.store.failure is not None and self.eval_only and self.world_size == 1:
+            self.store.gather_done(u)  # no peer waits in this gather: stop before computing on what it read
+            self.raise_store_failure()
         quantized = self.quantize and not exact
         if self.world_size == 1 and not quantized:  # one rank: the shard is the whole gathered buffer
             u.inflight = (C.done(), send, False)
@@ -256,7 +218,7 @@ class ParamPartitioner(UnitHooks):
         gathers served.
         """
         if self.world_size == 1 or self.order_check is OrderCheck.OFF:
-            self.raise_nvme_failure()
+            self.raise_store_failure()
             return 0
 
         def serve(index: int) -> None:
@@ -269,20 +231,19 @@ class ParamPartitioner(UnitHooks):
 
         served = serve_until_all_joined(self.world_size, self.group, self.device, self._describe, serve)
         self.release_all(include_persistent=True)
-        self.raise_nvme_failure()
+        self.raise_store_failure()
         return served
 
-    def raise_nvme_failure(self) -> None:
-        """``offload_params="nvme"``: a read that failed on any rank since the last agreement stops every rank
-        with one error (every rank calls this at the end of its evaluation: :meth:`join`). A gather whose read
-        failed ran on whatever its ring slot held, so the evaluation's outputs since are not trusted."""
-        if self.nvme is None:
-            return
+    def raise_store_failure(self) -> None:
+        """A store read that failed on any rank since the last agreement stops every rank with one error (every
+        rank calls this at the end of its evaluation: :meth:`join`; no collective for a store without I/O). A
+        gather whose read failed ran on whatever its buffer held, so the evaluation's outputs since are not
+        trusted."""
         try:
-            raise_if_any_rank_failed([self.nvme], self.group, self.device,
-                                     lost="the evaluation's outputs since the failure are not trusted")
+            agree_on_io([self.store], self.group, self.device,
+                        lost="the evaluation's outputs since the failure are not trusted")
         finally:
-            self.nvme.failure = None  # one error per failure
+            self.store.failure = None  # one error per failure
 
     def _finish_gather(self, u: Unit) -> None:
         if u.state is not UnitState.GATHERING:
@@ -292,8 +253,7 @@ class ParamPartitioner(UnitHooks):
         for p, n in zip(u.params, u.nbytes_full):
             p.data.untyped_storage().resize_(n)
         u.layout.unpack_rank_major(out, [p.data for p in u.params])
-        if self.nvme is not None:  # after the unpack: with one rank ``out`` is the ring slot itself
-            self.nvme.gather_done(u)
+        self.store.gather_done(u)  # after the unpack: with one rank ``out`` may be the store's own buffer
         u.inflight = None
         if self.pool is not None and own:  # unpacked into the parameters' storage: nothing reads it any more
             self.pool.give(out)
@@ -339,8 +299,7 @@ class ParamPartitioner(UnitHooks):
         # the root stays whole through forward and backward; between backward and the next forward
         # (optimizer step, next micro-batch's data loading) only shards need to exist
         self.release(self.root, force=True)
-        if self.nvme is not None:
-            self.nvme.drop_reads()
+        self.store.drop_reads()
         self._pos = 0
         if self._order:
             self._order_done()
@@ -348,7 +307,7 @@ class ParamPartitioner(UnitHooks):
     def after_step(self) -> None:
         """Shards changed: every gathered copy is stale. Verify the recorded order once."""
         self.release_all(include_persistent=True)
-        self.spill_shards()
+        self.store.spill()  # the publish wrote the new values, a whole view may have read them back
         self._pos = 0
         if self._order and self.order_state is not OrderState.VERIFIED:
             self._order_done()
@@ -378,7 +337,7 @@ class ParamPartitioner(UnitHooks):
                 self.release_all(include_persistent=True)
             for u in self.units:
                 self._launch_gather(u, exact=True)
-                if self.nvme is not None:  # one unit's shard in the ring at a time
+                if self.store.gathers_one_at_a_time:  # one unit's shard in the store's buffer at a time
                     self._finish_gather(u)
             for u in self.units:
                 self._finish_gather(u)

@@ -18,6 +18,10 @@ from torch.autograd import Variable
 
 from ..comm import collectives as C
 from ..config import ZeroConfig
+from ..placement.param_stores import ParamShardStore, ParamStoreSetup
+from ..placement.placement import Placement
+from ..placement.param_store_registry import make_param_store
+from ..plan import ShardingPlan
 from .deferred_init import compute_device
 from .lifecycle import OrderCheck
 from .partition import ParamPartitioner
@@ -36,31 +40,33 @@ def stage3_config(cfg: ZeroConfig, n_optimizers: int) -> ZeroConfig:
     return cfg
 
 
-def _nvme_params_args(cfg: ZeroConfig, compute_dtype: Optional[torch.dtype], eval_only: bool) -> Optional[dict]:
-    """Where ``offload_params="nvme"`` keeps the shards: the file's dtype is the one they are spilled in (a
-    training engine casts them to the compute dtype), the ring one slot per unit gathered ahead, one for the
-    unit being gathered and ``nvme_buffer_count - 1`` for reads ahead of those."""
-    if cfg.offload_params != "nvme":
-        return None
+def param_store(cfg: ZeroConfig, placement: Placement, units: list, compute_dtype: Optional[torch.dtype],
+                device: torch.device, eval_only: bool, group: Any) -> ParamShardStore:
+    """The parameter-shard store the plan's placement names, for these units: the shards end setup in the
+    compute dtype of a training engine (an evaluation-only engine keeps them fp32, never cast)."""
     cast = not eval_only and compute_dtype not in (None, torch.float32)
-    return dict(directory=cfg.nvme_path, rank=C.rank(), slots=cfg.prefetch_depth + cfg.nvme_buffer_count,
-                shard_dtype=compute_dtype if cast else torch.float32)
+    return make_param_store(placement.param_store, ParamStoreSetup(
+        units, device, compute_dtype if cast else torch.float32, cfg, C.rank(), group))
 
 
 class PartitionedParams:
     def __init__(self, module: nn.Module, cfg: ZeroConfig, world_size: int, rank: int,
                  compute_dtype: Optional[torch.dtype], device: Optional[torch.device], shard_group: Any,
-                 init_group: Any, eval_only: bool) -> None:
-        """Partition ``module`` into units over ``shard_group`` (``cfg``: :func:`stage3_config`'s)."""
+                 init_group: Any, eval_only: bool, placement: Optional[Placement] = None) -> None:
+        """Partition ``module`` into units over ``shard_group`` (``cfg``: :func:`stage3_config`'s), their shards
+        in the store ``placement`` names (default: the config's plan's)."""
+        placement = placement if placement is not None else ShardingPlan.of(cfg).placement
         self.units = build_units(module, world_size, rank, cfg.unit_classes, cfg.unit_bytes, cfg.persist_numel)
         device = torch.device(device) if device is not None else compute_device(module)
         if rank == 0:
             _log.info(self.units.describe())
-        self.partitioner = ParamPartitioner(module, self.units, compute_dtype, device, cfg.offload_params,
+        # the store checks the space for every shard before any is cut (NVMe: each is spilled as cut)
+        store = param_store(cfg, placement, self.units, compute_dtype, device, eval_only,
+                            init_group if init_group is not None else shard_group)
+        self.partitioner = ParamPartitioner(module, self.units, compute_dtype, device, store,
                                             shard_group, cfg.prefetch_depth, cfg.order_check, init_group=init_group,
                                             quantize=cfg.quantize_weights,
-                                            reshard_after_forward=cfg.reshard_after_forward,
-                                            nvme=_nvme_params_args(cfg, compute_dtype, eval_only))
+                                            reshard_after_forward=cfg.reshard_after_forward)
         self.partitioner.guard.eval_only = self.partitioner.eval_only = eval_only
         self.partitioner.on_backward = self._backward_begins
         self.releaser: Optional[BackwardReleaser] = None
