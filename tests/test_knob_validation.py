@@ -378,7 +378,7 @@ def _pipeline_offload(rank, world_size):
     pipe = PipelineZero(module, 2, T.lm_loss, T.adamw(module.parameters()), T.M,
                         config=ZeroConfig(stage=2, bucket_mb=0.01, offload_optimizer=True),
                         accumulate_grad_batches=T.ACCUM, gradient_clip_val=T.CLIP)
-    return T.train_pipeline(pipe, T.CALLS), T.named_state(pipe), pipe.engine.sharded.offload
+    return T.train_pipeline(pipe, T.CALLS), T.named_state(pipe), pipe.engine.sharded.states.steps_on_host
 
 
 @pytest.mark.timeout(120)

@@ -20,7 +20,7 @@ _GATHER_HINT = ("Code of your own that reads parameters in a hook under stage 3 
                 "`with trainer.strategy.gathered_params():`.")
 
 
-def check_callbacks(callbacks: list[Any], stage: int, compute_dtype: torch.dtype, checkpoint_format: str) -> None:
+def check_callbacks(callbacks: list[Any], plan: Any, compute_dtype: torch.dtype, checkpoint_format: str) -> None:
     """Raise one clear error for the first weight-averaging callback ZeroStrategy cannot run exactly."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
@@ -33,8 +33,8 @@ def check_callbacks(callbacks: list[Any], stage: int, compute_dtype: torch.dtype
         name = type(cb).__name__
         if isinstance(cb, StochasticWeightAveraging) or (WeightAveraging and isinstance(cb, WeightAveraging)):
             reason = None
-            if stage == 3:
-                reason = "stage 3 partitions the parameters, so the callback would average empty tensors"
+            if plan.shards_params:
+                reason = f"stage {plan.stage} partitions the parameters, so the callback would average empty tensors"
             elif mixed:
                 reason = ("in mixed precision the module holds rounded copies of the fp32 master weights, and "
                           "the masters replace the module's values at the end of fit")
@@ -43,7 +43,7 @@ def check_callbacks(callbacks: list[Any], stage: int, compute_dtype: torch.dtype
                           "checkpoint directory cannot hold")
             if reason is not None:
                 raise ValueError(
-                    f"{name} is not supported by ZeroStrategy(stage={stage}) here: {reason}. Supported: "
+                    f"{name} is not supported by ZeroStrategy(stage={plan.stage}) here: {reason}. Supported: "
                     "StochasticWeightAveraging at stages 0-2 with precision='32-true'; WeightAveraging/"
                     "EMAWeightAveraging at stages 0-2 with precision='32-true' and checkpoint_format='full'. "
                     + _GATHER_HINT

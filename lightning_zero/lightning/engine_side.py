@@ -56,7 +56,7 @@ class EngineSide:
             self._weights_loaded = True
         precision = s.precision_plugin
         if trainer.state.fn == TrainerFn.FITTING:
-            check_callbacks(trainer.callbacks, s.stage, precision.compute_dtype, s.checkpoint_format)
+            check_callbacks(trainer.callbacks, s.plan, precision.compute_dtype, s.checkpoint_format)
             if self.trained_engine is not None:  # the previous fit's state gives way before the new one is built
                 self.trained_engine.release_states()  # NVMe: its scratch files removed now, not when collected
             self.trained_engine = None

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 _ENGINE = os.path.join("lightning_zero", "engine")  # not the launcher or the adapters that call into it
-_STEP_CALL = "optimizer.py"  # the engine's call of the user's optimizer: its allocations are the optimizer's
+_STEP_CALL = "optimizer.step("  # the engine's call of the user's optimizer (a state store's step): its allocations are the optimizer's
 
 
 class AllocationCounter(TorchDispatchMode):
@@ -40,6 +40,6 @@ class AllocationCounter(TorchDispatchMode):
                 self.nbytes += t.untyped_storage().nbytes()
                 self.sizes.append(t.untyped_storage().nbytes())
                 ours = [f for f in traceback.extract_stack()[:-2] if _ENGINE in f.filename]
-                if ours and not (ours[-1].filename.endswith(_STEP_CALL) and "step" in ours[-1].line):
+                if ours and _STEP_CALL not in (ours[-1].line or ""):
                     self.engine[f"{os.path.relpath(ours[-1].filename)}:{ours[-1].lineno} {func}"] += 1
         return out

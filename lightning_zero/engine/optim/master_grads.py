@@ -14,7 +14,7 @@ from ..layout import tensor_parallel as TP
 
 
 class MasterGrads:
-    """Mixed into ShardedOptimizer, which provides ``masters``, ``buckets``, ``plan``, ``kind``, ``offload``,
+    """Mixed into ShardedOptimizer, which provides ``masters``, ``buckets``, ``plan``, ``kind``, ``states``,
     ``device``, ``master_device``, ``tp_group`` / ``tp_size`` and ``frozen_at_setup`` / ``check_not_unfrozen``."""
 
     def reset_step_state(self) -> None:
@@ -69,12 +69,7 @@ class MasterGrads:
                     m.grad = g.view_as(m)
                 else:
                     m.grad = g.to(device=m.device, dtype=m.dtype, non_blocking=True).view_as(m)
-        if self.offload and self.device.type == "cuda":
-            # the device->host copies must land before the CPU reads them (norm, overflow check, step).
-            # They were queued on the reducer's side stream as buckets completed (which the current stream
-            # of the gradients' device waits for) or just above; that device need not be
-            # torch.cuda.current_device() (an engine on cuda:1 without torch.cuda.set_device(1)).
-            torch.cuda.current_stream(self.device).synchronize()
+        self.states.grads_landed(self.device)  # a host step: the device->host copies have landed
 
     def grads(self) -> list[torch.Tensor]:
         if self.takes_whole:

@@ -89,7 +89,6 @@ class ShardedOptimizer(MasterGrads):
         self.optimizer = optimizer
         self.plan = plan
         self.states = states if states is not None else DeviceStates()
-        self.offload = self.states.steps_on_host  # the reduced gradients are copied to the host (assign_grads)
         self._swap_kernel = self.states.steps_on_host and fused_on_cpu
         # a master may alias its parameter only if the parameter stays fp32 where the master lives
         self._compute_fp32 = compute_dtype in (None, torch.float32)  # else the shards are cast later

@@ -56,6 +56,14 @@ class StateStore:
     def add_chunk(self, masters: list[torch.Tensor], in_store: list[bool]) -> None:
         pass
 
+    def grads_landed(self, device: torch.device) -> None:
+        """The gradients handed to the masters are readable where the step runs. A host step on a CUDA run
+        waits for the device->host copies: they were queued on the reducer's side stream as buckets completed
+        (which the current stream of the gradients' device waits for) or as the masters took them; that device
+        need not be torch.cuda.current_device() (an engine on cuda:1 without torch.cuda.set_device(1))."""
+        if self.steps_on_host and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+
     def step(self, optimizer: torch.optim.Optimizer, step_bucket: Callable[[int], None],
              after_bucket: Optional[Callable[[int], None]]) -> None:
         """The step over every master; ``after_bucket(k)`` is for a store that streams (published there)."""

@@ -18,18 +18,16 @@ class WholeTensor(OptimizerKind):
         self._allowed = allowed  # () -> the elementwise classes, named in the error
 
     def check(self, optimizer: Any, setup: KindSetup) -> None:
-        self.check_stage(optimizer, setup.plan.stage)
-
-    def check_stage(self, optimizer: Any, stage: int) -> None:
+        plan = setup.plan
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
                 "LBFGS re-evaluates the loss through a closure inside step(), which ZeRO's step (reduce, step, "
                 "gather) cannot interleave with. Allowed: optimizers whose step() needs no closure "
                 "(SGD, Adam, AdamW, ...)."
             )
-        if stage == 0:
-            return  # stage 0 steps whole parameters: any closure-free optimizer works
-        cls = type(optimizer)
+        if not plan.shards_optimizer_state:
+            return  # whole parameters on every rank (stage 0): any closure-free optimizer works
+        cls, stage = type(optimizer), plan.stage
         names = sorted(c.__name__ for c in self._allowed())
         raise ValueError(
             f"{cls.__name__} cannot run on parameter shards: ZeRO stage {stage} needs an elementwise optimizer "

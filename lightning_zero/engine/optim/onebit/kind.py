@@ -51,7 +51,7 @@ def check_composes(optimizers: list, plan: Any, config: Any, tensor_parallel: An
     elif plan.shards_optimizer_state and not isinstance(found[0], OneBitAdam):
         why = (f"ZeRO stage {plan.stage} gives every master slice one owner, and {name}'s local steps move "
                "each rank's parameters by its own gradient between synchronizations")
-    elif plan.shards_optimizer_state and (config.offload_optimizer or config.shard_group_size is not None):
+    elif plan.shards_optimizer_state and (plan.placement.steps_on_host or config.shard_group_size is not None):
         why = (f"{name} at ZeRO stage {plan.stage} exchanges over the shard group with its state on the compute "
                "device: optimizer offload and hybrid sharding (shard_group_size) are not built for it")
     elif len(optimizers) > 1:
