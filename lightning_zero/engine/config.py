@@ -214,7 +214,7 @@ class ZeroConfig:
                 raise ValueError(f"{flag} must be True or False; got {getattr(self, flag)!r}.")
         for size in ("bucket_mb", "unit_mb"):
             value = getattr(self, size)
-            if size == "unit_mb" and value is None:  # automatic (engine/unit_policy.py)
+            if size == "unit_mb" and value is None:  # automatic (engine/stage3/unit_policy.py)
                 continue
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
                 auto = " or None (automatic)" if size == "unit_mb" else ""
