@@ -40,7 +40,7 @@ from harness import (  # noqa: E402
     BLOCK_CLASS, Runner, build, launch, machine_line, make_adamw, make_batches, make_tiny_lm, parse_interleaved_args,
     run_rounds, train_step)
 
-from lightning_zero.engine import ZeroConfig, ZeroEngine
+from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
 from lightning_zero.engine.comm import collectives as C  # noqa: E402
 
 WORLD, NODE = 4, 2

@@ -3,7 +3,6 @@ included), no file over 400 lines, and the tools, the checkpoint format and the 
 sharding plan and its placement instead of testing the stage or an offload knob ([Note: sharding plan],
 [Note: placement])."""
 import ast
-import collections
 import re
 from pathlib import Path
 
