@@ -63,10 +63,6 @@ def register_param_store(name: str, factory: Callable[[ParamStoreSetup], ParamSh
     _PARAM_STORES[name] = _Entry(factory, where)
 
 
-def param_store_names() -> tuple[str, ...]:
-    return tuple(_PARAM_STORES)
-
-
 def param_store_knob(value, knob: str = "offload_params") -> Union[bool, str]:
     """``offload_params`` normalized: False, True, ``"nvme"`` or a registered name; else one error naming
     every allowed value (the built-in spellings and the registered stores)."""

@@ -158,10 +158,6 @@ class ParamPartitioner(UnitHooks):
         """Bytes of this rank's unit shards, wherever they are (where: the store's ``bytes_by_location``)."""
         return sum(u.shard.numel() * u.shard.element_size() for u in self.units if u.shard is not None)
 
-    def shard_readable(self, u: Unit) -> "contextlib.AbstractContextManager":
-        """A block that reads ``u``'s shard values (setup takes the masters from them)."""
-        return self.store.readable(u)
-
     def gathered_bytes(self) -> int:
         """Bytes of full parameters held now, counting all-gather buffers still in flight (kept as a
         running count: this is asked at every gather)."""
