@@ -154,6 +154,8 @@ def _check_optimizer_keys(optimizer_state, group=None) -> Optional[dict]:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         every: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, kinds, group=group)
+        if optimizer_state.get("owned_state"):  # each parameter's state on its owner only: the union
+            return _union_of_owned(every)
         for r, other in enumerate(every):
             if other != kinds:
                 diff = sorted(n for n in set(other) | set(kinds) if other.get(n) != kinds.get(n))
@@ -161,6 +163,18 @@ def _check_optimizer_keys(optimizer_state, group=None) -> Optional[dict]:
                     f"Optimizer state differs between rank {_rank()} and rank {r} for {diff[:10]}; "
                     "cannot write a consistent sharded checkpoint."
                 )
+    return kinds
+
+
+def _union_of_owned(every: list[dict]) -> dict:
+    """The owner-rank step's state lists ([Note: owner-rank step]): each parameter listed by its owner alone."""
+    kinds: dict = {}
+    for r, listed in enumerate(every):
+        for n, keys in listed.items():
+            if n in kinds:
+                raise RuntimeError(f"Optimizer state of {n!r} is held by two ranks (rank {r} and another); an "
+                                   "owner-rank step keeps each parameter's state on one. Cannot write a checkpoint.")
+            kinds[n] = keys
     return kinds
 
 

@@ -138,15 +138,20 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
             f"{sorted(in_ckpt - in_opt)[:20]}, only in the optimizer: {sorted(in_opt - in_ckpt)[:20]}."
         )
     check_state_entries(path, kinds, managed, _optim_key(index), trust_checkpoint)
-    _init_state(opt, [managed[n][0] for n in kinds if n in managed])
+    engine.sharded_for(opt).init_state([managed[n][0] for n in kinds if n in managed])
     targets: dict[str, dict[str, torch.Tensor]] = {}
     rank_keys = error_buffer_keys(opt, info, process_group)
     natural = TS.needs_natural_load(engine, info)
     params = TS.params_of(engine.module)
     after: list[Callable[[], None]] = []
+    sharded = engine.sharded_for(opt)
+    owned = sharded.owner is not None  # each parameter's state whole on its owner ([Note: owner-rank step])
+    holders = {n: sharded.state_holder(m) for n, (m, _, _) in managed.items()}
     for n, keys in kinds.items():
         m, spec, shape = managed[n]
-        st = opt.state[m]
+        if holders[n] is None:  # another rank owns it and reads its state
+            continue
+        st = opt.state[holders[n]]
         have = sorted(k for k, v in st.items() if torch.is_tensor(v))
         if have != sorted(keys):
             raise ValueError(f"Optimizer state of {n!r}: the checkpoint has {sorted(keys)}, this optimizer "
@@ -158,6 +163,8 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
                     targets[n][k] = per_rank(st[k], process_group)
                 else:  # saved at another world size: no row of this rank's; the error memory restarts
                     st[k].zero_()
+            elif owned and st[k].dim() > 0 and st[k].shape == holders[n].shape:
+                targets[n][k] = st[k].view(-1)  # written flat and whole (by its owner, or at stage 0)
             elif not (st[k].dim() > 0 and st[k].shape == m.shape):
                 targets[n][k] = st[k]
             elif natural:  # per parameter (tp_state.py): flat unless the checkpoint is a TP one
@@ -170,11 +177,13 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
               trust_checkpoint=trust_checkpoint)
     for copy in after:
         copy()
-    for m in list(opt.state):  # a parameter that had no state when saved has none now
-        if name_of.get(id(m)) not in kinds:
-            del opt.state[m]
+    name_of_holder = {id(h): n for n, h in holders.items() if h is not None}
+    for h in list(opt.state):  # a parameter that had no state when saved has none now
+        if name_of_holder.get(id(h)) not in kinds:
+            del opt.state[h]
     for n, extra in opt_meta.get("nontensor_state", {}).items():
-        opt.state[managed[n][0]].update(extra)
+        if holders.get(n) is not None:
+            opt.state[holders[n]].update(extra)
     for g, s in zip(opt.param_groups, saved_groups):
         g.update({k: v for k, v in s.items() if k not in _IMPL_KEYS})
     # 0/1 Adam saved between synchronizations: this rank's own model over the mean just read (rank_local.py)
@@ -189,29 +198,6 @@ def check_optimizer_count(path: _PathLike, saved: int, current: int) -> None:
     if saved != current:
         raise ValueError(f"Checkpoint {str(path)!r} holds the state of {saved} optimizer(s); this run has "
                          f"{current}. configure_optimizers must return as many optimizers as when it was saved.")
-
-
-def _init_state(opt: torch.optim.Optimizer, masters: list[torch.Tensor]) -> None:
-    """Create the optimizer's state tensors (one step on zero gradients at lr 0; the masters are restored)."""
-    need = [m for m in masters if not opt.state.get(m)]
-    if not need:
-        return
-    keep = [m.detach().clone() for m in need]
-    grads = {id(m): getattr(m, "grad", None) for row in opt.param_groups for m in row["params"]}
-    lrs = [g["lr"] for g in opt.param_groups]
-    for g in opt.param_groups:
-        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
-        for m in g["params"]:
-            m.grad = None
-    for m in need:
-        m.grad = torch.zeros_like(m)
-    opt.step()
-    for g, lr in zip(opt.param_groups, lrs):
-        g["lr"] = lr
-        for m in g["params"]:
-            m.grad = grads[id(m)]
-    for m, k in zip(need, keep):
-        m.copy_(k)
 
 
 def load_checkpoint_dir(path: _PathLike, module: nn.Module, engine=None, load_optimizer: bool = True,

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..engine.comm import collectives as C
 from ..engine.layout.groups import device_mesh, group_mesh
 from ..engine.optim.onebit import local_models as LM
 from . import tp_state as TS
@@ -127,13 +128,17 @@ def sharded_optimizer_state(engine, optimizer=None, group=None) -> dict[str, Any
     # 0/1 Adam's local steps: one value per tensor is the ranks' mean ([Note: the ranks' own models]); each
     # rank's own values ride beside it (rank_local.py)
     mean = LM.mean_state(engine.sharded_for(opt)) if LM.rank_local_keys(opt) else {}
-    pg = group
+    pg, sharded = group, engine.sharded_for(opt)
+    owned = sharded.owner is not None  # whole state on each parameter's owner ([Note: owner-rank step])
     for group in opt.param_groups:
         for m in group["params"]:
             name, spec = name_of[id(m)]
-            for k, v in opt.state.get(m, {}).items():
+            holder = sharded.state_holder(m)
+            for k, v in (opt.state.get(holder, {}) if holder is not None else {}).items():
                 if k in rank_keys:
                     state.setdefault(name, {})[k] = per_rank(v, pg)
+                elif owned and torch.is_tensor(v) and v.dim() > 0 and v.shape == holder.shape:
+                    state.setdefault(name, {})[k] = v.detach().reshape(-1)  # written by its owner, flat as stage 0
                 elif torch.is_tensor(v) and v.dim() > 0 and v.shape == m.shape:
                     state.setdefault(name, {})[k] = entry(mean.get((id(m), k), v), name, spec)
                 elif torch.is_tensor(v):
@@ -143,5 +148,8 @@ def sharded_optimizer_state(engine, optimizer=None, group=None) -> dict[str, Any
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(m)][0] for m in g["params"]]}
               for g in opt.param_groups]
     # the user's own parameter lists, frozen ones as None: what a plain (DDP) optimizer numbers by position
-    layout = [[None if m is None else name_of[id(m)][0] for m in g] for g in engine.sharded_for(opt).group_layout]
-    return {"state": state, "param_groups": groups, "nontensor_state": other, "layout": layout}
+    layout = [[None if m is None else name_of[id(m)][0] for m in g] for g in sharded.group_layout]
+    if owned:  # each rank holds its own parameters' entries: every rank's, merged (the first rank writes them)
+        other = {n: extra for piece in C.all_gather_object(other, pg) for n, extra in piece.items()}
+    return {"state": state, "param_groups": groups, "nontensor_state": other, "layout": layout,
+            **({"owned_state": True} if owned else {})}

@@ -39,14 +39,16 @@ class CommStats:
     bytes: Counter = field(default_factory=Counter)
     by_group: dict = field(default_factory=dict)  # (op, group name) -> [calls, payload bytes, wire bytes]
 
-    def record(self, op: str, tensor: torch.Tensor, group: Optional[Any] = None) -> None:
+    def record(self, op: str, tensor: torch.Tensor, group: Optional[Any] = None,
+               wire: Optional[int] = None) -> None:
+        """``wire``: the bytes that leave this rank, where the ring formula does not give them (uneven splits)."""
         nbytes = tensor.numel() * tensor.element_size()
         self.calls[op] += 1
         self.bytes[op] += nbytes
         row = self.by_group.setdefault((op, group_name(group)), [0, 0, 0])
         row[0] += 1
         row[1] += nbytes
-        row[2] += int(nbytes * _WIRE[op](world_size(group)))
+        row[2] += int(nbytes * _WIRE[op](world_size(group))) if wire is None else wire
 
     def reset(self) -> None:
         self.calls.clear()
@@ -231,6 +233,20 @@ def all_to_all_rows(output: torch.Tensor, rows: torch.Tensor, group: Optional[An
                                   group=group, async_op=async_op)
 
 
+def all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                 group: Optional[Any] = None) -> None:
+    """All-to-all with a size per rank (the owner-rank step's gather and scatter, optim/owner_step.py):
+    ``input_splits[j]`` elements of ``input`` go to rank ``j``, ``output_splits[j]`` arrive from it, in rank
+    order. Its wire bytes are what leaves this rank (its own split stays)."""
+    n, r = world_size(group), rank(group)
+    if n == 1:
+        output.copy_(input)
+        return
+    stats.record("all_to_all", input, group, wire=(input.numel() - input_splits[r]) * input.element_size())
+    dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                           group=group)
+
+
 # grad_reduce="auto": on gloo, its own reduce-scatter is the slowest way to reduce-scatter; an all-reduce
 # keeping this rank's rows beats it, and one all-to-all of the rows (quantize.reduce_scatter_by_all_to_all,
 # half the all-reduce's bytes) beats both at every bucket size. Measured on 2 gloo ranks (CPU), fp32, median
@@ -285,6 +301,15 @@ def broadcast_flat(tensors: list[torch.Tensor], group: Optional[Any], cap: int =
 def barrier(group: Optional[Any] = None) -> None:
     if world_size(group) > 1:
         dist.barrier(group=group)
+
+
+def gather_object(obj: Any, group: Optional[Any] = None) -> Optional[list]:
+    """Every rank's ``obj`` on the group's first rank (None elsewhere): a consolidation's pieces, rare."""
+    if world_size(group) == 1:
+        return [obj]
+    out: Optional[list] = [None] * world_size(group) if rank(group) == 0 else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return out
 
 
 def all_gather_object(obj: Any, group: Optional[Any] = None) -> list:

@@ -13,8 +13,8 @@ what the fp32 memory floors assume. With fp16/bf16 compute, or with the optimize
 the master is a separate fp32 tensor (pinned on CUDA machines so host<->device copies can overlap).
 
 How the optimizer steps is its kind, asked once by the builder ([Note: optimizer kinds], kinds/): an
-elementwise one steps the master shards at any stage; whole-tensor ones are refused above stage 0; a
-communicating one (the 1-bit family) takes its gradients through its kind. The gradient side (what the
+elementwise one steps the master shards at any stage; a whole-tensor one steps whole parameters, each on its
+owner rank above stage 0 ([Note: owner-rank step], owner_step.py); a communicating one (the 1-bit family) takes its gradients through its kind. The gradient side (what the
 masters' ``.grad`` are, norms, clipping) is master_grads.py.
 """
 
@@ -31,7 +31,8 @@ from ..placement import host_kernels as HK
 from ..placement.location import Location
 from ..placement.state_stores import DeviceStates, StateStore, planned_masters
 from .optimizer_routes import user_class
-from .optimizer_state import consolidate_optimizer_state, load_sharded_optimizer_state
+from .optimizer_state import consolidate_optimizer_state, load_sharded_optimizer_state, zero_lr_step
+from .owner_step import OwnerStep
 from ..plan import ShardingPlan
 from .kinds import OptimizerKind, kind_of
 from .master_grads import MasterGrads
@@ -86,6 +87,7 @@ class ShardedOptimizer(MasterGrads):
         optimizer steps (kinds/, checked by the builder before anything is sharded; default: asked here)."""
         self._source_scope = source_scope
         self.kind = kind if kind is not None else kind_of(optimizer)
+        self.owner: Optional[OwnerStep] = None  # a whole-tensor kind's owner-rank step, bound at stages 1-3
         self.optimizer = optimizer
         self.plan = plan
         self.states = states if states is not None else DeviceStates()
@@ -209,7 +211,17 @@ class ShardedOptimizer(MasterGrads):
         NVMe) bucket by bucket through its ring, each bucket published by ``publish_chunk(masters, bucket)``
         while its masters are in memory."""
         after = (lambda k: publish_chunk(self.masters[k], self.buckets[k])) if publish_chunk is not None else None
-        self.states.step(self.optimizer, self._step_bucket, after)
+        self.kind.step(self, lambda: self.states.step(self.optimizer, self._step_bucket, after))
+
+    def state_holder(self, master: torch.Tensor) -> Optional[torch.Tensor]:
+        """The tensor ``optimizer.state`` keys ``master``'s parameter on here: the master itself, or (owner-rank
+        step) the owner's whole master; None where another rank owns the parameter and its state."""
+        return master if self.owner is None else self.owner.holder(master)
+
+    def init_state(self, masters: list[torch.Tensor]) -> None:
+        """Create the optimizer state of ``masters`` that have none, as their first step would (a checkpoint
+        load fills it next); the masters keep their values."""
+        self.kind.init_state(self, masters, zero_lr_step)
 
     def _step_bucket(self, k: int) -> None:
         """The user's optimizer on bucket ``k``'s masters only: every group keeps its hyper-parameters and

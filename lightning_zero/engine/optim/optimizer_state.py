@@ -41,6 +41,8 @@ def _groups_with_positions(s, groups: list[dict]) -> list[dict]:
 
 def consolidate_optimizer_state(s, group: Optional[Any] = None) -> dict:
     """The full state of the ShardedOptimizer ``s`` on rank 0 of ``group`` (``{}`` elsewhere). Collective."""
+    if s.owner is not None:
+        return _consolidate_owned(s, group)
     sliced, rank, world_size = s.plan.shards_optimizer_state, C.rank(group), C.world_size(group)
     local = s.optimizer.state_dict()
     positions = _positions(s)
@@ -100,6 +102,8 @@ def load_sharded_optimizer_state(s, full: dict) -> None:
         )
     positions = _positions(s)
     saved_ids = [i for g in full["param_groups"] for i in g["params"]]
+    if s.owner is not None:
+        return _load_owned(s, full, positions, saved_ids)
     local_state, local_index = {}, 0
     for pos, bp in enumerate(positions):
         if bp is None:
@@ -116,6 +120,48 @@ def load_sharded_optimizer_state(s, full: dict) -> None:
         n += k
         groups.append(g)
     s.optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+
+
+def _consolidate_owned(s, group) -> dict:
+    """Owner-rank step ([Note: owner-rank step]): each parameter's state is whole on its owner; the first
+    rank gathers every owner's entries, keyed by position (one object per rank, a checkpoint's rare path)."""
+    mine = {}
+    for pos, bp in enumerate(_positions(s)):
+        holder = None if bp is None else s.state_holder(s.masters[bp[0]][bp[1]])
+        st = s.optimizer.state.get(holder) if holder is not None else None
+        if st:
+            mine[pos] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in st.items()}
+    pieces = C.gather_object(mine, group)
+    if pieces is None:
+        return {}
+    state = {pos: st for piece in pieces for pos, st in piece.items()}
+    return {"state": dict(sorted(state.items())), "param_groups": _groups_with_positions(s, s.optimizer.param_groups)}
+
+
+def _load_owned(s, full: dict, positions: list, saved_ids: list) -> None:
+    """A full state into the owner-rank step: each rank keeps the whole state of the parameters it owns."""
+    for pos, bp in enumerate(positions):
+        holder = None if bp is None else s.state_holder(s.masters[bp[0]][bp[1]])
+        if holder is None:
+            continue
+        s.optimizer.state.pop(holder, None)
+        st = full["state"].get(saved_ids[pos], full["state"].get(str(saved_ids[pos])))
+        if st is not None:
+            s.optimizer.state[holder] = {k: whole_state_value(k, v, holder) for k, v in st.items()}
+    for g, saved in zip(s.optimizer.param_groups, full["param_groups"]):
+        g.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params"})
+
+
+def whole_state_value(key: str, v, holder: torch.Tensor):
+    """A saved state entry for the whole master ``holder``: parameter-sized tensors in its shape (a checkpoint
+    may hold them flat), floating ones in its dtype, all on its device; ``step`` as saved (torch's rule)."""
+    if not torch.is_tensor(v):
+        return copy.deepcopy(v)
+    if key == "step":
+        return v.clone()
+    if v.dim() > 0 and v.numel() == holder.numel():
+        v = v.reshape(holder.shape)
+    return v.to(device=holder.device, dtype=holder.dtype if v.is_floating_point() else v.dtype).clone()
 
 
 def _slice_state(s, bp: tuple[int, int], st: dict, pos: int) -> dict:
@@ -137,3 +183,27 @@ def _slice_state(s, bp: tuple[int, int], st: dict, pos: int) -> dict:
         else:
             out[k] = v
     return out
+
+
+@torch.no_grad()
+def zero_lr_step(opt: torch.optim.Optimizer, masters: list[torch.Tensor]) -> None:
+    """Create the optimizer's state tensors (one step on zero gradients at lr 0; the masters are restored)."""
+    need = [m for m in masters if not opt.state.get(m)]
+    if not need:
+        return
+    keep = [m.detach().clone() for m in need]
+    grads = {id(m): getattr(m, "grad", None) for row in opt.param_groups for m in row["params"]}
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+        for m in g["params"]:
+            m.grad = None
+    for m in need:
+        m.grad = torch.zeros_like(m)
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+        for m in g["params"]:
+            m.grad = grads[id(m)]
+    for m, k in zip(need, keep):
+        m.copy_(k)

@@ -30,3 +30,9 @@ _STATE_STORES: dict[Location, Callable[[Any, Any], StateStore]] = {
 def make_state_store(location: Location, config: Any, group: Any = None) -> StateStore:
     """A fresh store for one optimizer's masters and state at ``location`` (the plan's ``optimizer_states``)."""
     return _STATE_STORES[location](config, group)
+
+
+def state_store_streams(location: Location) -> bool:
+    """Whether the state store at ``location`` steps bucket by bucket through a ring (NVMe) rather than all at
+    once: an optimizer kind that must see whole tensors asks before anything is sharded."""
+    return {Location.DEVICE: DeviceStates, Location.HOST: HostStates, Location.NVME: NvmeStates}[location].streams

@@ -47,6 +47,15 @@ class OptimizerKind:
         buckets, finalized by the reducer; ``local``: the reducer reduced nothing this step."""
         sharded.take_rows(rows)
 
+    def step(self, sharded: Any, run_step: Callable[[], None]) -> None:
+        """The optimizer's step on ``sharded``'s masters; ``run_step()`` runs it where the masters are (the state
+        store's step)."""
+        run_step()
+
+    def init_state(self, sharded: Any, masters: list, zero_lr_step: Callable[[Any, list], None]) -> None:
+        """Create the optimizer state of ``masters`` (before a checkpoint load fills it)."""
+        zero_lr_step(sharded.optimizer, masters)
+
     def phase(self, optimizer: Any) -> Optional[str]:
         """The label of the coming step's traffic in comm_report (None: one kind of step)."""
         return None

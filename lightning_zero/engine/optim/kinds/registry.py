@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
+from ..owner_step import newton_schulz_cost, numel_cost
 from .base import KindSetup, OptimizerKind
 from .elementwise import ELEMENTWISE
 from .whole_tensor import WholeTensor
@@ -23,25 +24,33 @@ _ELEMENTWISE: set[type] = {
     torch.optim.ASGD,
     torch.optim.Rprop,
 }
-_WHOLE_TENSOR: set[type] = set()  # declared so by their authors (stage 0 only, for now)
+# declared whole-tensor, with the owner balance's cost of a parameter's step where it is not its numel
+_WHOLE_TENSOR: dict[type, Callable[[tuple], int]] = {torch.optim.Muon: newton_schulz_cost}
 _FAMILIES: dict[type, OptimizerKind] = {}  # base class -> kind, matched by isinstance (communicating families)
 
-WHOLE_TENSOR = WholeTensor(lambda: _ELEMENTWISE)
+WHOLE_TENSOR = WholeTensor(lambda: _WHOLE_TENSOR)
 
 
 def register_shardable_optimizer(cls: type) -> type:
     """Declare a custom optimizer class elementwise, hence safe to run on shards. Usable as decorator."""
-    _WHOLE_TENSOR.discard(cls)
+    _WHOLE_TENSOR.pop(cls, None)
     _ELEMENTWISE.add(cls)
     return cls
 
 
-def register_whole_tensor_optimizer(cls: type) -> type:
+def register_whole_tensor_optimizer(cls: Optional[type] = None, *, cost: Optional[Callable[[tuple], int]] = None):
     """Declare a custom optimizer class whole-tensor (its update reads whole tensors): stage 0 steps it on
-    whole parameters; stages 1-3 refuse it with the error that names what is allowed. Usable as decorator."""
-    _ELEMENTWISE.discard(cls)
-    _WHOLE_TENSOR.add(cls)
-    return cls
+    whole parameters, stages 1-3 on each parameter's owner rank ([Note: owner-rank step]). ``cost(shape)``:
+    what one parameter's step costs, which the owners balance (default: its numel). Any class that is not
+    declared elementwise is whole-tensor already; declaring it names its cost. Usable as decorator, with or
+    without ``cost``."""
+    def declare(c: type) -> type:
+        _ELEMENTWISE.discard(c)
+        if cost is not None or c not in _WHOLE_TENSOR:
+            _WHOLE_TENSOR[c] = cost if cost is not None else numel_cost
+        return c
+
+    return declare(cls) if cls is not None else declare
 
 
 def register_optimizer_kind(base: type, kind: OptimizerKind) -> None:

@@ -1,37 +1,62 @@
 """WHOLE_TENSOR: an update that reads whole tensors (LAMB / LARS trust ratios, Adafactor's factored moments,
 Muon, Shampoo) computes something else on a shard ([Note: optimizer kinds]). Stage 0 steps whole parameters,
-so any closure-free rule works there; stages 1-3 refuse it until the owner-rank step exists."""
+so any closure-free rule works there; stages 1-3 step each parameter whole on its owner rank
+([Note: owner-rank step], engine/optim/owner_step.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 
+from ...placement.stores import state_store_streams
+from ..owner_step import OwnerStep, numel_cost
 from .base import Kind, KindSetup, OptimizerKind
 
 
 class WholeTensor(OptimizerKind):
     kind = Kind.WHOLE_TENSOR
 
-    def __init__(self, allowed: Any) -> None:
-        self._allowed = allowed  # () -> the elementwise classes, named in the error
+    def __init__(self, costs: Callable[[], dict]) -> None:
+        self._costs = costs  # () -> {class: cost(shape)}, the owner balance's cost where one was declared
 
     def check(self, optimizer: Any, setup: KindSetup) -> None:
-        plan = setup.plan
+        plan, name = setup.plan, type(optimizer).__name__
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError(
                 "LBFGS re-evaluates the loss through a closure inside step(), which ZeRO's step (reduce, step, "
                 "gather) cannot interleave with. Allowed: optimizers whose step() needs no closure "
-                "(SGD, Adam, AdamW, ...)."
+                "(SGD, Adam, AdamW, Muon, Adafactor, ...)."
             )
-        if not plan.shards_optimizer_state:
-            return  # whole parameters on every rank (stage 0): any closure-free optimizer works
-        cls, stage = type(optimizer), plan.stage
-        names = sorted(c.__name__ for c in self._allowed())
-        raise ValueError(
-            f"{cls.__name__} cannot run on parameter shards: ZeRO stage {stage} needs an elementwise optimizer "
-            f"(each element's update depends only on its own gradient and state). Allowed: {', '.join(names)} "
-            "(exactly these classes: a subclass may change step()). Use stage=0, or, if your optimizer is "
-            f"elementwise, declare it with lightning_zero.register_shardable_optimizer({cls.__name__})."
-        )
+        if setup.tensor_parallel is not None:
+            raise ValueError(
+                f"{name} updates whole tensors, and tensor parallelism splits them across ranks: each rank would "
+                "step its piece as if it were the whole matrix. Allowed: an elementwise optimizer (SGD, Adam, "
+                f"AdamW, ...) with tensor_parallel_size, or {name} without it (any ZeRO stage)."
+            )
+        if plan.shards_optimizer_state and state_store_streams(plan.placement.optimizer_states):
+            raise ValueError(
+                f"{name} updates whole tensors, which its owner rank assembles in memory for the step; optimizer "
+                "state on NVMe streams the step bucket by bucket through a ring of slices. Allowed: "
+                f"{name} with its state on the device or offloaded to host memory (offload_optimizer=True)."
+            )
+
+    def bind(self, sharded: Any, group: Optional[Any]) -> None:
+        if sharded.plan.shards_optimizer_state:
+            sharded.owner = OwnerStep(sharded, group, self.cost_of(sharded.optimizer))
+
+    def cost_of(self, optimizer: Any) -> Callable[[tuple], int]:
+        costs = self._costs()
+        return next((c for cls, c in costs.items() if type(optimizer) is cls), numel_cost)
+
+    def step(self, sharded: Any, run_step: Callable[[], None]) -> None:
+        if sharded.owner is None:  # stage 0: the masters are whole
+            run_step()
+        else:
+            sharded.owner.step(run_step)
+
+    def init_state(self, sharded: Any, masters: list, zero_lr_step: Callable[[Any, list], None]) -> None:
+        if sharded.owner is None:
+            zero_lr_step(sharded.optimizer, masters)
+        else:
+            sharded.owner.init_state(masters, zero_lr_step)
