@@ -13,11 +13,11 @@ from typing import Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lightning_zero import muon_split
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from tests.helpers.zoo_models import ZOO
 
 ACCUM, CLIP = 2, 0.5
-EMBEDDING_NAMES = ("wte", "wpe", "embed", "lm_head", "shared")
 
 
 class Lamb(torch.optim.Optimizer):
@@ -48,14 +48,6 @@ class Lamb(torch.optim.Optimizer):
                 w_norm, u_norm = p.norm(), u.norm()
                 trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, torch.ones(()))
                 p.add_(u * trust, alpha=-g["lr"])
-
-
-def muon_split(model: torch.nn.Module) -> tuple[list, list]:
-    """Muon's usual split: the hidden 2-D matrices to Muon; embeddings, the head, biases and norms to AdamW."""
-    hidden, rest = [], []
-    for n, p in model.named_parameters():
-        (hidden if p.ndim == 2 and not any(e in n for e in EMBEDDING_NAMES) else rest).append(p)
-    return hidden, rest
 
 
 def make_optimizers(model: torch.nn.Module, which: str) -> list:

@@ -160,7 +160,7 @@ class OwnerStep:
         return _Swapped(self.sharded.optimizer, self.whole)
 
     def _gather(self, mine: list[OwnedParam]) -> None:
-        s, dev = self.sharded, self.sharded.device
+        dev = self.sharded.device
         values = not self.values_from_params
         per = 2 if values else 1
         parts, in_splits = [], []
