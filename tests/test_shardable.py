@@ -32,10 +32,25 @@ class Lamb(torch.optim.Adam):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_subclass_of_elementwise_class_is_refused(stage):
-    model = make_model()
-    with pytest.raises(ValueError, match=r"Lamb cannot run on parameter shards.*register_shardable_optimizer\(Lamb\)"):
-        ZeroEngine(model, Lamb(model.parameters(), lr=0.01), ZeroConfig(stage=stage))
+def test_subclass_of_elementwise_class_steps_whole_tensors(stage, caplog):
+    """A subclass may change step() (this one does: a trust ratio): it is never run on shards unless declared;
+    it steps whole parameters on their owner ranks, equal to the plain optimizer, and the setup says so."""
+    model, ref = make_model(), make_model()
+    with caplog.at_level("INFO", logger="lightning_zero.engine"):
+        engine = ZeroEngine(model, Lamb(model.parameters(), lr=0.01), ZeroConfig(stage=stage))
+    assert "Lamb updates whole tensors" in caplog.text and "register_shardable_optimizer(Lamb)" in caplog.text
+    assert engine.shardeds[0].owner is not None
+    ref_opt = Lamb(ref.parameters(), lr=0.01)
+    for step in range(3):
+        loss_fn(model, batch(step, 0), True).backward()
+        engine.step()
+        loss_fn(ref, batch(step, 0), True).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    engine.restore_fp32_module()
+    engine.remove(hand_back=False)
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_stage0_and_exact_classes_are_admitted():
@@ -50,10 +65,13 @@ def test_registered_subclass_is_admitted():
         pass
 
     model = make_model()
-    with pytest.raises(ValueError, match="register_shardable_optimizer"):
-        ZeroEngine(model, ScaledSGD(model.parameters(), lr=0.1), ZeroConfig(stage=1))
+    engine = ZeroEngine(model, ScaledSGD(model.parameters(), lr=0.1), ZeroConfig(stage=1))
+    assert engine.shardeds[0].owner is not None  # undeclared: whole tensors on owner ranks
+    engine.remove()
     register_shardable_optimizer(ScaledSGD)
-    ZeroEngine(model, ScaledSGD(model.parameters(), lr=0.1), ZeroConfig(stage=1)).remove()
+    engine = ZeroEngine(model, ScaledSGD(model.parameters(), lr=0.1), ZeroConfig(stage=1))
+    assert engine.shardeds[0].owner is None  # declared elementwise: steps on its shards
+    engine.remove()
 
 
 def _lbfgs(model):
@@ -83,12 +101,14 @@ def test_register_shardable_optimizer_admits_custom_class():
         pass
 
     model = make_model()
-    with pytest.raises(ValueError, match=r"SignSGD cannot run on parameter shards.*register_shardable_optimizer"):
-        ZeroEngine(model, SignSGD(model.parameters()), ZeroConfig(stage=2))
-    with pytest.raises(ValueError, match=r"MyAdamW cannot run on parameter shards.*register_shardable_optimizer"):
-        ZeroEngine(model, MyAdamW(model.parameters()), ZeroConfig(stage=2))
+    for cls in (SignSGD, MyAdamW):  # undeclared: stepped whole on owner ranks
+        engine = ZeroEngine(model, cls(model.parameters()), ZeroConfig(stage=2))
+        assert engine.shardeds[0].owner is not None, cls
+        engine.remove()
     register_shardable_optimizer(MyAdamW)
-    ZeroEngine(model, MyAdamW(model.parameters()), ZeroConfig(stage=2)).remove()
+    engine = ZeroEngine(model, MyAdamW(model.parameters()), ZeroConfig(stage=2))
+    assert engine.shardeds[0].owner is None
+    engine.remove()
 
     assert register_shardable_optimizer(SignSGD) is SignSGD  # usable as a decorator
     model, ref = make_model(), make_model()

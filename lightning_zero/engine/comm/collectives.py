@@ -76,6 +76,8 @@ _WIRE = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
+    "gather_to_owner": lambda n: (n - 1) / n,  # the owner-rank step's all-to-alls (their wire bytes are exact)
+    "scatter_from_owner": lambda n: (n - 1) / n,
     "all_gather": lambda n: n - 1,
     "broadcast": lambda n: 1.0,
 }
@@ -234,15 +236,15 @@ def all_to_all_rows(output: torch.Tensor, rows: torch.Tensor, group: Optional[An
 
 
 def all_to_all_v(output: torch.Tensor, input: torch.Tensor, output_splits: list[int], input_splits: list[int],
-                 group: Optional[Any] = None) -> None:
+                 group: Optional[Any] = None, op: str = "all_to_all") -> None:
     """All-to-all with a size per rank (the owner-rank step's gather and scatter, optim/owner_step.py):
     ``input_splits[j]`` elements of ``input`` go to rank ``j``, ``output_splits[j]`` arrive from it, in rank
-    order. Its wire bytes are what leaves this rank (its own split stays)."""
+    order. Its wire bytes are what leaves this rank (its own split stays); ``op``: its name in the counts."""
     n, r = world_size(group), rank(group)
     if n == 1:
         output.copy_(input)
         return
-    stats.record("all_to_all", input, group, wire=(input.numel() - input_splits[r]) * input.element_size())
+    stats.record(op, input, group, wire=(input.numel() - input_splits[r]) * input.element_size())
     dist.all_to_all_single(output, input, output_split_sizes=output_splits, input_split_sizes=input_splits,
                            group=group)
 

@@ -177,7 +177,7 @@ class OwnerStep:
         width = per * sum(it.spec.shard_numel for it in mine)
         send = torch.cat(parts) if parts else torch.zeros(0, device=dev)
         out = torch.empty(self.world * width, dtype=torch.float32, device=dev)
-        C.all_to_all_v(out, send.float(), [width] * self.world, in_splits, self.group)
+        C.all_to_all_v(out, send.float(), [width] * self.world, in_splits, self.group, op="gather_to_owner")
         out = out.view(self.world, width)
         off = 0
         for it in mine:
@@ -203,7 +203,7 @@ class OwnerStep:
         width = sum(it.spec.shard_numel for it in mine)
         out_splits = [sum(it.spec.shard_numel for it in self.owned(r)) for r in range(self.world)]
         out = torch.empty(sum(out_splits), dtype=torch.float32, device=dev)
-        C.all_to_all_v(out, send, out_splits, [width] * self.world, self.group)
+        C.all_to_all_v(out, send, out_splits, [width] * self.world, self.group, op="scatter_from_owner")
         off = 0
         for r in range(self.world):
             for it in self.owned(r):

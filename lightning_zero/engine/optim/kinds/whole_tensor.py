@@ -5,13 +5,18 @@ so any closure-free rule works there; stages 1-3 step each parameter whole on it
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
 
+from ...comm import collectives as C
+
 from ...placement.stores import state_store_streams
 from ..owner_step import OwnerStep, numel_cost
 from .base import Kind, KindSetup, OptimizerKind
+
+_log = logging.getLogger("lightning_zero.engine")
 
 
 class WholeTensor(OptimizerKind):
@@ -44,6 +49,8 @@ class WholeTensor(OptimizerKind):
     def bind(self, sharded: Any, group: Optional[Any]) -> None:
         if sharded.plan.shards_optimizer_state:
             sharded.owner = OwnerStep(sharded, group, self.cost_of(sharded.optimizer))
+            if C.rank() == 0:
+                _log.info(setup_line(sharded.optimizer, sharded.owner))
 
     def cost_of(self, optimizer: Any) -> Callable[[tuple], int]:
         costs = self._costs()
@@ -60,3 +67,12 @@ class WholeTensor(OptimizerKind):
             zero_lr_step(sharded.optimizer, masters)
         else:
             sharded.owner.init_state(masters, zero_lr_step)
+
+
+def setup_line(optimizer: Any, owner: OwnerStep) -> str:
+    """What the setup says about a whole-tensor optimizer: that it steps on owner ranks, and how even they are."""
+    name, costs = type(optimizer).__name__, owner.cost_by_rank()
+    share = max(costs) / (sum(costs) / len(costs)) if sum(costs) else 1.0
+    return (f"{name} updates whole tensors: each parameter is stepped on one owner rank (docs/optimizers.md); "
+            f"the busiest rank carries {share:.2f}x the mean step cost. An elementwise optimizer class can be "
+            f"declared with lightning_zero.register_shardable_optimizer({name}) to step on shards instead.")
