@@ -73,7 +73,8 @@ def assemble(engine: Any, module, optimizer, config: Optional[ZeroConfig], compu
     engine.reducer = _reducer(engine, cfg, plan, kinds) if train else None
     engine.publisher = PublishQueue(module) if plan.overlap_publish and train else None  # publish.py
     if train:
-        install_optimizer_methods(optimizers, engine.add_param_group, engine.zero_grad)
+        install_optimizer_methods(optimizers, engine.add_param_group, engine.zero_grad,
+                                  lambda opt: engine.sharded_for(opt).local_state_view())
         install_module_zero_grad(module, engine.zero_grad_params)
     if part is not None:
         part.release_by_buckets(engine.table, lambda: engine.reducer is not None and engine.reducer.in_backward)

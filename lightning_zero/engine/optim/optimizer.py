@@ -218,6 +218,11 @@ class ShardedOptimizer(MasterGrads):
         step) the owner's whole master; None where another rank owns the parameter and its state."""
         return master if self.owner is None else self.owner.holder(master)
 
+    def local_state_view(self):
+        """A context in which torch's ``state_dict`` / ``load_state_dict`` of the optimizer see this rank's part
+        (what the user's direct call gets; checkpoints take the engine's whole views)."""
+        return self.owner.whole_groups() if self.owner is not None else contextlib.nullcontext()
+
     def init_state(self, masters: list[torch.Tensor]) -> None:
         """Create the optimizer state of ``masters`` that have none, as their first step would (a checkpoint
         load fills it next); the masters keep their values."""

@@ -20,10 +20,13 @@ _ROUTED: dict[type, type] = {}  # the user's optimizer class -> its routed subcl
 
 
 class _Route:
-    """The engine's two methods for one optimizer object."""
+    """The engine's methods for one optimizer object; ``state_view(optimizer)``: a context in which torch's
+    ``state_dict`` / ``load_state_dict`` see this rank's part (an owner-rank step's groups hold whole masters
+    there, the tensors its state is keyed on: torch's own would not find them in the groups)."""
 
-    def __init__(self, optimizer, add_param_group, zero_grad) -> None:
+    def __init__(self, optimizer, add_param_group, zero_grad, state_view=None) -> None:
         self.optimizer, self.add_param_group, self.zero_grad = optimizer, add_param_group, zero_grad
+        self.state_view = state_view
 
 
 class _RoutedMethods:
@@ -40,6 +43,21 @@ class _RoutedMethods:
         return route.add_param_group(route.optimizer, param_group)
 
 
+    def state_dict(self):
+        route = getattr(self, _ROUTE, None)
+        if route is None or route.state_view is None:
+            return super().state_dict()
+        with route.state_view(route.optimizer):
+            return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        route = getattr(self, _ROUTE, None)
+        if route is None or route.state_view is None:
+            return super().load_state_dict(state_dict)
+        with route.state_view(route.optimizer):
+            return super().load_state_dict(state_dict)
+
+
 def routed_class(cls: type) -> type:
     if cls not in _ROUTED:
         _ROUTED[cls] = type(cls.__name__, (_RoutedMethods, cls),
@@ -52,11 +70,11 @@ def user_class(optimizer) -> type:
     return type(optimizer).__dict__.get("_zero_user_class", type(optimizer))
 
 
-def install_optimizer_methods(optimizers, add_param_group, zero_grad) -> None:
+def install_optimizer_methods(optimizers, add_param_group, zero_grad, state_view=None) -> None:
     """Route each managed optimizer's ``add_param_group`` and ``zero_grad`` to the engine's
-    ([Note: routed optimizer methods])."""
+    ([Note: routed optimizer methods]), and its ``state_dict`` / ``load_state_dict`` through ``state_view``."""
     for opt in optimizers:
-        setattr(opt, _ROUTE, _Route(opt, add_param_group, zero_grad))
+        setattr(opt, _ROUTE, _Route(opt, add_param_group, zero_grad, state_view))
         opt.__class__ = routed_class(user_class(opt))
 
 
