@@ -7,18 +7,19 @@ every parameter as for an elementwise optimizer -- masters, reduced gradients, t
 publish, the model's checkpoint entries and every store are unchanged -- and each parameter gets one *owner*
 rank. The optimizer's step is then three moves:
 
-    gather   one all-to-all: every rank sends its gradient slice of each parameter to the parameter's owner
-             (and the master's slice, unless the owner can read the values from the module); the owner
-             assembles the whole fp32 parameter and gradient, its *whole master* (parameter-shaped)
+    gather   one all-to-all per bucket: every rank sends its gradient slice of each parameter to the
+             parameter's owner (and the master's slice, unless the owner can read the values from the module);
+             the owner assembles the whole fp32 parameter and gradient, its *whole master* (parameter-shaped)
     step     the user's optimizer object, its class unchanged, steps the owner's whole masters: its
              ``param_groups`` hold them for that call only, so the groups' hyper-parameters, an LR scheduler
              and ``add_param_group`` act on the groups as always
-    scatter  one all-to-all back: each owner sends every rank its slice of the updated parameter, into that
-             rank's master; the engine publishes as for any optimizer
+    scatter  one all-to-all back per bucket: each owner sends every rank its slice of the updated parameter,
+             into that rank's master, and frees its whole masters; the engine publishes as for any optimizer
 
 The slice masters stay the one truth of the values (a checkpoint load, a module load, the publish read them),
-so a whole master exists only during the step: its storage is freed after the scatter (its shape stays, and
-the optimizer's state is keyed on it). The optimizer state lives whole on the owner alone, so a rank holds the
+so a whole master exists only during the step: its storage is freed once scattered (its shape stays, and the
+optimizer's state is keyed on it). A step's extra memory is thus the owned parameters' whole masters and
+gradients (8 bytes per owned element) plus one bucket's buffers (``OwnerStep.step_bytes``). The optimizer state lives whole on the owner alone, so a rank holds the
 state of the parameters it owns; owners are assigned greedily, largest cost first, to the least loaded rank
 (cost: numel, or m*n*min(m, n) for a Newton-Schulz step), and the memory report shows each rank's own bytes.
 
@@ -86,6 +87,7 @@ class OwnerStep:
         self.sharded, self.group, self.cost = sharded, group, cost
         self.world, self.rank = C.world_size(group), C.rank(group)
         self.items: list[OwnedParam] = []
+        self.by_bucket: list[list[OwnedParam]] = []  # the same, per bucket of the ShardedOptimizer
         self.whole: dict[int, torch.Tensor] = {}  # id(slice master) -> whole master, on its owner only
         self._load = [0] * self.world
         self._seen = 0  # buckets of the ShardedOptimizer assigned so far (add_param_group adds more)
@@ -100,7 +102,9 @@ class OwnerStep:
         s, new = self.sharded, []
         for bi in range(self._seen, len(s.masters)):
             b = s.buckets[bi]
-            new += [OwnedParam(m, p, spec, tuple(p.shape)) for m, p, spec in zip(s.masters[bi], b.params, b.specs)]
+            row = [OwnedParam(m, p, spec, tuple(p.shape)) for m, p, spec in zip(s.masters[bi], b.params, b.specs)]
+            self.by_bucket.append(row)
+            new += row
         self._seen = len(s.masters)
         for it in sorted(new, key=lambda it: -self.cost(it.shape)):  # stable: equal costs keep bucket order
             it.owner = min(range(self.world), key=lambda r: (self._load[r], r))
@@ -111,8 +115,8 @@ class OwnerStep:
                 self.whole[id(it.master)] = w
         self.items += new
 
-    def owned(self, rank: int) -> list[OwnedParam]:
-        return [it for it in self.items if it.owner == rank]
+    def owned(self, rank: int, items: Optional[list[OwnedParam]] = None) -> list[OwnedParam]:
+        return [it for it in (self.items if items is None else items) if it.owner == rank]
 
     def holder(self, master: torch.Tensor) -> Optional[torch.Tensor]:
         """The tensor the optimizer's state of ``master``'s parameter is keyed on here; None: another rank owns it."""
@@ -124,19 +128,32 @@ class OwnerStep:
         self.sync()
         return list(self._load)
 
+    def step_bytes(self) -> int:
+        """The most this rank allocates for a step beyond its persistent state: its whole masters and their
+        gradients (fp32), plus one bucket's send and receive buffers ([Note: owner-rank step])."""
+        self.sync()
+        per = 1 if self.values_from_params else 2
+        owned = sum(it.spec.numel for it in self.owned(self.rank))
+        buffers = max((per * sum(it.spec.shard_numel for it in row) +
+                       per * self.world * sum(it.spec.shard_numel for it in self.owned(self.rank, row))
+                       for row in self.by_bucket), default=0)
+        return 4 * (2 * owned + buffers)
+
     # -- the step ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, run_step: Callable[[], None]) -> None:
-        """Gather, ``run_step()`` (the user's optimizer, its groups holding this rank's whole masters), scatter."""
+        """Gather, ``run_step()`` (the user's optimizer, its groups holding this rank's whole masters), scatter;
+        one all-to-all each way per bucket, so the buffers stay within a bucket's size."""
         self.sync()
-        mine = self.owned(self.rank)
         try:
-            self._gather(mine)
+            for row in self.by_bucket:
+                self._gather(row)
             with self.whole_groups():
                 run_step()
-            self._scatter(mine)
+            for row in self.by_bucket:
+                self._scatter(row)
         finally:
-            self._release(mine)
+            self._release(self.owned(self.rank))
 
     @torch.no_grad()
     def init_state(self, masters: list[torch.Tensor], zero_lr_step: Callable[[Any, list], None]) -> None:
@@ -159,14 +176,15 @@ class OwnerStep:
         """A context in which the optimizer's groups hold this rank's whole masters instead of the slices."""
         return _Swapped(self.sharded.optimizer, self.whole)
 
-    def _gather(self, mine: list[OwnedParam]) -> None:
-        dev = self.sharded.device
+    def _gather(self, row: list[OwnedParam]) -> None:
+        """One bucket: every rank's slices of each parameter to its owner, assembled into the whole master."""
+        dev, mine = self.sharded.device, self.owned(self.rank, row)
         values = not self.values_from_params
         per = 2 if values else 1
         parts, in_splits = [], []
         for r in range(self.world):
             n = 0
-            for it in self.owned(r):
+            for it in self.owned(r, row):
                 c = it.spec.shard_numel
                 if values:
                     parts.append(_padded(it.master.to(dev), c))
@@ -192,21 +210,24 @@ class OwnerStep:
                 w.grad = out[:, off : off + c].reshape(-1)[:numel].to(w.device).view(it.shape)
             off += c
 
-    def _scatter(self, mine: list[OwnedParam]) -> None:
-        dev = self.sharded.device
+    def _scatter(self, row: list[OwnedParam]) -> None:
+        """One bucket: each owner's updated parameters back to every rank's slice masters; the owner's whole
+        masters of the bucket are freed as soon as they are sent."""
+        dev, mine = self.sharded.device, self.owned(self.rank, row)
         if mine:
             rows = [_padded(self.whole[id(it.master)].to(dev), self.world * it.spec.shard_numel).view(self.world, -1)
                     for it in mine]
             send = torch.cat(rows, dim=1).reshape(-1)  # row r: every owned parameter's slice for rank r
         else:
             send = torch.zeros(0, device=dev)
+        self._release(mine)
         width = sum(it.spec.shard_numel for it in mine)
-        out_splits = [sum(it.spec.shard_numel for it in self.owned(r)) for r in range(self.world)]
+        out_splits = [sum(it.spec.shard_numel for it in self.owned(r, row)) for r in range(self.world)]
         out = torch.empty(sum(out_splits), dtype=torch.float32, device=dev)
         C.all_to_all_v(out, send, out_splits, [width] * self.world, self.group, op="scatter_from_owner")
         off = 0
         for r in range(self.world):
-            for it in self.owned(r):
+            for it in self.owned(r, row):
                 n = it.spec.shard_len
                 it.master.copy_(out[off : off + n].view_as(it.master))
                 off += it.spec.shard_numel
@@ -215,7 +236,8 @@ class OwnerStep:
         for it in mine:
             w = self.whole[id(it.master)]
             w.grad = None
-            _free(w)
+            if w.untyped_storage().size():
+                _free(w)
 
 
 class _Swapped:
