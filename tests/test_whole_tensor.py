@@ -239,3 +239,34 @@ def test_direct_optimizer_state_dict_is_this_ranks_part():
     up in groups that hold slices): it returns this rank's owned parameters, and loads back."""
     owned = run_distributed(_direct_state_dict, 2)
     assert sum(owned) == sum(1 for _ in ZOO["gpt2"][0]().parameters())
+
+
+def _memory_rows(rank, world):
+    torch.manual_seed(0)
+    model = ZOO["llama"][0]()
+    opts = make_optimizers(model, "muon_adamw")
+    engine = ZeroEngine(model, opts, ZeroConfig(stage=3))
+    _, make_batch, loss_fn = ZOO["llama"]
+    loss_fn(model, make_batch(0, rank)).backward()
+    engine.step()
+    report = engine.memory_report()
+    owned = [it for it in engine.shardeds[0].owner.items if it.owner == rank]
+    engine.remove()
+    return report, sum(it.spec.numel for it in owned)
+
+
+@pytest.mark.timeout(120)
+def test_memory_report_counts_each_ranks_state_and_the_owner_steps_transient_bytes():
+    torch.manual_seed(0)
+    model = ZOO["llama"][0]()
+    opts = make_optimizers(model, "muon_adamw")
+    muon = opts[0].param_groups[0]["params"]
+    outs = run_distributed(_memory_rows, 2)
+    # Muon's momentum is whole on owners; AdamW's two moments are sliced: together every element once
+    adamw_elements = sum(p.numel() for p in opts[1].param_groups[0]["params"])
+    total_state = sum(r.optimizer_state for r, _ in outs)
+    assert total_state - 4 * sum(p.numel() for p in muon) - 8 * adamw_elements < 4 * 64 * 2  # + AdamW's step scalars
+    for report, owned_elements in outs:
+        # at least the owned whole masters and gradients in fp32, at most that plus one bucket's fp32 buffers
+        assert 8 * owned_elements < report.owner_step <= 8 * owned_elements + 4 * 2 * 2 * max(
+            p.numel() for p in model.parameters()) * 8

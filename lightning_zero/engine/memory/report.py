@@ -25,6 +25,7 @@ def measure_model_states(params, shardeds, reducer=None, partitioner=None, froze
         grad_shards=nbytes(reducer.grad_shards) if reducer is not None else 0,
         master=sum(s.master_bytes() for s in shardeds),
         optimizer_state=sum(s.state_bytes() for s in shardeds),
+        owner_step=sum(s.owner.step_bytes() for s in shardeds if s.owner is not None),
     )
     stores = [s.bytes_by_location() for s in shardeds]
     stores += [part.store.bytes_by_location()] if part is not None else []
@@ -47,6 +48,9 @@ class MemoryReport:
     nvme: int = 0  # bytes of the above only in NVMe scratch files now (offload_optimizer="nvme")
     ring: int = 0  # host buffers the NVMe step streams those through (not model states: the bound on them)
     comm_buffers: int = 0  # flat collective buffers kept across steps (buffer_pool.py; not model states)
+    # a whole-tensor optimizer's owner-rank step: the most it allocates inside a step (its owned parameters'
+    # whole masters and gradients, one bucket's buffers), freed before the step returns ([Note: owner-rank step])
+    owner_step: int = 0
 
     @property
     def model_states(self) -> int:

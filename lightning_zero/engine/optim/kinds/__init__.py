@@ -5,8 +5,9 @@ ZeRO can hand an optimizer three things, and which one decides everything the en
 
     kind           steps                                   the engine around it
     ELEMENTWISE    flat master shards (any stage)          reduce(-scatter) in backward, masters' .grad = shards
-    WHOLE_TENSOR   whole parameters                        stage 0 only today: stages 1-3 refuse it (the
-                                                           owner-rank step, whole tensors on one rank, is next)
+    WHOLE_TENSOR   whole parameters                        stage 0: the masters are whole; stages 1-3: each
+                                                           parameter stepped whole on its owner rank, gathered
+                                                           and scattered per bucket ([Note: owner-rank step])
     COMMUNICATING  brings its own exchange (1-bit family)  asks it before every reduction whether to reduce;
                                                            binds it to the group and (stage 1) its slices
 
@@ -14,7 +15,8 @@ ZeRO can hand an optimizer three things, and which one decides everything the en
 ``isinstance``: 1-bit Adam and 0/1 Adam register ``CompressedAdamBase``, engine/optim/onebit/kind.py), else the
 exact class: torch's elementwise optimizers and those declared with :func:`register_shardable_optimizer`
 are ELEMENTWISE, everything else WHOLE_TENSOR (a subclass may override ``step()`` with a whole-tensor rule,
-so ``issubclass`` admits nothing). The builder asks it once and hands each optimizer's kind to its
+so ``issubclass`` admits nothing): the owner-rank step is right for any per-parameter update, the shard step
+only for an elementwise one, so an undeclared class takes the step that is always right. The builder asks it once and hands each optimizer's kind to its
 ``ShardedOptimizer``; the constructor, the step, checkpoints and comm_report call the kind's methods
 (base.py) and hold no optimizer-specific call. A new kind is one file here and one line in ``registry.py``.
 """
