@@ -141,7 +141,8 @@ def _continue_elsewhere(rank, world, cfg, path, full_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("saved,resumed", [((2, dict(stage=3)), (4, dict(stage=1))),
                                            ((4, dict(stage=2)), (2, dict(stage=3, offload_optimizer=True))),
-                                           ((2, dict(stage=1)), (2, dict(stage=0)))])
+                                           ((2, dict(stage=1)), (2, dict(stage=0))),
+                                           ((4, dict(stage=3, shard_group_size=2)), (2, dict(stage=2)))])
 def test_resume_at_another_world_size_and_stage(tmp_path, saved, resumed):
     path, full_path = str(tmp_path / "ckpt"), str(tmp_path / "full.pt")
     run_distributed(_save_for_reshard, saved[0], ZeroConfig(**saved[1]), path, full_path)

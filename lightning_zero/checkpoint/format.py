@@ -167,14 +167,13 @@ def _check_optimizer_keys(optimizer_state, group=None) -> Optional[dict]:
 
 
 def _union_of_owned(every: list[dict]) -> dict:
-    """The owner-rank step's state lists ([Note: owner-rank step]): each parameter listed by its owner alone."""
+    """The owner-rank step's state lists ([Note: owner-rank step]): each parameter listed by its owner(s) alone."""
     kinds: dict = {}
     for r, listed in enumerate(every):
-        for n, keys in listed.items():
-            if n in kinds:
-                raise RuntimeError(f"Optimizer state of {n!r} is held by two ranks (rank {r} and another); an "
-                                   "owner-rank step keeps each parameter's state on one. Cannot write a checkpoint.")
-            kinds[n] = keys
+        for n, keys in listed.items():  # hybrid sharding: one owner per shard group, the replicas' lists agree
+            if kinds.setdefault(n, keys) != keys:
+                raise RuntimeError(f"Optimizer state of {n!r} differs between its owners (rank {r}: {keys}, another: "
+                                   f"{kinds[n]}); cannot write a consistent checkpoint.")
     return kinds
 
 

@@ -85,7 +85,7 @@ def make_optimizers(model: torch.nn.Module, which: str) -> list:
 
 
 def run(rank: int, name: str, which: str, cfg: Optional[ZeroConfig], steps: int = 3, clip: Optional[float] = CLIP,
-        accum: int = ACCUM) -> dict:
+        accum: int = ACCUM, compute_dtype: Optional[torch.dtype] = None) -> dict:
     """Losses, pre-clip norms, the final fp32 state dict and (ZeRO) per-optimizer state bytes; ``cfg=None``: DDP."""
     from lightning_zero import register_whole_tensor_optimizer
 
@@ -95,7 +95,7 @@ def run(rank: int, name: str, which: str, cfg: Optional[ZeroConfig], steps: int 
     model = builder()
     opts = make_optimizers(model, which)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1.0 + s)) for o in opts]
-    engine = ZeroEngine(model, opts, cfg) if cfg is not None else None
+    engine = ZeroEngine(model, opts, cfg, compute_dtype=compute_dtype) if cfg is not None else None
     runner = model if engine is not None else DDP(model, find_unused_parameters=True)
     losses, norms = [], []
     for step in range(steps):
@@ -105,7 +105,7 @@ def run(rank: int, name: str, which: str, cfg: Optional[ZeroConfig], steps: int 
             with ctx:
                 if engine is not None:
                     engine.prepare_forward()
-                loss = loss_fn(runner, make_batch(step * accum + micro, rank)) / accum
+                loss = loss_fn(runner, make_batch(step * accum + micro, rank)).float() / accum
                 loss.backward()
             losses.append(loss.item())
         if engine is not None:
