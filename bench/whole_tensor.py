@@ -38,7 +38,7 @@ No peak RSS: one process runs every method in turn, so its resident peak is the 
 
 Run::
 
-    python bench/whole_tensor.py                         # GPT-2 6 x 256, vocab 8192 (27 MB fp32): ~10 min on 2 cores
+    python bench/whole_tensor.py                         # GPT-2 6 x 256, vocab 8192 (26 MiB fp32): 16 min at load 8
     python bench/whole_tensor.py --methods ddp/muon,zero2/muon --steps 10 --json /tmp/whole_tensor.json
     python bench/whole_tensor.py --device cuda           # 2 GPUs over NCCL; one GPU: add --world-size 1
 """
