@@ -112,12 +112,13 @@ def _ddp_counting_hook(state: dict, bucket):
     n = dist.get_world_size()
     buf = bucket.buffer()
     state["calls"] += 1
+    state["payload"] += buf.numel() * buf.element_size()
     state["wire"] += int(buf.numel() * buf.element_size() * 2 * (n - 1) / n)
     return dist.all_reduce(buf.div_(n), async_op=True).get_future().then(lambda f: f.value()[0])
 
 
 class Method:
-    """One method on one rank: ``module`` takes the forward; ``step()`` after backward."""
+    """One method on one rank: the model, its optimizers, the DDP wrapper or the engine, and their byte counts."""
 
     def __init__(self, name: str, args, device: torch.device) -> None:
         runner, which = name.split("/")
@@ -132,7 +133,7 @@ class Method:
 
             ids = [device.index] if device.type == "cuda" else None
             self.module = DDP(self.model, device_ids=ids, bucket_cap_mb=args.bucket_mb)
-            self.ddp_count = {"calls": 0, "wire": 0}
+            self.ddp_count = {"calls": 0, "payload": 0, "wire": 0}
             self.module.register_comm_hook(self.ddp_count, _ddp_counting_hook)
             return
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
@@ -178,13 +179,14 @@ class Method:
                 o.step()
                 o.zero_grad(set_to_none=True)
             self.ddp_last = dict(self.ddp_count)  # the hook counted this step's backward
-            self.ddp_count.update(calls=0, wire=0)
+            self.ddp_count.update(calls=0, payload=0, wire=0)
         return loss.detach()
 
     def bytes_now(self) -> dict:
         """This rank's counted bytes: optimizer state, masters, the owner's whole masters, last step's wire."""
         if self.engine is None:
-            wire = {"all_reduce@ddp": [self.ddp_last["calls"], 0, self.ddp_last["wire"]]}
+            last = self.ddp_last
+            wire = {"all_reduce@ddp": [last["calls"], last["payload"], last["wire"]]}
             return {"state": sum(_state_bytes(o) for o in self.opts), "master": 0, "owner_whole": 0,
                     "wire_rows": wire, "wire": self.ddp_last["wire"], "owner_wire": 0,
                     "state_by_optimizer": {type(o).__name__: _state_bytes(o) for o in self.opts}}
@@ -192,9 +194,8 @@ class Method:
         by_opt: dict[str, int] = {}
         for s in self.engine.shardeds:
             by_opt[type(s.optimizer).__name__] = by_opt.get(type(s.optimizer).__name__, 0) + s.state_bytes()
-        rank = dist.get_rank()
         whole = sum(4 * it.spec.numel for s in self.engine.shardeds if s.owner is not None
-                    for it in s.owner.owned(rank))
+                    for it in s.owner.owned(s.owner.rank))
         return {"state": sum(by_opt.values()), "master": sum(s.master_bytes() for s in self.engine.shardeds),
                 "owner_whole": whole, "wire_rows": {f"{op}@{g}": v for (op, g), v in rep.rows.items()},
                 "wire": rep.wire_bytes, "owner_wire": sum(r[2] for r in self.owner_rows.values()),
