@@ -7,8 +7,10 @@
 #   4. t5-3b with activation checkpointing + activation offload (every T5Block recomputed, its saved inputs
 #      in pinned host memory) on top of zero3_offload / zero2_offload: the largest batch (reference: 20)
 #   5. communication: int8 kernels on the GPU; NCCL collectives and step times with >= 2 GPUs (bench/comm_gpu.py)
-# A timeout per part; parts 1-3 fit in 8 minutes, part 4 adds 3.5, part 5 ~1 on one GPU: ONLY=activations runs 1 and 4 alone
-# (one call of a 10-minute device budget each). Results -> "${OUT:-bench_out}/gpu_results.txt".
+#   7. whole-tensor optimizers (Muon + AdamW, Adafactor) at stages 1-3 against DDP (bench/whole_tensor.py): NCCL,
+#      2 ranks with >= 2 GPUs, else one rank on one GPU (then no owner-step traffic, only its compute and copies)
+# A timeout per part; parts 1-3 fit in 8 minutes, part 4 adds 3.5, part 5 ~1 on one GPU: ONLY=activations runs 1 and 4 alone,
+# ONLY=whole_tensor runs 1 and 7 alone (one call of a 10-minute device budget each). Results -> "${OUT:-bench_out}/gpu_results.txt".
 # Models are built from T5Config (examples/t5_module.py presets): nothing is downloaded.
 # Usage (repo root):  bash bench/gpu_check.sh
 set -u
@@ -21,6 +23,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 START=$(date +%s)
 : > "$RES"
 log() { echo "$*" | tee -a "$RES"; }
+
+ONLY="${ONLY:-all}"   # all | activations (skips parts 2-3) | whole_tensor (skips parts 2-6)
+case "$ONLY" in all|activations|whole_tensor) ;; *) log "!!! ONLY=$ONLY: allowed all, activations, whole_tensor"; exit 2 ;; esac
 
 # part <name> <timeout s> <command...>: run, tee stdout+stderr (warnings filtered) into the results file
 part() {
@@ -56,8 +61,7 @@ if ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 
   exit 0
 fi
 
-ONLY="${ONLY:-all}"   # all | activations (skips parts 2-3)
-if [ "$ONLY" != activations ]; then
+if [ "$ONLY" = all ]; then
 # 2. The reference table, t5-large on one GPU capped at 24 GB (the reference had two 24 GB GPUs).
 part "seed table t5_large, 1 GPU, cap 24 GB" 200 \
   python bench/seed_table.py --model t5_large --cap-gb 24 --world-size 1 \
@@ -79,6 +83,7 @@ part "t5_3b dims, zero3_offload / zero2_offload (bf16), cap 24 GB" 180 \
     --train-samples 32 --eval-samples 32 --json "$OUTDIR/seed_table_t5_3b_offload.json"
 fi
 
+if [ "$ONLY" != whole_tensor ]; then
 # 4. t5-3b dims, checkpointing + activation offload on the offload presets: activations were what bounded
 #    the batch at the ZeRO floors (reference: DeepSpeed offload trains at 20, OOM at 30; target >= 2x of 3b).
 part "t5_3b dims, zero3_offload / zero2_offload + activation checkpointing + offload (bf16), cap 24 GB" 210 \
@@ -98,6 +103,18 @@ part "communication: int8 kernels; NCCL rows if >= 2 GPUs" 150 python bench/comm
 if [ "${SPARSE:-0}" = 1 ]; then
 part "sparse attention vs SDPA on the GPU (bench/sparse_attention.py)" 150 \
   python bench/sparse_attention.py --device cuda --cap-gib 16 --threads 4
+fi
+fi
+
+# 7. whole-tensor optimizers (issue 44) on the GPU: DDP vs ZeRO 1 / 2 / 3 / 3 + offload_optimizer, each with AdamW and
+#    with Muon + AdamW (lightning_zero.muon_split), Adafactor at 2 / 3; GPT-2 1024 x 8, vocab 32768 (134 M params).
+#    NOT RUN YET (no GPU was lent to the session that wrote it): off unless WHOLE_TENSOR=1 or ONLY=whole_tensor.
+if [ "${WHOLE_TENSOR:-0}" = 1 ] || [ "$ONLY" = whole_tensor ]; then
+WT_RANKS=$(python -c 'import torch; print(min(2, torch.cuda.device_count()))')
+part "whole-tensor optimizers vs DDP, GPT-2 134 M, $WT_RANKS GPU rank(s) over NCCL (bench/whole_tensor.py)" 300 \
+  python bench/whole_tensor.py --device cuda --world-size "$WT_RANKS" --threads 4 \
+    --d-model 1024 --layers 8 --heads 16 --vocab 32768 --seq 256 --batch 8 --rounds 3 --steps 8 --warmup 2 \
+    --json "$OUTDIR/whole_tensor_gpu.json"
 fi
 
 log ""
