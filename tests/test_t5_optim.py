@@ -240,4 +240,11 @@ def test_whole_tensor_choices_train_at_zero_stages(tmp_path, pairs_file, restore
         o.step()
     want = sum(t.numel() * t.element_size() for o in opts for st in o.state.values() for t in st.values()
                if torch.is_tensor(t) and t.ndim > 0)
-    assert sum(r["optimizer_state"] for r in summary["run_info"]["ranks"]) == want  # offloaded: host bytes
+    ranks = summary["run_info"]["ranks"]
+    assert sum(r["optimizer_state"] for r in ranks) == want  # offloaded: host bytes
+    # `lightning-zero estimate --optimizer NAME` books each rank's share of the owner-rank step as measured
+    from lightning_zero import estimate_model_states
+
+    est = estimate_model_states(model, world_size=2, optimizer=name, settings=[strategy])
+    assert est.whole_tensor.per_rank(2) == [r["optimizer_state"] for r in ranks]
+    assert est.rows[0].states["optimizer_state"] == pytest.approx(max(r["optimizer_state"] for r in ranks))
