@@ -37,9 +37,9 @@ from ..engine.memory.floors import optimizer_state_bytes_per_param
 from ..engine.placement.placement import Location, Placement
 from .estimate_knobs import check_estimate_knobs
 from .estimate_nvme import nvme_lines, nvme_optimizer_bytes, nvme_ring_bytes, nvme_step_bytes
-from .estimate_whole_tensor import WHOLE_TENSOR, state_for
 from .estimate_states import (SETTING_PLANS, SETTINGS, Row, buffer_bytes, host_step_grads,  # noqa: F401
                               model_state_bytes, plan_state_bytes)
+from .estimate_whole_tensor import WHOLE_TENSOR, state_for
 from .model_sizes import GiB, MiB, ModelInfo, gib, info_from_module, info_from_t5  # noqa: F401
 from .t5_dims import (BYTE_VOCAB, RECIPE_VOCAB, T5_PRESETS, T5Dims, t5_activation_bytes,  # noqa: F401
                       t5_activation_memory, t5_dims, t5_dims_from_config)
