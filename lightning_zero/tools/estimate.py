@@ -205,7 +205,7 @@ def estimate_model_states(
         if (settings is not None and name not in settings) or (split is not None and plan.shards_params):
             continue
         if whole is not None:
-            if plan.placement.optimizer_states is Location.NVME:  # the run refuses it
+            if not whole.runs_under(plan):  # NVMe optimizer state: the run refuses it
                 continue
             k = whole.k(plan.shards_optimizer_state, shards)
         st = plan_state_bytes(info, plan, shards, mixed, k, accumulating)

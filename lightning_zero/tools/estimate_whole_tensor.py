@@ -77,6 +77,21 @@ class WholeTensorState:
         """The most loaded rank's whole fp32 masters + gradients during the step (bytes)."""
         return max(8.0 * sum(_numel(it[0]) for it in mine) for mine in self.owners(ranks))
 
+    def runs_under(self, plan: Any) -> bool:
+        """Whether a run takes this optimizer under ``plan``: the engine's own check (its optimizer kind's),
+        asked of a stand-in; it refuses NVMe optimizer state, whose step streams slices."""
+        import torch
+
+        from ..engine.optim.kinds import KindSetup, kind_of
+
+        cls = {"muon": torch.optim.Muon, "adafactor": torch.optim.Adafactor}[self.optimizer]
+        stand_in = cls([torch.zeros(2, 2, requires_grad=True)])
+        try:
+            kind_of(stand_in).check(stand_in, KindSetup(plan, None, [stand_in]))
+        except ValueError:
+            return False
+        return True
+
     def line(self, ranks: int) -> str:
         per = self.per_rank(ranks)
         mean = sum(per) / len(per)
