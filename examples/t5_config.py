@@ -159,7 +159,9 @@ class TrainerConf:
 
 @dataclass
 class OptimConf:
-    # adamw (torch.optim.AdamW) | onebit_adam | zeroone_adam: the communication-compressed Adams of
+    # adamw (torch.optim.AdamW) | muon (torch.optim.Muon on the hidden matrices + AdamW on the rest; manual
+    # optimization, no gradient accumulation) | adafactor (torch.optim.Adafactor): any ZeRO stage, not with NVMe
+    # optimizer state (docs/optimizers.md) | onebit_adam | zeroone_adam: the communication-compressed Adams of
     # lightning_zero.optim (docs/onebit_adam.md): strategy stage 0 for both, stage 1 for onebit_adam too
     name: str = "adamw"
     # onebit_adam: AdamW steps before the variance freezes and the momentum exchange turns 1-bit;

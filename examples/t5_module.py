@@ -33,7 +33,7 @@ from torchmetrics.text.rouge import ROUGEScore  # noqa: E402
 from transformers import GenerationConfig, T5Config, T5ForConditionalGeneration  # noqa: E402
 
 from t5_attention import ATTENTIONS  # noqa: E402
-from t5_optim import OPTIMIZERS, make_optimizer  # noqa: E402
+from t5_optim import MANUAL, OPTIMIZERS, make_muon_adamw, make_optimizer  # noqa: E402
 from t5_samples import append_jsonl, gather_rows, markdown_table, write_jsonl  # noqa: E402
 from t5_tokenizer import bytes_tokenizer, check_vocab_matches, tokenizer_vocab  # noqa: E402
 
@@ -95,7 +95,9 @@ class T5FineTuner(L.LightningModule):
                  attention: str = "dense", sparse_attention: dict | None = None,
                  optimizer: str = "adamw", freeze_step: int | None = None, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16,
-                 **config_overrides: Any):
+                 gradient_clip_val: float | None = None, **config_overrides: Any):
+        """``gradient_clip_val``: the clipping of an ``optimizer`` in ``t5_optim.MANUAL`` (which steps itself);
+        the Trainer's ``gradient_clip_val`` clips every other choice."""
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optim.name={optimizer!r}: allowed {', '.join(OPTIMIZERS)}.")
@@ -105,6 +107,7 @@ class T5FineTuner(L.LightningModule):
             raise ValueError(f"optim.label_smoothing={label_smoothing}: allowed 0 <= value < 1.")
         # The tokenizer object is not a hyperparameter (not serialisable in general).
         self.save_hyperparameters(ignore=["tokenizer"])
+        self.automatic_optimization = optimizer not in MANUAL
         self.tokenizer = tokenizer if tokenizer is not None else bytes_tokenizer()
         if model_config is not None:  # load_from_checkpoint: the architecture as saved; the weights follow
             self.model = T5ForConditionalGeneration(T5Config(**model_config))
@@ -179,7 +182,28 @@ class T5FineTuner(L.LightningModule):
                 out.logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100,
                 label_smoothing=self.hparams.label_smoothing)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        if not self.automatic_optimization:
+            self._manual_step(loss)
         return loss
+
+    def _manual_step(self, loss: torch.Tensor) -> None:
+        """One step of Muon + AdamW (``optim.name=muon``): backward once, clip each optimizer's gradients by
+        their global norm, step both, then both LR schedules. Muon's step goes through Lightning's optimizer
+        wrapper, which counts it (``trainer.global_step``, ``max_steps``, checkpoints); AdamW's is the
+        strategy's own ``optimizer_step``, because Lightning counts every wrapper's step and ``trainer.max_steps``
+        would then be half as many batches as with ``optim.name=adamw``."""
+        muon, adamw = self.optimizers()
+        self.manual_backward(loss)
+        if self.hparams.gradient_clip_val:
+            for opt in (muon, adamw):
+                self.clip_gradients(opt, gradient_clip_val=self.hparams.gradient_clip_val,
+                                    gradient_clip_algorithm="norm")
+        muon.step()
+        self.trainer.strategy.optimizer_step(adamw.optimizer, closure=lambda: None, model=self)
+        muon.zero_grad()
+        adamw.zero_grad()
+        for sched in self.lr_schedulers():
+            sched.step()
 
     def _generate(self, batch: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
         # ZeRO-3: hold the whole model once for the generate() call instead of gathering every unit at
@@ -279,8 +303,11 @@ class T5FineTuner(L.LightningModule):
             est = self.trainer.estimated_stepping_batches
             total = int(est) if est is not None and math.isfinite(est) else 10_000
         h = self.hparams
-        opt = make_optimizer(groups, h.lr, total, h.optimizer, h.freeze_step, h.var_update_scaler,
-                             h.local_step_scaler, h.local_step_clipper)
+        if h.optimizer in MANUAL:
+            opts = make_muon_adamw(self.model, groups, h.lr)  # the HF model: it names its output head
+        else:
+            opts = [make_optimizer(groups, h.lr, total, h.optimizer, h.freeze_step, h.var_update_scaler,
+                                   h.local_step_scaler, h.local_step_clipper)]
         warmup = min(self.hparams.warmup_steps, max(total - 1, 0))
 
         kind = self.hparams.lr_schedule
@@ -295,5 +322,8 @@ class T5FineTuner(L.LightningModule):
                 return math.sqrt(max(1, warmup) / max(step, 1))
             return max(0.0, (total - step) / max(1, total - warmup))  # linear: the formula runs always had
 
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        if len(opts) == 1:
+            sched = torch.optim.lr_scheduler.LambdaLR(opts[0], lr_lambda)
+            return {"optimizer": opts[0], "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        scheds = [{"scheduler": torch.optim.lr_scheduler.LambdaLR(o, lr_lambda), "interval": "step"} for o in opts]
+        return opts, scheds

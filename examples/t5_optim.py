@@ -1,5 +1,11 @@
-"""The T5 recipe's optimizer choice (``optim.name``): AdamW, or lightning_zero's communication-compressed Adams
-(1-bit Adam, 0/1 Adam; docs/onebit_adam.md), built over the module's weight-decay param groups.
+"""The T5 recipe's optimizer choice (``optim.name``): AdamW, torch's whole-tensor optimizers (Muon on the hidden
+matrices with AdamW on the rest, Adafactor; docs/optimizers.md), or lightning_zero's communication-compressed
+Adams (1-bit Adam, 0/1 Adam; docs/onebit_adam.md), built over the module's weight-decay param groups.
+
+Muon is two optimizers (``lightning_zero.muon_split``: Muon cannot step an embedding, a head, a bias or a norm),
+and Lightning's automatic optimization takes one, so ``optim.name=muon`` trains with manual optimization
+(:data:`MANUAL`, examples/t5_module.py ``_manual_step``): the Trainer then gets no ``gradient_clip_val`` (the
+module clips) and refuses gradient accumulation (:func:`check_optimizer` says so before any process starts).
 
 Design note: the compressed Adams compose with fewer strategies than AdamW (1-bit Adam: stages 0-1; 0/1 Adam:
 stage 0; neither with fp16 loss scaling or tensor parallelism). The engine refuses the rest when a fit sets it
@@ -13,7 +19,8 @@ from typing import Any
 
 import torch
 
-OPTIMIZERS = ("adamw", "onebit_adam", "zeroone_adam")  # optim.name
+OPTIMIZERS = ("adamw", "muon", "adafactor", "onebit_adam", "zeroone_adam")  # optim.name
+MANUAL = ("muon",)  # optim.name values whose module steps its optimizers itself (several optimizers)
 
 
 def make_optimizer(groups: Any, lr: float, total_steps: int, optimizer: str = "adamw",
@@ -26,6 +33,10 @@ def make_optimizer(groups: Any, lr: float, total_steps: int, optimizer: str = "a
         raise ValueError(f"optim.name={optimizer!r}: allowed {', '.join(OPTIMIZERS)}.")
     if optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=lr)
+    if optimizer == "adafactor":  # factored second moments, fp32 throughout; each group's weight decay kept
+        return torch.optim.Adafactor(groups, lr=lr)
+    if optimizer == "muon":
+        raise ValueError("optim.name='muon' is two optimizers over the module's parameters: make_muon_adamw.")
     from lightning_zero.optim import OneBitAdam, ZeroOneAdam
 
     freeze = max(1, round(0.2 * total_steps)) if freeze_step is None else freeze_step
@@ -35,35 +46,70 @@ def make_optimizer(groups: Any, lr: float, total_steps: int, optimizer: str = "a
                        local_step_scaler=local_step_scaler, local_step_clipper=local_step_clipper)
 
 
+def make_muon_adamw(module: torch.nn.Module, groups: list, lr: float) -> list[torch.optim.Optimizer]:
+    """[Muon over the hidden 2-D matrices, AdamW over the rest] (``lightning_zero.muon_split``), each keeping the
+    weight decay of the ``groups`` its parameters come from. Muon's ``adjust_lr_fn="match_rms_adamw"``
+    (Moonlight's scaling) gives its update AdamW's RMS, so one ``optim.lr`` and ``optim.weight_decay`` serve
+    both optimizers."""
+    from lightning_zero import muon_split
+
+    hidden = {id(p) for p in muon_split(module)[0]}
+    muon = [{**g, "params": [p for p in g["params"] if id(p) in hidden]} for g in groups]
+    adamw = [{**g, "params": [p for p in g["params"] if id(p) not in hidden]} for g in groups]
+    return [torch.optim.Muon([g for g in muon if g["params"]], lr=lr, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW([g for g in adamw if g["params"]], lr=lr)]
+
+
 def optimizer_kwargs(cfg: Any) -> dict:
-    """The ``T5FineTuner`` arguments that choose and shape its optimizer, from ``cfg.optim``."""
+    """The ``T5FineTuner`` arguments that choose and shape its optimizer, from ``cfg.optim`` (and the clipping a
+    module that steps itself applies: :data:`MANUAL`)."""
     o = cfg.optim
     return dict(optimizer=o.name, freeze_step=o.freeze_step, var_update_scaler=o.var_update_scaler,
-                local_step_scaler=o.local_step_scaler, local_step_clipper=o.local_step_clipper)
+                local_step_scaler=o.local_step_scaler, local_step_clipper=o.local_step_clipper,
+                gradient_clip_val=cfg.trainer.gradient_clip_val)
+
+
+def _stand_ins(cfg: Any) -> list[torch.optim.Optimizer]:
+    """``optim.name``'s optimizers over a stand-in module (one embedding, one hidden matrix): what the engine's
+    kind check is asked about before any process starts."""
+    if cfg.optim.name in MANUAL:
+        module = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.Linear(2, 2))
+        return make_muon_adamw(module, [{"params": list(module.parameters())}], cfg.optim.lr)
+    kwargs = {k: v for k, v in optimizer_kwargs(cfg).items() if k != "gradient_clip_val"}  # the module's
+    return [make_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim.lr, 1, **kwargs)]
 
 
 def check_optimizer(cfg: Any, strategy: Any) -> None:
     """Refuse ``optim.*`` before any process starts (a ``ConfigError``): an unknown name or a bad knob (the
-    optimizer's own message), and a compressed Adam the strategy does not compose with (the engine's own
-    refusal, asked of a stand-in optimizer under the run's stage, precision and layout)."""
+    optimizer's own message), gradient accumulation with a manual-optimization choice, and an optimizer the
+    strategy does not compose with: the engine's own refusal (its optimizer kind's check: a compressed Adam
+    past its stages, a whole-tensor optimizer with NVMe state or tensor parallelism), asked of stand-in
+    optimizers under the run's stage, placement, precision and layout."""
     from t5_config import ConfigError
 
-    if cfg.optim.name not in OPTIMIZERS:
-        raise ConfigError(f"Unknown optim.name {cfg.optim.name!r}. Allowed: {', '.join(OPTIMIZERS)}.")
+    name = cfg.optim.name
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"Unknown optim.name {name!r}. Allowed: {', '.join(OPTIMIZERS)}.")
+    if name in MANUAL and cfg.trainer.accumulate_grad_batches != 1:
+        raise ConfigError(
+            f"optim.name={name} steps two optimizers with manual optimization, where Lightning accumulates "
+            f"nothing: trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches}. Allowed: "
+            "trainer.accumulate_grad_batches=1 (raise data.batch_size instead), or accumulation with "
+            "optim.name=adamw / adafactor.")
     try:
-        opt = make_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim.lr, 1, **optimizer_kwargs(cfg))
+        opts = _stand_ins(cfg)
     except ValueError as e:
-        raise ConfigError(f"Invalid optimizer config (optim.name={cfg.optim.name!r}): {e}") from e
-    if cfg.optim.name == "adamw":
-        return
-    from lightning_zero.engine.optim.onebit.kind import check_composes
+        raise ConfigError(f"Invalid optimizer config (optim.name={name!r}): {e}") from e
+    from lightning_zero.engine.optim.kinds import KindSetup, kind_of
     from lightning_zero.engine.plan import ShardingPlan
 
     z = strategy.zero_config
-    tensor_parallel = cfg.strategy.tensor_parallel_size  # the check reads only whether there is one
+    tensor_parallel = cfg.strategy.tensor_parallel_size  # the checks read only whether there is one
     loss_scaler = True if str(cfg.trainer.precision).startswith("16") else None  # fp16 mixed scales the loss
+    setup = KindSetup(ShardingPlan.of(z), z, opts, tensor_parallel, loss_scaler)
     try:
-        check_composes([opt], ShardingPlan.of(z), z, tensor_parallel, loss_scaler)
+        for opt in opts:
+            kind_of(opt).check(opt, setup)
     except ValueError as e:
-        raise ConfigError(f"optim.name={cfg.optim.name} with strategy={cfg.strategy.name} (stage {z.stage}), "
+        raise ConfigError(f"optim.name={name} with strategy={cfg.strategy.name} (stage {z.stage}), "
                           f"precision {cfg.trainer.precision}: {e}") from e

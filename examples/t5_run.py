@@ -152,13 +152,17 @@ def make_trainer(cfg: DictConfig, strategy: Any, out: str, monitor: str, extra_c
         callbacks.append(TrainPosition(datamodule))
     if cfg.trainer.enable_progress_bar:
         callbacks.append(_progress_bar(cfg))
+    from t5_optim import MANUAL
+
     t = cfg.trainer
     trainer = L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
         precision=t.precision, max_steps=t.max_steps, max_epochs=t.max_epochs,
         val_check_interval=t.val_check_interval, check_val_every_n_epoch=t.check_val_every_n_epoch,
         limit_val_batches=t.limit_val_batches, num_sanity_val_steps=t.num_sanity_val_steps,
-        log_every_n_steps=t.log_every_n_steps, gradient_clip_val=t.gradient_clip_val,
+        log_every_n_steps=t.log_every_n_steps,
+        # a module that steps itself clips itself (t5_optim.MANUAL; Lightning refuses the Trainer's clipping then)
+        gradient_clip_val=None if cfg.optim.name in MANUAL else t.gradient_clip_val,
         accumulate_grad_batches=t.accumulate_grad_batches, deterministic=t.deterministic,
         enable_progress_bar=t.enable_progress_bar, logger=loggers, callbacks=callbacks,
         default_root_dir=out,

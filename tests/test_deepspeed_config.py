@@ -397,7 +397,7 @@ def test_deepspeed_onebit_and_zeroone_adam_configs_translate():
 def test_what_onebit_adam_cannot_take_is_refused(params, match):
     with pytest.raises(DeepSpeedConfigError, match=match):
         from_deepspeed_config({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, **params}}})
-    with pytest.raises(DeepSpeedConfigError, match=r"Allowed: Adam, AdamW, SGD, Adagrad, OneBitAdam, ZeroOneAdam"):
+    with pytest.raises(DeepSpeedConfigError, match=r"Allowed: Adam, AdamW, SGD, Adagrad, Adafactor, Muon, OneBitAdam, ZeroOneAdam"):
         from_deepspeed_config({"optimizer": {"type": "OneBitLamb", "params": {}}})
 
 

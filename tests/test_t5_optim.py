@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from tests.helpers.hydra_recipe import compose_recipe, pairs_file  # noqa: E402,F401  (fixture)
 from t5_config import ConfigError, build_strategy  # noqa: E402
 from t5_module import LR_SCHEDULES, T5FineTuner  # noqa: E402
-from t5_optim import OPTIMIZERS, check_optimizer  # noqa: E402
+from t5_optim import MANUAL, OPTIMIZERS, check_optimizer  # noqa: E402
 
 from lightning_zero.optim import OneBitAdam, ZeroOneAdam  # noqa: E402
 
@@ -82,13 +82,14 @@ def test_bad_schedule_and_smoothing_are_refused():
         T5FineTuner("t5_tiny", label_smoothing=1.0)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n not in MANUAL])  # muon: two optimizers, below
 def test_optimizer_choice_keeps_the_decay_groups_and_the_schedule(name):
     model = T5FineTuner("t5_tiny", lr=PEAK, weight_decay=0.05, warmup_steps=WARMUP, total_steps=TOTAL,
                         optimizer=name)
     conf = model.configure_optimizers()
     opt, sched = conf["optimizer"], conf["lr_scheduler"]["scheduler"]
-    assert type(opt) is {"adamw": torch.optim.AdamW, "onebit_adam": OneBitAdam, "zeroone_adam": ZeroOneAdam}[name]
+    assert type(opt) is {"adamw": torch.optim.AdamW, "adafactor": torch.optim.Adafactor, "onebit_adam": OneBitAdam,
+                         "zeroone_adam": ZeroOneAdam}[name]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
     assert sched.optimizer is opt and opt.param_groups[0]["lr"] == pytest.approx(PEAK / (WARMUP + 1))
@@ -113,9 +114,9 @@ def _refused(*overrides):
 
 
 def test_bad_optimizer_config_is_refused_naming_what_is_allowed():
-    with pytest.raises(ValueError, match="allowed adamw, onebit_adam, zeroone_adam"):
+    with pytest.raises(ValueError, match="allowed adamw, muon, adafactor, onebit_adam, zeroone_adam"):
         T5FineTuner("t5_tiny", optimizer="lamb")
-    assert "Allowed: adamw, onebit_adam, zeroone_adam" in _refused("optim.name=lamb")
+    assert "Allowed: adamw, muon, adafactor, onebit_adam, zeroone_adam" in _refused("optim.name=lamb")
     assert "freeze_step 0: allowed an int >= 1" in _refused("optim.name=onebit_adam", "strategy=zero0",
                                                            "optim.freeze_step=0")
     assert "local_step_clipper 0: allowed an int >= 1" in _refused("optim.name=zeroone_adam", "strategy=zero0",
@@ -180,3 +181,70 @@ def test_recipe_reports_the_compressed_phase_bytes(tmp_path, pairs_file, restore
     last = summary["run_info"]["ranks"][0]["comm"]["last_step_wire_bytes"]  # a compressed step
     assert 0.4 * phases["warmup"][3] < last < 0.6 * phases["warmup"][3]
     assert "comm (rank 0): warmup 1 steps " in capsys.readouterr().out
+
+
+def test_muon_is_muon_on_the_hidden_matrices_and_adamw_on_the_rest():
+    from lightning_zero import muon_split
+
+    model = T5FineTuner("t5_tiny", lr=PEAK, weight_decay=0.05, warmup_steps=WARMUP, total_steps=TOTAL,
+                        optimizer="muon")
+    assert not model.automatic_optimization  # two optimizers: the module steps them (manual optimization)
+    (muon, adamw), scheds = model.configure_optimizers()
+    assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
+    hidden, rest = muon_split(model.model)
+    assert [p for g in muon.param_groups for p in g["params"]] == hidden and len(hidden) > 0
+    assert {id(p) for g in adamw.param_groups for p in g["params"]} == {id(p) for p in rest}
+    assert muon.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+    assert [g["weight_decay"] for g in muon.param_groups] == [0.05]  # the hidden matrices: all decayed
+    assert [g["weight_decay"] for g in adamw.param_groups] == [0.05, 0.0]  # embeddings / head; norms
+    assert [s["scheduler"].optimizer for s in scheds] == [muon, adamw]
+    assert all(o.param_groups[0]["lr"] == pytest.approx(PEAK / (WARMUP + 1)) for o in (muon, adamw))
+    untied = T5FineTuner("t5_tiny", optimizer="muon", total_steps=TOTAL, tie_word_embeddings=False)  # T5 v1.1
+    u_muon, u_adamw = untied.configure_optimizers()[0]
+    assert any(p is untied.model.lm_head.weight for g in u_adamw.param_groups for p in g["params"])
+    assert not any(p is untied.model.lm_head.weight for g in u_muon.param_groups for p in g["params"])
+
+
+def test_whole_tensor_choices_are_refused_where_they_cannot_run():
+    msg = _refused("optim.name=muon", "trainer.accumulate_grad_batches=2")
+    assert "trainer.accumulate_grad_batches=2" in msg and "Allowed: trainer.accumulate_grad_batches=1" in msg
+    for name in ("muon", "adafactor"):  # the engine's own refusal, before any process starts
+        msg = _refused(f"optim.name={name}", "strategy=zero2_offload_nvme", "strategy.nvme_path=/tmp")
+        assert "with its state on the device or offloaded to host memory" in msg, msg
+    for ok in (("optim.name=adafactor", "trainer.accumulate_grad_batches=2"), ("optim.name=muon", "strategy=zero3"),
+               ("optim.name=muon", "strategy=zero3_offload"), ("optim.name=adafactor", "strategy=zero1_offload")):
+        cfg = compose_recipe(*ok)
+        check_optimizer(cfg, build_strategy(cfg))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,strategy", [("muon", "zero2"), ("adafactor", "zero1"), ("muon", "zero3_offload")])
+def test_whole_tensor_choices_train_at_zero_stages(tmp_path, pairs_file, restore_threads, name, strategy):
+    """Each choice trains a 2-rank recipe fit at a sharded stage (the owner-rank step): the val loss falls
+    from the untrained model's, and ``trainer.max_steps`` counts batches as with AdamW."""
+    summary, weights = _fit(tmp_path, pairs_file, name, f"strategy={strategy}", f"optim.name={name}",
+                            "trainer.max_steps=6", "trainer.val_check_interval=6", "trainer.validate_before_fit=true")
+    assert summary["run_info"]["global_step"] == 6
+    assert summary["last_val"]["val_loss"] < summary["baseline_val"]["val_loss"] - 0.5, summary["last_val"]
+    # the optimizer that ran is the one named: its state's bytes over both ranks are those of the same
+    # optimizers stepped once on the whole model here (Muon's momentum vs Adam's two moments, Adafactor's factors)
+    from transformers import T5ForConditionalGeneration
+    from t5_optim import make_muon_adamw
+
+    model = T5ForConditionalGeneration.from_pretrained(summary["run_info"]["hf_model"])
+    opts = (make_muon_adamw(model, [{"params": list(model.parameters())}], 1e-3) if name == "muon"
+            else [torch.optim.Adafactor(model.parameters())])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    for o in opts:
+        o.step()
+    want = sum(t.numel() * t.element_size() for o in opts for st in o.state.values() for t in st.values()
+               if torch.is_tensor(t) and t.ndim > 0)
+    ranks = summary["run_info"]["ranks"]
+    assert sum(r["optimizer_state"] for r in ranks) == want  # offloaded: host bytes
+    # `lightning-zero estimate --optimizer NAME` books each rank's share of the owner-rank step as measured
+    from lightning_zero import estimate_model_states
+
+    est = estimate_model_states(model, world_size=2, optimizer=name, settings=[strategy])
+    assert est.whole_tensor.per_rank(2) == [r["optimizer_state"] for r in ranks]
+    assert est.rows[0].states["optimizer_state"] == pytest.approx(max(r["optimizer_state"] for r in ranks))

@@ -114,7 +114,8 @@ def add_estimate(sub) -> None:
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (CPU RAM is per node)")
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])
     p.add_argument("--optimizer", default="adamw",
-                   help="adamw, adam (K=8 B/param), sgd (0), sgd_momentum, rmsprop, adagrad (4), ...")
+                   help="adamw, adam (K=8 B/param), sgd (0), sgd_momentum, rmsprop, adagrad (4), ...; whole-tensor "
+                   "(state by shape, on owner ranks; a module or T5 preset): muon (+ AdamW on the rest), adafactor")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="strategy.bucket_mb")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="gradient accumulation steps (> 1: stage 1 keeps full gradients between micro-batches)")

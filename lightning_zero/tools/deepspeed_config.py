@@ -15,7 +15,9 @@ each setting lives here, so nothing is silently dropped:
 * ZeRO-Infinity's ``offload_optimizer.device: "nvme"`` becomes ``offload_optimizer="nvme"`` with its
   ``nvme_path`` and ``buffer_count`` (``nvme_buffer_count``), ``offload_param.device: "nvme"`` becomes
   ``offload_params="nvme"`` (one ``nvme_path`` for both); the ``aio`` block tunes DeepSpeed's libaio only;
-* anything else -- an unknown key, a non-elementwise optimizer, fp16 and bf16 together --
+* DeepSpeed's Muon becomes torch's Muon on the hidden matrices + AdamW on the rest ([Note: DeepSpeed's Muon]),
+  what differs listed in ``differs``;
+* anything else -- an unknown key, an optimizer type with no torch counterpart, fp16 and bf16 together --
   is refused with one error that names what is allowed.
 
 ``"auto"`` is HF Trainer's placeholder for "the value of the setting beside it" (its
@@ -42,6 +44,7 @@ from .deepspeed_auto import unset as _unset
 from .deepspeed_batch import deepspeed_batch
 from .deepspeed_json import read_config
 from .deepspeed_offload import offload_knobs, preset_label
+from .deepspeed_muon import split_optimizers
 from .deepspeed_optimizer import check_composes_with, recipe_overrides, translate_optimizer
 from .deepspeed_schedule import DeepSpeedWarmupLR
 
@@ -60,6 +63,8 @@ _NO_EFFECT = {
     "zero_force_ds_cpu_optimizer": "offload always uses torch's fused CPU AdamW/Adam",
 }
 _ZERO_NO_EFFECT = {
+    "save_muon_momentum_buffer_in_memory": "a whole-tensor optimizer's state is never on NVMe here: with "
+                                           "offload_optimizer nvme the run refuses Muon",
     "overlap_comm": "reductions always overlap backward (side stream on CUDA)",
     "contiguous_gradients": "reduced gradients always land in flat shards",
     "reduce_scatter": "stages 1-3 always reduce-scatter",
@@ -100,8 +105,10 @@ class DeepSpeedTranslation:
     trainer: dict = field(default_factory=dict)  # Trainer flags: accumulate_grad_batches, gradient_clip_val
     micro_batch_size: Optional[int] = None  # per rank: the DataLoader's batch_size
     optimizer: Optional[tuple[type, dict]] = None  # torch class, kwargs (lr, betas, ...)
+    rest_optimizer: Optional[tuple[type, dict]] = None  # Muon: the AdamW for the other parameters
     scheduler: Optional[dict] = None  # {"type": "WarmupLR" | "WarmupDecayLR", params}
     ignored: dict = field(default_factory=dict)  # key -> why it has no effect here
+    differs: dict = field(default_factory=dict)  # key -> how the run here differs from DeepSpeed's
     auto: dict = field(default_factory=dict)  # "auto" key -> what it resolved to (a value, or the setting it defers to)
     world_size: Optional[int] = None  # the ranks train_batch_size was divided over: the run needs as many
 
@@ -121,17 +128,22 @@ class DeepSpeedTranslation:
         plugin = {"precision_plugin": self.make_precision()} if self.precision is not None else {}
         return ZeroStrategy(**{**self.strategy, **plugin, **kwargs})
 
-    def configure_optimizers(self, params) -> Union[torch.optim.Optimizer, dict]:
-        """For ``LightningModule.configure_optimizers``: the optimizer, with the LR schedule per step."""
+    def configure_optimizers(self, params) -> Union[torch.optim.Optimizer, dict, tuple]:
+        """For ``LightningModule.configure_optimizers``: the optimizer, with the LR schedule per step. ``params``:
+        the parameters or the module; Muon: the module, and two optimizers (Muon, AdamW: [Note: DeepSpeed's
+        Muon]) with a schedule each, for manual optimization."""
         if self.optimizer is None:
             raise DeepSpeedConfigError("the DeepSpeed config has no 'optimizer' block; build the optimizer yourself")
         cls, kw = self.optimizer
         if "lr" not in kw and "optimizer.params.lr" in self.auto:
             raise DeepSpeedConfigError("optimizer.params.lr is \"auto\": pass its value as "
                                        "from_deepspeed_config(..., auto={'learning_rate': LR}).")
-        opt = cls(params, **kw)
+        if self.rest_optimizer is not None:
+            opts = split_optimizers(params, self.optimizer, self.rest_optimizer)
+        else:
+            opts = [cls(params.parameters() if isinstance(params, torch.nn.Module) else params, **kw)]
         if self.scheduler is None:
-            return opt
+            return opts[0] if len(opts) == 1 else opts
         open_keys = [k for k in ("warmup_num_steps", "total_num_steps")
                      if f"scheduler.params.{k}" in self.auto and k not in self.scheduler]
         if open_keys:
@@ -139,8 +151,10 @@ class DeepSpeedTranslation:
             raise DeepSpeedConfigError(
                 f"scheduler.params {', '.join(open_keys)} are \"auto\": pass from_deepspeed_config(..., auto="
                 f"{{{', '.join(repr(names[k]) + ': N' for k in open_keys)}}}) (HF resolves them from its arguments).")
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": DeepSpeedWarmupLR(opt, **self.scheduler),
-                                                   "interval": "step"}}
+        scheds = [{"scheduler": DeepSpeedWarmupLR(opt, **self.scheduler), "interval": "step"} for opt in opts]
+        if len(opts) == 1:
+            return {"optimizer": opts[0], "lr_scheduler": scheds[0]}
+        return opts, scheds
 
     def hydra_overrides(self) -> tuple[list[str], list[str]]:
         """(overrides for ``examples/t5_finetune.py``, notes on what the recipe cannot take as it is)."""
@@ -151,6 +165,7 @@ class DeepSpeedTranslation:
             o["trainer.precision"] = self.precision
         o.update({f"trainer.{k}": v for k, v in self.trainer.items()})
         notes = [f"{k}: no effect here ({why})" for k, why in self.ignored.items()]
+        notes += [f"{k}: differs here ({how})" for k, how in self.differs.items()]
         notes += [f"{k}: \"auto\" -> {how}" for k, how in self.auto.items()]
         if self.micro_batch_size:
             o["data.batch_size"] = self.micro_batch_size
@@ -162,7 +177,7 @@ class DeepSpeedTranslation:
             notes.append(f"fp16 loss scaler {self.precision_kwargs}: the recipe uses DeepSpeed's defaults; "
                          "pass ZeroPrecision('16-mixed', ...) from Python to change them")
         if self.optimizer is not None:
-            opt_overrides, opt_notes = recipe_overrides(*self.optimizer)
+            opt_overrides, opt_notes = recipe_overrides(*self.optimizer, rest=self.rest_optimizer)
             o.update(opt_overrides)
             notes += opt_notes
         if self.scheduler is not None:
@@ -281,7 +296,8 @@ def from_deepspeed_config(config: Union[dict, str, Path], world_size: Optional[i
     zero_config = _zero(config, out, elem_bytes=4 if out.precision in ("32-true", None) else 2, auto=resolver)
     _optimizer(config, out, resolver)
     if out.optimizer is not None:
-        check_composes_with(*out.optimizer, config=zero_config, precision=out.precision)
+        check_composes_with([out.optimizer] + ([out.rest_optimizer] if out.rest_optimizer else []),
+                            config=zero_config, precision=out.precision)
     out.ignored.update({k: why for k, why in _NO_EFFECT.items() if k in config})
     if "gradient_clipping" in config and config["gradient_clipping"] == "auto":
         clip = resolver.resolve("gradient_clipping", "auto")

@@ -39,6 +39,7 @@ from .estimate_knobs import check_estimate_knobs
 from .estimate_nvme import nvme_lines, nvme_optimizer_bytes, nvme_ring_bytes, nvme_step_bytes
 from .estimate_states import (SETTING_PLANS, SETTINGS, Row, buffer_bytes, host_step_grads,  # noqa: F401
                               model_state_bytes, plan_state_bytes)
+from .estimate_whole_tensor import WHOLE_TENSOR, state_for
 from .model_sizes import GiB, MiB, ModelInfo, gib, info_from_module, info_from_t5  # noqa: F401
 from .t5_dims import (BYTE_VOCAB, RECIPE_VOCAB, T5_PRESETS, T5Dims, t5_activation_bytes,  # noqa: F401
                       t5_activation_memory, t5_dims, t5_dims_from_config)
@@ -69,6 +70,7 @@ class Estimate:
     tensor_parallel: Optional[object] = None  # estimate_tp.TensorParallelSplit (tensor_parallel_size only)
     activation_probe: Optional[object] = None  # estimate_activations.ActivationProbe (measured activations)
     nvme_step_time: float = 1.0  # seconds per optimizer step the NVMe bandwidth line is computed for
+    whole_tensor: Optional[object] = None  # estimate_whole_tensor.WholeTensorState (optimizer muon / adafactor)
 
     @property
     def ranks_per_node(self) -> int:
@@ -110,6 +112,7 @@ def estimate_model_states(
     tensor_parallel_plan: Optional[dict] = None,
     activation_probe: Optional[object] = None,
     nvme_step_time: float = 1.0,
+    whole_tensor: Optional[object] = None,
 ) -> Estimate:
     """Per-rank device bytes and per-node CPU RAM for every ZeRO stage x offload setting.
 
@@ -128,6 +131,8 @@ def estimate_model_states(
     activations of any model, measured at the probe's micro-batch and scaled linearly (instead of the T5
     formula; without checkpointing or offload, which the probe does not apply).
     ``nvme_step_time``: the step time (s) the ``*_offload_nvme`` rows' needed disk bandwidth is given for.
+    ``optimizer`` "muon" / "adafactor" (whole-tensor: state by parameter shape, on owner ranks; [Note: whole-tensor
+    state in the estimate]) needs a module or a T5; ``whole_tensor``: its state, already computed.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}. Allowed: 32-true, bf16-mixed, 16-mixed.")
@@ -136,7 +141,8 @@ def estimate_model_states(
                                     src_len=src_len, tgt_len=tgt_len, device_memory_gb=device_memory_gb,
                                     cpu_memory_gb=cpu_memory_gb, vocab_size=vocab_size, nvme_step_time=nvme_step_time)
     mixed = PRECISIONS[precision]
-    k = optimizer_state_bytes_per_param(optimizer)
+    optimizer = optimizer.lower()
+    k = None if optimizer in WHOLE_TENSOR else _state_bytes(optimizer)
     if isinstance(model, str):
         model = t5_dims(model, vocab_size=vocab_size)
     if isinstance(model, T5Dims):
@@ -184,6 +190,12 @@ def estimate_model_states(
         split, info = tensor_parallel_info(model, info, tensor_parallel_size, world_size, shard_group_size,
                                            tensor_parallel_plan)
         shards = world_size // tensor_parallel_size
+    whole = None
+    if optimizer in WHOLE_TENSOR:  # [Note: whole-tensor state in the estimate]
+        if split is not None:
+            raise ValueError(f"optimizer {optimizer!r} updates whole tensors, which tensor parallelism splits: the "
+                             "run refuses it. Allowed: an elementwise optimizer with tensor_parallel_size.")
+        whole = whole_tensor or state_for(optimizer, model, info.t5)
     ranks_per_node = math.ceil(world_size / num_nodes)
     rows = []
     accumulating = grad_accumulation > 1
@@ -192,11 +204,20 @@ def estimate_model_states(
         # tensor parallelism shards local pieces over the data-parallel ranks: not partitioned parameters
         if (settings is not None and name not in settings) or (split is not None and plan.shards_params):
             continue
+        if whole is not None:
+            if not whole.runs_under(plan):  # NVMe optimizer state: the run refuses it
+                continue
+            k = whole.k(plan.shards_optimizer_state, shards)
         st = plan_state_bytes(info, plan, shards, mixed, k, accumulating)
         buf = buffer_bytes(info, plan, shards, mixed, bucket_mb, accumulating)
+        # the owners' whole masters + gradients, where the step runs (on the host when offloaded)
+        transient = whole.transient(shards) if whole is not None and plan.shards_optimizer_state else 0.0
+        on_host = plan.placement.steps_on_host
+        buf["step"] += 0.0 if on_host else transient
         peak = st["device"] + max(buf["backward"] + (act or 0.0), buf["step"])
         ring = nvme_ring_bytes(info, plan, shards, k, bucket_mb)
         host = st["host"] + host_step_grads(plan, info.trainable, shards) + (parts["host"] if parts else 0) + ring
+        host += transient if on_host else 0.0
         row = Row(name, stage, offload, st, buf, act, peak, host, host * ranks_per_node, nvme_per_rank=st["nvme"],
                   nvme_moved_per_step=nvme_step_bytes(info, st, plan, shards, mixed), nvme_ring=ring,
                   nvme_optimizer=nvme_optimizer_bytes(info, plan, shards, k), plan=plan)
@@ -210,15 +231,24 @@ def estimate_model_states(
                     device_memory_gb * GiB if device_memory_gb is not None else None,
                     cpu_memory_gb * GiB if cpu_memory_gb is not None else None,
                     shard_group_size if shards != world_size else None,
-                    activation_checkpointing, offload_activations, parts, split, activation_probe, nvme_step_time)
+                    activation_checkpointing, offload_activations, parts, split, activation_probe, nvme_step_time,
+                    whole)
+
+
+def _state_bytes(optimizer: str) -> int:
+    try:
+        return optimizer_state_bytes_per_param(optimizer)
+    except ValueError as e:
+        raise ValueError(f"{e} Whole-tensor (state by parameter shape, on owner ranks): {', '.join(WHOLE_TENSOR)}.") \
+            from None
 
 
 def format_estimate(est: Estimate) -> str:
     info = est.info
-    k = optimizer_state_bytes_per_param(est.optimizer)
+    k = "by shape" if est.whole_tensor is not None else f"{optimizer_state_bytes_per_param(est.optimizer)} B/param"
     lines = [f"model: {info.name}, Psi = {info.numel:,} params ({info.trainable:,} trainable); {est.world_size} "
              f"rank(s) on {est.num_nodes} node(s); precision {est.precision}; optimizer {est.optimizer} "
-             f"(K = {k} B/param); bucket {est.bucket_mb:g} MiB; gradient accumulation {est.grad_accumulation}"
+             f"(K = {k}); bucket {est.bucket_mb:g} MiB; gradient accumulation {est.grad_accumulation}"
              + ("" if est.grad_accumulation > 1 else " (stage 1 keeps full gradients only when accumulating)")]
     if est.batch is not None and est.activation_probe is not None:
         pr = est.activation_probe
@@ -250,6 +280,8 @@ def format_estimate(est: Estimate) -> str:
             f"| {gib(r.buffers['backward']) + '/' + gib(r.buffers['step']):>16} | {gib(r.activations):>11} "
             f"| {gib(r.peak_device):>11} | {gib(r.host_per_rank):>9} | {gib(r.cpu_ram_per_node):>12} "
             f"| {gib(r.nvme_per_rank):>9} |{fits}")
+    if est.whole_tensor is not None:
+        lines.append(est.whole_tensor.line(est.shard_group_size or est.world_size))
     if est.tensor_parallel is not None:
         from .estimate_tp import tensor_parallel_line
 
@@ -305,7 +337,7 @@ def min_ranks_to_fit(est: Estimate, setting: str, max_ranks: int = 4096) -> Opti
                                     est.grad_accumulation, b[0], b[1], b[2], settings=[setting],
                                     activation_checkpointing=est.activation_checkpointing,
                                     offload_activations=est.offload_activations,
-                                    activation_probe=est.activation_probe).rows[0]
+                                    activation_probe=est.activation_probe, whole_tensor=est.whole_tensor).rows[0]
         if row.peak_device <= est.device_memory:
             return n
         n *= 2
