@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import clip_routes
 from .comm import collectives as C
 from .comm.comm_report import StepTraffic
 from .config import ZeroConfig
@@ -75,6 +76,7 @@ def assemble(engine: Any, module, optimizer, config: Optional[ZeroConfig], compu
     if train:
         install_optimizer_methods(optimizers, engine.add_param_group, engine.zero_grad)
         install_module_zero_grad(module, engine.zero_grad_params)
+        clip_routes.track(engine)  # torch.nn.utils.clip_grad_norm_ on its parameters ([Note: torch's clipping routed])
     if part is not None:
         part.release_by_buckets(engine.table, lambda: engine.reducer is not None and engine.reducer.in_backward)
     engine.last_step_skipped = False
