@@ -9,18 +9,13 @@ after it wrapped the module (tests/test_param_groups.py says why).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_zero  # noqa: F401  (registers the zero* strategy names)
-from lightning_zero import ZeroStrategy
 from tests.helpers import whole_tensor_lightning as W
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.lightning_models import load_rank_files
 
 RTOL, ATOL = 1e-5, 1e-6
 MUON_STEPS = 6  # Lightning counts both optimizers' steps: 3 batches

@@ -217,7 +217,6 @@ def fit(module: pl.LightningModule, strategy, devices: int = 2, **kw) -> list[di
 def fit_validate_fit(rank: int, world_size: int, name: str, out: str) -> dict:
     """In a launched rank (its process group made, as under torchrun): fit, validate, fit again, validate,
     with ``name``'s strategy ("ddp" or a ZeroStrategy preset); what the user sees after each."""
-    from lightning_zero import ZeroStrategy
     from lightning.pytorch.strategies import DDPStrategy
     from tests.helpers.lifecycle_harness import trainer, whole_params
 
