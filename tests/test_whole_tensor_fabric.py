@@ -68,6 +68,24 @@ def _run(strategy, rank: int, clip: str, separate: bool = False) -> dict:
             "lrs": [muon.param_groups[0]["lr"], adamw.param_groups[0]["lr"]]}
 
 
+def _late_optimizer(rank: int) -> str:
+    """AdamW set up after Muon trained: the error's text."""
+    fabric = Fabric(strategy="zero2", accelerator="cpu", devices=torch.distributed.get_world_size())
+    fabric.launch()
+    model = fabric.setup_module(make_model())
+    hidden, rest = muon_split(model)
+    muon = fabric.setup_optimizers(torch.optim.Muon(hidden, lr=2e-2))  # one optimizer: no tuple
+    fabric.backward(loss_fn(model, batch(0, rank), False))
+    muon.step()
+    try:
+        fabric.setup_optimizers(torch.optim.AdamW(rest))
+        return "no error"
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        fabric.strategy.teardown()
+
+
 def _job(rank: int, world_size: int) -> dict:
     torch.optim._muon._zeropower_via_newtonschulz = fp32_newton_schulz  # this forked rank only
     ddp = lambda: DDPStrategy(find_unused_parameters=True)  # noqa: E731
@@ -78,6 +96,7 @@ def _job(rank: int, world_size: int) -> dict:
         out[name, "global"] = _run(name, rank, "global")
     out["zero2", "per_optimizer"] = _run("zero2", rank, "per_optimizer")
     out["zero3 separate", "global"] = _run(ZeroFabricStrategy(stage=3), rank, "global", separate=True)
+    out["late_optimizer"] = _late_optimizer(rank)
     out["torch_clip_restored"] = routes_released(before)
     return out
 
@@ -109,3 +128,9 @@ def test_muon_adamw_under_fabric_equals_fabric_ddp(runs, key):
 
 def test_torch_clip_is_torchs_own_after_teardown(runs):
     assert all(res["torch_clip_restored"] for res in runs)
+
+
+def test_an_optimizer_set_up_after_training_is_refused(runs):
+    for res in runs:
+        assert "joins a model whose optimizers already trained" in res["late_optimizer"]
+        assert "Allowed: every optimizer of a model set up before training" in res["late_optimizer"]
