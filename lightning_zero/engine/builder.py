@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import clip_routes
 from .comm import collectives as C
 from .comm.comm_report import StepTraffic
 from .config import ZeroConfig
@@ -76,6 +77,7 @@ def assemble(engine: Any, module, optimizer, config: Optional[ZeroConfig], compu
         install_optimizer_methods(optimizers, engine.add_param_group, engine.zero_grad,
                                   lambda opt: engine.sharded_for(opt).local_state_view())
         install_module_zero_grad(module, engine.zero_grad_params)
+        clip_routes.track(engine)  # torch.nn.utils.clip_grad_norm_ on its parameters ([Note: torch's clipping routed])
     if part is not None:
         part.release_by_buckets(engine.table, lambda: engine.reducer is not None and engine.reducer.in_backward)
     engine.last_step_skipped = False

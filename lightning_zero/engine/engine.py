@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import full_state as FS
+from . import clip_routes, full_state as FS
 from .builder import assemble
 from .grads import grad_clear as GC, grad_norm as GN
 from .layout import tensor_parallel as TP
@@ -371,6 +371,7 @@ class ZeroEngine:
             self.reducer.remove_hooks()
             remove_optimizer_methods(self.optimizers)
             remove_module_zero_grad(self.module)
+            clip_routes.untrack(self)
         if self.publisher is not None:
             self.publisher.remove(wait=hand_back)
             self.publisher = None

@@ -32,7 +32,7 @@ optimizer over the cut module and ``fabric.setup_optimizers`` it), or by the use
 from __future__ import annotations
 
 import contextlib
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -49,9 +49,10 @@ from ..engine.plan import ShardingPlan
 from ..engine import ZeroEngine
 from ..engine.comm import collectives
 from ..engine.stage3.deferred_init import has_meta_params, meta_init
-from .compat import (BackwardSyncControl, FabricSubprocessScriptLauncher, fabric_forward_module,
+from .compat import (FabricSubprocessScriptLauncher, fabric_forward_module,
                      fabric_module_strategy, fabric_module_wrapper)
 from .fabric_checkpoint import FabricCheckpoints
+from .fabric_models import SetUpModel, ZeroBackwardSyncControl
 from .fabric_precision import ZeroFabricPrecision
 from .tensor_parallel import TensorParallelLayout
 from .strategy_args import FABRIC as FABRIC_ARGS, bind, declare
@@ -80,8 +81,8 @@ class ZeroFabricStrategy(DDPStrategy):
         super().__init__(**{k: knobs[k] for k in ("accelerator", "parallel_devices", "cluster_environment",
                                                   "checkpoint_io", "precision", "process_group_backend", "timeout",
                                                   "start_method")})
-        self._backward_sync_control = _ZeroBackwardSyncControl(self)
-        self._models: list[_SetUpModel] = []  # in setup order, each with its own engine
+        self._backward_sync_control = ZeroBackwardSyncControl(self)
+        self._models: list[SetUpModel] = []  # in setup order, each with its own engine
 
     @property
     def stage(self) -> int:
@@ -158,7 +159,7 @@ class ZeroFabricStrategy(DDPStrategy):
                              "returned by fabric.setup(...) / fabric.setup_module(...).")
         return model.engine
 
-    def _model_of(self, module: Module) -> Optional["_SetUpModel"]:
+    def _model_of(self, module: Module) -> Optional["SetUpModel"]:
         module = fabric_forward_module(module)  # Fabric's wrapper -> the module itself
         return next((m for m in self._models if m.module is module), None)
 
@@ -197,13 +198,11 @@ class ZeroFabricStrategy(DDPStrategy):
             raise RuntimeError("Set up the model first: fabric.setup_module(model), then "
                                "fabric.setup_optimizers(optimizer); or fabric.setup(model, optimizer).")
         model = self._owner_of(optimizer)
-        if model.engine is not None and model.engine.sharded is not None:
-            raise RuntimeError("ZeroFabricStrategy shards the optimizers of one model together, in one call. "
-                               "Allowed: fabric.setup(model, opt1, opt2, ...) for several optimizers of a model.")
-        self._build(model, [optimizer])
+        # fabric.setup_optimizers(muon, adamw) hands them over one by one: the engine is built again over all
+        self._build(model, model.optimizers_with(optimizer))
         return optimizer
 
-    def _owner_of(self, optimizer: Optimizer) -> "_SetUpModel":
+    def _owner_of(self, optimizer: Optimizer) -> "SetUpModel":
         """The model set up whose parameters ``optimizer`` holds (a stage-3 model's are still its own
         Parameter objects, partitioned)."""
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -214,7 +213,7 @@ class ZeroFabricStrategy(DDPStrategy):
                          f"single model set up ({len(self._models)} so far). Allowed: an optimizer over the "
                          "parameters of one model set up with fabric.setup_module(model).")
 
-    def _adopt(self, module: Module) -> "_SetUpModel":
+    def _adopt(self, module: Module) -> "SetUpModel":
         model = self._model_of(module)
         if model is not None:
             if model.engine is not None and model.engine.sharded is not None:
@@ -236,11 +235,11 @@ class ZeroFabricStrategy(DDPStrategy):
             module = self._parallelize_fn(module, self.device_mesh)
             if not isinstance(module, Module):
                 raise TypeError(f"parallelize_fn must return the nn.Module it cut; got {type(module).__name__}.")
-        model = _SetUpModel(module)
+        model = SetUpModel(module)
         self._models.append(model)
         return model
 
-    def _build(self, model: "_SetUpModel", optimizers: Optional[list[Optimizer]]) -> None:
+    def _build(self, model: "SetUpModel", optimizers: Optional[list[Optimizer]]) -> None:
         if model.engine is not None:  # the evaluation engine of a stage-3 model: whole again, then rebuilt
             self._release(model)
         module = model.module
@@ -256,7 +255,7 @@ class ZeroFabricStrategy(DDPStrategy):
         # each forward, as the Trainer strategy does around its steps
         model.handles = [module.register_forward_pre_hook(lambda *_: engine.prepare_forward())]
 
-    def _release(self, model: "_SetUpModel", hand_back: bool = True) -> None:
+    def _release(self, model: "SetUpModel", hand_back: bool = True) -> None:
         for h in model.handles:
             h.remove()
         model.handles = []
@@ -345,34 +344,6 @@ class ZeroFabricStrategy(DDPStrategy):
 
 
 declare(ZeroFabricStrategy, FABRIC_ARGS)
-
-
-class _SetUpModel:
-    """A model set up under the strategy: its module, its engine (None until one is built: stages 0-2
-    without an optimizer) and the forward pre-hook that prepares each forward."""
-
-    def __init__(self, module: Module) -> None:
-        self.module = module
-        self.engine: Optional[ZeroEngine] = None
-        self.handles: list = []
-
-
-class _ZeroBackwardSyncControl(BackwardSyncControl):
-    """``fabric.no_backward_sync(model)``: accumulate without reducing (no collective at stages 0-1;
-    stage 2+ still reduces each micro-batch into its shard, as DeepSpeed does)."""
-
-    def __init__(self, strategy: ZeroFabricStrategy) -> None:
-        self._strategy = strategy
-
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        if not enabled:
-            return nullcontext()
-        model = self._strategy._model_of(module)
-        engine = model.engine if model is not None else None
-        if engine is None or engine.reducer is None:
-            raise TypeError("fabric.no_backward_sync(model) under ZeroFabricStrategy needs the model set up with "
-                            "its optimizer: fabric.setup(model, optimizer).")
-        return engine.no_sync()
 
 
 def install() -> None:
