@@ -95,9 +95,10 @@ class T5FineTuner(L.LightningModule):
                  attention: str = "dense", sparse_attention: dict | None = None,
                  optimizer: str = "adamw", freeze_step: int | None = None, var_update_scaler: int = 16,
                  local_step_scaler: int = 32678, local_step_clipper: int = 16,
-                 gradient_clip_val: float | None = None, **config_overrides: Any):
-        """``gradient_clip_val``: the clipping of an ``optimizer`` in ``t5_optim.MANUAL`` (which steps itself);
-        the Trainer's ``gradient_clip_val`` clips every other choice."""
+                 gradient_clip_val: float | None = None, accumulate_grad_batches: int = 1,
+                 **config_overrides: Any):
+        """``gradient_clip_val`` / ``accumulate_grad_batches``: the clipping and accumulation of an ``optimizer``
+        in ``t5_optim.MANUAL`` (which steps itself); the Trainer's clip and accumulate every other choice."""
         super().__init__()
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optim.name={optimizer!r}: allowed {', '.join(OPTIMIZERS)}.")
@@ -183,21 +184,27 @@ class T5FineTuner(L.LightningModule):
                 label_smoothing=self.hparams.label_smoothing)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         if not self.automatic_optimization:
-            self._manual_step(loss)
+            self._manual_step(loss, batch_idx)
         return loss
 
-    def _manual_step(self, loss: torch.Tensor) -> None:
-        """One step of Muon + AdamW (``optim.name=muon``): backward once, clip each optimizer's gradients by
-        their global norm, step both, then both LR schedules. Muon's step goes through Lightning's optimizer
-        wrapper, which counts it (``trainer.global_step``, ``max_steps``, checkpoints); AdamW's is the
-        strategy's own ``optimizer_step``, because Lightning counts every wrapper's step and ``trainer.max_steps``
-        would then be half as many batches as with ``optim.name=adamw``."""
+    def _manual_step(self, loss: torch.Tensor, batch_idx: int) -> None:
+        """Muon + AdamW (``optim.name=muon``) with manual optimization, where Lightning neither accumulates nor
+        clips: ``accumulate_grad_batches`` micro-batches of ``loss / N`` (the ones before the last without the
+        gradient synchronization, as Lightning's own accumulation does), then DDP's one-line clip across both
+        optimizers, ``torch.nn.utils.clip_grad_norm_(self.parameters(), v)``, which lightning_zero turns into its
+        global norm over every rank's shards, then both steps and both LR schedules.
+        Muon's step goes through Lightning's optimizer wrapper, which counts it (``trainer.global_step``,
+        ``max_steps``, checkpoints); AdamW's is the strategy's own ``optimizer_step``, because Lightning counts
+        every wrapper's step and ``trainer.max_steps`` would then be half as many batches as with adamw."""
+        n = self.hparams.accumulate_grad_batches
+        last = (batch_idx + 1) % n == 0 or self.trainer.is_last_batch
+        with contextlib.nullcontext() if last else self.trainer.strategy.block_backward_sync():
+            self.manual_backward(loss / n)
+        if not last:
+            return
         muon, adamw = self.optimizers()
-        self.manual_backward(loss)
         if self.hparams.gradient_clip_val:
-            for opt in (muon, adamw):
-                self.clip_gradients(opt, gradient_clip_val=self.hparams.gradient_clip_val,
-                                    gradient_clip_algorithm="norm")
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.gradient_clip_val)
         muon.step()
         self.trainer.strategy.optimizer_step(adamw.optimizer, closure=lambda: None, model=self)
         muon.zero_grad()

@@ -4,8 +4,8 @@ Adams (1-bit Adam, 0/1 Adam; docs/onebit_adam.md), built over the module's weigh
 
 Muon is two optimizers (``lightning_zero.muon_split``: Muon cannot step an embedding, a head, a bias or a norm),
 and Lightning's automatic optimization takes one, so ``optim.name=muon`` trains with manual optimization
-(:data:`MANUAL`, examples/t5_module.py ``_manual_step``): the Trainer then gets no ``gradient_clip_val`` (the
-module clips) and refuses gradient accumulation (:func:`check_optimizer` says so before any process starts).
+(:data:`MANUAL`, examples/t5_module.py ``_manual_step``): the Trainer then gets neither ``gradient_clip_val`` nor
+``accumulate_grad_batches``; the module clips (one global norm across both optimizers) and accumulates.
 
 Design note: the compressed Adams compose with fewer strategies than AdamW (1-bit Adam: stages 0-1; 0/1 Adam:
 stage 0; neither with fp16 loss scaling or tensor parallelism). The engine refuses the rest when a fit sets it
@@ -66,7 +66,8 @@ def optimizer_kwargs(cfg: Any) -> dict:
     o = cfg.optim
     return dict(optimizer=o.name, freeze_step=o.freeze_step, var_update_scaler=o.var_update_scaler,
                 local_step_scaler=o.local_step_scaler, local_step_clipper=o.local_step_clipper,
-                gradient_clip_val=cfg.trainer.gradient_clip_val)
+                gradient_clip_val=cfg.trainer.gradient_clip_val,
+                accumulate_grad_batches=cfg.trainer.accumulate_grad_batches)
 
 
 def _stand_ins(cfg: Any) -> list[torch.optim.Optimizer]:
@@ -75,13 +76,14 @@ def _stand_ins(cfg: Any) -> list[torch.optim.Optimizer]:
     if cfg.optim.name in MANUAL:
         module = torch.nn.Sequential(torch.nn.Embedding(4, 2), torch.nn.Linear(2, 2))
         return make_muon_adamw(module, [{"params": list(module.parameters())}], cfg.optim.lr)
-    kwargs = {k: v for k, v in optimizer_kwargs(cfg).items() if k != "gradient_clip_val"}  # the module's
+    kwargs = {k: v for k, v in optimizer_kwargs(cfg).items()
+              if k not in ("gradient_clip_val", "accumulate_grad_batches")}  # the module's
     return [make_optimizer([torch.nn.Parameter(torch.zeros(1))], cfg.optim.lr, 1, **kwargs)]
 
 
 def check_optimizer(cfg: Any, strategy: Any) -> None:
     """Refuse ``optim.*`` before any process starts (a ``ConfigError``): an unknown name or a bad knob (the
-    optimizer's own message), gradient accumulation with a manual-optimization choice, and an optimizer the
+    optimizer's own message), and an optimizer the
     strategy does not compose with: the engine's own refusal (its optimizer kind's check: a compressed Adam
     past its stages, a whole-tensor optimizer with NVMe state or tensor parallelism), asked of stand-in
     optimizers under the run's stage, placement, precision and layout."""
@@ -90,12 +92,6 @@ def check_optimizer(cfg: Any, strategy: Any) -> None:
     name = cfg.optim.name
     if name not in OPTIMIZERS:
         raise ConfigError(f"Unknown optim.name {name!r}. Allowed: {', '.join(OPTIMIZERS)}.")
-    if name in MANUAL and cfg.trainer.accumulate_grad_batches != 1:
-        raise ConfigError(
-            f"optim.name={name} steps two optimizers with manual optimization, where Lightning accumulates "
-            f"nothing: trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches}. Allowed: "
-            "trainer.accumulate_grad_batches=1 (raise data.batch_size instead), or accumulation with "
-            "optim.name=adamw / adafactor.")
     try:
         opts = _stand_ins(cfg)
     except ValueError as e:

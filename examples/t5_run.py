@@ -161,9 +161,10 @@ def make_trainer(cfg: DictConfig, strategy: Any, out: str, monitor: str, extra_c
         val_check_interval=t.val_check_interval, check_val_every_n_epoch=t.check_val_every_n_epoch,
         limit_val_batches=t.limit_val_batches, num_sanity_val_steps=t.num_sanity_val_steps,
         log_every_n_steps=t.log_every_n_steps,
-        # a module that steps itself clips itself (t5_optim.MANUAL; Lightning refuses the Trainer's clipping then)
+        # a module that steps itself clips and accumulates itself (t5_optim.MANUAL; Lightning refuses both then)
         gradient_clip_val=None if cfg.optim.name in MANUAL else t.gradient_clip_val,
-        accumulate_grad_batches=t.accumulate_grad_batches, deterministic=t.deterministic,
+        accumulate_grad_batches=1 if cfg.optim.name in MANUAL else t.accumulate_grad_batches,
+        deterministic=t.deterministic,
         enable_progress_bar=t.enable_progress_bar, logger=loggers, callbacks=callbacks,
         default_root_dir=out,
     )
@@ -247,7 +248,8 @@ def run_report(out: str, tokenizer: Any, export_hf: bool):
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 ranks = [None] * dist.get_world_size()
                 dist.all_gather_object(ranks, mine)  # every rank calls it: on_train_end runs on all
-            self.info = {"ranks": ranks, "global_step": trainer.global_step}
+            self.info = {"ranks": ranks, "global_step": trainer.global_step,
+                         "batches": trainer.fit_loop.epoch_loop.total_batch_idx + 1}  # micro-batches trained
 
         def on_fit_end(self, trainer, pl_module) -> None:
             if not trainer.is_global_zero:
