@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import clip_routes
+from .grads import clip_routes
 from .comm import collectives as C
 from .comm.comm_report import StepTraffic
 from .config import ZeroConfig

@@ -24,7 +24,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import clip_routes, full_state as FS
+from . import full_state as FS
+from .grads import clip_routes
 from .builder import assemble
 from .grads import grad_clear as GC, grad_norm as GN
 from .layout import tensor_parallel as TP

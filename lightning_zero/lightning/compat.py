@@ -224,14 +224,14 @@ CANARIES: tuple[tuple[str, str], ...] = (
     (f"{_FABRIC}.strategies", "DDPStrategy._setup_distributed"),
 )
 
-#: torch privates the engine reaches itself (engine/layout/groups.py, pipeline.py, tensor_parallel.py, clip_routes.py)
+#: torch privates the engine reaches itself (engine/layout/groups.py, pipeline.py, tensor_parallel.py, grads/clip_routes.py)
 TORCH_CANARIES: tuple[tuple[str, str], ...] = (
     ("torch.distributed.distributed_c10d", "_world"),
     ("torch.distributed.distributed_c10d", "_get_default_group"),
     ("torch.distributed.distributed_c10d", "_hash_ranks_to_str"),
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
     ("torch.utils._pytree", "tree_map"),
-    ("torch.nn.utils.clip_grad", "_clip_grads_with_norm_"),  # engine/clip_routes.py: what a bound copy reaches
+    ("torch.nn.utils.clip_grad", "_clip_grads_with_norm_"),  # engine/grads/clip_routes.py: what a bound copy reaches
 )
 
 #: transformers privates of tools/export_hf.py (the auto classes' config -> model class tables)

@@ -236,8 +236,8 @@ def fit_validate_fit(rank: int, world_size: int, name: str, out: str) -> dict:
 
 
 def tracked_engines() -> set:
-    """The engines torch's clipping is routed to in this process now (engine/clip_routes.py)."""
-    from lightning_zero.engine import clip_routes
+    """The engines torch's clipping is routed to in this process now (engine/grads/clip_routes.py)."""
+    from lightning_zero.engine.grads import clip_routes
 
     return {id(e) for e in clip_routes._ENGINES}
 
@@ -245,7 +245,7 @@ def tracked_engines() -> set:
 def routes_released(before: set) -> bool:
     """No engine made since ``before`` is still routed to, and torch's own function is back unless an engine
     from before (one this forked rank inherited) still trains."""
-    from lightning_zero.engine import clip_routes
+    from lightning_zero.engine.grads import clip_routes
 
     now = tracked_engines()
     return now <= before and (bool(now) or torch.nn.utils.clip_grad_norm_ is clip_routes._TORCH["clip_grad_norm_"])

@@ -11,7 +11,7 @@ import torch
 import torch.nn.utils as nn_utils
 from torch.nn.utils import clip_grad as torch_clip
 
-from .grads import grad_norm as GN
+from . import grad_norm as GN
 
 # [Note: torch's clipping routed]
 # A DDP user clips across every optimizer with one line before stepping each -- Muon and AdamW of one model:
