@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import DeepSpeedConfigError, DeepSpeedWarmupLR, from_deepspeed_config, muon_split
 from lightning_zero.tools.cli import main as cli_main
+from tests.helpers.whole_tensor_runs import newton_schulz_fp32
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS_EXAMPLE = {  # DeepSpeed's config-json.md example of Muon
@@ -99,25 +100,11 @@ def test_configure_optimizers_splits_the_module_and_schedules_both():
         t.configure_optimizers(model.parameters())
 
 
-def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
-    """torch's ``_zeropower_via_newtonschulz`` computing in fp32 (its own runs in bf16, where a last-bit
-    difference anywhere shows as ~1e-3 after a few steps): patched into both sides of an rtol 1e-5 comparison."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if grad.size(0) > grad.size(1) else x
-
-
 @pytest.fixture
 def fp32_newton_schulz(monkeypatch):
     import torch.optim._muon as muon
 
-    monkeypatch.setattr(muon, "_zeropower_via_newtonschulz", _ns_fp32)
+    monkeypatch.setattr(muon, "_zeropower_via_newtonschulz", newton_schulz_fp32)
 
 
 def _deepspeed_muon_step(w, g, buf, lr, momentum, wd):

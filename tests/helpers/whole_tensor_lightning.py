@@ -19,26 +19,14 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_zero import muon_split
+from tests.helpers.whole_tensor_runs import newton_schulz_fp32
 from tests.helpers.lightning_models import TokenDataset, _params, load_rank_files, trainer_kwargs, uses_sometimes
 from tests.helpers.models import VOCAB, loss_fn, make_model
 
 CLIP = 0.5
 
 
-def fp32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim._muon._zeropower_via_newtonschulz with ``grad.float()`` where torch has ``grad.bfloat16()``."""
-    a, b, c = ns_coefficients
-    ortho = grad.float()
-    if grad.size(0) > grad.size(1):
-        ortho = ortho.T
-    ortho = ortho / ortho.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = ortho @ ortho.T
-        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        ortho = torch.addmm(ortho, update, ortho, beta=a)
-    if grad.size(0) > grad.size(1):
-        ortho = ortho.T
-    return ortho
+fp32_newton_schulz = newton_schulz_fp32  # torch's Muon iteration in fp32 (whole_tensor_runs.py)
 
 
 class MuonNet(nn.Module):

@@ -50,7 +50,7 @@ class Lamb(torch.optim.Optimizer):
                 p.add_(u * trust, alpha=-g["lr"])
 
 
-def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
     """torch's Muon orthogonalization (torch/optim/_muon.py) computed in fp32 instead of bf16: the same
     algorithm at the precision an fp32 comparison needs (in bf16 a last-bit difference of a gradient, such as a
     different summation order of the clip norm, moves the update by ~1e-3 relative, at ZeRO stage 0 too)."""
@@ -69,7 +69,7 @@ def fp32_newton_schulz() -> None:
     """Make torch's Muon orthogonalize in fp32 in this process (forked ranks inherit it)."""
     import torch.optim._muon as muon
 
-    muon._zeropower_via_newtonschulz = _newton_schulz_fp32
+    muon._zeropower_via_newtonschulz = newton_schulz_fp32
 
 
 def make_optimizers(model: torch.nn.Module, which: str) -> list:
