@@ -159,3 +159,49 @@ def test_fit_validate_fit_in_one_process_matches_ddp(tmp_path, fp32_muon):
             assert a[0]["val_loss"] == pytest.approx(b[0]["val_loss"], rel=RTOL)
         assert z["step_counts"] == d["step_counts"] == [2, 2, 2, 2]  # two fits, each with its own optimizers
         assert z["torch_clip_restored"]  # torch's clip_grad_norm_ is its own again once the engine let go
+
+
+# -- checkpoints: the consolidated Lightning file carries the owners' state ---------------------------------
+def _fit_epochs(out, tag, strategy, ckpt_dir=None, ckpt_path=None):
+    import glob
+    import os
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    module = W.MuonAdamW(out, tag)
+    kw = dict(max_steps=-1, max_epochs=2)
+    if ckpt_dir is not None:
+        kw.update(enable_checkpointing=True, default_root_dir=ckpt_dir,
+                  callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)])
+    os.environ.pop("MASTER_PORT", None)
+    from lightning.pytorch import Trainer
+
+    from tests.helpers.lightning_models import load_rank_files, trainer_kwargs
+
+    Trainer(strategy=strategy, **{**trainer_kwargs(devices=2), **kw}).fit(module, ckpt_path=ckpt_path)
+    return load_rank_files(out, tag, "train", 2), sorted(glob.glob(os.path.join(ckpt_dir or out, "epoch=0*")))
+
+
+@pytest.mark.timeout(300)
+def test_consolidated_lightning_file_carries_the_owners_state_and_resumes_under_ddp(tmp_path, fp32_muon):
+    """A zero3 Muon + AdamW fit checkpoints each epoch; ``lightning-zero consolidate DIR OUT --lightning
+    --optimizer`` on the first gathers every hidden matrix's Muon momentum whole, parameter-shaped, from the rank
+    that owned it, beside AdamW's moments; plain DDP resumes from that file and ends where the zero3 run ends."""
+    from lightning_zero.tools.cli import main as cli_main
+
+    whole, first = _fit_epochs(str(tmp_path), "a_", "zero3_fork", ckpt_dir=str(tmp_path / "ckpt"))
+    single = str(tmp_path / "consolidated.ckpt")
+    assert cli_main(["consolidate", first[0], single, "--lightning", "--optimizer", "--quiet"]) == 0
+    ckpt = torch.load(single, weights_only=False)
+    muon_state, adamw_state = ckpt["optimizer_states"]
+    module = W.MuonAdamW("unused", "")
+    names = {id(p): n for n, p in module.named_parameters()}
+    hidden = [names[id(p)] for p in lightning_zero.muon_split(module)[0]]
+    shapes = dict(module.named_parameters())
+    # every hidden matrix that ever had a gradient (net.unused never does: no state, as under DDP)
+    assert [hidden[i] for i in sorted(muon_state["state"])] == [n for n in hidden if n != "net.unused.weight"]
+    for i, st in muon_state["state"].items():
+        assert st["momentum_buffer"].shape == shapes[hidden[i]].shape, hidden[i]
+    assert all(set(st) == {"step", "exp_avg", "exp_avg_sq"} for st in adamw_state["state"].values())
+    resumed, _ = _fit_epochs(str(tmp_path), "b_", _ddp(), ckpt_path=single)
+    _close(resumed, whole, keys=())
