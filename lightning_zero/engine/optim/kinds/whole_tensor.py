@@ -50,7 +50,8 @@ class WholeTensor(OptimizerKind):
         if sharded.plan.shards_optimizer_state:
             sharded.owner = OwnerStep(sharded, group, self.cost_of(sharded.optimizer))
             if C.rank() == 0:
-                _log.info(setup_line(sharded.optimizer, sharded.owner))
+                declared = type(sharded.optimizer) in self._costs()
+                _log.info(setup_line(sharded.optimizer, sharded.owner, declared))
 
     def cost_of(self, optimizer: Any) -> Callable[[tuple], int]:
         costs = self._costs()
@@ -69,10 +70,14 @@ class WholeTensor(OptimizerKind):
             sharded.owner.init_state(masters, zero_lr_step)
 
 
-def setup_line(optimizer: Any, owner: OwnerStep) -> str:
-    """What the setup says about a whole-tensor optimizer: that it steps on owner ranks, and how even they are."""
+def setup_line(optimizer: Any, owner: OwnerStep, declared: bool) -> str:
+    """What the setup says about a whole-tensor optimizer: that it steps on owner ranks, and how even they are;
+    for a class nobody declared, how to step it on shards if it is elementwise."""
     name, costs = type(optimizer).__name__, owner.cost_by_rank()
     share = max(costs) / (sum(costs) / len(costs)) if sum(costs) else 1.0
-    return (f"{name} updates whole tensors: each parameter is stepped on one owner rank (docs/optimizers.md); "
-            f"the busiest rank carries {share:.2f}x the mean step cost. An elementwise optimizer class can be "
-            f"declared with lightning_zero.register_shardable_optimizer({name}) to step on shards instead.")
+    line = (f"{name} updates whole tensors: each parameter is stepped on one owner rank (docs/optimizers.md); "
+            f"the busiest rank carries {share:.2f}x the mean step cost.")
+    if declared:
+        return line
+    return (f"{line} {name} is not declared elementwise; if it is, "
+            f"lightning_zero.register_shardable_optimizer({name}) steps it on shards instead (cheaper).")
