@@ -19,9 +19,10 @@ rank. The optimizer's step is then three moves:
 The slice masters stay the one truth of the values (a checkpoint load, a module load, the publish read them),
 so a whole master exists only during the step: its storage is freed once scattered (its shape stays, and the
 optimizer's state is keyed on it). A step's extra memory is thus the owned parameters' whole masters and
-gradients (8 bytes per owned element) plus one bucket's buffers (``OwnerStep.step_bytes``). The optimizer state lives whole on the owner alone, so a rank holds the
-state of the parameters it owns; owners are assigned greedily, largest cost first, to the least loaded rank
-(cost: numel, or m*n*min(m, n) for a Newton-Schulz step), and the memory report shows each rank's own bytes.
+gradients (8 bytes per owned element) plus one bucket's buffers (``OwnerStep.step_bytes``). The optimizer
+state lives whole on the owner alone, so a rank holds the state of the parameters it owns; owners are assigned
+greedily, largest cost first, to the least loaded rank (cost: numel, or m*n*min(m, n) for a Newton-Schulz
+step), and the memory report shows each rank's own bytes.
 
 What travels: gradients always. Values only where the owner cannot read them: at stages 1-2 with fp32
 parameters every rank holds the whole parameter, equal to its master (the publish wrote it), so the owner
@@ -87,7 +88,9 @@ class OwnerStep:
         self.sharded, self.group, self.cost = sharded, group, cost
         self.world, self.rank = C.world_size(group), C.rank(group)
         self.items: list[OwnedParam] = []
-        self.by_bucket: list[list[OwnedParam]] = []  # the same, per bucket of the ShardedOptimizer
+        # per bucket of the ShardedOptimizer, per owner rank: its parameters, in bucket order (what each bucket's
+        # all-to-alls send to and receive from every rank), made once when the bucket is assigned
+        self.by_bucket: list[list[list[OwnedParam]]] = []
         self.whole: dict[int, torch.Tensor] = {}  # id(slice master) -> whole master, on its owner only
         self._load = [0] * self.world
         self._seen = 0  # buckets of the ShardedOptimizer assigned so far (add_param_group adds more)
@@ -99,13 +102,13 @@ class OwnerStep:
     def sync(self) -> None:
         """Owners (and whole masters) for the parameters of buckets added since the last call; earlier owners
         stay, as their state does. Every rank computes the same assignment from the same buckets."""
-        s, new = self.sharded, []
+        s, rows = self.sharded, []
         for bi in range(self._seen, len(s.masters)):
             b = s.buckets[bi]
-            row = [OwnedParam(m, p, spec, tuple(p.shape)) for m, p, spec in zip(s.masters[bi], b.params, b.specs)]
-            self.by_bucket.append(row)
-            new += row
+            rows.append([OwnedParam(m, p, spec, tuple(p.shape))
+                         for m, p, spec in zip(s.masters[bi], b.params, b.specs)])
         self._seen = len(s.masters)
+        new = [it for row in rows for it in row]
         for it in sorted(new, key=lambda it: -self.cost(it.shape)):  # stable: equal costs keep bucket order
             it.owner = min(range(self.world), key=lambda r: (self._load[r], r))
             self._load[it.owner] += self.cost(it.shape)
@@ -114,9 +117,10 @@ class OwnerStep:
                 _free(w)
                 self.whole[id(it.master)] = w
         self.items += new
+        self.by_bucket += [[[it for it in row if it.owner == r] for r in range(self.world)] for row in rows]
 
-    def owned(self, rank: int, items: Optional[list[OwnedParam]] = None) -> list[OwnedParam]:
-        return [it for it in (self.items if items is None else items) if it.owner == rank]
+    def owned(self, rank: int) -> list[OwnedParam]:
+        return [it for it in self.items if it.owner == rank]
 
     def holder(self, master: torch.Tensor) -> Optional[torch.Tensor]:
         """The tensor the optimizer's state of ``master``'s parameter is keyed on here; None: another rank owns it."""
@@ -134,9 +138,9 @@ class OwnerStep:
         self.sync()
         per = 1 if self.values_from_params else 2
         owned = sum(it.spec.numel for it in self.owned(self.rank))
-        buffers = max((per * sum(it.spec.shard_numel for it in row) +
-                       per * self.world * sum(it.spec.shard_numel for it in self.owned(self.rank, row))
-                       for row in self.by_bucket), default=0)
+        buffers = max((per * sum(it.spec.shard_numel for mine in owners for it in mine) +
+                       per * self.world * sum(it.spec.shard_numel for it in owners[self.rank])
+                       for owners in self.by_bucket), default=0)
         return 4 * (2 * owned + buffers)
 
     # -- the step ---------------------------------------------------------------------------------------
@@ -146,12 +150,12 @@ class OwnerStep:
         one all-to-all each way per bucket, so the buffers stay within a bucket's size."""
         self.sync()
         try:
-            for row in self.by_bucket:
-                self._gather(row)
+            for owners in self.by_bucket:
+                self._gather(owners)
             with self.whole_groups():
                 run_step()
-            for row in self.by_bucket:
-                self._scatter(row)
+            for owners in self.by_bucket:
+                self._scatter(owners)
         finally:
             self._release(self.owned(self.rank))
 
@@ -176,15 +180,16 @@ class OwnerStep:
         """A context in which the optimizer's groups hold this rank's whole masters instead of the slices."""
         return _Swapped(self.sharded.optimizer, self.whole)
 
-    def _gather(self, row: list[OwnedParam]) -> None:
-        """One bucket: every rank's slices of each parameter to its owner, assembled into the whole master."""
-        dev, mine = self.sharded.device, self.owned(self.rank, row)
+    def _gather(self, owners: list[list[OwnedParam]]) -> None:
+        """One bucket (``owners``: its parameters by owner rank): every rank's slices of each parameter to its
+        owner, assembled into the whole master."""
+        dev, mine = self.sharded.device, owners[self.rank]
         values = not self.values_from_params
         per = 2 if values else 1
         parts, in_splits = [], []
         for r in range(self.world):
             n = 0
-            for it in self.owned(r, row):
+            for it in owners[r]:
                 c = it.spec.shard_numel
                 if values:
                     parts.append(_padded(it.master.to(dev), c))
@@ -210,10 +215,10 @@ class OwnerStep:
                 w.grad = out[:, off : off + c].reshape(-1)[:numel].to(w.device).view(it.shape)
             off += c
 
-    def _scatter(self, row: list[OwnedParam]) -> None:
+    def _scatter(self, owners: list[list[OwnedParam]]) -> None:
         """One bucket: each owner's updated parameters back to every rank's slice masters; the owner's whole
         masters of the bucket are freed as soon as they are sent."""
-        dev, mine = self.sharded.device, self.owned(self.rank, row)
+        dev, mine = self.sharded.device, owners[self.rank]
         if mine:
             rows = [_padded(self.whole[id(it.master)].to(dev), self.world * it.spec.shard_numel).view(self.world, -1)
                     for it in mine]
@@ -222,12 +227,12 @@ class OwnerStep:
             send = torch.zeros(0, device=dev)
         self._release(mine)
         width = sum(it.spec.shard_numel for it in mine)
-        out_splits = [sum(it.spec.shard_numel for it in self.owned(r, row)) for r in range(self.world)]
+        out_splits = [sum(it.spec.shard_numel for it in owners[r]) for r in range(self.world)]
         out = torch.empty(sum(out_splits), dtype=torch.float32, device=dev)
         C.all_to_all_v(out, send, out_splits, [width] * self.world, self.group, op="scatter_from_owner")
         off = 0
         for r in range(self.world):
-            for it in self.owned(r, row):
+            for it in owners[r]:
                 n = it.spec.shard_len
                 it.master.copy_(out[off : off + n].view_as(it.master))
                 off += it.spec.shard_numel
