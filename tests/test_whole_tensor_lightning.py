@@ -205,3 +205,13 @@ def test_consolidated_lightning_file_carries_the_owners_state_and_resumes_under_
     assert all(set(st) == {"step", "exp_avg", "exp_avg_sq"} for st in adamw_state["state"].values())
     resumed, _ = _fit_epochs(str(tmp_path), "b_", _ddp(), ckpt_path=single)
     _close(resumed, whole, keys=())
+
+
+@pytest.mark.timeout(300)
+def test_fit_resumes_a_zero3_checkpoint_directory_at_zero2_with_ckpt_path(tmp_path, fp32_muon):
+    """The user's own ``fit(ckpt_path=DIR)`` on the sharded directory a zero3 Muon + AdamW fit wrote during its
+    first epoch, in the same process, at another stage: the owners change (new buckets), each takes its
+    parameters' momentum from the directory, and the run ends where the uninterrupted zero3 run ends."""
+    whole, first = _fit_epochs(str(tmp_path), "a_", "zero3_fork", ckpt_dir=str(tmp_path / "ckpt"))
+    resumed, _ = _fit_epochs(str(tmp_path), "c_", "zero2_fork", ckpt_path=first[0])
+    _close(resumed, whole, keys=())
