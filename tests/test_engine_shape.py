@@ -16,7 +16,7 @@ from lightning_zero import ZeroConfig, ZeroEngine
 from lightning_zero.engine.optim.onebit import OneBitAdam, ZeroOneAdam
 
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.models import batch, loss_fn, make_model
+from tests.helpers.models import batch, loss_fn, make_model, steps_beside_reference
 
 ENGINE = Path(__file__).resolve().parents[1] / "lightning_zero" / "engine"
 
@@ -131,12 +131,7 @@ def test_a_declared_whole_tensor_optimizer_steps_whole_at_every_stage():
         engine = ZeroEngine(model, TrustSGD([p for p in model.parameters() if p.requires_grad]),
                             ZeroConfig(stage=stage))
         ref_opt = TrustSGD([p for p in ref.parameters() if p.requires_grad])
-        for step in range(3):
-            loss_fn(model, batch(step, 0), step % 2 == 0).backward()
-            engine.step()
-            loss_fn(ref, batch(step, 0), step % 2 == 0).backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+        steps_beside_reference(engine, model, ref, ref_opt, 3, use=lambda step: step % 2 == 0)
         engine.restore_fp32_module()
         engine.remove(hand_back=False)
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):

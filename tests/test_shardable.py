@@ -9,7 +9,7 @@ import torch
 
 from lightning_zero import ZeroConfig, ZeroEngine, register_shardable_optimizer
 
-from tests.helpers.models import batch, loss_fn, make_model
+from tests.helpers.models import make_model, steps_beside_reference
 
 
 class Lamb(torch.optim.Adam):
@@ -40,13 +40,7 @@ def test_subclass_of_elementwise_class_steps_whole_tensors(stage, caplog):
         engine = ZeroEngine(model, Lamb(model.parameters(), lr=0.01), ZeroConfig(stage=stage))
     assert "Lamb updates whole tensors" in caplog.text and "register_shardable_optimizer(Lamb)" in caplog.text
     assert engine.shardeds[0].owner is not None
-    ref_opt = Lamb(ref.parameters(), lr=0.01)
-    for step in range(3):
-        loss_fn(model, batch(step, 0), True).backward()
-        engine.step()
-        loss_fn(ref, batch(step, 0), True).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    steps_beside_reference(engine, model, ref, Lamb(ref.parameters(), lr=0.01), 3)
     engine.restore_fp32_module()
     engine.remove(hand_back=False)
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
@@ -113,13 +107,7 @@ def test_register_shardable_optimizer_admits_custom_class():
     assert register_shardable_optimizer(SignSGD) is SignSGD  # usable as a decorator
     model, ref = make_model(), make_model()
     engine = ZeroEngine(model, SignSGD(model.parameters(), lr=0.1), ZeroConfig(stage=1))
-    ref_opt = SignSGD(ref.parameters(), lr=0.1)
-    for step in range(2):
-        loss_fn(model, batch(step, 0), True).backward()
-        engine.step()
-        loss_fn(ref, batch(step, 0), True).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    steps_beside_reference(engine, model, ref, SignSGD(ref.parameters(), lr=0.1), 2)
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
     engine.remove()

@@ -98,3 +98,14 @@ def memory_mlp() -> nn.Module:
     """Odd-sized linears whose model states are large enough for the memory tests to measure."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 301), nn.GELU(), nn.Linear(301, 257), nn.GELU(), nn.Linear(257, 63))
+
+
+def steps_beside_reference(engine, model, ref, ref_opt, steps: int, use=lambda step: True) -> None:
+    """``steps`` one-rank steps of ``engine`` (over ``model``) and of the plain ``ref_opt`` (over ``ref``) on the
+    same batches; ``use(step)``: whether the sometimes-used layer runs."""
+    for step in range(steps):
+        loss_fn(model, batch(step, 0), use(step)).backward()
+        engine.step()
+        loss_fn(ref, batch(step, 0), use(step)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
