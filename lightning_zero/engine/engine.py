@@ -210,6 +210,7 @@ class ZeroEngine:
             self.publish_params(optimizer, streamed=False)
         self._agree_on_io(optimizer)
         self.zero_grad(optimizer)
+        self.table.pool.drop_free()  # the step's buffers: none kept until the next ([Note: kept communication buffers])
         self._traffic.step_done(phase)
         return not skip
 

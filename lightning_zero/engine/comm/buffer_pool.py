@@ -18,12 +18,16 @@ The rules that keep this exact:
 * CPU only. On an accelerator the caching allocator already reuses blocks and knows which stream last used
   one; a pool of ours would have to repeat that bookkeeping (``record_stream``). There, :meth:`take` is
   ``torch.empty``.
-* Bounded: at most ``keep`` (6) free buffers are held, each at most one bucket's pack buffer (``bucket_mb``,
-  or a stage-3 unit); when more come back, the smallest is dropped. Six cover one step of a stage-1/2
-  bucket (pack, receive rows, gather) twice over, and a stage-3 model's in-flight units (bench/allocations.py:
-  no pool allocation in a steady step at either). Their bytes appear in ``memory_report().comm_buffers``,
-  not in the model states. With one bucket that is its pack buffer (the gather reuses it) and its receive
-  rows, about 2 - 1/N times the bucket's bytes between steps; DDP holds every gradient's bucket for good.
+* Bounded by bytes, and by the step. While a step runs, the free buffers held add up to at most one buffer's
+  worth: the largest the engine has taken (a bucket's pack buffer, or a stage-3 unit's gather), dropping the
+  smallest first; that covers one step of a stage-1/2 bucket (its pack buffer is the publish's gather buffer
+  again) and a stage-3 model's units, which follow one another. When a backward or a step ends (``drop_free``:
+  the reducer's end of backward, the engine's ``step()``) every free buffer is dropped: between them the pool
+  holds nothing but buffers still lent (an overlapped publish in flight), so the model states sit at their
+  ZeRO floors, and the first use of each buffer in the next phase makes it anew. That trade is deliberate: a kept block spares a CPU rank the page
+  faults of a fresh one (about 1 ms a step on a bucket of tens of MB), and six kept blocks the size of the
+  largest bucket (a tied embedding: 65.8 MB on T5-small) cost 377 MiB a rank, which is what ZeRO exists to
+  save. Held bytes appear in ``memory_report().comm_buffers``, not in the model states.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ import torch
 
 
 class BufferPool:
-    def __init__(self, keep: int = 6) -> None:
-        self.keep = keep
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep  # False: every buffer made fresh (the tests' reference run)
         self._free: list[torch.Tensor] = []  # flat 1-D blocks, any dtype (lent reinterpreted by dtype)
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its block
-        self.allocations = 0  # blocks made (a steady state makes none)
+        self.allocations = 0  # blocks made
+        self.largest = 0  # bytes of the largest buffer taken: the bound on the free blocks held
+        self.peak_free = 0  # the most bytes of free blocks held at once (tests check the bound)
 
     def take(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         """An uninitialised flat buffer of ``numel`` elements of ``dtype``: a view of a kept block if one is
@@ -45,6 +51,7 @@ class BufferPool:
         if device.type != "cpu" or numel == 0:
             return torch.empty(numel, dtype=dtype, device=device)
         need = numel * dtype.itemsize
+        self.largest = max(self.largest, need)
         fits = [i for i, b in enumerate(self._free) if b.numel() >= need]
         if fits:  # by position: ``list.remove`` would compare tensors by value
             block = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
@@ -60,9 +67,16 @@ class BufferPool:
         block = self._lent.pop(t.data_ptr(), None) if t.device.type == "cpu" else None
         if block is None:
             return
+        if not self.keep:
+            return
         self._free.append(block)
-        if len(self._free) > self.keep:
+        while sum(b.numel() for b in self._free) > self.largest:  # one buffer's worth: the smallest go first
             self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+        self.peak_free = max(self.peak_free, sum(b.numel() for b in self._free))
+
+    def drop_free(self) -> None:
+        """A backward or a step is over: the free buffers are dropped (see the Note: nothing is kept between)."""
+        self._free.clear()
 
     def disown(self, t: torch.Tensor) -> None:
         """A buffer :meth:`take` lent that its borrower keeps for good (one rank's packed gradients become

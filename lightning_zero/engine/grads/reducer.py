@@ -228,6 +228,8 @@ class GradReducer:
             r.dirty = False
         if self._on_end_of_backward is not None:
             self._on_end_of_backward()
+        for pool in {id(r.bucket.pool): r.bucket.pool for r in self.rows if r.bucket.pool is not None}.values():
+            pool.drop_free()  # every buffer of the backward given back: none kept ([Note: kept communication buffers])
 
     # -- one bucket ---------------------------------------------------------------------------
     def _launch(self, row: BucketRow) -> None:

@@ -47,7 +47,7 @@ class MemoryReport:
     host: int = 0  # bytes of the above that live in CPU memory while compute is on an accelerator
     nvme: int = 0  # bytes of the above only in NVMe scratch files now (offload_optimizer="nvme")
     ring: int = 0  # host buffers the NVMe step streams those through (not model states: the bound on them)
-    comm_buffers: int = 0  # flat collective buffers kept across steps (buffer_pool.py; not model states)
+    comm_buffers: int = 0  # flat collective buffers held now (buffer_pool.py: none between a backward and a step; not model states)
     # a whole-tensor optimizer's owner-rank step: the most it allocates inside a step (its owned parameters'
     # whole masters and gradients, one bucket's buffers), freed before the step returns ([Note: owner-rank step])
     owner_step: int = 0
