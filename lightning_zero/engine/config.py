@@ -65,6 +65,22 @@ def parse_dtype(value, knob: str = "dtype") -> Optional[torch.dtype]:
     return _DTYPES[key]
 
 
+STATE_DTYPE_KNOBS = ("optimizer_state_dtype", "master_dtype")
+
+
+def state_dtype_name(value, knob: str) -> str:
+    """``optimizer_state_dtype`` / ``master_dtype`` normalized to "fp32" or "bf16" (a torch dtype, "float32",
+    "bfloat16" and None (fp32) accepted); fp16 and anything else refused, naming what is allowed."""
+    try:
+        dtype = parse_dtype(value, knob) if value is not None else torch.float32
+    except (ValueError, AttributeError):
+        dtype = None
+    if dtype not in (torch.float32, torch.bfloat16):
+        why = " (fp16's 5 exponent bits cannot hold Adam's second moment)" if dtype is torch.float16 else ""
+        raise ValueError(f"{knob} must be 'fp32' (default) or 'bf16'; got {value!r}{why}.")
+    return "bf16" if dtype is torch.bfloat16 else "fp32"
+
+
 def module_entries(knob: str, value, allowed: str) -> Optional[list]:
     """None, or the non-empty list of module classes / names ``value`` is (one class or name alone, a list,
     a tuple, Hydra's ListConfig); anything else is refused, naming ``knob``. Whether a name matches a module
@@ -105,6 +121,13 @@ class ZeroConfig:
     nvme_direct: open the scratch files with O_DIRECT (page-aligned ring buffers): the disk's DMA moves the
         bytes instead of a page-cache copy on the CPU cores the step runs on; refused at setup where the file
         system has no O_DIRECT (tmpfs).
+    optimizer_state_dtype: "fp32" (default) or "bf16": the optimizer's per-element state (Adam's two moments,
+        SGD's momentum, ...) kept in bf16 between steps; each bucket's step widens it to fp32, runs the user's
+        optimizer and rounds it back (engine/optim/low_precision.py, [Note: low-precision optimizer states]).
+    master_dtype: "fp32" (default) or "bf16": the master in bf16 plus a bf16 Kahan compensation term (what the
+        rounding dropped, added back before the next update); with bf16 compute and the states on the device the
+        master *is* the bf16 parameter (no second copy). Needs bf16 compute (precision "bf16-mixed" /
+        "bf16-true"): in fp32 training the fp32 parameter is its own master already.
     offload_kernel: which kernel the offloaded step runs. "fused" (default): torch's fused CPU
         implementation replaces the user's (``fused=True`` for Adam, AdamW, SGD, Adagrad; ``foreach`` for
         the others): faster, but not bit-identical to DDP's default kernel (about 1 ulp per step, which Adam
@@ -190,6 +213,9 @@ class ZeroConfig:
     nvme_path: Optional[str] = None
     nvme_buffer_count: int = 3
     nvme_direct: bool = False
+    # -- low-precision optimizer states (engine/optim/low_precision.py): "fp32" (default) | "bf16"
+    optimizer_state_dtype: str = "fp32"
+    master_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         self._check_offload_devices()
@@ -224,6 +250,8 @@ class ZeroConfig:
             raise ValueError(f"persist_numel must be an int >= 0 (a number of elements; 0 = no unit stays "
                              f"gathered) or None (automatic); got {self.persist_numel!r}.")
         self.reduce_dtype = parse_dtype(self.reduce_dtype, "reduce_dtype")
+        for knob in STATE_DTYPE_KNOBS:
+            setattr(self, knob, state_dtype_name(getattr(self, knob), knob))
         self.order_check = OrderCheck.parse(self.order_check).value  # stays the user's string; engines use the enum
         if not isinstance(self.grad_reduce, str) or self.grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"grad_reduce must be one of {', '.join(map(repr, GRAD_REDUCE))}; got {self.grad_reduce!r}.")
@@ -313,6 +341,11 @@ class ZeroConfig:
         if self.quantize_weights and self.stage == 0:
             raise ValueError("quantize_weights=True quantizes the all-gather of parameter shards. Allowed: "
                              "quantize_weights with stage 1, 2 or 3 (stage 0 gathers nothing).")
+        if self.master_dtype == "bf16" and self.quantize_weights:
+            raise ValueError("master_dtype='bf16' keeps the master in the published bf16 parameter (plus a "
+                             "compensation term); quantize_weights=True publishes int8-rounded parameters that "
+                             "cannot be the master. Allowed: master_dtype='bf16' without quantize_weights, or "
+                             "master_dtype='fp32'.")
         if self.overlap_publish and self.stage not in (1, 2):
             why = ("stage 0 steps every rank's whole copy, nothing is gathered" if self.stage == 0 else
                    "stage 3 gathers each unit before its own forward already")
