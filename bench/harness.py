@@ -15,8 +15,6 @@ swings cancel.
 from __future__ import annotations
 
 import gc
-import math
-import statistics
 import sys
 import time
 import warnings
@@ -27,14 +25,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.memory.floors import model_state_floor
 # Runner, the launcher and machine_line live in the package, shared with the autotuner (lightning-zero tune)
 from lightning_zero.tools.tuning.harness import Runner, _entry, launch, machine_line  # noqa: F401
 
 from deepspeed_peer import DS_METHODS, build_deepspeed  # noqa: E402 -- bench/ is on sys.path
 
-WORLD_SIZE = 2
-ADAM_STATE_BYTES = 8  # two fp32 moments per element
+# the summaries of the rounds live in bench/rounds_summary.py; re-exported for the benches importing them from here
+from rounds_summary import (  # noqa: E402,F401
+    ADAM_STATE_BYTES, WORLD_SIZE, cycle_ratio, loss_check, method_floor, percentile, summarize_methods,
+)
 
 # communication variants of the presets: ``*_blocking`` = reduce-scatter (the engine before grad_reduce; the
 # publish blocks in step() as by default); ``*_allreduce`` = the all-reduce keeping this rank's rows;
@@ -124,10 +123,14 @@ def make_adamw(params, args) -> torch.optim.Optimizer:
 
 
 def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: type = BLOCK_CLASS,
-          compute_dtype: Optional[torch.dtype] = None, activations: Optional[dict] = None) -> Runner:
+          compute_dtype: Optional[torch.dtype] = None, activations: Optional[dict] = None,
+          states: Optional[dict] = None) -> Runner:
     """A fresh model + AdamW under ``method``, seeded identically on every rank and every call.
 
-    ``activations``: ZeroConfig's activation options for our methods (activation_checkpointing, offload_activations).
+    ``activations``: ZeroConfig's activation options for our methods (activation_checkpointing, offload_activations);
+    ``states``: its state dtypes (``optimizer_state_dtype`` / ``master_dtype``, see :func:`state_dtypes`), passed
+    only when given, so the same bench also runs on code without those knobs. ``compute_dtype=torch.bfloat16``:
+    our engine's and DeepSpeed's bf16 mode, FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``.
     """
     if method in DS_METHODS:
         return build_deepspeed(method, args, make_model, compute_dtype)
@@ -156,6 +159,10 @@ def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: t
                   reshard_after_forward=method != "fsdp2_noreshard")
         if method == "fsdp2_offload":
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        if compute_dtype is not None:  # fp32 sharded parameters (FSDP2's masters), bf16 gathered ones
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute_dtype)
         for m in model.modules():
             if isinstance(m, block_class):
                 fully_shard(m, **kw)
@@ -166,13 +173,28 @@ def build(method: str, args, make_model: Callable = make_tiny_lm, block_class: t
         offload = method.endswith("_offload")
         cfg = ZeroConfig(**{**dict(stage=stage, offload_optimizer=offload, offload_params=offload and stage == 3,
                                    bucket_mb=bucket_mb, unit_classes=[block_class] if stage == 3 else None),
-                            **(activations or {}), **COMM_VARIANTS.get(method, {})})
+                            **(activations or {}), **(states or {}), **COMM_VARIANTS.get(method, {})})
         opt = make_adamw(model.parameters(), args)
         runner = Runner(method, model, model, opt, ZeroEngine(model, opt, cfg, compute_dtype=compute_dtype))
         if stage == 3:
             runner.gather_wait = time_gather_waits(runner.engine)
         return runner
     raise ValueError(f"unknown method {method!r}; allowed: {', '.join(ALL_METHODS)}")
+
+
+# state-dtype suffixes of a method name, in this order: ``zero3_bf16moments_bf16masters``
+STATE_SUFFIXES = (("_bf16masters", "master_dtype"), ("_bf16moments", "optimizer_state_dtype"))
+
+
+def state_dtypes(method: str) -> tuple[str, dict]:
+    """(method without them, ZeroConfig options) for the suffixes ``_bf16moments`` (``optimizer_state_dtype=
+    "bf16"``: Adam's moments in bf16 between steps) and ``_bf16masters`` (``master_dtype="bf16"``: bf16 master +
+    bf16 compensation; needs bf16 compute)."""
+    opts = {}
+    for suffix, knob in STATE_SUFFIXES:
+        if method.endswith(suffix):
+            method, opts[knob] = method[: -len(suffix)], "bf16"
+    return method, opts
 
 
 def time_gather_waits(engine: ZeroEngine) -> list[float]:
@@ -193,10 +215,12 @@ def time_gather_waits(engine: ZeroEngine) -> list[float]:
     return acc
 
 
-def train_step(r: Runner, x: torch.Tensor, vocab: int, marks: Optional[list] = None) -> torch.Tensor:
-    """One step; appends perf_counter marks after forward and after backward to ``marks`` if given."""
+def train_step(r: Runner, x, vocab: int, marks: Optional[list] = None,
+               loss_fn: Optional[Callable] = None) -> torch.Tensor:
+    """One step; appends perf_counter marks after forward and after backward to ``marks`` if given.
+    ``loss_fn(module, batch)``: the loss of another model's batches (default: :func:`loss_of` on TinyLM's)."""
     r.pre()
-    loss = loss_of(r.module, x, vocab)
+    loss = loss_fn(r.module, x) if loss_fn is not None else loss_of(r.module, x, vocab)
     if marks is not None:
         marks.append(time.perf_counter())
     r.backward(loss)
@@ -207,7 +231,8 @@ def train_step(r: Runner, x: torch.Tensor, vocab: int, marks: Optional[list] = N
 
 
 # -- one round ---------------------------------------------------------------------------------------------
-def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: Callable = build) -> dict:
+def run_round(methods: list[str], args, batches: list, build_fn: Callable = build,
+              loss_fn: Optional[Callable] = None) -> dict:
     """Build every method from the same seed, then run them step by step: A B C A B C ...
 
     A method whose build or first step raises is dropped from the round and reported as
@@ -218,7 +243,7 @@ def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: C
     for m in methods:
         try:
             built[m] = build_fn(m, args)
-            train_step(built[m], batches[0], args.vocab)
+            train_step(built[m], batches[0], args.vocab, loss_fn=loss_fn)
         except Exception as e:  # noqa: BLE001 -- reported in the table row
             errors[m] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
             built.pop(m, None)
@@ -226,7 +251,7 @@ def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: C
     live = [m for m in methods if m in built]
     for i in range(1, args.warmup):
         for m in live:
-            train_step(built[m], batches[i], args.vocab)
+            train_step(built[m], batches[i], args.vocab, loss_fn=loss_fn)
     gc.collect()
     gc.disable()
     times: dict[str, list[list[float]]] = {m: [] for m in live}  # per step: total, fwd, bwd, opt
@@ -238,12 +263,12 @@ def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: C
             # flight (an overlapped parameter all-gather) then lands in the timed step, as in training,
             # instead of completing for free during the other methods' steps (or in the barrier, which
             # waits for all earlier work of its group)
-            train_step(built[m], batches[i], args.vocab)
+            train_step(built[m], batches[i], args.vocab, loss_fn=loss_fn)
             wait = getattr(built[m], "gather_wait", [0.0])
             w0 = wait[0]
             t0, c0 = time.perf_counter(), time.process_time()
             marks: list[float] = []
-            last[m] = train_step(built[m], batches[i], args.vocab, marks)
+            last[m] = train_step(built[m], batches[i], args.vocab, marks, loss_fn)
             t3, c3 = time.perf_counter(), time.process_time()
             t1, t2 = marks
             # the process's CPU time (every thread: gloo's too) over the wall time tells whether cores were idle
@@ -262,7 +287,8 @@ def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: C
         loss = last[m].clone().double()
         dist.all_reduce(loss)
         loss /= dist.get_world_size()
-        mem = r.measure_memory(lambda mod: loss_of(mod, batches[0], args.vocab))
+        mem = r.measure_memory(lambda mod: loss_fn(mod, batches[0]) if loss_fn is not None
+                               else loss_of(mod, batches[0], args.vocab))
         r.close()
         out[m] = {"times_ms": t[:, 0].tolist(), "phases_ms": t[:, 1:].tolist(), "cores_busy": busy,
                   "gather_wait_ms": waits if hasattr(r, "gather_wait") else None, "final_loss": float(loss),
@@ -271,96 +297,18 @@ def run_round(methods: list[str], args, batches: list[torch.Tensor], build_fn: C
     return out
 
 
-def run_rounds(methods: list[str], args, batches: list[torch.Tensor], rank: int,
-               build_fn: Callable = build) -> dict[str, list[dict]]:
+def run_rounds(methods: list[str], args, batches: list, rank: int,
+               build_fn: Callable = build, loss_fn: Optional[Callable] = None) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {m: [] for m in methods}
     for r in range(args.rounds):
         k = r % len(methods)
         order = methods[k:] + methods[:k]  # rotate so no method always runs first / after the same one
-        for m, res in run_round(order, args, batches, build_fn).items():
+        for m, res in run_round(order, args, batches, build_fn, loss_fn).items():
             res["round"] = r
             results[m].append(res)
         if rank == 0:
             print(f"  round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     return results
-
-
-# -- summary -------------------------------------------------------------------------------------------------
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    pos = (len(s) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def cycle_ratio(rounds: list[dict], base: list[dict]) -> Optional[float]:
-    """Median over cycles (same round, same step index) of this method's time / the base's time."""
-    pairs = [t / tb for r, b in zip(rounds, base) if "times_ms" in r and "times_ms" in b
-             for t, tb in zip(r["times_ms"], b["times_ms"])]
-    return statistics.median(pairs) if pairs else None
-
-
-def method_floor(method: str, numel: int, world_size: int = WORLD_SIZE, mixed: bool = False) -> Optional[dict]:
-    """model-state floor (fp32, Adam K=8, offloaded bytes in 'host'); peers map to the ZeRO stage they match."""
-    stage = {"ddp": 0, "zero_opt": 1, "fsdp2": 3, "fsdp2_noreshard": 3, "fsdp2_offload": 3}.get(method)
-    if stage is None:
-        stage = int(method.removeprefix("ds_")[4])
-    off = method.endswith("_offload") and not method.startswith("fsdp2")  # FSDP2 keeps no separate master
-    return model_state_floor(stage, numel, world_size, mixed=mixed, state_bytes=ADAM_STATE_BYTES,
-                             offload_optimizer=off)
-
-
-def summarize_methods(results: dict[str, list[dict]], bases: tuple[str, ...] = ("ddp",)) -> dict:
-    """Per method: medians, p90, per-cycle ratios to each base, memory, floor, final losses; or its error."""
-    summary = {}
-    numel = next((r["numel"] for rs in results.values() for r in rs if "numel" in r), 0)
-    for m, rounds in results.items():
-        ok = [r for r in rounds if "times_ms" in r]
-        if not ok:
-            summary[m] = {"error": rounds[0].get("error", "no result")}
-            continue
-        all_t = [t for r in ok for t in r["times_ms"]]
-        fl = method_floor(m, numel)
-        summary[m] = {
-            "median_ms": statistics.median(all_t),
-            "p90_ms": percentile(all_t, 0.9),
-            "round_medians_ms": [statistics.median(r["times_ms"]) for r in ok],
-            "phase_medians_ms": {
-                ph: statistics.median(r["phases_ms"][j][k] for r in ok for j in range(len(r["phases_ms"])))
-                for k, ph in enumerate(("forward", "backward", "step"))
-            },
-            "cores_busy": statistics.median(c for r in ok for c in r.get("cores_busy", [])) if all(
-                "cores_busy" in r for r in ok) else None,
-            "gather_wait_ms": statistics.median(w for r in ok for w in r["gather_wait_ms"]) if all(
-                r.get("gather_wait_ms") for r in ok) else None,
-            "ratio_vs": {b: cycle_ratio(rounds, results[b]) for b in bases if b in results and b != m},
-            "model_state_bytes": ok[-1]["memory"]["model_states"],
-            "host_bytes": ok[-1]["memory"].get("host", 0),
-            "memory_report": ok[-1]["memory"],
-            "floor_bytes": fl["device"] + fl["host"],
-            "floor": fl,
-            "final_loss": ok[-1]["final_loss"],
-            "final_loss_per_round": [r["final_loss"] for r in ok],
-            "errors": [r["error"] for r in rounds if "error" in r],
-        }
-        for b in bases:
-            if b == m:
-                summary[m]["ratio_vs"][b] = 1.0
-    return {"numel": numel, "methods": summary}
-
-
-def loss_check(summary: dict, ref_method: str = "ddp", rtol: float = 1e-4) -> tuple[Optional[float], list[str]]:
-    """Reference final loss and the methods (any round) that differ from it by more than ``rtol``."""
-    ms = summary["methods"]
-    ref_row = ms.get(ref_method) if "final_loss" in ms.get(ref_method, {}) else None
-    if ref_row is None:
-        ref_row = next((r for r in ms.values() if "final_loss" in r), None)
-    if ref_row is None:
-        return None, []
-    ref = ref_row["final_loss"]
-    bad = [m for m, r in ms.items() if "final_loss_per_round" in r
-           and any(abs(x - ref) > rtol * abs(ref) for x in r["final_loss_per_round"])]
-    return ref, bad
 
 
 def add_model_args(p) -> None:
