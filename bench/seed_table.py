@@ -8,6 +8,9 @@ sharded DDP, DeepSpeed with and without CPU offload. This script fills the same 
 * ``zero2_bf16``, ``zero3_bf16``: ``compute_dtype=torch.bfloat16`` (bf16 params/grads, fp32 master shards);
 * ``zero2_offload``, ``zero3_offload`` (optimizer offload; stage 3 also offloads the param shards), and
   their ``_bf16`` variants (used for t5-3b on a GPU);
+* ``_bf16moments`` (last): + ``optimizer_state_dtype="bf16"`` (Adam's moments in bf16 between steps);
+  ``_bf16moments_bf16masters``: + ``master_dtype="bf16"`` too (the bf16 parameter as the master, plus a bf16
+  compensation term; bf16 compute only), e.g. ``zero3_offload_bf16_bf16moments_bf16masters`` (issue 45);
 * ``_ckpt``: + ``activation_checkpointing="auto"`` (every T5Block recomputed in backward); ``_ckpt_offact``: +
   ``offload_activations=True`` too (the blocks' saved inputs in host memory), for zero2, zero3 and
   zero3_offload (and ``zero2_offload``; ``_bf16`` after them, e.g. ``zero3_offload_ckpt_offact_bf16``);
@@ -65,7 +68,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import deepspeed_peer  # noqa: E402
-from harness import build, launch, machine_line  # noqa: E402
+from harness import build, launch, machine_line, state_dtypes  # noqa: E402
 # the probe / search / timing code is the package's, shared with `lightning-zero tune`
 from lightning_zero.tools.tuning.harness import Trial, search, t5_batch, timed  # noqa: E402
 
@@ -76,6 +79,11 @@ DS_TABLE_METHODS = ("ds_zero2", "ds_zero3", "ds_zero2_offload", "ds_zero3_offloa
 ALL_METHODS = CPU_METHODS + ("zero3_bf16", "zero2_offload_bf16", "zero3_offload_bf16") + DS_TABLE_METHODS \
     + tuple(f"{m}_bf16" for m in DS_TABLE_METHODS) + ("zero2_offload_ckpt", "zero2_offload_ckpt_offact") \
     + tuple(f"{m}_bf16" for m in ACT_METHODS + ("zero2_offload_ckpt", "zero2_offload_ckpt_offact"))
+# low-precision optimizer states (issue 45): bf16 moments, and bf16 moments + bf16 masters under bf16 compute
+STATE_METHODS = tuple(f"{m}_bf16moments" for m in ("zero2", "zero3")) + tuple(
+    f"{m}_bf16{s}" for m in ("zero2", "zero3", "zero2_offload", "zero3_offload")
+    for s in ("_bf16moments", "_bf16moments_bf16masters"))
+ALL_METHODS += STATE_METHODS
 if deepspeed_peer.available():
     CPU_METHODS += DS_TABLE_METHODS
 
@@ -103,8 +111,9 @@ def t5_block_class() -> type:
 
 
 def parse_method(method: str) -> tuple[str, dict]:
-    """(harness method, options): ``_bf16`` -> autocast for DDP, compute_dtype for ours; ``_ckpt`` /
-    ``_ckpt_offact`` -> the engine's activation options."""
+    """(harness method, options): ``_bf16moments`` / ``_bf16masters`` -> the engine's state dtypes; ``_bf16`` ->
+    autocast for DDP, compute_dtype for ours; ``_ckpt`` / ``_ckpt_offact`` -> the engine's activation options."""
+    method, states = state_dtypes(method)
     bf16 = method.endswith("_bf16")
     base = method[: -len("_bf16")] if bf16 else method
     activations = {}
@@ -114,8 +123,10 @@ def parse_method(method: str) -> tuple[str, dict]:
             base, activations = base[: -len(suffix)], opts
             break
     if base == "ddp":
-        return "ddp", {"autocast": torch.bfloat16 if bf16 else None, "compute_dtype": None, "activations": None}
-    return base, {"autocast": None, "compute_dtype": torch.bfloat16 if bf16 else None, "activations": activations}
+        return "ddp", {"autocast": torch.bfloat16 if bf16 else None, "compute_dtype": None, "activations": None,
+                       "states": None}
+    return base, {"autocast": None, "compute_dtype": torch.bfloat16 if bf16 else None, "activations": activations,
+                  "states": states or None}
 
 
 def make_trial(method: str, args, rank: int, device) -> Trial:
@@ -124,7 +135,7 @@ def make_trial(method: str, args, rank: int, device) -> Trial:
 
     def build_fn():
         return build(base, args, make_model=make_t5, block_class=t5_block_class(), compute_dtype=opts["compute_dtype"],
-                     activations=opts["activations"])
+                     activations=opts["activations"], states=opts["states"])
 
     return Trial(method, args, rank, device, build_fn, lambda r, step, b, dev: t5_batch(args, r, step, b, dev),
                  autocast=opts["autocast"])
