@@ -177,14 +177,15 @@ def print_table(raw: dict, args) -> list[str]:
     gpu = torch.cuda.is_available()
     cap = f"cap {args.cap_gb} GB/GPU (set_per_process_memory_fraction)" if gpu else \
         f"budget {args.budget_bytes / 2**20:.2f} MiB/rank (model states + saved activations)"
+    w = max([30] + [len(m) for m in ms])  # the method column fits the longest name
     lines = [
         f"model: T5 {args.model} (random init), src {args.src_len} / tgt {args.tgt_len} tokens, AdamW; "
         f"Psi={args.numel:,}; {args.world_size} rank(s) {'nccl' if gpu else 'gloo'}; {cap}; "
         f"train {args.train_samples} samples, eval {args.eval_samples} samples (global)",
         "",
-        "| Method                         | Max batch | Train time s | Eval time s | Peak MB/rank | batch vs DDP | train vs DDP "
+        f"| {'Method':<{w}} | Max batch | Train time s | Eval time s | Peak MB/rank | batch vs DDP | train vs DDP "
         "| eval vs DDP |",
-        "|--------------------------------|-----------|--------------|-------------|--------------|--------------|--------------"
+        f"|{'-' * (w + 2)}|-----------|--------------|-------------|--------------|--------------|--------------"
         "|-------------|",
     ]
 
@@ -196,7 +197,7 @@ def print_table(raw: dict, args) -> list[str]:
 
     for m, r in ms.items():
         if "error" in r:
-            lines.append(f"| {m:<30} | FAILED: {r['error']} |")
+            lines.append(f"| {m:<{w}} | FAILED: {r['error']} |")
             continue
         b = r["max_batch"]
         mb = f"{r['peak_bytes'] / 2**20:.2f}" if r.get("peak_bytes") else "-"
@@ -206,7 +207,7 @@ def print_table(raw: dict, args) -> list[str]:
         elif b and r["first_fail"] and r["first_fail"] - b > 1:
             bs = f"{b}-{r['first_fail'] - 1}"  # bisection stopped early (--bisect-tol)
         lines.append(
-            f"| {m:<30} | {bs:>9} | {sec(r['train_s']):>12} | {sec(r['eval_s']):>11} | {mb:>12} "
+            f"| {m:<{w}} | {bs:>9} | {sec(r['train_s']):>12} | {sec(r['eval_s']):>11} | {mb:>12} "
             f"| {ratio(b, base.get('max_batch')):>12} | {ratio(r['train_s'], base.get('train_s')):>12} "
             f"| {ratio(r['eval_s'], base.get('eval_s')):>11} |"
         )
