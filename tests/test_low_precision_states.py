@@ -98,11 +98,13 @@ def _full_masters(model, engine) -> dict[str, torch.Tensor]:
     return {names[id(p)]: v.reshape(-1) for p, v in zip(engine.bucket_params, engine.full_master_params())}
 
 
-def _run(rank, world, stage, opt_name, masters_bf16, offload, same_batch, save_at=None, path=None):
+def _run(rank, world, stage, opt_name, masters_bf16, offload, same_batch, nvme_path=None, shard_group_size=None):
     model = _gpt2()
     opt = _optimizer(opt_name, model.parameters())
+    nvme = dict(nvme_path=nvme_path) if offload == "nvme" else {}
+    nvme.update(shard_group_size=shard_group_size) if shard_group_size else None
     cfg = ZeroConfig(stage=stage, optimizer_state_dtype="bf16", master_dtype="bf16" if masters_bf16 else "fp32",
-                     offload_optimizer=offload, offload_kernel="user", grad_reduce="all_to_all",
+                     offload_optimizer=offload, offload_kernel="user", grad_reduce="all_to_all", **nvme,
                      **(dict(unit_classes=["GPT2Block"]) if stage == 3 else {}))
     engine = ZeroEngine(model, opt, cfg, compute_dtype=BF16 if masters_bf16 else None)
     losses = []
@@ -113,36 +115,47 @@ def _run(rank, world, stage, opt_name, masters_bf16, offload, same_batch, save_a
         loss.backward()
         engine.step()
         losses.append(loss.item())
-        if save_at == step:
-            ck.save_engine_checkpoint(path, model, engine, {"step": step})
     s = engine.sharded
     dtypes = {str(v.dtype) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0}
-    out = dict(losses=losses, params=_full_masters(model, engine), dtypes=dtypes,
-               state_bytes=s.state_bytes(), master_bytes=s.master_bytes(),
+    out = dict(losses=losses, dtypes=dtypes, state_bytes=s.state_bytes(), master_bytes=s.master_bytes(),
                slice_numel=sum(m.numel() for row in s.masters for m in row),
                aliased=all(s._aliased), comm_buffers=engine.memory_report().comm_buffers)
+    out["params"] = _full_masters(model, engine)  # widens bf16 masters: after the bytes were counted
     engine.remove(hand_back=False)
     return out
 
 
 CASES = [  # (stage, optimizer, bf16 masters, offload)
     (0, "adamw", True, False), (1, "adamw", True, False), (2, "adamw", True, False), (3, "adamw", True, False),
-    (2, "adamw", True, True), (3, "adamw", True, True), (2, "sgd", True, False), (3, "sgd", True, False),
+    (2, "adamw", True, True), (3, "adamw", True, True), (2, "adamw", True, "nvme"), (3, "adamw", False, "nvme"),
+    (2, "sgd", True, False), (3, "sgd", True, False),
     (1, "adamw", False, False), (2, "adamw", False, True), (3, "adamw", False, False)]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage,opt_name,masters_bf16,offload", CASES)
-def test_bf16_states_equal_the_one_process_algorithm_bit_for_bit(stage, opt_name, masters_bf16, offload):
+def test_bf16_states_equal_the_one_process_algorithm_bit_for_bit(stage, opt_name, masters_bf16, offload, tmp_path):
     """Every rank takes the same batch (the reduced gradient is then that batch's, exactly): the engine at 2 ranks
-    is bit for bit the one-process algorithm -- losses, published parameters, and the states stay bf16."""
+    is bit for bit the one-process algorithm -- losses, published parameters, and the states stay bf16 (on
+    the device, in host memory, or streamed from NVMe scratch files)."""
     ref_losses, ref_params = one_process([_batch(s) for s in range(STEPS)], opt_name, masters_bf16, True)
-    for r in run_distributed(_run, 2, stage, opt_name, masters_bf16, offload, True):
+    for r in run_distributed(_run, 2, stage, opt_name, masters_bf16, offload, True, str(tmp_path)):
         assert r["losses"] == ref_losses
         assert r["dtypes"] == {"torch.bfloat16"}
         assert r["params"].keys() == ref_params.keys()
         for n, want in ref_params.items():
             assert torch.equal(r["params"][n], want), n
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hybrid_sharding_with_bf16_states_is_the_algorithm_bit_for_bit(stage):
+    """4 ranks, shards of 2 replicated twice (the same batch everywhere: a reduce-scatter of halves, then an
+    all-reduce of halves, is that batch's gradient exactly)."""
+    ref_losses, ref_params = one_process([_batch(s) for s in range(STEPS)], "adamw", True, True)
+    for r in run_distributed(_run, 4, stage, "adamw", True, False, True, None, 2):
+        assert r["losses"] == ref_losses
+        assert all(torch.equal(r["params"][n], w) for n, w in ref_params.items())
 
 
 def test_compensation_keeps_updates_below_a_bf16_ulp():
@@ -289,3 +302,26 @@ def test_the_knobs_refuse_what_they_cannot_hold():
         ZeroConfig(optimizer_state_dtype="fp16")
     with pytest.raises(ValueError, match="quantize_weights"):
         ZeroConfig(stage=3, master_dtype="bf16", quantize_weights=True)
+
+
+def _tensor_parallel(rank, world):
+    from tests.helpers.tp_models import tp_mesh
+    from tests.test_tensor_parallel import CLIP, _train
+
+    mesh = tp_mesh(world)
+    ref = _train(rank, world, None, 2, CLIP, mesh)
+    fp32 = _train(rank, world, dict(stage=2), 2, CLIP, mesh)
+    bf16 = _train(rank, world, dict(stage=2, optimizer_state_dtype="bf16"), 2, CLIP, mesh)
+    both = _train(rank, world, dict(stage=1, optimizer_state_dtype="bf16", master_dtype="bf16",
+                                    reduce_dtype="fp32"), 2, CLIP, mesh, BF16)
+    diff = max((bf16[2][k] - ref[2][k]).abs().max().item() for k in ref[2])
+    return diff, [r[3]["memory"]["optimizer_state"] for r in (fp32, bf16, both)]
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_pieces_keep_bf16_states():
+    """TP x data parallel (2 x 2): each rank's local piece's moments in bf16 (half the bytes), the run within
+    bf16 moment rounding of DDP on the whole model; bf16 masters there too."""
+    for diff, (fp32, bf16, both) in run_distributed(_tensor_parallel, 4):
+        assert diff < 1e-3
+        assert bf16 * 2 == fp32 and both == bf16
