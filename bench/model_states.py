@@ -35,7 +35,7 @@ and ``_bf16masters`` (``master_dtype="bf16"``), e.g. ``zero3_offload_bf16_bf16mo
 
 Run::
 
-    python bench/model_states.py --before /work/wt/base45          # ~5-10 minutes on 2 loaded cores
+    python bench/model_states.py --before /work/wt/base45          # ~15 minutes on 2 cores at load 10
     python bench/model_states.py --model t5_tiny --methods fsdp2,zero3,zero3_bf16_bf16moments_bf16masters
 """
 

@@ -19,7 +19,7 @@ engine's communication buffers; FSDP2: its local shards); then after / before of
 
 Run::
 
-    python bench/pool_step_time.py --before /work/wt/base45               # ~10 minutes on 2 loaded cores
+    python bench/pool_step_time.py --before /work/wt/base45      # ~30 minutes on 2 cores at load 10-12
     python bench/pool_step_time.py --before ../base --model t5_mini --reps 2 --steps 3
 """
 
