@@ -45,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from ..engine.comm.collectives import barrier as _barrier, rank as _rank
+from ..engine.config import STATE_DTYPE_KNOBS
 from . import integrity, tp_state as TS
 from .rank_local import RANKS_KEY, rank_local_entries
 from .trust import UntrustedCheckpointError  # noqa: F401  (raised by every load; part of this module's API)
@@ -197,6 +198,8 @@ def _info(model_state, module, engine, state_kinds, group=None) -> dict:
         "aliases": {a: c for a, c in aliases.items() if c in tensors},
         "order": [k for k, v in module.state_dict(keep_vars=True).items() if torch.is_tensor(v)],
         "optimizer_state": state_kinds,
+        # how the states were kept ([Note: low-precision optimizer states]): a load into other dtypes converts
+        "state_dtypes": {} if cfg is None else {k: getattr(cfg, k) for k in STATE_DTYPE_KNOBS},
     }
 
 

@@ -5,6 +5,7 @@ loaded into the engine's masters and optimizer state of the *current* world size
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..engine.config import STATE_DTYPE_KNOBS
 from ..engine.optim.kinds import per_rank_state
 from . import tp_state as TS, trust as TR
 from .files import check_state_entries, read_info, read_meta, resolve_checkpoint_dir
@@ -24,6 +26,7 @@ from .rank_local import error_buffer_keys, restore_rank_local
 from .sharded_state import _canonical, _flat, _managed, per_rank
 from .trust import ConfinedReader, UntrustedCheckpointError, read_dcp_metadata
 
+_log = logging.getLogger(__name__)
 _IMPL_KEYS = ("params", "fused", "foreach", "capturable", "differentiable")  # not restored from a checkpoint
 _PathLike = Union[str, os.PathLike]
 
@@ -138,6 +141,8 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
             f"{sorted(in_ckpt - in_opt)[:20]}, only in the optimizer: {sorted(in_opt - in_ckpt)[:20]}."
         )
     check_state_entries(path, kinds, managed, _optim_key(index), trust_checkpoint)
+    if index == 0:
+        _notice_state_conversion(path, info, engine)
     engine.sharded_for(opt).init_state([managed[n][0] for n in kinds if n in managed])
     targets: dict[str, dict[str, torch.Tensor]] = {}
     rank_keys = error_buffer_keys(opt, info, process_group)
@@ -192,6 +197,18 @@ def load_optimizer_state(path: _PathLike, engine, opt_meta: Mapping[str, Any], i
                                                trust_checkpoint=trust_checkpoint), process_group)
     if hasattr(opt, "state_restored"):  # 1-bit Adam: what it derived from the state before is stale
         opt.state_restored()
+
+
+def _notice_state_conversion(path: Path, info: dict, engine) -> None:
+    """One notice where the checkpoint kept its optimizer states in other dtypes than this run does: the load
+    converts them (fp32 -> bf16 rounds to nearest; bf16 masters arrive as their exact fp32 ``hi + lo``)."""
+    saved = info.get("state_dtypes") or {}  # older checkpoints: fp32 states
+    cfg = getattr(engine, "config", None)
+    differ = [f"{k}: checkpoint {saved.get(k, 'fp32')!r} -> this run {getattr(cfg, k)!r}"
+              for k in STATE_DTYPE_KNOBS if cfg is not None and saved.get(k, "fp32") != getattr(cfg, k)]
+    if differ and (not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0):
+        _log.warning("Checkpoint %s keeps its optimizer states in other dtypes (%s); they are converted on load "
+                     "(to bf16: rounded to nearest).", str(path), "; ".join(differ))
 
 
 def check_optimizer_count(path: _PathLike, saved: int, current: int) -> None:

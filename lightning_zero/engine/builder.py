@@ -27,6 +27,7 @@ from .memory.activations import activation_memory
 from .module_routes import install_module_zero_grad
 from .optim import param_groups as PG
 from .optim.kinds import Kind, KindSetup, kind_of
+from .optim.low_precision import check_low_precision
 from .optim.onebit import local_models as LM
 from .optim.optimizer_routes import install_optimizer_methods
 from .optim.publish import PublishQueue
@@ -65,6 +66,7 @@ def assemble(engine: Any, module, optimizer, config: Optional[ZeroConfig], compu
     setup = KindSetup(plan, cfg, optimizers, engine.tensor_parallel, loss_scaler)
     for kind, opt in zip(kinds, optimizers):  # one clear error before anything is sharded
         kind.check(opt, setup)
+    check_low_precision(cfg, compute_dtype, optimizers, kinds)  # [Note: low-precision optimizer states]
     per_opt = PG.managed_params(module, optimizers)
     if not has_meta_params(module):  # a meta model is broadcast unit by unit as it is built
         engine.sync_module_states()
@@ -137,6 +139,9 @@ def _stores(engine, cfg, plan, per_opt, kinds) -> None:
         if part is not None and engine.mode is EngineMode.TRAIN:
             part.partitioner.cast_shards(compute_dtype)
             engine.table.repoint_sources()  # new shard tensors: publish into them, not the fp32 originals
+        for k, s in enumerate(engine.shardeds):  # a bf16 master is its bf16 parameter slice from now on
+            s.alias_low_precision_masters([r.sources for r in engine.table.of_optimizer(k)] if part is not None
+                                          else None)
     if part is not None:  # the shards where they live between uses (NVMe: their file) now
         part.partitioner.store.spill()
         agree_on_io([part.partitioner.store], engine.group, part.partitioner.device)

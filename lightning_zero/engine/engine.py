@@ -233,6 +233,8 @@ class ZeroEngine:
         Collective where a store's I/O can fail (every rank's config chose the same stores); nothing otherwise."""
         make_resident_on_every_rank(self._stores(self.shardeds), self.group,
                                     self.params[0].device if self.params else None)
+        for s in self.shardeds:  # bf16 masters as their exact fp32 values ([Note: low-precision optimizer states])
+            s.widen_masters()
 
     def publish_params(self, optimizer=None, streamed: bool = True) -> None:
         """Copy the updated masters into the module's parameters, as the plan publishes (publish.py).
@@ -386,7 +388,7 @@ class ZeroEngine:
         """The masters and optimizer state a whole view read back given up again (NVMe: written out and freed;
         a detached engine after a save; a training engine's next step does it itself)."""
         for s in self.shardeds:
-            s.states.spill()
+            s.spill()
 
     def release_states(self) -> None:
         """The optimizers' state stores let go (NVMe: the scratch files removed; idempotent): a detached

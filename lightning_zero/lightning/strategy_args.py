@@ -49,6 +49,11 @@ SHARED: tuple[Arg, ...] = (
         "O_DIRECT I/O for the optimizer's file (the disk's DMA instead of page-cache copies on the CPU)."),
     Arg("nvme_buffer_count", 3, int),
     Arg("nvme_direct", False, bool),
+    Arg("optimizer_state_dtype", "fp32", str, 'optimizer_state_dtype, master_dtype: "fp32" (default) or "bf16": the '
+        "optimizer's per-element state (Adam's moments) kept in bf16 between steps; the master in bf16 with a Kahan "
+        "compensation term (the bf16 parameter itself where the states live on the device; needs bf16 precision). "
+        "Each bucket steps in fp32."),
+    Arg("master_dtype", "fp32", str),
     Arg("bucket_mb", 25.0, float, "size cap of one communication bucket (MiB)."),
     Arg("reduce_dtype", None, _O, 'dtype of gradient reductions (None = compute dtype, or "fp32").'),
     Arg("broadcast_buffers", True, bool, "copy rank 0's buffers to every rank before each training step (as DDP)."),

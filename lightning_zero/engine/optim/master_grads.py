@@ -13,6 +13,11 @@ from ..comm import collectives as C
 from ..layout import tensor_parallel as TP
 
 
+def _grad_dtype(m: torch.Tensor) -> torch.dtype:
+    """fp32 for a bf16 master too ([Note: low-precision optimizer states]: its ``grad_dtype``)."""
+    return getattr(m, "grad_dtype", None) or m.dtype
+
+
 class MasterGrads:
     """Mixed into ShardedOptimizer, which provides ``masters``, ``buckets``, ``plan``, ``kind``, ``states``,
     ``device``, ``master_device``, ``tp_group`` / ``tp_size`` and ``frozen_at_setup`` / ``check_not_unfrozen``."""
@@ -65,10 +70,10 @@ class MasterGrads:
             for m, g in zip(row, grow):
                 if g is None:
                     m.grad = None
-                elif g.dtype == m.dtype and g.device == m.device:
+                elif g.dtype == _grad_dtype(m) and g.device == m.device:
                     m.grad = g.view_as(m)
                 else:
-                    m.grad = g.to(device=m.device, dtype=m.dtype, non_blocking=True).view_as(m)
+                    m.grad = g.to(device=m.device, dtype=_grad_dtype(m), non_blocking=True).view_as(m)
         self.states.grads_landed(self.device)  # a host step: the device->host copies have landed
 
     def grads(self) -> list[torch.Tensor]:

@@ -32,6 +32,7 @@ from ..placement.location import Location
 from ..placement.state_stores import DeviceStates, StateStore, planned_masters
 from .optimizer_routes import user_class
 from .optimizer_state import consolidate_optimizer_state, load_sharded_optimizer_state, zero_lr_step
+from .low_precision import LowPrecisionStates
 from .owner_step import OwnerStep
 from ..plan import ShardingPlan
 from .kinds import OptimizerKind, kind_of
@@ -52,8 +53,22 @@ class ShardedOptimizer(MasterGrads):
         load_sharded_optimizer_state(self, full)
 
     def make_resident(self) -> None:
-        """Masters and state in memory until the next step (whole views; the state store reads them back)."""
+        """Masters and state in memory until the next step (whole views; the state store reads them back;
+        bf16 masters as their exact fp32 values, [Note: low-precision optimizer states])."""
         self.states.make_resident()
+        self.widen_masters()
+
+    def widen_masters(self) -> None:
+        """bf16 masters as fp32 (``hi + lo``) until the next step: what whole views, saves and loads see."""
+        self.low_precision.make_resident(self._all_masters())
+
+    def spill(self) -> None:
+        """What a whole view read back given up again: bf16 masters narrowed, the store spilled (NVMe)."""
+        self.low_precision.narrow_all(self._all_masters())
+        self.states.spill()
+
+    def _all_masters(self) -> list[torch.Tensor]:
+        return [m for row in self.masters for m in row]
 
     def close(self) -> None:
         """End of the engine: the state store lets go of what it holds (NVMe: the scratch file removed)."""
@@ -73,6 +88,7 @@ class ShardedOptimizer(MasterGrads):
         alias_sources: bool = True,
         source_scope: Optional[Callable] = None,
         kind: Optional[OptimizerKind] = None,
+        low_precision: Optional[LowPrecisionStates] = None,
     ) -> None:
         """``sources`` (stage 3): per bucket and parameter, this rank's fp32 slice to take the master from
         (the parameter itself no longer holds its values then). ``plan`` ([Note: sharding plan]): whole or
@@ -84,7 +100,9 @@ class ShardedOptimizer(MasterGrads):
         not always in memory: NVMe): a master never aliases its stage-3 source; the masters are separate fp32
         tensors. ``source_scope(bucket)``: a context in which that bucket's ``sources`` can be read (NVMe: its
         unit's shard read back for the block, so setup holds one unit's shard at a time). ``kind``: how the
-        optimizer steps (kinds/, checked by the builder before anything is sharded; default: asked here)."""
+        optimizer steps (kinds/, checked by the builder before anything is sharded; default: asked here).
+        ``low_precision``: bf16 moments / masters ([Note: low-precision optimizer states]; default: fp32)."""
+        self.low_precision = low_precision if low_precision is not None else LowPrecisionStates()
         self._source_scope = source_scope
         self.kind = kind if kind is not None else kind_of(optimizer)
         self.owner: Optional[OwnerStep] = None  # a whole-tensor kind's owner-rank step, bound at stages 1-3
@@ -161,12 +179,30 @@ class ShardedOptimizer(MasterGrads):
     def _make_master(self, p: torch.Tensor, spec, pin: bool, src: Optional[torch.Tensor]) -> torch.Tensor:
         sources_given = src is not None
         src = self._source(p, spec, src)
+        if self.low_precision.masters:  # bf16 + compensation; aliased to the bf16 parameter after the cast
+            self._aliased.append(False)
+            return self.low_precision.make_master(src, self.master_device, pin)
         alias = self._aliases(src, sources_given)
         self._aliased.append(alias)
         if alias:
             return src  # stage 0: the parameter itself (DDP); else a view of this rank's slice
         m = src.detach().to(device=self.master_device, dtype=torch.float32, copy=True)
         return m.pin_memory() if pin else m
+
+    def alias_low_precision_masters(self, sources: Optional[list[list[torch.Tensor]]]) -> None:
+        """After the module dropped to bf16: each bf16 master whose parameter slice (``sources``, stage 3: the
+        unit shards' new views) is bf16 where the master lives becomes that slice (no second copy)."""
+        if not self.low_precision.masters or self.states.steps_on_host:
+            return
+        flat = 0
+        for bi, (b, row) in enumerate(zip(self.buckets, self.masters)):
+            for pi, (p, spec, m) in enumerate(zip(b.params, b.specs, row)):
+                src = sources[bi][pi] if sources is not None else None
+                if src is not None and not self._alias_sources:
+                    pass
+                elif self.low_precision.alias(m, self._source(p, spec, src)):
+                    self._aliased[flat] = True
+                flat += 1
 
     def _rebind(self, by_param: dict[int, torch.Tensor]) -> None:
         if self.optimizer.state:
@@ -211,7 +247,12 @@ class ShardedOptimizer(MasterGrads):
         NVMe) bucket by bucket through its ring, each bucket published by ``publish_chunk(masters, bucket)``
         while its masters are in memory."""
         after = (lambda k: publish_chunk(self.masters[k], self.buckets[k])) if publish_chunk is not None else None
-        self.kind.step(self, lambda: self.states.step(self.optimizer, self._step_bucket, after))
+        self.low_precision.narrow_all(self._all_masters())  # a checkpoint since the last step widened them
+        if self.low_precision.active and not self.states.streams:  # bucket by bucket: fp32 one bucket at a time
+            run = lambda: [self._step_bucket(k) for k in range(len(self.buckets))]  # noqa: E731
+        else:
+            run = lambda: self.states.step(self.optimizer, self._step_bucket, after)  # noqa: E731
+        self.kind.step(self, run)
 
     def state_holder(self, master: torch.Tensor) -> Optional[torch.Tensor]:
         """The tensor ``optimizer.state`` keys ``master``'s parameter on here: the master itself, or (owner-rank
@@ -226,7 +267,8 @@ class ShardedOptimizer(MasterGrads):
     def init_state(self, masters: list[torch.Tensor]) -> None:
         """Create the optimizer state of ``masters`` that have none, as their first step would (a checkpoint
         load fills it next); the masters keep their values."""
-        self.kind.init_state(self, masters, zero_lr_step)
+        with self.low_precision.widened(self.optimizer, masters):  # state created in the dtype it is kept in
+            self.kind.init_state(self, masters, zero_lr_step)
 
     def _step_bucket(self, k: int) -> None:
         """The user's optimizer on bucket ``k``'s masters only: every group keeps its hyper-parameters and
@@ -237,7 +279,8 @@ class ShardedOptimizer(MasterGrads):
         try:
             for g, params in zip(groups, saved):
                 g["params"] = [m for m in params if id(m) in mine]
-            self.optimizer.step()
+            with self.low_precision.widened(self.optimizer, self.masters[k]):
+                self.optimizer.step()
         finally:
             for g, params in zip(groups, saved):
                 g["params"] = params
@@ -254,7 +297,8 @@ class ShardedOptimizer(MasterGrads):
     def master_bytes(self) -> int:
         """Bytes of fp32 master storage *separate* from the parameters (0 when masters are views)."""
         flat = (m for row in self.masters for m in row)
-        return sum(m.numel() * m.element_size() for m, a in zip(flat, self._aliased) if not a)
+        own = sum(m.numel() * m.element_size() for m, a in zip(flat, self._aliased) if not a)
+        return own + self.low_precision.compensation_bytes()
 
     def bytes_by_location(self) -> dict[Location, int]:
         """Where the masters (those separate from the parameters) and the optimizer state are now."""

@@ -29,6 +29,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..placement.host_kernels import kernel_swap_line
 from ..placement.stores import make_state_store
+from .low_precision import LowPrecisionStates
 from .optimizer import ShardedOptimizer
 
 _log = logging.getLogger("lightning_zero.engine")
@@ -102,7 +103,8 @@ def shard_optimizers(optimizers, table, plan, cfg, compute_dtype, tp=None, param
                                     tp_group=tp.tp_group if tp is not None else None,
                                     tp_size=tp.tp_size if tp is not None else 1,
                                     alias_sources=param_store is None or param_store.masters_may_alias,
-                                    source_scope=scope, kind=kinds[k] if kinds is not None else None))
+                                    source_scope=scope, kind=kinds[k] if kinds is not None else None,
+                                    low_precision=LowPrecisionStates(cfg.optimizer_state_dtype, cfg.master_dtype)))
     swap = kernel_swap_line(out)
     if swap is not None and C.rank() == 0:
         _log.info(swap)
