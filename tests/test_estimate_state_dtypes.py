@@ -4,6 +4,7 @@ with their compensation term): bytes counted by hand here from the model's sizes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -31,7 +32,8 @@ LARGEST = 256 * 64  # one parameter is never split across buckets
 def _by_hand(stage: int, where: str, states: str, master: str) -> dict:
     """Bytes per rank, mixed precision (bf16 params and grads), Adam, N = 2, no accumulation (stage 1 holds
     gradient shards), counted from the table of the issue: params 2, grads 2, master fp32 4 | bf16 on the device
-    2 (its compensation; the bf16 parameter is the master) | bf16 on the host 2 + 2, moments 8 | 4."""
+    2 (its compensation; the bf16 parameter is the master) | bf16 offloaded 2 + 2 (under NVMe the master in the
+    file, its compensation in host memory), moments 8 | 4."""
     moments = ADAM if states == "fp32" else ADAM // 2
     master_b = 4 if master == "fp32" else (2 if where == "device" else 4)
     share = PSI / N
@@ -40,6 +42,9 @@ def _by_hand(stage: int, where: str, states: str, master: str) -> dict:
     optim = (master_b + moments) * (PSI if stage == 0 else share)
     off = {"device": 0.0, "host": 0.0, "nvme": 0.0}
     off[where] += optim
+    if where == "nvme" and master == "bf16":
+        off["nvme"] -= 2 * share  # the compensation term: host memory
+        off["host"] += 2 * share
     if stage == 3:
         off[where] += params  # the presets offload stage 3's parameter shards with the optimizer
     device = params + grads + optim - (off["host"] + off["nvme"])
@@ -213,3 +218,65 @@ def test_dtype_rows_replace_only_the_dtypes():
     assert plans["fp32"] == est.rows[0].plan
     assert plans["bf16 moments+masters"] == dataclasses.replace(est.rows[0].plan, optimizer_state_dtype="bf16",
                                                                 master_dtype="bf16")
+
+
+# -- against the engine: what a rank really holds (memory_report counts tensor bytes) ---------------------------------
+MEASURED = [(name, states, master) for name in SETTINGS for states, master in VARIANTS[1:]]
+
+
+def _measure(rank, world_size):
+    import tempfile
+
+    import torch
+
+    from lightning_zero.engine import ZeroEngine
+    from lightning_zero.engine.config import PRESETS
+
+    out = {}
+    for name, states, master in MEASURED:
+        torch.manual_seed(0)
+        model = _model()
+        nvme = "nvme" in (PRESETS[name].get("offload_optimizer"), PRESETS[name].get("offload_params"))
+        cfg = ZeroConfig(**PRESETS[name], bucket_mb=0.05, nvme_path=tempfile.gettempdir() if nvme else None,
+                         optimizer_state_dtype=states, master_dtype=master)
+        engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), cfg, compute_dtype=torch.bfloat16)
+        x = torch.randn(8, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(rank))
+        model(x).float().pow(2).mean().backward()
+        engine.step()  # creates the (bf16) moments
+        with engine.no_sync():  # stages 0-1 hold full gradients through accumulation
+            model(x).float().pow(2).mean().backward()
+        rep = engine.memory_report().as_dict()
+        out[name, states, master] = {"device": rep["model_states"] - rep["host"] - rep["nvme"], "host": rep["host"],
+                                     "nvme": rep["nvme"]}
+        engine.remove(hand_back=False)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _measured() -> list:
+    from tests.helpers.dist_utils import run_distributed
+
+    return run_distributed(_measure, N)
+
+
+# [bug reported to the lead] with offload_optimizer=True the step's publish reads the masters through
+# ZeroEngine.master_rows() -> ShardedOptimizer.make_resident(), which now widens bf16 masters to fp32 and leaves
+# them so until the next step: 4 + 2 bytes per element in host memory between steps instead of 2 + 2
+_WIDE_AFTER_HOST_PUBLISH = {("zero1_offload", "bf16", "bf16"), ("zero2_offload", "bf16", "bf16"),
+                            ("zero3_offload", "bf16", "bf16")}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(
+    strict=True, reason="engine: offloaded bf16 masters stay fp32 after the step's publish (master_rows widens them)"))
+    if c in _WIDE_AFTER_HOST_PUBLISH else c for c in MEASURED], ids="-".join)
+def test_estimate_is_what_the_engine_holds_with_bf16_states(case):
+    """Every preset at bf16 moments and at bf16 moments + masters, 2 gloo ranks, bf16 compute, accumulating: the
+    estimator's device / host / NVMe bytes are the engine's tensor bytes (the bf16 master aliased to the bf16
+    parameter beside device states, a copy of its own with its compensation where the step runs on the host)."""
+    name, states, master = case
+    est = estimate_model_states(_model(), world_size=N, precision="bf16-mixed", grad_accumulation=2,
+                                optimizer_state_dtype=states, master_dtype=master, settings=[name])
+    for per_rank in _measured():
+        got = per_rank[case]
+        assert got == {k: est.rows[0].states[k] for k in got}, case

@@ -28,9 +28,9 @@ def _bucket_numel(info: ModelInfo, bucket_mb: float) -> float:
 
 
 def _state_element_bytes(plan: ShardingPlan, k: int) -> float:
-    """Master + optimizer state per element in the files: the master is 4 bytes either way (fp32, or a bf16
-    master with its bf16 compensation term), the state K or, in bf16, K / 2 (``floors.py``)."""
-    return 4 + state_bytes_per_element(plan, k)
+    """Master + optimizer state per element in the files: the master fp32 (4) or bf16 (2: its compensation
+    term stays in host memory), the state K or, in bf16, K / 2 (``floors.py``)."""
+    return (2 if plan.master_dtype == "bf16" else 4) + state_bytes_per_element(plan, k)
 
 
 def nvme_optimizer_bytes(info: ModelInfo, plan: ShardingPlan, shards: int, k: int) -> float:

@@ -31,7 +31,8 @@ table, per trainable element of the rank's share:
                        2 (bf16: the Kahan compensation term alone; the bf16 master *is* the bf16 parameter
                           slice / stage-3 unit shard the step runs beside, on the device), or
                        2 + 2 (bf16 master + compensation, a copy of their own where the step runs on the host:
-                          offload_optimizer cpu or nvme)
+                          offload_optimizer cpu or nvme; under nvme the master is in the scratch file with the
+                          state, the compensation in host memory)
 
 Gradients keep their bytes (the masters' ``.grad`` is the fp32 reduced shard). A bf16 master needs bf16 compute.
 Mixed precision with Adam: 16 -> 12 bytes per parameter with bf16 moments, 10 with bf16 masters too (stage 0;
@@ -88,10 +89,18 @@ def master_bytes_per_element(plan: ShardingPlan, mixed: bool) -> float:
             raise ValueError("master_dtype='bf16' needs bf16 compute (precision 'bf16-mixed' / 'bf16-true'): in "
                              "fp32 training the fp32 parameter is its own master already. Allowed: master_dtype="
                              "'bf16' with bf16 parameters, or master_dtype='fp32'.")
-        aliases_param = not plan.placement.steps_on_host and not plan.separate_masters
+        # the bf16 slice / unit shard is the master where the step reads it in place: beside device states
+        on_device = not plan.shards_params or plan.placement.param_shards is Location.DEVICE
+        aliases_param = on_device and not plan.placement.steps_on_host and not plan.separate_masters
         return 2.0 if aliases_param else 4.0
     separate_master = mixed or plan.separate_masters or not _own_master(plan.placement)
     return 4.0 if separate_master else 0.0
+
+
+def _compensation_at(placement: Placement) -> Location:
+    """Where a bf16 master's compensation term lives: beside the master where the step runs -- on the device,
+    or in host memory, also under NVMe offload (the scratch files stream the masters and the state, not it)."""
+    return Location.HOST if placement.optimizer_states is Location.NVME else placement.optimizer_states
 
 
 def low_precision_step_bytes(plan: ShardingPlan, slice_numel: float, state_bytes: int) -> float:
@@ -128,8 +137,10 @@ def rank_model_states(
     div = n if plan.shards_optimizer_state else 1
     master = master_bytes_per_element(plan, mixed) * trainable / div
     opt = state_bytes_per_element(plan, state_bytes) * trainable / div
+    compensation = (2.0 if plan.master_dtype == "bf16" else 0.0) * trainable / div  # part of ``master``
     # whole parameters (no shards) are on the device: the placement has them there
-    booked = plan.placement.book(param_shards=params, optimizer_states=master + opt)
+    booked = plan.placement.book(param_shards=params, optimizer_states=master - compensation + opt)
+    booked[_compensation_at(plan.placement)] += compensation
     host, nvme = booked[Location.HOST], booked[Location.NVME]
     total = params + grads + master + opt
     return {"params": params, "grads": grads, "master": master, "optimizer_state": opt,
