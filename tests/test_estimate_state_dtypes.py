@@ -248,6 +248,8 @@ def _measure(rank, world_size):
         rep = engine.memory_report().as_dict()
         out[name, states, master] = {"device": rep["model_states"] - rep["host"] - rep["nvme"], "host": rep["host"],
                                      "nvme": rep["nvme"]}
+        masters = [m for s in engine.shardeds for row in s.masters for m in row]
+        out[name, states, master, "master dtypes"] = {str(m.dtype) for m in masters}
         engine.remove(hand_back=False)
     return out
 
@@ -280,3 +282,15 @@ def test_estimate_is_what_the_engine_holds_with_bf16_states(case):
     for per_rank in _measured():
         got = per_rank[case]
         assert got == {k: est.rows[0].states[k] for k in got}, case
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason="engine: ZeroEngine.publish_params -> master_rows -> ShardedOptimizer.make_resident widens "
+                        "bf16 masters to fp32 after every step (but NVMe's streamed publish), until the next step"))
+    if n not in ("zero2_offload_nvme", "zero3_offload_nvme") else n for n in SETTINGS])
+def test_bf16_masters_are_bf16_between_steps(name):
+    """What the rows count: between steps a bf16 master is a bf16 tensor (its fp32 value is rebuilt only inside its
+    bucket's step, and for checkpoints)."""
+    for per_rank in _measured():
+        assert per_rank[name, "bf16", "bf16", "master dtypes"] == {"torch.bfloat16"}, name
