@@ -97,12 +97,6 @@ def master_bytes_per_element(plan: ShardingPlan, mixed: bool) -> float:
     return 4.0 if separate_master else 0.0
 
 
-def _compensation_at(placement: Placement) -> Location:
-    """Where a bf16 master's compensation term lives: beside the master where the step runs -- on the device,
-    or in host memory, also under NVMe offload (the scratch files stream the masters and the state, not it)."""
-    return Location.HOST if placement.optimizer_states is Location.NVME else placement.optimizer_states
-
-
 def low_precision_step_bytes(plan: ShardingPlan, slice_numel: float, state_bytes: int) -> float:
     """The step's transient under bf16 states or masters: one bucket's slice (``slice_numel`` elements) widened
     to fp32 while that bucket steps -- the optimizer state (K bytes per element) and the master (4) of whichever
@@ -140,7 +134,9 @@ def rank_model_states(
     compensation = (2.0 if plan.master_dtype == "bf16" else 0.0) * trainable / div  # part of ``master``
     # whole parameters (no shards) are on the device: the placement has them there
     booked = plan.placement.book(param_shards=params, optimizer_states=master - compensation + opt)
-    booked[_compensation_at(plan.placement)] += compensation
+    # a bf16 master's compensation term stays in the memory the step reads, where its reduced gradients are (the
+    # device, or host memory for host and NVMe states: the scratch files stream masters and state, not it)
+    booked[plan.placement.grad_shards] += compensation
     host, nvme = booked[Location.HOST], booked[Location.NVME]
     total = params + grads + master + opt
     return {"params": params, "grads": grads, "master": master, "optimizer_state": opt,
