@@ -4,6 +4,8 @@ state (bf16 moments, bf16 masters) -- and a bad value refused at construction wi
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from lightning.fabric import Fabric
@@ -130,3 +132,21 @@ def test_fabric_strategy_keeps_the_states_in_bf16():
     assert _state_dtypes(fabric.strategy.engine) == {(BF16, BF16, True)}
     assert fabric.strategy.zero_config.optimizer_state_dtype == "bf16"
     fabric.strategy.teardown()
+
+
+@pytest.mark.timeout(180)
+def test_memory_table_names_the_dtypes_and_compares_with_fp32_ddp():
+    """The table a fit prints: ZeRO's master and optimizer-state rows say they are bf16, and DDP's column keeps
+    its optimizer state in fp32 (twice the bf16 moments) -- a 1-rank run saves 2x on them, not 1x."""
+    trainer = Trainer(strategy=ZeroStrategy(stage=2, optimizer_state_dtype="bf16", master_dtype="bf16"),
+                      precision="bf16-mixed", **trainer_kwargs(devices=1, max_steps=1))
+    trainer.fit(_Regression())
+    trainable = 8 * 16 + 16 + 16 * 1 + 1  # 161
+    cells = [re.split(r"\s{2,}", ln.strip()) for ln in trainer.strategy.memory_table.splitlines()[2:6]]
+    rows = {c[0]: c[1:] for c in cells}
+    assert rows["master (bf16 + compensation)"] == [f"{2 * trainable} B", f"{4 * trainable} B", "2.0x"]
+    assert rows["optimizer state (bf16)"] == [f"{2 * 2 * trainable} B", "1.3 KiB", "2.0x"]  # DDP: 8 B x 161
+    trainer = Trainer(strategy=ZeroStrategy(stage=2), precision="bf16-mixed", **trainer_kwargs(devices=1, max_steps=1))
+    trainer.fit(_Regression())
+    labels = [re.split(r"\s{2,}", ln.strip())[0] for ln in trainer.strategy.memory_table.splitlines()[2:6]]
+    assert labels == ["params", "grads", "master (fp32)", "optimizer state"]

@@ -95,7 +95,7 @@ def check_composes_with(optimizers: list, config: Any, precision: Optional[str])
         for opt in stand_ins:
             kind_of(opt).check(opt, setup)
         # bf16 states / masters: only elementwise kinds (the Trainer's precision, when it decides, is checked there)
-        compute = torch.float16 if precision == "16-mixed" else torch.float32 if precision == "32-true" else torch.bfloat16
+        compute = {"16-mixed": torch.float16, "32-true": torch.float32}.get(precision, torch.bfloat16)
         check_low_precision(config, compute, stand_ins, [kind_of(opt) for opt in stand_ins])
     except ValueError as e:
         raise DeepSpeedConfigError(f"DeepSpeed config: optimizer {cls.__name__} with zero_optimization.stage="
