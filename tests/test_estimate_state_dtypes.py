@@ -261,17 +261,8 @@ def _measured() -> list:
     return run_distributed(_measure, N)
 
 
-# [bug reported to the lead] with offload_optimizer=True the step's publish reads the masters through
-# ZeroEngine.master_rows() -> ShardedOptimizer.make_resident(), which now widens bf16 masters to fp32 and leaves
-# them so until the next step: 4 + 2 bytes per element in host memory between steps instead of 2 + 2
-_WIDE_AFTER_HOST_PUBLISH = {("zero1_offload", "bf16", "bf16"), ("zero2_offload", "bf16", "bf16"),
-                            ("zero3_offload", "bf16", "bf16")}
-
-
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(
-    strict=True, reason="engine: offloaded bf16 masters stay fp32 after the step's publish (master_rows widens them)"))
-    if c in _WIDE_AFTER_HOST_PUBLISH else c for c in MEASURED], ids="-".join)
+@pytest.mark.parametrize("case", MEASURED, ids="-".join)
 def test_estimate_is_what_the_engine_holds_with_bf16_states(case):
     """Every preset at bf16 moments and at bf16 moments + masters, 2 gloo ranks, bf16 compute, accumulating: the
     estimator's device / host / NVMe bytes are the engine's tensor bytes (the bf16 master aliased to the bf16
@@ -285,10 +276,7 @@ def test_estimate_is_what_the_engine_holds_with_bf16_states(case):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="engine: ZeroEngine.publish_params -> master_rows -> ShardedOptimizer.make_resident widens "
-                        "bf16 masters to fp32 after every step (but NVMe's streamed publish), until the next step"))
-    if n not in ("zero2_offload_nvme", "zero3_offload_nvme") else n for n in SETTINGS])
+@pytest.mark.parametrize("name", list(SETTINGS))
 def test_bf16_masters_are_bf16_between_steps(name):
     """What the rows count: between steps a bf16 master is a bf16 tensor (its fp32 value is rebuilt only inside its
     bucket's step, and for checkpoints)."""

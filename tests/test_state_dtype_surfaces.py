@@ -61,14 +61,14 @@ def _net() -> nn.Module:
 
 
 def _state_dtypes(engine) -> set:
-    """The moments' dtypes of every master of the engine's optimizers, between steps, and whether its masters are
-    bf16 + compensation (what the master's own dtype is between steps: tests/test_estimate_state_dtypes.py)."""
+    """(master, its moments) dtypes of every master of the engine's optimizers, between steps, and whether the
+    masters carry a compensation term."""
     out = set()
     for s in engine.shardeds:
         compensated = s.low_precision.masters and s.low_precision.compensation_bytes() > 0
         for m in (m for row in s.masters for m in row):
             st = s.optimizer.state[m]
-            out.add((st["exp_avg"].dtype, st["exp_avg_sq"].dtype, compensated))
+            out.add((m.dtype, st["exp_avg"].dtype, st["exp_avg_sq"].dtype, compensated))
     return out
 
 
@@ -102,8 +102,8 @@ class _SeeStates(Callback):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_trainer_fit_keeps_the_states_in_bf16(stage):
     """Trainer(strategy=ZeroStrategy(..., optimizer_state_dtype="bf16", master_dtype="bf16"), precision="bf16-mixed"):
-    after every step the moments the engine keeps are bf16 and its masters carry their compensation (fp32 moments,
-    no compensation without the knobs)."""
+    after every step the masters and moments the engine keeps are bf16, the masters with their compensation (fp32
+    and none without the knobs)."""
     seen = {}
     for knobs in ({}, dict(optimizer_state_dtype="bf16", master_dtype="bf16")):
         cb = _SeeStates()
@@ -112,8 +112,8 @@ def test_trainer_fit_keeps_the_states_in_bf16(stage):
         trainer.fit(_Regression())
         assert trainer.global_step == 2 and len(cb.seen) == 2
         seen[bool(knobs)] = set.union(*cb.seen)
-    assert seen[False] == {(torch.float32, torch.float32, False)}
-    assert seen[True] == {(BF16, BF16, True)}
+    assert seen[False] == {(torch.float32, torch.float32, torch.float32, False)}
+    assert seen[True] == {(BF16, BF16, BF16, True)}
 
 
 @pytest.mark.timeout(180)
@@ -129,7 +129,7 @@ def test_fabric_strategy_keeps_the_states_in_bf16():
         fabric.backward((model(x).float() - y).pow(2).mean())
         opt.step()
         opt.zero_grad()
-    assert _state_dtypes(fabric.strategy.engine) == {(BF16, BF16, True)}
+    assert _state_dtypes(fabric.strategy.engine) == {(BF16, BF16, BF16, True)}
     assert fabric.strategy.zero_config.optimizer_state_dtype == "bf16"
     fabric.strategy.teardown()
 
