@@ -100,8 +100,9 @@ def add_estimate(sub) -> None:
         description="Device bytes per rank (model states from the floors of docs/ARCHITECTURE.md as the engine "
         "allocates them, plus its bucket / stage-3 unit buffers and, with --batch-size, activations: the T5 formula, "
         "or for another --module one measured probe step) and CPU RAM per node, for stages 0-3 with and without "
-        "offload. Nothing is run or allocated, but for the one probe step of a non-T5 --module with --batch-size. "
-        "Memory sizes are GiB (2**30 bytes).")
+        "offload; below, every setting's model states at fp32 / bf16 moments / bf16 moments + masters. Nothing is "
+        "run or allocated, but for the one probe step of a non-T5 --module with --batch-size. Memory sizes are GiB "
+        "(2**30 bytes).")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="t5_small",
                      help="a T5 preset of the recipe (conf/model: t5_tiny, t5_mini, t5_small, t5_base, t5_large, t5_3b)"
