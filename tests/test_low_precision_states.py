@@ -6,6 +6,7 @@ rounded to nearest, lo toward zero); their bytes counted exactly; checkpoints in
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 
 import pytest
@@ -42,6 +43,12 @@ def _optimizer(name: str, params):
 def _toward_zero(d: torch.Tensor) -> torch.Tensor:
     """bf16 of an fp32 tensor rounded toward zero: its low 16 bits cut."""
     return (d.view(torch.int32) & -65536).view(torch.float32).to(BF16)
+
+
+@functools.lru_cache(maxsize=None)
+def same_batch_reference(opt_name: str, masters_bf16: bool):
+    """The reference over batches 0..STEPS-1 (what every rank takes in the same-batch runs), computed once."""
+    return one_process([_batch(s) for s in range(STEPS)], opt_name, masters_bf16, True)
 
 
 def one_process(batches, opt_name: str, masters_bf16: bool, moments_bf16: bool):
@@ -138,7 +145,7 @@ def test_bf16_states_equal_the_one_process_algorithm_bit_for_bit(stage, opt_name
     """Every rank takes the same batch (the reduced gradient is then that batch's, exactly): the engine at 2 ranks
     is bit for bit the one-process algorithm -- losses, published parameters, and the states stay bf16 (on
     the device, in host memory, or streamed from NVMe scratch files)."""
-    ref_losses, ref_params = one_process([_batch(s) for s in range(STEPS)], opt_name, masters_bf16, True)
+    ref_losses, ref_params = same_batch_reference(opt_name, masters_bf16)
     for r in run_distributed(_run, 2, stage, opt_name, masters_bf16, offload, True, str(tmp_path)):
         assert r["losses"] == ref_losses
         assert r["dtypes"] == {"torch.bfloat16"}
@@ -152,7 +159,7 @@ def test_bf16_states_equal_the_one_process_algorithm_bit_for_bit(stage, opt_name
 def test_hybrid_sharding_with_bf16_states_is_the_algorithm_bit_for_bit(stage):
     """4 ranks, shards of 2 replicated twice (the same batch everywhere: a reduce-scatter of halves, then an
     all-reduce of halves, is that batch's gradient exactly)."""
-    ref_losses, ref_params = one_process([_batch(s) for s in range(STEPS)], "adamw", True, True)
+    ref_losses, ref_params = same_batch_reference("adamw", True)
     for r in run_distributed(_run, 4, stage, "adamw", True, False, True, None, 2):
         assert r["losses"] == ref_losses
         assert all(torch.equal(r["params"][n], w) for n, w in ref_params.items())
@@ -161,7 +168,7 @@ def test_hybrid_sharding_with_bf16_states_is_the_algorithm_bit_for_bit(stage):
 def test_compensation_keeps_updates_below_a_bf16_ulp():
     """The SGD case above moves weights by ~2e-4 x grad a step, far below half a bf16 ulp of most weights: the
     compensated master moves them (the reference proves the engine equal); a plain bf16 master would not."""
-    _, comp = one_process([_batch(s) for s in range(STEPS)], "sgd", True, True)
+    _, comp = same_batch_reference("sgd", True)
     model = _gpt2().to(BF16)
     plain = [p.detach().clone() for p in model.parameters()]
     moved = sum(int((c.to(BF16) != p.reshape(-1)).sum()) for c, p in zip(comp.values(), plain))
