@@ -81,6 +81,8 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
     path = Path(path) if info is not None else resolve_checkpoint_dir(path)
     info = info or read_info(path, trust_checkpoint)
     names = check_compatible(info, module, strict, engine)
+    if engine is not None and hasattr(engine, "widen_masters"):  # bf16 masters filled as fp32, split at the step
+        engine.widen_masters()
     managed = _managed(engine)
     canonical, _ = _canonical(module)
     targets: dict[str, torch.Tensor] = {}

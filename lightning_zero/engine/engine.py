@@ -235,7 +235,12 @@ class ZeroEngine:
         Collective where a store's I/O can fail (every rank's config chose the same stores); nothing otherwise."""
         make_resident_on_every_rank(self._stores(self.shardeds), self.group,
                                     self.params[0].device if self.params else None)
-        for s in self.shardeds:  # bf16 masters as their exact fp32 values ([Note: low-precision optimizer states])
+        self.widen_masters()
+
+    def widen_masters(self) -> None:
+        """bf16 masters as their exact fp32 values until the next step: what a save writes and a load fills
+        ([Note: low-precision optimizer states]); nothing for fp32 masters."""
+        for s in self.shardeds:
             s.widen_masters()
 
     def publish_params(self, optimizer=None, streamed: bool = True) -> None:
@@ -286,7 +291,9 @@ class ZeroEngine:
     # -- whole-model views: plain functions in full_state.py --------------------------------------------
     def full_master_params(self) -> list[torch.Tensor]:
         """fp32 full value of every managed parameter on every rank, in :attr:`bucket_params` order (what
-        checkpoints and the module handed back take, not the module's rounded copies). Collective."""
+        checkpoints and the module handed back take, not the module's rounded copies; bf16 masters as their
+        exact ``hi + lo`` until the next step, [Note: low-precision optimizer states]). Collective."""
+        self.widen_masters()
         return FS.full_master_params(self.master_rows(), self.plan.shards_optimizer_state, self.shard_group)
 
     def restore_fp32_module(self) -> None:

@@ -10,7 +10,8 @@ Two knobs (``ZeroConfig.optimizer_state_dtype`` / ``master_dtype``), each "fp32"
   same bf16 tensors (an NVMe ring's binding of them survives).
 * **Masters**: the master *is* a bf16 tensor ``hi`` (the module's own bf16 parameter slice or stage-3 unit shard
   when the states live with it: no second copy), and a bf16 compensation ``lo`` keeps what rounding dropped:
-  the step runs on ``x = hi + lo`` in fp32 and splits the result again, ``hi = bf16(x)``, ``lo = bf16(x - hi)``.
+  the step runs on ``x = hi + lo`` in fp32 and splits the result again, ``hi = bf16(x)`` (to nearest),
+  ``lo = bf16(x - hi)`` (toward zero: :func:`residual` says why).
   This is Kahan's compensated summation with the compensation stored (``-lo`` is Kahan's ``c``): an update far
   below a bf16 ulp accumulates in ``lo`` until it moves ``hi``, so the master holds 16 significant bits and loses
   nothing a plain bf16 master would round away. The gradients stay fp32 (``grad_dtype``): the masters' ``.grad``
@@ -47,6 +48,15 @@ class MasterForm(enum.Enum):
     WIDE = "wide"  # fp32: made resident for checkpoints / loads, until the next step
 
 
+def residual(x: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``lo = bf16(x - hi)`` rounded toward zero (the low 16 bits of the fp32 difference cut): ``|lo|`` then
+    stays below half an ulp of ``hi`` unless ``x`` itself was a tie, so ``bf16(hi + lo) == hi`` always and a
+    widen -> narrow round trip (a checkpoint between two steps) gives back the same ``hi`` and ``lo`` bit for
+    bit; to nearest, ``lo`` could round up to exactly half an ulp and the tie flip ``hi``."""
+    d = x - hi.float()
+    return (d.view(torch.int32) & -65536).view(torch.float32).to(BF16)
+
+
 def _per_element(v, m: torch.Tensor) -> bool:
     return torch.is_tensor(v) and v.dim() > 0 and v.is_floating_point() and v.shape == m.shape
 
@@ -70,7 +80,7 @@ class LowPrecisionStates:
         """A bf16 master of ``src``'s values (fp32 at setup) and its compensation, on ``device``."""
         x = src.detach().to(device=device, dtype=torch.float32)
         hi = x.to(BF16)
-        lo = (x - hi.float()).to(BF16)
+        lo = residual(x, hi)
         if pin:
             hi, lo = hi.pin_memory(), lo.pin_memory()
         hi.grad_dtype = torch.float32  # the fp32 reduced gradient is the master's .grad
@@ -101,7 +111,7 @@ class LowPrecisionStates:
             return
         x = m.detach()
         hi.copy_(x)  # round to nearest
-        self.compensation[id(m)].copy_(x - hi.float())
+        self.compensation[id(m)].copy_(residual(x, hi))
         m.data = hi
 
     def make_resident(self, masters: Iterable[torch.Tensor]) -> None:

@@ -48,15 +48,15 @@ class ShardedOptimizer(MasterGrads):
         return consolidate_optimizer_state(self, group)
 
     def load_full_state_dict(self, full: dict) -> None:
-        """Re-slice a full optimizer state (any world size or stage) into this rank's shards."""
+        """Re-slice a full optimizer state (any world size or stage) into this rank's shards (fp32 as loaded:
+        bf16 moments narrowed at the next step)."""
         self.make_resident()
+        self.widen_masters()
         load_sharded_optimizer_state(self, full)
 
     def make_resident(self) -> None:
-        """Masters and state in memory until the next step (whole views; the state store reads them back;
-        bf16 masters as their exact fp32 values, [Note: low-precision optimizer states])."""
+        """Masters and state in memory until the next step (whole views; the state store reads them back)."""
         self.states.make_resident()
-        self.widen_masters()
 
     def widen_masters(self) -> None:
         """bf16 masters as fp32 (``hi + lo``) until the next step: what whole views, saves and loads see."""
