@@ -3,9 +3,10 @@ data as Lightning's sampler splits it over 2 ranks, and a one-process reference 
 its definition -- never by calling lightning_zero:
 
 * the fp32 value of a parameter is ``x = hi + lo`` (``hi``: the bf16 parameter, ``lo``: a bf16 compensation);
-  at setup ``hi = bf16(x0)``, ``lo = bf16(x0 - hi)``;
+  at setup ``hi = bf16(x0)`` (to nearest), ``lo = bf16(x0 - hi)`` rounded toward zero (so ``|lo|`` stays below
+  half an ulp of ``hi`` and a load's split of ``hi + lo`` gives back the same ``hi``);
 * each step torch's AdamW runs on fp32 copies ``x`` with the moments widened from bf16 to fp32; after it
-  ``hi = bf16(x)``, ``lo = bf16(x - hi)`` and the moments are rounded back to bf16 (to nearest);
+  ``hi = bf16(x)``, ``lo = bf16(x - hi)`` as at setup and the moments are rounded back to bf16 (to nearest);
 * the gradient is the bf16 mixed-precision one of each rank (forward under bf16 autocast on the bf16 module),
   reduced as ZeRO reduces it in bf16 (each rank's bf16 gradient halved, the two summed in fp32 and rounded to
   bf16: every micro-batch at stages 2-3, the micro-batches first summed on the rank in bf16 at stage 1), then
@@ -172,7 +173,7 @@ def _reference(stage: int, steps: int, norms: Optional[list[float]], compensatio
     names = [n for n, _ in net.named_parameters()]
     x = {n: p.detach().float().clone() for n, p in net.named_parameters()}
     hi = {n: v.to(BF16) for n, v in x.items()}
-    lo = {n: (v - hi[n].float()).to(BF16) if compensation else torch.zeros_like(hi[n]) for n, v in x.items()}
+    lo = {n: _toward_zero(v - hi[n].float()) if compensation else torch.zeros_like(hi[n]) for n, v in x.items()}
     bf16_net = make_net().to(BF16)
     moments: dict[str, dict[str, torch.Tensor]] = {}
     losses: list[list[float]] = [[] for _ in range(WORLD)]
@@ -221,11 +222,16 @@ def _reference(stage: int, steps: int, norms: Optional[list[float]], compensatio
         for n in names:
             v = w[n].detach()
             hi[n] = v.to(BF16)
-            lo[n] = (v - hi[n].float()).to(BF16) if compensation else torch.zeros_like(hi[n])
+            lo[n] = _toward_zero(v - hi[n].float()) if compensation else torch.zeros_like(hi[n])
             st = opt.state[w[n]]
             moments[n] = {k: (t.to(BF16) if bf16_moments and t.dim() else t.clone()) for k, t in st.items()}
     return dict(masters={n: hi[n].float() + lo[n].float() for n in names}, params=hi, losses=losses, norms=ref_norms,
                 moments={n: {k: moments[n][k] for k in ("exp_avg", "exp_avg_sq")} for n in names})
+
+
+def _toward_zero(d: torch.Tensor) -> torch.Tensor:
+    """bf16 of an fp32 tensor rounded toward zero: its low 16 bits cut."""
+    return (d.view(torch.int32) & -65536).view(torch.float32).to(BF16)
 
 
 def _reduce(grads: list[torch.Tensor]) -> torch.Tensor:
