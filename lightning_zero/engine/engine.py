@@ -115,14 +115,12 @@ class ZeroEngine:
         """Managed parameters in master order (optimizer by optimizer, bucket by bucket)."""
         return [p for _, b in self.master_rows() for p in b.params]
 
-    def master_rows(self, shardeds=None, widen: bool = True) -> list[tuple[list[torch.Tensor], Any]]:
-        """(masters, bucket) of every bucket of ``shardeds`` (default: all optimizers). ``widen=False`` (the
-        publish): bf16 masters kept narrow, ``hi`` published -- widened they would stay fp32 until the next step
-        and publish ``bf16(hi + lo)`` ([Note: low-precision optimizer states]: the step's split is the state)."""
+    def master_rows(self, shardeds=None) -> list[tuple[list[torch.Tensor], Any]]:
+        """(masters, bucket) of every bucket of ``shardeds`` (default: all optimizers)."""
         self.ensure_published()  # whole-model views read (or write) what a pending publish writes
         chosen = self.shardeds if shardeds is None else shardeds
         for s in chosen:  # NVMe offload: the masters (and state) back in memory until the next step
-            s.make_resident() if widen else s.states.make_resident()
+            s.make_resident()
         return [(row, b) for s in chosen for row, b in zip(s.masters, s.buckets)]
 
     def sharded_for(self, optimizer) -> ShardedOptimizer:  # param_groups.OptimizerSet
@@ -248,7 +246,7 @@ class ZeroEngine:
         ``streamed=False``: leave out the optimizers whose state store streams the step (NVMe), which
         published each bucket as it was stepped."""
         chosen = [s for s in self.opts.select(optimizer) if streamed or not s.states.streams]
-        publish_masters(self.master_rows(chosen, widen=False), self.plan, self.table, self.partitioner,
+        publish_masters(self.master_rows(chosen), self.plan, self.table, self.partitioner,
                         self.publisher, self.shard_group, self.plan.placement.steps_on_host,
                         self.config.quantize_weights)
 
