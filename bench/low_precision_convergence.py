@@ -33,7 +33,6 @@ same stage (target: within 1%), and the training loss curve (mean over each wind
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys

@@ -29,6 +29,8 @@ STAGES = {  # name -> ZeroStrategy arguments; the tiny net is two stage-3 units 
     "zero3_offload": dict(stage=3, unit_classes=["net.fc1", "net.fc2"], persist_numel=0, offload_optimizer=True,
                           offload_params=True),
 }
+
+
 def _fit(root: str, stage: str, tag: str, epochs: int, ckpt_path=None) -> Trainer:
     """One ``Trainer.fit`` on this rank of an already launched job (Lightning's defaults otherwise: its
     ModelCheckpoint saves at each epoch's end)."""
