@@ -15,8 +15,8 @@ Workloads:
 
 * ``t5``: the T5 recipe (examples/t5_finetune.py, its ``train()``) on its embedded default data (the stdlib
   code-summarisation pairs, the recipe's BPE), model ``t5_mini``, the recipe's AdamW with LR warmup and linear
-  decay, ``trainer.precision=bf16-mixed``; the val loss is the recipe's validation (the whole val split) every
-  ``--t5-every`` steps. The knobs reach the recipe's ``ZeroStrategy`` through its ``build_strategy``.
+  decay, ``trainer.precision=bf16-mixed``; the val loss is the recipe's validation (its first 64 val pairs,
+  ``data.limit_val``) every ``--t5-every`` steps. The knobs reach the recipe's ``ZeroStrategy`` through its ``build_strategy``.
 * ``gpt2``: HF ``GPT2LMHeadModel`` from a config (random init, no download; 4 layers, 256 wide) on real text:
   the Python stdlib source the T5 pretraining recipe reads (examples/t5_pretrain_data.pretrain_files), tokenized
   by the recipe's BPE, cut into 64-token chunks, 1 chunk in 20 held out; ``ZeroEngine(compute_dtype=bf16)``,
@@ -26,7 +26,7 @@ Workloads:
 Reported: the val loss of each run at every evaluation and its relative difference to the ``fp32`` run of the
 same stage (target: within 1%), and the training loss curve (mean over each window of steps, rank 0). Run::
 
-    python bench/low_precision_convergence.py   # both workloads, zero2 + zero3 (+ ablation at zero2): ~40 min here
+    python bench/low_precision_convergence.py   # both workloads, zero2 + zero3, ablation at zero2: ~27 min, load 10
     python bench/low_precision_convergence.py --workloads gpt2 --gpt2-steps 60 --stages zero2
 """
 
@@ -206,7 +206,7 @@ def runs_of(args) -> list[tuple[str, str]]:
     return runs + [(s, "bf16_nocomp") for s in args.ablation_stages.split(",") if s]
 
 
-def report(workload: str, rows: dict, every: int, steps: int, bf16_bytes: str) -> None:
+def report(workload: str, rows: dict, every: int, steps: int) -> None:
     first = next(iter(rows.values()))
     print(f"\n### {workload}: {first['what']}; {first['n_params'] / 1e6:.2f} M params, 2 gloo ranks, bf16 mixed "
           f"precision, {steps} steps\n")
@@ -239,7 +239,6 @@ def report(workload: str, rows: dict, every: int, steps: int, bf16_bytes: str) -
         for (stage, variant), m in mems.items():
             print(f"| {stage} | {variant} | " + " | ".join(f"{m[k] / n:.2f}" for k in (
                 "params", "grad_shards", "master", "optimizer_state", "model_states")) + " |")
-    print(f"\n{bf16_bytes}")
 
 
 def dump(path, workload: str, rows: dict) -> None:
@@ -273,16 +272,13 @@ def main() -> None:
         s for s in (args.stages + "," + args.ablation_stages).split(",") if s and s not in ("zero1", "zero2", "zero3")]
     if bad:
         ap.error(f"unknown {', '.join(bad)}: allowed workloads t5, gpt2; stages zero1, zero2, zero3")
-    bytes_line = ("Model states per parameter element, Adam, bf16 params (the issue's budget): fp32 = 2 param + "
-                  "4 grad + 4 master + 8 moments; bf16 = 2 param (= the master's bf16 part) + 4 grad + "
-                  "2 compensation + 4 moments, each sharded as the stage says.")
     with tempfile.TemporaryDirectory() as out:
         if "t5" in workloads:
             rows = {}
             for stage, variant in runs_of(args):
                 rows[(stage, variant)] = run_t5(stage, variant, args, out)
                 print(f"t5 {stage} {variant}: {rows[(stage, variant)]['seconds']:.0f} s", flush=True)
-            report("T5 recipe", rows, args.t5_every, args.t5_steps, bytes_line)
+            report("T5 recipe", rows, args.t5_every, args.t5_steps)
             dump(args.json, "t5", rows)
         if "gpt2" in workloads:
             data = gpt2_chunks(args)
@@ -290,7 +286,7 @@ def main() -> None:
             for stage, variant in runs_of(args):
                 rows[(stage, variant)] = run_gpt2(stage, variant, args, data)
                 print(f"gpt2 {stage} {variant}: {rows[(stage, variant)]['seconds']:.0f} s", flush=True)
-            report("GPT-2", rows, args.gpt2_every, args.gpt2_steps, bytes_line)
+            report("GPT-2", rows, args.gpt2_every, args.gpt2_steps)
             dump(args.json, "gpt2", rows)
 
 
