@@ -37,6 +37,11 @@ class StrategyConf:
     offload_kernel: str = "fused"
     bucket_mb: float = 25.0
     reduce_dtype: Optional[str] = None  # null = compute dtype; "fp32" for exact fp32 reductions
+    # fp32 | bf16: the optimizer's per-element state (Adam's moments) kept in bf16 between steps, each bucket
+    # widened to fp32 for its step; the master in bf16 plus a bf16 Kahan compensation term (needs
+    # trainer.precision=bf16-mixed). docs/ARCHITECTURE.md, "Optimizer states below fp32"
+    optimizer_state_dtype: str = "fp32"
+    master_dtype: str = "fp32"
     broadcast_buffers: bool = True
     # stage 3: modules gathered/released together (class names or module names); null = the model's
     # _no_split_modules (T5Block for T5), else its repeated blocks, else by size

@@ -108,6 +108,8 @@ def test_hydra_strategy_presets_agree_with_the_preset_table():
         assert y["name"] == name
         for key in ("stage", "offload_optimizer", "offload_params"):
             assert y[key] == kw.get(key, False), (name, key)
+        for key in ("optimizer_state_dtype", "master_dtype"):  # every preset spells ZeroConfig's default out
+            assert y[key] == kw.get(key, "fp32"), (name, key)
 
 
 def test_strategy_field_overrides_need_no_code_change():

@@ -59,6 +59,8 @@ BOOL = r"must be True or False"
 TMP = tempfile.gettempdir()  # an existing, writable directory (nvme_path)
 # the offload knobs read back as False / True (host memory) / "nvme"
 _OFFLOAD_NORMAL = lambda v: {"none": False, "cpu": True}.get(v.lower(), v.lower()) if isinstance(v, str) else v  # noqa: E731
+# the state dtypes read back as "fp32" / "bf16" (None: the default, fp32)
+_STATE_DTYPE_NORMAL = lambda v: "bf16" if v in ("bf16", "bfloat16", torch.bfloat16) else "fp32"  # noqa: E731
 # -- ZeroConfig: every field; the strategies take each of them too ----------------------------------------------------
 CONFIG = {
     "stage": Knob([0, 1, 2, 3, np.int64(3)], [(5, "Allowed stages: 0, 1, 2, 3"), (2.0, "Allowed stages"),
@@ -101,6 +103,16 @@ CONFIG = {
     "offload_kernel": Knob(["fused", "user"], [("FUSED", "offload_kernel must be one of 'fused', 'user'"),
                                                (True, "offload_kernel must be one of"), (None, "offload_kernel")],
                            dict(stage=2, offload_optimizer=True)),
+    "optimizer_state_dtype": Knob(["fp32", "bf16", "bfloat16", torch.bfloat16, torch.float32, None],
+                                  [(v, r"optimizer_state_dtype must be 'fp32' \(default\) or 'bf16'; got")
+                                   for v in ("fp8", True, 16, torch.int8)]
+                                  + [("fp16", r"got 'fp16' \(fp16's 5 exponent bits cannot hold Adam's second moment")]),
+    "master_dtype": Knob(["fp32", "bf16", "bfloat16", torch.bfloat16, None],
+                         [(v, r"master_dtype must be 'fp32' \(default\) or 'bf16'; got") for v in ("fp8", False, 2)]
+                         + [(torch.float16, r"master_dtype must be 'fp32' \(default\) or 'bf16'; got torch.float16"),
+                            ("bf16", r"master_dtype='bf16' keeps the master in the published bf16 parameter .*"
+                                     r"quantize_weights=True .*Allowed: master_dtype='bf16' without quantize_weights",
+                             dict(stage=2, quantize_weights=True))]),
     "bucket_mb": Knob([25, 0.5, np.float32(2)], [(0, "positive number of MiB"), (-1.0, "positive"),
                                                   ("25", "positive"), (True, "positive"), (math.nan, "finite")]),
     "reduce_dtype": Knob([None, "fp32", "bf16", "float16", torch.float32],
@@ -277,7 +289,8 @@ def test_valid_value_is_accepted(target, name, kwargs, _):
     built = _build(target, kwargs)
     config = built if target == "config" else built.zero_config
     normalized = {"offload_optimizer": _OFFLOAD_NORMAL, "offload_params": _OFFLOAD_NORMAL,
-                  "nvme_path": lambda v: os.path.abspath(v)}
+                  "nvme_path": lambda v: os.path.abspath(v), "optimizer_state_dtype": _STATE_DTYPE_NORMAL,
+                  "master_dtype": _STATE_DTYPE_NORMAL}
     if name in normalized:
         assert getattr(config, name) == normalized[name](kwargs[name])
     elif name in CONFIG and name not in ("unit_classes", "activation_checkpointing", "reduce_dtype", "order_check"):

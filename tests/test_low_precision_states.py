@@ -311,18 +311,39 @@ def test_the_knobs_refuse_what_they_cannot_hold():
         ZeroConfig(stage=3, master_dtype="bf16", quantize_weights=True)
 
 
+def _tp_train(mesh, cfg, compute_dtype=None):
+    """A TP x data-parallel run of the helpers' tiny GPT (``cfg``), or DDP on the whole model (None): weights and
+    the optimizer-state bytes of the run."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from tests.helpers.tp_models import dp_batch, full_state, lm_loss, make_gpt, parallelize
+
+    dp_rank, dp_size = mesh.get_local_rank("data_parallel"), mesh.size(0)
+    model = make_gpt()
+    if cfg is not None:
+        parallelize(model, mesh["tensor_parallel"])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
+    engine = ZeroEngine(model, opt, ZeroConfig(**cfg), compute_dtype=compute_dtype, device_mesh=mesh) \
+        if cfg is not None else None
+    runner = model if engine is not None else DDP(model, process_group=mesh.get_group("data_parallel"))
+    for step in range(3):
+        lm_loss(runner, dp_batch(step, 0, dp_rank, dp_size)).backward()
+        engine.step() if engine is not None else (opt.step(), opt.zero_grad())
+    state = engine.memory_report().as_dict()["optimizer_state"] if engine is not None else None
+    if engine is not None:
+        engine.restore_fp32_module()
+    return full_state(model), state
+
+
 def _tensor_parallel(rank, world):
     from tests.helpers.tp_models import tp_mesh
-    from tests.test_tensor_parallel import CLIP, _train
 
     mesh = tp_mesh(world)
-    ref = _train(rank, world, None, 2, CLIP, mesh)
-    fp32 = _train(rank, world, dict(stage=2), 2, CLIP, mesh)
-    bf16 = _train(rank, world, dict(stage=2, optimizer_state_dtype="bf16"), 2, CLIP, mesh)
-    both = _train(rank, world, dict(stage=1, optimizer_state_dtype="bf16", master_dtype="bf16",
-                                    reduce_dtype="fp32"), 2, CLIP, mesh, BF16)
-    diff = max((bf16[2][k] - ref[2][k]).abs().max().item() for k in ref[2])
-    return diff, [r[3]["memory"]["optimizer_state"] for r in (fp32, bf16, both)]
+    ref, _ = _tp_train(mesh, None)
+    _, fp32 = _tp_train(mesh, dict(stage=2))
+    weights, bf16 = _tp_train(mesh, dict(stage=2, optimizer_state_dtype="bf16"))
+    _, both = _tp_train(mesh, dict(stage=1, optimizer_state_dtype="bf16", master_dtype="bf16", reduce_dtype="fp32"),
+                        BF16)
+    return max((weights[k] - ref[k]).abs().max().item() for k in ref), (fp32, bf16, both)
 
 
 @pytest.mark.timeout(300)

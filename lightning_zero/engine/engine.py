@@ -25,9 +25,8 @@ import torch
 from torch import nn
 
 from . import full_state as FS
-from .grads import clip_routes
 from .builder import assemble
-from .grads import grad_clear as GC, grad_norm as GN
+from .grads import clip_routes, grad_clear as GC, grad_norm as GN
 from .layout import tensor_parallel as TP
 from .module_routes import remove_module_zero_grad
 from .optim import param_groups as PG
@@ -236,8 +235,7 @@ class ZeroEngine:
         self.widen_masters()
 
     def widen_masters(self) -> None:
-        """bf16 masters as their exact fp32 values until the next step: what a save writes and a load fills
-        ([Note: low-precision optimizer states]); nothing for fp32 masters."""
+        """bf16 masters as their exact fp32 ``hi + lo`` until the next step (what saves write, loads fill)."""
         for s in self.shardeds:
             s.widen_masters()
 
@@ -289,8 +287,7 @@ class ZeroEngine:
     # -- whole-model views: plain functions in full_state.py --------------------------------------------
     def full_master_params(self) -> list[torch.Tensor]:
         """fp32 full value of every managed parameter on every rank, in :attr:`bucket_params` order (what
-        checkpoints and the module handed back take, not the module's rounded copies; bf16 masters as their
-        exact ``hi + lo`` until the next step, [Note: low-precision optimizer states]). Collective."""
+        checkpoints and the module handed back take, not the module's rounded copies). Collective."""
         self.widen_masters()
         return FS.full_master_params(self.master_rows(), self.plan.shards_optimizer_state, self.shard_group)
 
@@ -350,7 +347,6 @@ class ZeroEngine:
         elif self.partitions_params:
             self.partitioner.after_step()
 
-    # optimizer state: consolidated and re-sliced by the ShardedOptimizer that owns masters and layout
     def optimizer_state_dict(self, optimizer=None) -> dict:
         """The full state of ``optimizer`` (default: the first) as a plain optimizer saves it. Collective."""
         TP.check_no_full_optimizer_state(self.tensor_parallel)
@@ -392,8 +388,7 @@ class ZeroEngine:
             params_store.close()
 
     def spill_states(self) -> None:
-        """The masters and optimizer state a whole view read back given up again (NVMe: written out and freed;
-        a detached engine after a save; a training engine's next step does it itself)."""
+        """What a whole view read back given up again (NVMe: written out and freed; bf16 masters narrowed)."""
         for s in self.shardeds:
             s.spill()
 

@@ -9,7 +9,8 @@ after the first optimizer step (or at the end of training, when there was none),
 their row is what the next backward allocates again: the buckets' reduced slices (stages 1-3; at stage 1
 without accumulation the full gradients only live bucket by bucket), at stage 0 the full gradients. DDP's column is what the same model and
 optimizer hold without sharding (the floor of ``engine/memory/floors.py`` at stage 0, with the optimizer-state
-bytes the ranks really allocated added up), so the ratio is the saving this run gets. Global rank 0 prints
+bytes the ranks really allocated added up -- at fp32, as DDP keeps them, where the run keeps them in bf16), so the
+ratio is the saving this run gets. Global rank 0 prints
 it and hands the numbers to the loggers as ``zero/*`` metrics.
 
 Under tensor parallelism the baseline is DDP of the same TP-split model: each rank holds its local pieces
@@ -33,7 +34,7 @@ from ..engine.plan import ShardingPlan
 _WHERE = {Location.HOST: "", Location.NVME: " (NVMe)"}
 _OFF_DEVICE_ROWS = ((Location.HOST, "host (offloaded)", "host"), (Location.NVME, "NVMe (offloaded)", "nvme"),
                     (Location.NVME, "host NVMe ring", "ring"))
-_ROWS = (("params", "params"), ("grads", "grads"), ("master", "master (fp32)"), ("optimizer_state", "optimizer state"))
+_ROWS = (("params", "params"), ("grads", "grads"), ("master", "master"), ("optimizer_state", "optimizer state"))
 
 
 def rank_numbers(engine) -> dict[str, int]:
@@ -78,6 +79,8 @@ def ddp_numbers(engine, ranks: list[dict]) -> dict[str, float]:
         trainable = sum(p.numel() for p in engine.params)
         numel = sum({id(p): p.numel() for p in engine.module.parameters()}.values())  # frozen too, tied once
         state = sum(r["optimizer_state"] for r in ranks) if sharded else ranks[0]["optimizer_state"]
+    if engine.plan.optimizer_state_dtype == "bf16":  # DDP's optimizer keeps the per-element state in fp32
+        state *= 2
     ddp = {"params": size * numel, "grads": size * trainable, "master": 4 * trainable if mixed else 0,
            "optimizer_state": state, "host": 0, "nvme": 0, "ring": 0}
     ddp["device"] = sum(ddp[k] for k, _ in _ROWS)
@@ -100,7 +103,8 @@ def _ratio(ddp: float, zero: float) -> str:
 def format_table(zero_config, world_size: int, ranks: list[dict], ddp: dict) -> str:
     """One compact table: the largest rank's bytes (and rank 0's when they differ), DDP's, the saving."""
     worst = {k: max(r[k] for r in ranks) for k in ranks[0]}
-    placement = ShardingPlan.of(zero_config).placement  # [Note: placement]
+    plan = ShardingPlan.of(zero_config)
+    placement = plan.placement  # [Note: placement]
     kinds = (("optimizer", placement.optimizer_states), ("params", placement.param_shards))
     off = [what + _WHERE[where] for what, where in kinds if where.off_device]
     tp = len({r["tp_rank"] for r in ranks}) if "tp_rank" in ranks[0] else None
@@ -109,7 +113,10 @@ def format_table(zero_config, world_size: int, ranks: list[dict], ddp: dict) -> 
             + ": model-state bytes per rank after the first step (max over ranks) vs DDP"
             + (" of the same TP-split model" if tp else ""))
     rows = [("", "ZeRO", "DDP", "saving")]
+    dtypes = {"master": "bf16 + compensation" if plan.master_dtype == "bf16" else "fp32",
+              "optimizer_state": "bf16" if plan.optimizer_state_dtype == "bf16" else ""}  # ZeRO's column's
     for key, label in _ROWS:
+        label = f"{label} ({dtypes[key]})" if dtypes.get(key) else label
         rows.append((label, _mb(worst[key]), _mb(ddp[key]), _ratio(ddp[key], worst[key])))
     rows.append(("device total", _mb(worst["device"]), _mb(ddp["device"]), _ratio(ddp["device"], worst["device"])))
     # the host row always; a scratch file's rows where the placement puts states on disk

@@ -48,7 +48,8 @@ def _estimate(args: argparse.Namespace) -> int:
         settings=args.settings.split(",") if args.settings else None, vocab_size=vocab,
         shard_group_size=args.shard_group_size, activation_checkpointing=args.activation_checkpointing,
         offload_activations=args.offload_activations, tensor_parallel_size=args.tensor_parallel_size,
-        activation_probe=probe, nvme_step_time=args.step_time)
+        activation_probe=probe, nvme_step_time=args.step_time, optimizer_state_dtype=args.optimizer_state_dtype,
+        master_dtype=args.master_dtype)
     print(est)
     return 0
 
@@ -99,8 +100,9 @@ def add_estimate(sub) -> None:
         description="Device bytes per rank (model states from the floors of docs/ARCHITECTURE.md as the engine "
         "allocates them, plus its bucket / stage-3 unit buffers and, with --batch-size, activations: the T5 formula, "
         "or for another --module one measured probe step) and CPU RAM per node, for stages 0-3 with and without "
-        "offload. Nothing is run or allocated, but for the one probe step of a non-T5 --module with --batch-size. "
-        "Memory sizes are GiB (2**30 bytes).")
+        "offload; below, every setting's model states at fp32 / bf16 moments / bf16 moments + masters. Nothing is "
+        "run or allocated, but for the one probe step of a non-T5 --module with --batch-size. Memory sizes are GiB "
+        "(2**30 bytes).")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="t5_small",
                      help="a T5 preset of the recipe (conf/model: t5_tiny, t5_mini, t5_small, t5_base, t5_large, t5_3b)"
@@ -116,6 +118,13 @@ def add_estimate(sub) -> None:
     p.add_argument("--optimizer", default="adamw",
                    help="adamw, adam (K=8 B/param), sgd (0), sgd_momentum, rmsprop, adagrad (4), ...; whole-tensor "
                    "(state by shape, on owner ranks; a module or T5 preset): muon (+ AdamW on the rest), adafactor")
+    p.add_argument("--optimizer-state-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="strategy.optimizer_state_dtype: the optimizer's per-element state (Adam's moments) kept in "
+                   "bf16 between steps (the table's rows; every setting at fp32 / bf16 moments / bf16 moments + "
+                   "masters is listed below it)")
+    p.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="strategy.master_dtype: the master in bf16 plus a bf16 compensation term (needs --precision "
+                   "bf16-mixed)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="strategy.bucket_mb")
     p.add_argument("--grad-accum", type=int, default=1,
                    help="gradient accumulation steps (> 1: stage 1 keeps full gradients between micro-batches)")

@@ -17,6 +17,9 @@ each setting lives here, so nothing is silently dropped:
   ``offload_params="nvme"`` (one ``nvme_path`` for both); the ``aio`` block tunes DeepSpeed's libaio only;
 * DeepSpeed's Muon becomes torch's Muon on the hidden matrices + AdamW on the rest ([Note: DeepSpeed's Muon]),
   what differs listed in ``differs``;
+* the ``bf16`` block's ``bf16_master_weights_and_grads`` / ``bf16_optimizer_states`` become ``master_dtype="bf16"``
+  / ``optimizer_state_dtype="bf16"`` (``deepspeed_low_precision.py``; fp32 gradients and the master's
+  compensation term listed in ``differs``);
 * anything else -- an unknown key, an optimizer type with no torch counterpart, fp16 and bf16 together --
   is refused with one error that names what is allowed.
 
@@ -43,6 +46,8 @@ from .deepspeed_auto import check_keys, positive_int, setting
 from .deepspeed_auto import unset as _unset
 from .deepspeed_batch import deepspeed_batch
 from .deepspeed_json import read_config
+from .deepspeed_low_precision import KEYS as LOW_PRECISION_KEYS
+from .deepspeed_low_precision import low_precision_knobs
 from .deepspeed_offload import offload_knobs, preset_label
 from .deepspeed_muon import split_optimizers
 from .deepspeed_optimizer import check_composes_with, recipe_overrides, translate_optimizer
@@ -198,7 +203,7 @@ def _hydra(v) -> str:
 def _precision(cfg: dict, out: DeepSpeedTranslation, auto: _Auto) -> None:
     fp16, bf16 = cfg.get("fp16") or {}, cfg.get("bf16") or {}
     check_keys(fp16, _FP16_KEYS, "fp16")
-    check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"}, "bf16")
+    check_keys(bf16, {"enabled", "immediate_grad_update", "check_grad_overflow"} | LOW_PRECISION_KEYS, "bf16")
     if "auto" in (fp16.get("enabled"), bf16.get("enabled")):  # HF: from --bf16 / --fp16, i.e. the Trainer's flag
         chosen = auto.values.get("precision")
         for key, block in (("fp16.enabled", fp16), ("bf16.enabled", bf16)):
@@ -228,7 +233,8 @@ def _precision(cfg: dict, out: DeepSpeedTranslation, auto: _Auto) -> None:
 def _zero(cfg: dict, out: DeepSpeedTranslation, elem_bytes: int, auto: _Auto) -> ZeroConfig:
     zero = cfg.get("zero_optimization") or {}
     check_keys(zero, _ZERO_KEYS, "zero_optimization")
-    s = {"stage": setting(zero, "stage", 0), **offload_knobs(zero, out.ignored)}
+    s = {"stage": setting(zero, "stage", 0), **offload_knobs(zero, out.ignored),
+         **low_precision_knobs(cfg.get("bf16") or {}, out.precision, out.differs)}
     hidden = lambda v: v.get("hidden_size")  # noqa: E731
     bucket = auto.resolve("zero_optimization.reduce_bucket_size", zero.get("reduce_bucket_size"), "hidden_size",
                           lambda v: hidden(v) and hidden(v) ** 2)

@@ -81,8 +81,10 @@ def check_composes_with(optimizers: list, config: Any, precision: Optional[str])
     """Refuse now, with the run's own message, an optimizer the run would refuse at setup (a compressed Adam
     past its stages, a whole-tensor one with NVMe state): its kind's check (engine/optim/kinds/) asked of
     stand-ins of ``optimizers`` ((class, kwargs) pairs) under the translated stage, offload and precision (the
-    Trainer's flag when ``precision`` is None is not known here: the run checks it)."""
+    Trainer's flag when ``precision`` is None is not known here: the run checks it), and the low-precision
+    states' check (bf16 moments / masters: elementwise optimizers only)."""
     from ..engine.optim.kinds import KindSetup, kind_of
+    from ..engine.optim.low_precision import check_low_precision
     from ..engine.plan import ShardingPlan
 
     stand_ins = [cls([torch.zeros(2, 2, requires_grad=True)], **kw) for cls, kw in optimizers]
@@ -92,6 +94,9 @@ def check_composes_with(optimizers: list, config: Any, precision: Optional[str])
     try:
         for opt in stand_ins:
             kind_of(opt).check(opt, setup)
+        # bf16 states / masters: only elementwise kinds (the Trainer's precision, when it decides, is checked there)
+        compute = {"16-mixed": torch.float16, "32-true": torch.float32}.get(precision, torch.bfloat16)
+        check_low_precision(config, compute, stand_ins, [kind_of(opt) for opt in stand_ins])
     except ValueError as e:
         raise DeepSpeedConfigError(f"DeepSpeed config: optimizer {cls.__name__} with zero_optimization.stage="
                                    f"{config.stage}, precision {precision}: the run refuses it: {e}") from None

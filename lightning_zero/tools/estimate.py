@@ -27,18 +27,20 @@ full gradients together is conservative (backward frees activations as gradients
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from torch import nn
 
-from ..engine.memory.floors import optimizer_state_bytes_per_param
+from ..engine.memory.floors import low_precision_step_bytes, optimizer_state_bytes_per_param
 from ..engine.placement.placement import Location, Placement
-from .estimate_knobs import check_estimate_knobs
+from .estimate_knobs import check_estimate_knobs, check_state_dtypes
 from .estimate_nvme import nvme_lines, nvme_optimizer_bytes, nvme_ring_bytes, nvme_step_bytes
 from .estimate_states import (SETTING_PLANS, SETTINGS, Row, buffer_bytes, host_step_grads,  # noqa: F401
-                              model_state_bytes, plan_state_bytes)
+                              model_state_bytes, plan_state_bytes, step_slice_numel)
+from .estimate_state_dtypes import state_dtype_lines, state_dtype_rows
 from .estimate_whole_tensor import WHOLE_TENSOR, state_for
 from .model_sizes import GiB, MiB, ModelInfo, gib, info_from_module, info_from_t5  # noqa: F401
 from .t5_dims import (BYTE_VOCAB, RECIPE_VOCAB, T5_PRESETS, T5Dims, t5_activation_bytes,  # noqa: F401
@@ -71,6 +73,9 @@ class Estimate:
     activation_probe: Optional[object] = None  # estimate_activations.ActivationProbe (measured activations)
     nvme_step_time: float = 1.0  # seconds per optimizer step the NVMe bandwidth line is computed for
     whole_tensor: Optional[object] = None  # estimate_whole_tensor.WholeTensorState (optimizer muon / adafactor)
+    optimizer_state_dtype: str = "fp32"  # the rows' plans: "fp32" | "bf16" ([Note: low-precision states ...])
+    master_dtype: str = "fp32"
+    state_dtype_rows: list = dataclasses.field(default_factory=list)  # estimate_state_dtypes.StateDtypeRow
 
     @property
     def ranks_per_node(self) -> int:
@@ -113,6 +118,8 @@ def estimate_model_states(
     activation_probe: Optional[object] = None,
     nvme_step_time: float = 1.0,
     whole_tensor: Optional[object] = None,
+    optimizer_state_dtype: str = "fp32",
+    master_dtype: str = "fp32",
 ) -> Estimate:
     """Per-rank device bytes and per-node CPU RAM for every ZeRO stage x offload setting.
 
@@ -133,6 +140,9 @@ def estimate_model_states(
     ``nvme_step_time``: the step time (s) the ``*_offload_nvme`` rows' needed disk bandwidth is given for.
     ``optimizer`` "muon" / "adafactor" (whole-tensor: state by parameter shape, on owner ranks; [Note: whole-tensor
     state in the estimate]) needs a module or a T5; ``whole_tensor``: its state, already computed.
+    ``optimizer_state_dtype`` / ``master_dtype`` ("fp32" | "bf16", ZeroConfig's knobs): the rows' optimizer state
+    and masters between steps, and the step's fp32 slice on top ([Note: low-precision states in the memory model]);
+    ``state_dtype_rows`` compares every setting at fp32 / bf16 moments / bf16 moments + masters.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision {precision!r}. Allowed: 32-true, bf16-mixed, 16-mixed.")
@@ -142,6 +152,8 @@ def estimate_model_states(
                                     cpu_memory_gb=cpu_memory_gb, vocab_size=vocab_size, nvme_step_time=nvme_step_time)
     mixed = PRECISIONS[precision]
     optimizer = optimizer.lower()
+    dtypes = dict(zip(("optimizer_state_dtype", "master_dtype"), check_state_dtypes(
+        optimizer_state_dtype, master_dtype, precision, optimizer in WHOLE_TENSOR)))
     k = None if optimizer in WHOLE_TENSOR else _state_bytes(optimizer)
     if isinstance(model, str):
         model = t5_dims(model, vocab_size=vocab_size)
@@ -200,7 +212,7 @@ def estimate_model_states(
     rows = []
     accumulating = grad_accumulation > 1
     for (stage, offload), name in SETTINGS.items():
-        plan = SETTING_PLANS[name]
+        plan = dataclasses.replace(SETTING_PLANS[name], **dtypes)
         # tensor parallelism shards local pieces over the data-parallel ranks: not partitioned parameters
         if (settings is not None and name not in settings) or (split is not None and plan.shards_params):
             continue
@@ -212,6 +224,8 @@ def estimate_model_states(
         buf = buffer_bytes(info, plan, shards, mixed, bucket_mb, accumulating)
         # the owners' whole masters + gradients, where the step runs (on the host when offloaded)
         transient = whole.transient(shards) if whole is not None and plan.shards_optimizer_state else 0.0
+        # under bf16 states / masters the step widens one bucket's slice to fp32 where it runs
+        transient += low_precision_step_bytes(plan, step_slice_numel(info, plan, shards, bucket_mb), k)
         on_host = plan.placement.steps_on_host
         buf["step"] += 0.0 if on_host else transient
         peak = st["device"] + max(buf["backward"] + (act or 0.0), buf["step"])
@@ -226,13 +240,16 @@ def estimate_model_states(
         if device_memory_gb is not None:
             row.fits = peak <= device_memory_gb * GiB and (cpu_memory_gb is None or row.cpu_ram_per_node <= cpu_memory_gb * GiB)
         rows.append(row)
+    compare = [] if whole is not None else state_dtype_rows(
+        info, {r.setting: r.plan for r in rows}, shards, mixed, precision.startswith("bf16"), k, accumulating,
+        bucket_mb)
     return Estimate(info, world_size, num_nodes, precision, optimizer, bucket_mb, grad_accumulation, rows,
                     (batch_size, src_len, tgt_len) if batch_size is not None else None, act,
                     device_memory_gb * GiB if device_memory_gb is not None else None,
                     cpu_memory_gb * GiB if cpu_memory_gb is not None else None,
                     shard_group_size if shards != world_size else None,
                     activation_checkpointing, offload_activations, parts, split, activation_probe, nvme_step_time,
-                    whole)
+                    whole, state_dtype_rows=compare, **dtypes)
 
 
 def _state_bytes(optimizer: str) -> int:
@@ -248,7 +265,8 @@ def format_estimate(est: Estimate) -> str:
     k = "by shape" if est.whole_tensor is not None else f"{optimizer_state_bytes_per_param(est.optimizer)} B/param"
     lines = [f"model: {info.name}, Psi = {info.numel:,} params ({info.trainable:,} trainable); {est.world_size} "
              f"rank(s) on {est.num_nodes} node(s); precision {est.precision}; optimizer {est.optimizer} "
-             f"(K = {k}); bucket {est.bucket_mb:g} MiB; gradient accumulation {est.grad_accumulation}"
+             f"(K = {k}), optimizer_state_dtype {est.optimizer_state_dtype}, master_dtype {est.master_dtype}; bucket "
+             f"{est.bucket_mb:g} MiB; gradient accumulation {est.grad_accumulation}"
              + ("" if est.grad_accumulation > 1 else " (stage 1 keeps full gradients only when accumulating)")]
     if est.batch is not None and est.activation_probe is not None:
         pr = est.activation_probe
@@ -296,6 +314,8 @@ def format_estimate(est: Estimate) -> str:
                  f"{est.ranks_per_node} rank(s) per node (plus {gib(4 * info.numel * est.ranks_per_node)} GiB/node "
                  "while building an fp32 model eagerly; stage 3 with meta-device init avoids it).")
     lines += nvme_lines(est.rows, info, est.ranks_per_node, est.nvme_step_time, est.bucket_mb)
+    lines += state_dtype_lines(est.state_dtype_rows, info, est.precision.startswith("bf16"),
+                               est.optimizer if est.whole_tensor is not None else "")
     if est.device_memory is not None:
         ok = [r for r in est.rows if r.fits]
         no = [r for r in est.rows if not r.fits]
@@ -337,7 +357,9 @@ def min_ranks_to_fit(est: Estimate, setting: str, max_ranks: int = 4096) -> Opti
                                     est.grad_accumulation, b[0], b[1], b[2], settings=[setting],
                                     activation_checkpointing=est.activation_checkpointing,
                                     offload_activations=est.offload_activations,
-                                    activation_probe=est.activation_probe, whole_tensor=est.whole_tensor).rows[0]
+                                    activation_probe=est.activation_probe, whole_tensor=est.whole_tensor,
+                                    optimizer_state_dtype=est.optimizer_state_dtype,
+                                    master_dtype=est.master_dtype).rows[0]
         if row.peak_device <= est.device_memory:
             return n
         n *= 2

@@ -80,3 +80,21 @@ def parse_count(text: str, flag: str = "--params") -> int:
         raise ValueError(f"parameter count {text!r} ({flag}): allowed a positive count, e.g. 1.5e9, "
                          f"1500000000, 1.5B, 350M, 7k.")
     return int(value)
+
+
+def check_state_dtypes(optimizer_state_dtype, master_dtype, precision: str, whole_tensor: bool) -> tuple[str, str]:
+    """``optimizer_state_dtype`` / ``master_dtype`` as ``ZeroConfig`` normalizes them ("fp32" | "bf16", its one
+    error otherwise), then what the run would refuse with them: a bf16 master without bf16 compute, and either
+    knob with a whole-tensor optimizer (its owner ranks step whole fp32 tensors)."""
+    from ..engine.config import state_dtype_name  # torch: not at CLI start-up
+
+    states = state_dtype_name(optimizer_state_dtype, "optimizer_state_dtype (--optimizer-state-dtype)")
+    master = state_dtype_name(master_dtype, "master_dtype (--master-dtype)")
+    if master == "bf16" and not str(precision).startswith("bf16"):
+        raise ValueError(f"master_dtype='bf16' (--master-dtype) needs bf16 compute; got precision {precision!r}. "
+                         f"Allowed: --master-dtype bf16 with --precision bf16-mixed, or --master-dtype fp32.")
+    if whole_tensor and "bf16" in (states, master):
+        raise ValueError("optimizer_state_dtype / master_dtype 'bf16' (--optimizer-state-dtype, --master-dtype): "
+                         "a whole-tensor optimizer (muon, adafactor) steps whole fp32 tensors on owner ranks and the "
+                         "run refuses them. Allowed: 'fp32' with muon / adafactor, or an elementwise optimizer.")
+    return states, master

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..engine.memory.floors import state_bytes_per_element
 from ..engine.placement.placement import Location
 from ..engine.plan import ShardingPlan
 from .model_sizes import MiB, ModelInfo, gib
@@ -26,10 +27,16 @@ def _bucket_numel(info: ModelInfo, bucket_mb: float) -> float:
     return min(info.trainable, max(bucket_mb * MiB / 4, info.largest_param, info.largest_unit))
 
 
+def _state_element_bytes(plan: ShardingPlan, k: int) -> float:
+    """Master + optimizer state per element in the files: the master fp32 (4) or bf16 (2: its compensation
+    term stays in host memory), the state K or, in bf16, K / 2 (``floors.py``)."""
+    return (2 if plan.master_dtype == "bf16" else 4) + state_bytes_per_element(plan, k)
+
+
 def nvme_optimizer_bytes(info: ModelInfo, plan: ShardingPlan, shards: int, k: int) -> float:
     """The masters + optimizer state one rank keeps in its scratch files (0 where the plan keeps them
     elsewhere)."""
-    return plan.placement.book(optimizer_states=(4 + k) * info.trainable / shards)[Location.NVME]
+    return plan.placement.book(optimizer_states=_state_element_bytes(plan, k) * info.trainable / shards)[Location.NVME]
 
 
 def nvme_ring_bytes(info: ModelInfo, plan: ShardingPlan, shards: int, k: int, bucket_mb: float,
@@ -37,7 +44,8 @@ def nvme_ring_bytes(info: ModelInfo, plan: ShardingPlan, shards: int, k: int, bu
     """Host bytes of the NVMe step's ring (engine/placement/nvme_states.py): ``buffers`` slots of one bucket's shard of
     masters + state (a parameter larger than the cap gets a bucket of its own), never more than the states
     it streams (one slot per bucket when there are fewer buckets than slots; none without states on NVMe)."""
-    return min(buffers * _bucket_numel(info, bucket_mb) * (4 + k) / shards, nvme_optimizer_bytes(info, plan, shards, k))
+    return min(buffers * _bucket_numel(info, bucket_mb) * _state_element_bytes(plan, k) / shards,
+               nvme_optimizer_bytes(info, plan, shards, k))
 
 
 def nvme_pays_from(info: ModelInfo, bucket_mb: float, buffers: int = 3) -> float:

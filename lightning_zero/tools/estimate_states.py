@@ -8,6 +8,7 @@ full gradients are kept, how updated masters are published; where bytes live fro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -88,6 +89,18 @@ def buffer_bytes(info: ModelInfo, plan: ShardingPlan, world_size: int, mixed: bo
     backward = p * (root + 4 * unit)  # root + current + prefetched unit, its grads and reduce buffer
     backward = max(backward, p * 3 * root)  # end of backward: the root's grads and reduce buffer
     return {"backward": float(backward), "step": 0.0}
+
+
+def step_slice_numel(info: ModelInfo, plan: ShardingPlan, world_size: int, bucket_mb: float = 25.0) -> float:
+    """Elements of the largest bucket slice one rank steps at a time: the bucket cap (checked against the fp32
+    parameters; one parameter never splits) or, at stage 3, the largest unit's row (the root's too), cut over
+    the ranks where the plan shards the optimizer state. Under bf16 states or masters the step widens this
+    slice to fp32 (``floors.low_precision_step_bytes``)."""
+    if plan.shards_params:
+        bucket = max(info.largest_unit or min(info.trainable, 8 * MiB / 4), info.root_unit)
+    else:
+        bucket = min(info.trainable, max(bucket_mb * MiB / 4, info.largest_param))
+    return math.ceil(bucket / world_size) if plan.shards_optimizer_state else float(bucket)
 
 
 def host_step_grads(plan: ShardingPlan, trainable: float, shards: int) -> float:

@@ -21,6 +21,24 @@ Psi / N of the table; the estimator (``tools/estimate_states.py``) with the per-
 shards, frozen parameters and stage 1 without accumulation -- so the two agree by construction.
 Measurement (``memory_report.measure_model_states``) counts real tensor bytes (no allocator guesses), so tests can
 compare it with both exactly.
+
+[Note: low-precision states in the memory model]
+The plan's ``optimizer_state_dtype`` / ``master_dtype`` ("bf16": ``ZeroConfig``'s knobs) change two terms of the
+table, per trainable element of the rank's share:
+
+    optimizer state    K (fp32)  ->  K / 2 (bf16: Adam's two moments 8 -> 4, SGD's momentum 4 -> 2)
+    master             4 (fp32, or 0 where the fp32 parameter is its own master)  ->
+                       2 (bf16: the Kahan compensation term alone; the bf16 master *is* the bf16 parameter
+                          slice / stage-3 unit shard the step runs beside, on the device), or
+                       2 + 2 (bf16 master + compensation, a copy of their own where the step runs on the host:
+                          offload_optimizer cpu or nvme; under nvme the master is in the scratch file with the
+                          state, the compensation in host memory)
+
+Gradients keep their bytes (the masters' ``.grad`` is the fp32 reduced shard). A bf16 master needs bf16 compute.
+Mixed precision with Adam: 16 -> 12 bytes per parameter with bf16 moments, 10 with bf16 masters too (stage 0;
+every stage's sharded terms shrink alike). The step widens one bucket's slice at a time to fp32 -- the moments
+(K per element) and the master (4) -- runs the user's optimizer and rounds them back:
+:func:`low_precision_step_bytes` is that transient, where the step runs.
 """
 
 from __future__ import annotations
@@ -56,6 +74,38 @@ def _own_master(placement: Placement) -> bool:
             Location.NVME: False}[placement.param_shards]
 
 
+def state_bytes_per_element(plan: ShardingPlan, state_bytes: int) -> float:
+    """Bytes of the optimizer's per-element state between steps: ``state_bytes`` (K, fp32) halved when the plan
+    keeps it in bf16 ([Note: low-precision states in the memory model])."""
+    return state_bytes / 2 if plan.optimizer_state_dtype == "bf16" else float(state_bytes)
+
+
+def master_bytes_per_element(plan: ShardingPlan, mixed: bool) -> float:
+    """Bytes of the master per trainable element of the rank's share ([Note: low-precision states in the memory
+    model]): fp32 4, or 0 where the fp32 parameter is its own master; bf16 the 2-byte compensation, plus its own
+    2-byte copy of the master where the step runs on the host (or qwZ rounds the published parameters)."""
+    if plan.master_dtype == "bf16":
+        if not mixed:
+            raise ValueError("master_dtype='bf16' needs bf16 compute (precision 'bf16-mixed' / 'bf16-true'): in "
+                             "fp32 training the fp32 parameter is its own master already. Allowed: master_dtype="
+                             "'bf16' with bf16 parameters, or master_dtype='fp32'.")
+        # the bf16 slice / unit shard is the master where the step reads it in place: beside device states
+        on_device = not plan.shards_params or plan.placement.param_shards is Location.DEVICE
+        aliases_param = on_device and not plan.placement.steps_on_host and not plan.separate_masters
+        return 2.0 if aliases_param else 4.0
+    separate_master = mixed or plan.separate_masters or not _own_master(plan.placement)
+    return 4.0 if separate_master else 0.0
+
+
+def low_precision_step_bytes(plan: ShardingPlan, slice_numel: float, state_bytes: int) -> float:
+    """The step's transient under bf16 states or masters: one bucket's slice (``slice_numel`` elements) widened
+    to fp32 while that bucket steps -- the optimizer state (K bytes per element) and the master (4) of whichever
+    the plan keeps in bf16; 0 when both are fp32. It lives where the step runs (``plan.placement.steps_on_host``)."""
+    per_element = (state_bytes if plan.optimizer_state_dtype == "bf16" else 0) \
+        + (4 if plan.master_dtype == "bf16" else 0)
+    return float(per_element * slice_numel)
+
+
 def rank_model_states(
     plan: ShardingPlan, world_size: int, mixed: bool, numel: float, trainable: Optional[float] = None,
     state_bytes: int = 8, full_grads: Optional[bool] = None, param_shard: Optional[float] = None,
@@ -69,7 +119,8 @@ def rank_model_states(
     ``numel / N`` and ``trainable / N``; the engine's flat shards pad each parameter to a multiple of N).
     ``full_grads``: full-size gradients (default: unless the plan shards them; stage 1 reducing during
     backward, without accumulation, holds shards like stage 2). An fp32 parameter shard in host memory
-    *is* its master (no separate copy); one in a scratch file never is.
+    *is* its master (no separate copy); one in a scratch file never is. The plan's ``optimizer_state_dtype`` /
+    ``master_dtype`` set the state's and the master's bytes ([Note: low-precision states in the memory model]).
     """
     n = world_size
     trainable = numel if trainable is None else trainable
@@ -78,11 +129,14 @@ def rank_model_states(
     params = p * ((numel / n if param_shard is None else param_shard) if plan.shards_params else numel)
     grads = p * trainable if full_grads else p * (trainable / n if grad_shard is None else grad_shard)
     div = n if plan.shards_optimizer_state else 1
-    separate_master = mixed or plan.separate_masters or not _own_master(plan.placement)
-    master = 4 * trainable / div if separate_master else 0.0
-    opt = state_bytes * trainable / div
+    master = master_bytes_per_element(plan, mixed) * trainable / div
+    opt = state_bytes_per_element(plan, state_bytes) * trainable / div
+    compensation = (2.0 if plan.master_dtype == "bf16" else 0.0) * trainable / div  # part of ``master``
     # whole parameters (no shards) are on the device: the placement has them there
-    booked = plan.placement.book(param_shards=params, optimizer_states=master + opt)
+    booked = plan.placement.book(param_shards=params, optimizer_states=master - compensation + opt)
+    # a bf16 master's compensation term stays in the memory the step reads, where its reduced gradients are (the
+    # device, or host memory for host and NVMe states: the scratch files stream masters and state, not it)
+    booked[plan.placement.grad_shards] += compensation
     host, nvme = booked[Location.HOST], booked[Location.NVME]
     total = params + grads + master + opt
     return {"params": params, "grads": grads, "master": master, "optimizer_state": opt,
@@ -92,15 +146,21 @@ def rank_model_states(
 def model_state_floor(
     stage: int, numel: int, world_size: int, mixed: bool, state_bytes: int = 8,
     offload_optimizer: Union[bool, str] = False, offload_params: Union[bool, str] = False,
+    optimizer_state_dtype: str = "fp32", master_dtype: str = "fp32",
 ) -> dict[str, float]:
     """Device and host bytes per rank for params, grads, master and optimizer state (the ZeRO floor):
     :func:`rank_model_states` with the exact Psi / N of the table, every parameter trainable, for the plan
-    of ``stage`` with the offload knobs' placement (``offload_params``: stage 3 only, as ``ZeroConfig``)."""
+    of ``stage`` with the offload knobs' placement (``offload_params``: stage 3 only, as ``ZeroConfig``) and
+    the state dtypes ("fp32" | "bf16", as ``ZeroConfig`` normalizes them)."""
+    for knob, value in (("optimizer_state_dtype", optimizer_state_dtype), ("master_dtype", master_dtype)):
+        if value not in ("fp32", "bf16"):  # ZeroConfig's spellings, as it normalizes them
+            raise ValueError(f"{knob} must be 'fp32' (default) or 'bf16'; got {value!r}.")
     knobs = SimpleNamespace(**{k: OffloadDevice.parse(v, k).knob_value for k, v in (
         ("offload_optimizer", offload_optimizer), ("offload_params", offload_params))})
     shards_params = ShardingPlan.for_stage(stage).shards_params
     # the knobs' placement by ZeroConfig's rule: parameter shards only where the plan has them
-    plan = ShardingPlan.for_stage(stage, placement=Placement.of(knobs, shards_params=shards_params))
+    plan = ShardingPlan.for_stage(stage, placement=Placement.of(knobs, shards_params=shards_params),
+                                  optimizer_state_dtype=optimizer_state_dtype, master_dtype=master_dtype)
     r = rank_model_states(plan, world_size, mixed, numel, state_bytes=state_bytes)
     return {"params": r["params"], "grads": r["grads"], "optimizer": r["master"] + r["optimizer_state"],
             "device": r["device"], "host": r["host"], "nvme": r["nvme"]}
