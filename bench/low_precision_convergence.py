@@ -16,7 +16,8 @@ Workloads:
 * ``t5``: the T5 recipe (examples/t5_finetune.py, its ``train()``) on its embedded default data (the stdlib
   code-summarisation pairs, the recipe's BPE), model ``t5_mini``, the recipe's AdamW with LR warmup and linear
   decay, ``trainer.precision=bf16-mixed``; the val loss is the recipe's validation (its first 64 val pairs,
-  ``data.limit_val``) every ``--t5-every`` steps. The knobs reach the recipe's ``ZeroStrategy`` through its ``build_strategy``.
+  ``data.limit_val``) every ``--t5-every`` steps. The knobs reach the recipe's ``ZeroStrategy`` through its
+  ``build_strategy``.
 * ``gpt2``: HF ``GPT2LMHeadModel`` from a config (random init, no download; 4 layers, 256 wide) on real text:
   the Python stdlib source the T5 pretraining recipe reads (examples/t5_pretrain_data.pretrain_files), tokenized
   by the recipe's BPE, cut into 64-token chunks, 1 chunk in 20 held out; ``ZeroEngine(compute_dtype=bf16)``,
