@@ -144,6 +144,8 @@ def write_checkpoint_files(directory: Path, model_state: Mapping[str, torch.Tens
         if more_kinds:
             info["more_optimizer_states"] = more_kinds  # optimizers 1, 2, ... (0 is "optimizer_state")
         (directory / INFO_FILE).write_text(json.dumps(integrity.seal(info), indent=1))
+    if engine is not None and hasattr(engine, "master_form"):  # bf16 masters widened for the save: bf16 again
+        engine.master_form(wide=False)
 
 
 def _check_optimizer_keys(optimizer_state, group=None) -> Optional[dict]:

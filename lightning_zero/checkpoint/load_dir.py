@@ -81,8 +81,9 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
     path = Path(path) if info is not None else resolve_checkpoint_dir(path)
     info = info or read_info(path, trust_checkpoint)
     names = check_compatible(info, module, strict, engine)
-    if engine is not None and hasattr(engine, "widen_masters"):  # bf16 masters filled as fp32, split at the step
-        engine.widen_masters()
+    lowp = engine is not None and hasattr(engine, "master_form")  # bf16 masters filled as fp32, then split
+    if lowp:
+        engine.master_form(wide=True)
     managed = _managed(engine)
     canonical, _ = _canonical(module)
     targets: dict[str, torch.Tensor] = {}
@@ -112,6 +113,8 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
         fn()
     if engine is not None:
         engine.publish_params()
+    if lowp:
+        engine.master_form(wide=False)
 
 
 @torch.no_grad()

@@ -232,12 +232,12 @@ class ZeroEngine:
         Collective where a store's I/O can fail (every rank's config chose the same stores); nothing otherwise."""
         make_resident_on_every_rank(self._stores(self.shardeds), self.group,
                                     self.params[0].device if self.params else None)
-        self.widen_masters()
+        self.master_form(wide=True)
 
-    def widen_masters(self) -> None:
-        """bf16 masters as their exact fp32 ``hi + lo`` until the next step (what saves write, loads fill)."""
+    def master_form(self, wide: bool) -> None:
+        """bf16 masters as their exact fp32 ``hi + lo`` (what saves write, loads fill), or back to bf16."""
         for s in self.shardeds:
-            s.widen_masters()
+            s.widen_masters() if wide else s.narrow_masters()
 
     def publish_params(self, optimizer=None, streamed: bool = True) -> None:
         """Copy the updated masters into the module's parameters, as the plan publishes (publish.py).
@@ -288,8 +288,11 @@ class ZeroEngine:
     def full_master_params(self) -> list[torch.Tensor]:
         """fp32 full value of every managed parameter on every rank, in :attr:`bucket_params` order (what
         checkpoints and the module handed back take, not the module's rounded copies). Collective."""
-        self.widen_masters()
-        return FS.full_master_params(self.master_rows(), self.plan.shards_optimizer_state, self.shard_group)
+        self.master_form(wide=True)
+        try:
+            return FS.full_master_params(self.master_rows(), self.plan.shards_optimizer_state, self.shard_group)
+        finally:
+            self.master_form(wide=False)
 
     def restore_fp32_module(self) -> None:
         """Hand the module back whole, in fp32, with the master values (end of training). Stage 3

@@ -95,8 +95,16 @@ class LowPrecisionStates:
         m.set_(src.detach())
         return True
 
+    def wide_ids(self) -> set[int]:
+        return set(self._narrow)
+
     def compensation_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.compensation.values())
+
+    def extra_bytes(self) -> int:
+        """Bytes beyond the masters' bf16 ``hi``: the compensation terms, and while WIDE each widened master's
+        fp32 copy (a load made it; the next step drops it)."""
+        return self.compensation_bytes() + sum(hi.numel() * 4 for hi in self._narrow.values())
 
     def _widen_master(self, m: torch.Tensor) -> None:
         if id(m) in self._narrow:

@@ -48,11 +48,13 @@ class ShardedOptimizer(MasterGrads):
         return consolidate_optimizer_state(self, group)
 
     def load_full_state_dict(self, full: dict) -> None:
-        """Re-slice a full optimizer state (any world size or stage) into this rank's shards (fp32 as loaded:
-        bf16 moments narrowed at the next step)."""
+        """Re-slice a full optimizer state (any world size or stage) into this rank's shards (bf16 states:
+        sliced from the masters' fp32 form, kept in bf16 after)."""
         self.make_resident()
         self.widen_masters()
         load_sharded_optimizer_state(self, full)
+        self.low_precision.narrow_state(self.optimizer, self._all_masters())
+        self.narrow_masters()
 
     def make_resident(self) -> None:
         """Masters and state in memory until the next step (whole views; the state store reads them back)."""
@@ -62,9 +64,13 @@ class ShardedOptimizer(MasterGrads):
         """bf16 masters as fp32 (``hi + lo``) until the next step: what whole views, saves and loads see."""
         self.low_precision.make_resident(self._all_masters())
 
+    def narrow_masters(self) -> None:
+        """bf16 masters back to ``hi`` + ``lo`` after a whole view, save or load (bit-exact for a save's)."""
+        self.low_precision.narrow_all(self._all_masters())
+
     def spill(self) -> None:
         """What a whole view read back given up again: bf16 masters narrowed, the store spilled (NVMe)."""
-        self.low_precision.narrow_all(self._all_masters())
+        self.narrow_masters()
         self.states.spill()
 
     def _all_masters(self) -> list[torch.Tensor]:
@@ -297,8 +303,9 @@ class ShardedOptimizer(MasterGrads):
     def master_bytes(self) -> int:
         """Bytes of fp32 master storage *separate* from the parameters (0 when masters are views)."""
         flat = (m for row in self.masters for m in row)
-        own = sum(m.numel() * m.element_size() for m, a in zip(flat, self._aliased) if not a)
-        return own + self.low_precision.compensation_bytes()
+        wide = self.low_precision.wide_ids()  # counted by extra_bytes (fp32 until the next step)
+        own = sum(m.numel() * m.element_size() for m, a in zip(flat, self._aliased) if not a and id(m) not in wide)
+        return own + self.low_precision.extra_bytes()
 
     def bytes_by_location(self) -> dict[Location, int]:
         """Where the masters (those separate from the parameters) and the optimizer state are now."""
