@@ -105,8 +105,6 @@ def test_trainer_bf16_states_resume_bit_for_bit(tmp_path, stage):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=True, reason="a checkpoint save widens the bf16 masters to fp32 (make_states_resident) and "
-                   "only the next step narrows them: the fp32 copy lives through that step's forward and backward")
 def test_trainer_bf16_masters_narrow_after_a_checkpoint_save(tmp_path):
     """The Trainer's default ModelCheckpoint saves at the first epoch's end; the next micro-batch's forward and
     backward should not hold the fp32 masters (4 bytes per element more at the activations' peak)."""

@@ -284,17 +284,18 @@ def test_a_bf16_state_checkpoint_resumes_bit_for_bit_and_keeps_its_dtype(stage, 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("saved_bf16", [False, True])
 def test_checkpoints_convert_between_fp32_and_bf16_states_with_one_notice(saved_bf16, tmp_path):
-    """fp32 states -> a bf16-state run and back: one notice on rank 0; the masters arrive with the saved fp32
-    values exactly (a bf16 checkpoint's are hi + lo; the first step splits them again), the moments in the run's
-    dtype, and training continues."""
+    """fp32 states -> a bf16-state run and back: one notice on rank 0; the masters arrive converted exactly (an
+    fp32 master split into hi = bf16(x) and lo = the rest toward zero; a bf16 checkpoint's hi + lo is an exact fp32
+    value), the moments in the run's dtype, and training continues."""
     path = str(tmp_path / "ckpt")
     straight = run_distributed(_run_mixed, 2, 2, saved_bf16, path)
     resumed = run_distributed(_resume, 2, path, 2, not saved_bf16, saved_bf16)
     assert len(resumed[0]["notices"]) == 1 and resumed[1]["notices"] == []
     assert resumed[0]["loaded"] == ({"torch.float32"} if saved_bf16 else {"torch.bfloat16"})
     for a, b in zip(straight, resumed):
-        for n, x in a["saved"].items():  # held as the exact fp32 value until the first step splits it
-            assert torch.equal(b["masters"][n], x), n
+        for n, x in a["saved"].items():  # an fp32 master split on load: hi = bf16(x), lo = the rest toward zero
+            want = x if saved_bf16 else x.to(BF16).float() + _toward_zero(x - x.to(BF16).float()).float()
+            assert torch.equal(b["masters"][n], want), n
         assert b["losses"] == pytest.approx(a["losses"], rel=2e-2)
 
 

@@ -227,15 +227,13 @@ class ZeroEngine:
             self.partitioner.store.failure = None
 
     def make_states_resident(self) -> None:
-        """Before a whole view every rank takes (checkpoint saves): masters, optimizer state and stage 3's shards
-        in memory (NVMe: read back), any rank's failed read one error on all ([Note: verified scratch reads]).
-        Collective where a store's I/O can fail (every rank's config chose the same stores); nothing otherwise."""
+        """Before a whole view every rank takes (saves): masters, state and stage 3's shards in memory (NVMe: read
+        back; any rank's failed read one error on all, [Note: verified scratch reads]); bf16 masters widened."""
         make_resident_on_every_rank(self._stores(self.shardeds), self.group,
                                     self.params[0].device if self.params else None)
         self.master_form(wide=True)
 
-    def master_form(self, wide: bool) -> None:
-        """bf16 masters as their exact fp32 ``hi + lo`` (what saves write, loads fill), or back to bf16."""
+    def master_form(self, wide: bool) -> None:  # bf16 masters as their fp32 hi + lo (saves, loads), or bf16 again
         for s in self.shardeds:
             s.widen_masters() if wide else s.narrow_masters()
 
@@ -289,10 +287,9 @@ class ZeroEngine:
         """fp32 full value of every managed parameter on every rank, in :attr:`bucket_params` order (what
         checkpoints and the module handed back take, not the module's rounded copies). Collective."""
         self.master_form(wide=True)
-        try:
-            return FS.full_master_params(self.master_rows(), self.plan.shards_optimizer_state, self.shard_group)
-        finally:
-            self.master_form(wide=False)
+        full = FS.full_master_params(self.master_rows(), self.plan.shards_optimizer_state, self.shard_group)
+        self.master_form(wide=False)
+        return full
 
     def restore_fp32_module(self) -> None:
         """Hand the module back whole, in fp32, with the master values (end of training). Stage 3
