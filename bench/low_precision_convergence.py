@@ -275,20 +275,22 @@ def main() -> None:
         ap.error(f"unknown {', '.join(bad)}: allowed workloads t5, gpt2; stages zero1, zero2, zero3")
     with tempfile.TemporaryDirectory() as out:
         if "t5" in workloads:
-            rows = {}
-            for stage, variant in runs_of(args):
-                rows[(stage, variant)] = run_t5(stage, variant, args, out)
-                print(f"t5 {stage} {variant}: {rows[(stage, variant)]['seconds']:.0f} s", flush=True)
-            report("T5 recipe", rows, args.t5_every, args.t5_steps)
-            dump(args.json, "t5", rows)
+            _workload("t5", "T5 recipe", lambda stage, variant: run_t5(stage, variant, args, out), args,
+                      args.t5_every, args.t5_steps)
         if "gpt2" in workloads:
             data = gpt2_chunks(args)
-            rows = {}
-            for stage, variant in runs_of(args):
-                rows[(stage, variant)] = run_gpt2(stage, variant, args, data)
-                print(f"gpt2 {stage} {variant}: {rows[(stage, variant)]['seconds']:.0f} s", flush=True)
-            report("GPT-2", rows, args.gpt2_every, args.gpt2_steps)
-            dump(args.json, "gpt2", rows)
+            _workload("gpt2", "GPT-2", lambda stage, variant: run_gpt2(stage, variant, args, data), args,
+                      args.gpt2_every, args.gpt2_steps)
+
+
+def _workload(key: str, title: str, run, args, every: int, steps: int) -> None:
+    """Every (stage, variant) run of one workload, its table printed and its rows dumped."""
+    rows = {}
+    for stage, variant in runs_of(args):
+        rows[(stage, variant)] = run(stage, variant)
+        print(f"{key} {stage} {variant}: {rows[(stage, variant)]['seconds']:.0f} s", flush=True)
+    report(title, rows, every, steps)
+    dump(args.json, key, rows)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,14 @@ def reference(batches: list[torch.Tensor], opt_name: str, masters_bf16: bool, mo
     return losses, {n: v.detach().reshape(-1).clone() for n, v in zip(names, values)}
 
 
+def _train_step(model, engine, ids: torch.Tensor) -> float:
+    engine.prepare_forward()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    engine.step()
+    return loss.item()
+
+
 def _full_masters(model, engine) -> dict[str, torch.Tensor]:
     """The engine's fp32 master values by parameter name, flat."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -114,14 +122,7 @@ def _run(rank, world, stage, opt_name, masters_bf16, offload, same_batch, nvme_p
                      offload_optimizer=offload, offload_kernel="user", grad_reduce="all_to_all", **nvme,
                      **(dict(unit_classes=["GPT2Block"]) if stage == 3 else {}))
     engine = ZeroEngine(model, opt, cfg, compute_dtype=BF16 if masters_bf16 else None)
-    losses = []
-    for step in range(STEPS):
-        ids = _batch(step if same_batch else 100 * step + rank)
-        engine.prepare_forward()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        engine.step()
-        losses.append(loss.item())
+    losses = [_train_step(model, engine, _batch(step if same_batch else 100 * step + rank)) for step in range(STEPS)]
     s = engine.sharded
     dtypes = {str(v.dtype) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0}
     out = dict(losses=losses, dtypes=dtypes, state_bytes=s.state_bytes(), master_bytes=s.master_bytes(),
@@ -230,14 +231,7 @@ def _resume(rank, world, path, stage, masters_bf16, saved_masters_bf16):
     ck.load_checkpoint_dir(path, model, engine)
     loaded = {str(v.dtype) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0}
     masters = _full_masters(model, engine)
-    losses = []
-    for step in range(2, STEPS):
-        ids = _batch(100 * step + rank)
-        engine.prepare_forward()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        engine.step()
-        losses.append(loss.item())
+    losses = [_train_step(model, engine, _batch(100 * step + rank)) for step in range(2, STEPS)]
     out = dict(losses=losses, params=_full_masters(model, engine), loaded=loaded, masters=masters,
                notices=[m for m in records if "converted on load" in m])
     engine.remove(hand_back=False)
@@ -254,12 +248,7 @@ def _run_mixed(rank, world, stage, masters_bf16, path):
     engine = ZeroEngine(model, opt, cfg, compute_dtype=BF16)
     losses = []
     for step in range(STEPS):
-        ids = _batch(100 * step + rank)
-        engine.prepare_forward()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        engine.step()
-        losses.append(loss.item())
+        losses.append(_train_step(model, engine, _batch(100 * step + rank)))
         if step == 1:
             saved = _full_masters(model, engine)
             ck.save_engine_checkpoint(path, model, engine, {"step": step})

@@ -1,4 +1,4 @@
-"""Flat communication buffers kept from one step to the next.
+"""Flat communication buffers reused within a backward or a step, none kept between them.
 
 [Note: kept communication buffers]
 Every step, each bucket needs the same transient flat buffers: the packed gradients its reduction reads,
@@ -7,8 +7,8 @@ the rows an all-to-all reduce-scatter receives, the rank-major buffer its publis
 fresh each time they are the engine's own allocations on the hot path (bench/allocations.py counted 7 a
 step at stages 1-2), and on a CPU rank a fresh buffer of a few MB costs its page faults again every step,
 which a reused one does not. DDP keeps its buckets for the whole run, and DeepSpeed keeps its reduction and
-all-gather buckets too. A :class:`BufferPool` keeps the last ``keep`` buffers given back and lends the
-smallest one that is large enough.
+all-gather buckets too. A :class:`BufferPool` keeps buffers given back while a backward or a step runs and
+lends the smallest one that is large enough.
 
 The rules that keep this exact:
 * A buffer is given back only where its last reader has finished: after the collective's ``wait()``, and
@@ -24,15 +24,19 @@ The rules that keep this exact:
   again) and a stage-3 model's units, which follow one another. When a backward or a step ends (``drop_free``:
   the reducer's end of backward, the engine's ``step()``) every free buffer is dropped: between them the pool
   holds nothing but buffers still lent (an overlapped publish in flight), so the model states sit at their
-  ZeRO floors, and the first use of each buffer in the next phase makes it anew. That trade is deliberate: a kept block spares a CPU rank the page
-  faults of a fresh one (about 1 ms a step on a bucket of tens of MB), and six kept blocks the size of the
-  largest bucket (a tied embedding: 65.8 MB on T5-small) cost 377 MiB a rank, which is what ZeRO exists to
-  save. Held bytes appear in ``memory_report().comm_buffers``, not in the model states.
+  ZeRO floors, and the first use of each buffer in the next phase makes it anew. Six kept blocks the size of
+  the largest bucket (a tied embedding: 65.8 MB on T5-small) cost 377 MiB a rank, which is what ZeRO exists
+  to save. A fresh block would page-fault again (+24% step time at stages 1-2 on T5-small); glibc is told to
+  keep freed blocks mapped for any later allocation instead ([Note: freed host memory kept mapped],
+  host_heap.py), which makes the step faster than with the kept blocks at a lower peak. Held bytes appear in
+  ``memory_report().comm_buffers``, not in the model states.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .host_heap import retain_freed_host_memory
 
 
 class BufferPool:
@@ -56,6 +60,7 @@ class BufferPool:
         if fits:  # by position: ``list.remove`` would compare tensors by value
             block = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         else:
+            retain_freed_host_memory()  # a fresh block does not page-fault ([Note: freed host memory kept mapped])
             block = torch.empty(need, dtype=torch.uint8)
             self.allocations += 1
         view = block[:need].view(dtype)
