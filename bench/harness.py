@@ -350,15 +350,21 @@ def parse_interleaved_args(doc: str, allowed, default_methods, steps: int, warmu
 
 def run_and_report(body, args, summarize, print_table) -> None:
     """Launch ``body`` on the ranks, print the table (plus wall time and machine), write --json."""
-    import json
     import time
 
     t0 = time.perf_counter()
     raw = launch(body, args)
     summary = summarize(raw, args)
-    lines = print_table(summary, args)
-    lines.append(f"wall time {time.perf_counter() - t0:.0f} s; {machine_line()}")
+    print_and_dump(print_table(summary, args), t0, args, {"summary": summary, "raw": raw})
+
+
+def print_and_dump(lines: list[str], t0: float, args, payload: dict) -> None:
+    """A bench's table printed with its wall time (since ``t0``) and machine; ``payload`` to ``--json``."""
+    import json
+    import time
+
+    lines = lines + [f"wall time {time.perf_counter() - t0:.0f} s; {machine_line()}"]
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "raw": raw}, f, indent=1)
+            json.dump({"args": vars(args), **payload}, f, indent=1)

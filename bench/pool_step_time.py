@@ -38,7 +38,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import build, launch, machine_line, run_rounds  # noqa: E402
+from harness import build, launch, print_and_dump, run_rounds  # noqa: E402
 from rounds_summary import cycle_ratio  # noqa: E402
 from seed_table import make_t5, t5_block_class, t5_config  # noqa: E402
 from lightning_zero.tools.tuning.harness import t5_batch  # noqa: E402
@@ -159,12 +159,7 @@ def main() -> None:
             print(f"  repetition {rep + 1}/{args.reps}: {tree} done", file=sys.stderr, flush=True)
     s = summarize(runs)
     numel = next(r["numel"] for r in runs["after"][0]["zero1"] if "numel" in r)
-    lines = print_table(s, args, numel)
-    lines.append(f"wall time {time.perf_counter() - t0:.0f} s; {machine_line()}")
-    print("\n".join(lines))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": s, "runs": runs}, f, indent=1)
+    print_and_dump(print_table(s, args, numel), t0, args, {"summary": s, "runs": runs})
 
 
 if __name__ == "__main__":

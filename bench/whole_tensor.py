@@ -57,7 +57,8 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import cycle_ratio, launch, loss_of, machine_line, make_batches, parse_interleaved_args  # noqa: E402
+from harness import (cycle_ratio, launch, loss_of, make_batches, parse_interleaved_args,  # noqa: E402
+                     print_and_dump)
 
 from lightning_zero import muon_split  # noqa: E402
 from lightning_zero.engine import ZeroConfig, ZeroEngine  # noqa: E402
@@ -342,8 +343,6 @@ def _extra_args(p) -> None:
 
 
 def main() -> None:
-    import json
-
     args = parse_interleaved_args(__doc__, ALL_METHODS, DEFAULT_METHODS, steps=8, warmup=2, rounds=4,
                                   extra=_extra_args)
     args.backend = "nccl" if args.device == "cuda" else "gloo"
@@ -353,12 +352,7 @@ def main() -> None:
     t0 = time.perf_counter()
     raw = launch(body, args, world_size=args.world_size, start_method="spawn" if args.device == "cuda" else "fork")
     summary = summarize(raw, args)
-    lines = table(summary, args)
-    lines.append(f"wall time {time.perf_counter() - t0:.0f} s; {machine_line()}")
-    print("\n".join(lines))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "summary": summary, "raw": raw}, f, indent=1)
+    print_and_dump(table(summary, args), t0, args, {"summary": summary, "raw": raw})
 
 
 if __name__ == "__main__":
