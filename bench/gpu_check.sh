@@ -11,8 +11,12 @@
 #      2 ranks with >= 2 GPUs, else one rank on one GPU (then no owner-step traffic, only its compute and copies)
 #   8. low-precision optimizer states (issue 45): the largest batch of t5-large under a 24 GB cap, zero3_bf16 and
 #      zero3_offload_bf16 with fp32 states vs bf16 moments vs bf16 moments + bf16 masters (bench/seed_table.py)
+#   9. checkpoint stalls (issue 46): how long training stands still per trainer.save_checkpoint, sync vs async_save
+#      (the state staged into pinned host memory, then written by a background thread), zero1/2/3/zero3_offload,
+#      t5-base from its config, Lightning Trainer on 1-2 GPUs (bench/checkpoint_stall.py --device cuda)
 # A timeout per part; parts 1-3 fit in 8 minutes, part 4 adds 3.5, part 5 ~1 on one GPU: ONLY=activations runs 1 and 4 alone,
-# ONLY=whole_tensor runs 1 and 7 alone, ONLY=low_precision 1 and 8 (one call of a 10-minute device budget each). Results -> "${OUT:-bench_out}/gpu_results.txt".
+# ONLY=whole_tensor runs 1 and 7 alone, ONLY=low_precision 1 and 8, ONLY=checkpoint_stall 1 and 9 (one call of a 10-minute
+# device budget each). Results -> "${OUT:-bench_out}/gpu_results.txt".
 # Models are built from T5Config (examples/t5_module.py presets): nothing is downloaded.
 # Usage (repo root):  bash bench/gpu_check.sh
 set -u
@@ -27,8 +31,9 @@ START=$(date +%s)
 log() { echo "$*" | tee -a "$RES"; }
 
 ONLY="${ONLY:-all}"   # all | activations (skips parts 2-3) | whole_tensor (skips parts 2-6) | low_precision (skips 2-7)
-case "$ONLY" in all|activations|whole_tensor|low_precision) ;;
-  *) log "!!! ONLY=$ONLY: allowed all, activations, whole_tensor, low_precision"; exit 2 ;; esac
+                      # | checkpoint_stall (skips 2-8)
+case "$ONLY" in all|activations|whole_tensor|low_precision|checkpoint_stall) ;;
+  *) log "!!! ONLY=$ONLY: allowed all, activations, whole_tensor, low_precision, checkpoint_stall"; exit 2 ;; esac
 
 # part <name> <timeout s> <command...>: run, tee stdout+stderr (warnings filtered) into the results file
 part() {
@@ -86,7 +91,7 @@ part "t5_3b dims, zero3_offload / zero2_offload (bf16), cap 24 GB" 180 \
     --train-samples 32 --eval-samples 32 --json "$OUTDIR/seed_table_t5_3b_offload.json"
 fi
 
-if [ "$ONLY" != whole_tensor ] && [ "$ONLY" != low_precision ]; then
+if [ "$ONLY" != whole_tensor ] && [ "$ONLY" != low_precision ] && [ "$ONLY" != checkpoint_stall ]; then
 # 4. t5-3b dims, checkpointing + activation offload on the offload presets: activations were what bounded
 #    the batch at the ZeRO floors (reference: DeepSpeed offload trains at 20, OOM at 30; target >= 2x of 3b).
 part "t5_3b dims, zero3_offload / zero2_offload + activation checkpointing + offload (bf16), cap 24 GB" 210 \
@@ -131,6 +136,19 @@ part "low-precision states: t5_large, 1 GPU, cap 24 GB, zero3_bf16 / zero3_offlo
     --methods zero3_bf16,zero3_bf16_bf16moments,zero3_bf16_bf16moments_bf16masters,zero3_offload_bf16,zero3_offload_bf16_bf16moments_bf16masters \
     --src-len 128 --tgt-len 128 --start-batch 8 --bisect-tol 0.1 --max-batch 512 \
     --train-samples 64 --eval-samples 64 --json "$OUTDIR/seed_table_t5_large_low_precision.json"
+fi
+
+# 9. checkpoint stalls (issue 46) on the GPU: the wall time trainer.save_checkpoint holds the training thread, sync
+#    (the directory written before the call returns) vs async_save=True (the call returns once the state is staged in
+#    pinned host memory; the DCP write runs in a background thread on its own gloo group), the step right after a save
+#    and the end-to-end cost per save, zero1 / zero2 / zero3 / zero3_offload, t5-base from its config (223 M params:
+#    ~2.7 GB per checkpoint, ~8 GB on disk at once per run), 1-2 GPU ranks over NCCL, one round (~5 min). Target:
+#    async stall <= 25% of sync. NOT RUN YET (no GPU was lent to the session that wrote it): off unless
+#    CHECKPOINT_STALL=1 or ONLY=checkpoint_stall.
+if [ "${CHECKPOINT_STALL:-0}" = 1 ] || [ "$ONLY" = checkpoint_stall ]; then
+part "checkpoint stalls: t5_base, sync vs async_save, zero1/2/3/zero3_offload (bench/checkpoint_stall.py)" 360 \
+  python bench/checkpoint_stall.py --device cuda --model t5_base --steps 8 --every 4 --rounds 1 \
+    --batch 8 --src-len 128 --tgt-len 128 --json "$OUTDIR/checkpoint_stall_gpu.json"
 fi
 
 log ""

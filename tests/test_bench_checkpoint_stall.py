@@ -55,7 +55,8 @@ def test_checkpoint_stall_bench_measures_every_row(tmp_path):
             assert 0 < row["stall_s"] <= row["stall_max_s"] == max(stalls)
             # every save was a complete directory, measured (the runs' directories are removed afterwards)
             assert all(r["saves"] == [f"step{i}" for i in range(EVERY, STEPS + 1, EVERY)] for r in reps)
-            assert row["ckpt_bytes"] > 0 and math.isfinite(row["overhead_per_save_s"])
+            assert row["ckpt_bytes"] > 0
+            assert math.isfinite(row["overhead_per_save_s"]) and math.isfinite(row["excess_per_save_s"])
             assert all(r["loop_s"] > sum(r["stalls_s"]) for r in reps)  # the loop holds its saves' stalls
     assert not list(tmp_path.glob("stall-*"))  # no checkpoint left behind
 
