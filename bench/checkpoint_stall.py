@@ -91,7 +91,9 @@ def run_body(rank: int, args) -> dict:
     from lightning_zero import ZeroStrategy
 
     cuda = args.device == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)  # a CUDA step ends when its kernels do
+    # a CUDA step ends when its kernels do; device work a save leaves queued (its staging copies) is counted in its
+    # stall, the conservative side: the next step's kernels would queue behind it
+    device_sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     class T5Module(LightningModule):
         def __init__(self) -> None:
@@ -118,16 +120,16 @@ def run_body(rank: int, args) -> dict:
             self.t_train = time.perf_counter()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            sync()
+            device_sync()
             self.t_step = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            sync()
+            device_sync()
             self.steps.append(time.perf_counter() - self.t_step)
             if args.mode != "none" and trainer.global_step % args.every == 0:
                 t0 = time.perf_counter()
                 trainer.save_checkpoint(os.path.join(args.ckpt_dir, f"step{trainer.global_step}"))
-                sync()
+                device_sync()
                 self.stalls.append(time.perf_counter() - t0)
             if trainer.global_step % args.every == 0:  # none: the same positions, the control
                 self.after_save.append(len(self.steps))
