@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroStrategy
@@ -83,6 +83,15 @@ def test_async_saves_equal_sync_saves_and_resume_exactly(tmp_path, stage):
     _same_run(resumed, sync, "resumed from a background save at step 3", resumed_at=3)
 
 
+class _Records(Callback):
+    """Each rank's writer records (the ranks are forked: the test reads them from files)."""
+
+    def on_train_end(self, trainer, pl_module):
+        records = trainer.strategy.checkpoints.saver.records
+        torch.save([(os.path.basename(r.path), r.staged_s) for r in records],
+                   os.path.join(pl_module.out, f"records_rank{trainer.global_rank}.pt"))
+
+
 def test_topk_and_last_see_only_complete_checkpoints(tmp_path):
     """save_top_k=1 removes the older checkpoint only after the newer one is complete; ``last`` (a copy and a
     link) names a complete directory at the end; the saves' records show what training waited for."""
@@ -92,14 +101,18 @@ def test_topk_and_last_see_only_complete_checkpoints(tmp_path):
                           save_last=True, every_n_train_steps=1)
     link = ModelCheckpoint(dirpath=tmp_path / "link", filename="{step}", monitor="step", mode="max", save_top_k=1,
                            save_last="link", every_n_train_steps=2)
-    _fit(out, "top_", strategy, callbacks=[top, link])
+    _fit(out, "top_", strategy, callbacks=[top, link, _Records()])
     assert sorted(os.listdir(tmp_path / "top")) == ["last.ckpt", "step=6.ckpt"]
     assert sorted(os.listdir(tmp_path / "link")) == ["last.ckpt", "step=6.ckpt"]
     assert os.readlink(tmp_path / "link" / "last.ckpt") == "step=6.ckpt"
     for d in ("top/last.ckpt", "top/step=6.ckpt", "link/step=6.ckpt"):
         assert ck.read_meta(tmp_path / d, trust_checkpoint=True)["global_step"] == 6
-    records = strategy.checkpoints.saver.records  # this process's (rank 0's, forked ranks report nothing back)
-    assert records == [] or all(r.written_s is not None and r.error is None for r in records)
+    # teardown's one line on rank 0: ModelCheckpoint "top" saved 6 + 6 (last), "link" 3 times
+    # each rank's saves as its writer recorded them: "top" saved 6 + 6 (last), "link" 3 times, every one staged
+    for r in range(2):
+        records = torch.load(tmp_path / f"records_rank{r}.pt")
+        assert len(records) == 15 and all(staged > 0 for _, staged in records)
+        assert sum(name == "last.ckpt" for name, _ in records) == 6
 
 
 def test_async_save_knob_is_checked():

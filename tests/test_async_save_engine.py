@@ -30,6 +30,9 @@ _LAYOUTS = {  # name -> (world size, ZeroConfig arguments)
     "zero2_offload": (2, dict(stage=2, offload_optimizer=True)),
     "zero3_offload": (2, dict(stage=3, offload_optimizer=True, offload_params=True, unit_classes=["fc1", "fc2"])),
     "hybrid_zero3": (4, dict(stage=3, shard_group_size=2, unit_classes=["fc1", "fc2"])),
+    # masters and moments in scratch files: what the save reads from them is staged like the rest
+    "zero3_nvme": (2, dict(stage=3, offload_optimizer="nvme", offload_params="nvme", nvme_path="{base}_nvme",
+                           unit_classes=["fc1", "fc2"])),
 }
 
 
@@ -39,6 +42,9 @@ def _engine(cfg: dict, seed: int = 0):
 
 
 def _background_equals_sync(rank, world_size, cfg, base):
+    cfg = {k: v.format(base=base) if k == "nvme_path" else v for k, v in cfg.items()}
+    if "nvme_path" in cfg:
+        os.makedirs(cfg["nvme_path"], exist_ok=True)
     model, engine = _engine(cfg)
     saver = AsyncCheckpointer()
     train(model, engine, rank, world_size, range(3))
@@ -142,3 +148,4 @@ def test_after_commit_runs_only_after_a_complete_save(tmp_path):
     with pytest.raises(ck.CheckpointWriteError, match="background checkpoint save of .*c.* failed"):
         saver.wait()
     assert ran == ["idle", True], "never after a failed save"
+    assert saver.summary().startswith("lightning_zero: 2 background checkpoint save(s); training stood still ")

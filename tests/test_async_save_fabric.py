@@ -91,3 +91,43 @@ def test_fabric_background_saves_resume_exactly_and_failures_surface(tmp_path, s
         assert r["g_only step"] == 2
         assert r["raised"] is not None and "background checkpoint save" in r["raised"], r["raised"]
     assert sorted(os.listdir(tmp_path)) == ["blocker", "both", "g_only"], "nothing of the failed save is visible"
+
+
+def _tp_job(rank, world_size, root):
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.tp_models import TokenRows, full_state, lm_loss, make_gpt, parallelize
+
+    def run(seed, resume):
+        strategy = ZeroFabricStrategy(stage=2, tensor_parallel_size=2, async_save=True,
+                                      parallelize_fn=lambda m, mesh: parallelize(m, mesh["tensor_parallel"]))
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+        fabric.launch()
+        model = fabric.setup_module(make_gpt(seed=seed))
+        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        state = {"model": model, "optimizer": opt, "step": 0}
+        if resume:
+            fabric.load(os.path.join(root, "tp.ckpt"), state)
+        batches = list(fabric.setup_dataloaders(DataLoader(TokenRows(), batch_size=4, shuffle=False)))
+        losses = []
+        for step in range(state["step"], 3):
+            fabric.backward(lm_loss(model, batches[step]))
+            opt.step()
+            opt.zero_grad()
+            if step == 1 and not resume:
+                fabric.save(os.path.join(root, "tp.ckpt"), {"model": model, "optimizer": opt, "step": 2})
+            losses.append(lm_loss(model, batches[step]).item())
+        final = full_state(model)
+        fabric.strategy.teardown()  # waits for the background write
+        return losses, final
+
+    uninterrupted = run(0, resume=False)
+    resumed = run(1, resume=True)
+    return uninterrupted, resumed
+
+
+def test_fabric_tensor_parallel_background_save_resumes_exactly(tmp_path):
+    for (losses, final), (resumed_losses, resumed_final) in run_forked(_tp_job, 4, str(tmp_path)):
+        assert resumed_losses == losses[2:]
+        for k, v in final.items():
+            assert torch.equal(resumed_final[k], v), k

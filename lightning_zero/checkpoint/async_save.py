@@ -176,6 +176,22 @@ class AsyncCheckpointer:
         """Wait for the save in flight (at most ``timeout`` seconds) and raise its failure."""
         self.wait(timeout)
 
+    def summary(self) -> Optional[str]:
+        """One line on what this writer's saves cost the training thread, and what ran in the background."""
+        if not self.records:
+            return None
+        waited = sum(r.waited_s for r in self.records)
+        staged = sum(r.staged_s for r in self.records)
+        written = [r.written_s for r in self.records if r.written_s is not None]
+        return (f"lightning_zero: {len(self.records)} background checkpoint save(s); training stood still "
+                f"{waited + staged:.2f} s for them ({staged:.2f} s staging {_mib(self.records[-1].bytes_staged)} "
+                f"per save, {waited:.2f} s waiting for an earlier save); the writes took {sum(written):.2f} s "
+                f"in the background.")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
 
 def _group():
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
 from ..checkpoint.async_save import AsyncCheckpointer
 from ..checkpoint.format import prepare_checkpoint, release_saved_state
 
@@ -51,6 +53,10 @@ def finish_saves(saver: Optional[AsyncCheckpointer], failed: bool) -> None:
         return
     if not failed:
         saver.close()
+        line = saver.summary()
+        if line is not None:
+            rank_zero_info(line)
+        saver.records.clear()  # the next run of this strategy counts its own
         return
     try:
         saver.close(FAILED_RUN_WAIT_S)
