@@ -47,6 +47,7 @@ from torch import nn
 from ..engine.comm.collectives import barrier as _barrier, rank as _rank
 from ..engine.config import STATE_DTYPE_KNOBS
 from . import integrity, tp_state as TS
+from .location import is_remote, remote_checkpoint_dir
 from .rank_local import RANKS_KEY, rank_local_entries
 from .trust import UntrustedCheckpointError  # noqa: F401  (raised by every load; part of this module's API)
 from .sharded_state import _canonical, _flat, _managed, per_rank, sharded_model_state, sharded_optimizer_state  # noqa: F401
@@ -85,6 +86,10 @@ def save_checkpoint_dir(
 def atomic_checkpoint_dir(path: _PathLike, barrier: Callable[[], None] = _barrier) -> Iterator[Path]:
     """The temporary ``path.zero-tmp`` every rank writes into, renamed to ``path`` once all are done (see
     the design note). Collective over the world."""
+    if is_remote(path):  # a URL: a local staging directory, uploaded ([Note: checkpoints at fsspec locations])
+        with remote_checkpoint_dir(path) as staged:
+            yield staged
+        return
     path = Path(path)
     tmp, old = path.with_name(path.name + _TMP), aside_path(path)
     if _rank() == 0:

@@ -24,6 +24,7 @@ from ..engine.optim.onebit import local_models as LM
 from ..checkpoint.format import (_IMPL_KEYS, _TMP, _remove, aside_path, check_optimizer_count, load_model_state,
                          load_optimizer_state, read_info, read_meta, save_checkpoint_dir,
                          sharded_model_state, sharded_optimizer_state)
+from ..checkpoint.location import is_remote, remove_remote_checkpoint
 from ..checkpoint.trust import trusted
 
 # -- Lightning glue ----------------------------------------------------------------------------------------------
@@ -95,6 +96,8 @@ class TrainerCheckpoints:
     def remove(filepath) -> None:
         """A directory, a file, or save_last="link"'s symlink (never its target), with what an interrupted save
         left of it (or the next save would rename those back)."""
+        if is_remote(filepath):
+            return remove_remote_checkpoint(filepath)
         path = Path(filepath)
         for p in (path, aside_path(path), path.with_name(path.name + _TMP)):
             _remove(p)

@@ -36,6 +36,7 @@ from ..checkpoint.format import (load_model_state, load_optimizer_state, read_in
                                  sharded_optimizer_state)
 from ..checkpoint.models_dir import (SavedModel, is_models_checkpoint, model_checkpoint, read_models_manifest,
                                      save_models_checkpoint)
+from ..checkpoint.location import fetch_checkpoint
 from ..checkpoint.trust import trusted
 from .compat import Stateful
 from .lightning_io import load_as_lightning_checkpoint
@@ -124,7 +125,8 @@ class FabricCheckpoints:
 
     # -- load -------------------------------------------------------------------------------------------
     def load(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None) -> dict:
-        path = resolve_checkpoint_dir(self.host.broadcast(str(path)))
+        # a URL: a local copy, one download per host ([Note: checkpoints at fsspec locations])
+        path = resolve_checkpoint_dir(fetch_checkpoint(self.host.broadcast(str(path)), collective=True))
         if not path.is_dir():
             return self._load_file(path, state, strict, weights_only)
         trust = trusted(self.trust_checkpoint, weights_only)
