@@ -274,8 +274,10 @@ def local_checkpoint_copy(path: _PathLike, collective: bool = False, group=None)
         yield local
     except BaseException as err:
         err.add_note(f"(read from a local copy of {as_url(path)!r})")
-        if mine:  # no collective here: the other ranks may not be leaving
+        if mine and collective and _multi(group):  # no collective here: the others on this host may still read
             _remove_at_exit(local)
+        elif mine:
+            shutil.rmtree(local.parent, ignore_errors=True)
         raise
     if collective and _multi(group):
         dist.barrier(group=group)  # the others on this host read the same copy
