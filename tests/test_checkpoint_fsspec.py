@@ -60,7 +60,8 @@ def test_urls_and_local_paths_are_told_apart():
 
 
 def _fit(out, tag, ckpt_path=None, callbacks=()):
-    Trainer(strategy=ZeroStrategy(stage=2), callbacks=list(callbacks), **trainer_kwargs(devices=1, **FIT)).fit(
+    Trainer(strategy=ZeroStrategy(stage=2), callbacks=list(callbacks), default_root_dir=out,
+            **trainer_kwargs(devices=1, **{**FIT, "enable_checkpointing": bool(callbacks)})).fit(
         TiedParityModule(out, tag=tag), ckpt_path=ckpt_path)
     return load_rank_files(out, tag, "train", 1)[0]
 

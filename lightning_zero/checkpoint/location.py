@@ -91,7 +91,8 @@ def is_remote(path: Any) -> bool:
 def _protocols() -> frozenset:
     import fsspec
 
-    return frozenset(p.lower() for p in fsspec.available_protocols())
+    # fsspec's known names and those registered at run time (a plugin's register_implementation)
+    return frozenset(p.lower() for p in [*fsspec.available_protocols(), *fsspec.registry])
 
 
 def _fs(url: str):
