@@ -225,3 +225,45 @@ def test_cli_export_and_missing_remote_checkpoint(tmp_path, mem, capsys):
     assert f"{url}/w.pt" in capsys.readouterr().out
     weights = torch.load(io.BytesIO(fs.cat(f"{root}/w.pt")))
     assert set(weights) == {k for k in _weights(model)}
+
+
+def _fabric_job(rank, world_size, url):
+    from lightning.fabric import Fabric
+
+    from lightning_zero import ZeroFabricStrategy
+    from tests.helpers.models import batch, loss_fn, make_model, make_optimizer
+
+    def setup(stage):
+        fabric = Fabric(strategy=ZeroFabricStrategy(stage=stage), accelerator="cpu", devices=1)
+        fabric.launch()
+        torch.manual_seed(0)
+        model = make_model()
+        return (fabric, *fabric.setup(model, make_optimizer(model, "adamw")))
+
+    def steps(fabric, model, opt, start):
+        losses = []
+        for step in range(start, start + 2):
+            loss = loss_fn(model, batch(step, rank, 0), False)
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    fabric, model, opt = setup(2)
+    steps(fabric, model, opt, 0)
+    fabric.save(url, {"model": model, "optimizer": opt, "step": 2})
+    uninterrupted = steps(fabric, model, opt, 2)
+    fabric.strategy.teardown()
+    fabric, model, opt = setup(3)  # resumed at another stage from the URL
+    state = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load(url, state)
+    return {"step": state["step"], "uninterrupted": uninterrupted, "resumed": steps(fabric, model, opt, 2),
+            "left": sorted(p.name for p in location.staging_root().glob("lightning_zero-save-*"))}
+
+
+def test_fabric_save_and_resume_at_a_url_continue_the_run_exactly(mem):
+    from tests.helpers.dist_utils import run_distributed
+
+    (res,) = run_distributed(_fabric_job, 1, f"{mem[0]}/fabric.ckpt")  # memory:// lives in that process
+    assert res["step"] == 2 and res["resumed"] == res["uninterrupted"] and not res["left"]
