@@ -253,12 +253,13 @@ def _fabric_job(rank, world_size, url):
     fabric, model, opt = setup(2)
     steps(fabric, model, opt, 0)
     fabric.save(url, {"model": model, "optimizer": opt, "step": 2})
+    at_url = fsspec.filesystem("memory").isfile(f"{url[len('memory://'):]}/{ck.INFO_FILE}")
     uninterrupted = steps(fabric, model, opt, 2)
     fabric.strategy.teardown()
     fabric, model, opt = setup(3)  # resumed at another stage from the URL
     state = {"model": model, "optimizer": opt, "step": 0}
     fabric.load(url, state)
-    return {"step": state["step"], "uninterrupted": uninterrupted, "resumed": steps(fabric, model, opt, 2),
+    return {"at_url": at_url, "step": state["step"], "uninterrupted": uninterrupted, "resumed": steps(fabric, model, opt, 2),
             "left": sorted(p.name for p in location.staging_root().glob("lightning_zero-save-*"))}
 
 
@@ -266,4 +267,5 @@ def test_fabric_save_and_resume_at_a_url_continue_the_run_exactly(mem):
     from tests.helpers.dist_utils import run_distributed
 
     (res,) = run_distributed(_fabric_job, 1, f"{mem[0]}/fabric.ckpt")  # memory:// lives in that process
+    assert res["at_url"], "written at the URL, not into a local folder named after it"
     assert res["step"] == 2 and res["resumed"] == res["uninterrupted"] and not res["left"]
