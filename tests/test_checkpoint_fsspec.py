@@ -269,3 +269,22 @@ def test_fabric_save_and_resume_at_a_url_continue_the_run_exactly(mem):
     (res,) = run_distributed(_fabric_job, 1, f"{mem[0]}/fabric.ckpt")  # memory:// lives in that process
     assert res["at_url"], "written at the URL, not into a local folder named after it"
     assert res["step"] == 2 and res["resumed"] == res["uninterrupted"] and not res["left"]
+
+
+def test_export_hf_from_a_url_to_a_url(tmp_path, mem):
+    transformers = pytest.importorskip("transformers")
+    from tests.helpers.gpt2_module import GPTModule, gpt2_config
+
+    url, fs, root = mem
+    trainer = Trainer(strategy=ZeroStrategy(stage=2), default_root_dir=tmp_path, callbacks=[
+        ModelCheckpoint(dirpath=f"{url}/ck", filename="{epoch}")], **trainer_kwargs(
+        devices=1, max_epochs=1, max_steps=-1, limit_train_batches=2, enable_checkpointing=True))
+    trainer.fit(GPTModule(gpt2_config().to_dict(), str(tmp_path)))
+    assert cli_main(["export", f"{url}/ck/epoch=0.ckpt", f"{url}/hf", "--hf", "--quiet"]) == 0
+    assert sorted(p.rpartition("/")[2] for p in fs.find(f"{root}/hf")) == ["config.json", "model.safetensors"]
+    fs.get(f"{root}/hf/", str(tmp_path / "hf"), recursive=True)
+    model, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert all(not v for v in info.values()), info
+    weights = torch.load(tmp_path / "weights_step2.pt")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, weights[f"model.{k}"]), k
