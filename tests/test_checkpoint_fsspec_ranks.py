@@ -76,7 +76,7 @@ def test_stage3_trainer_top_k_and_last_through_a_registered_protocol(tmp_path):
 
     # resumed through Lightning's "last" search of the URL directory, and from the URL named explicitly:
     # the same run bit for bit, on both ranks
-    from_url = _fit(out, "url_", 9, ckpt_path=f"{url}/step=6.ckpt")
+    from_url = _fit(out, "url_", 9, ckpt_path=f"file://{tmp_path}/ckpts/step=6.ckpt")  # a file:// URL too
     from_last = _fit(out, "last_", 9, ckpt_path="last", callbacks=[_callback(url)])  # replaces last.ckpt
     assert sorted(os.listdir(tmp_path / "ckpts")) == ["last.ckpt", "step=9.ckpt"]
     for a, b in zip(from_last, from_url):
@@ -113,10 +113,15 @@ def _failing_upload_job(rank, world_size, url):
         type(fs).put_file = real
     model2 = make_tied(5)
     engine2 = ZeroEngine(model2, make_optimizer(model2, "adamw"), ZeroConfig(stage=3))
-    meta = ck.load_checkpoint_dir(url, model2, engine2)
+    real_get, downloads = type(fs).get_file, []
+    type(fs).get_file = lambda self, rpath, *a, **kw: (downloads.append(rpath), real_get(self, rpath, *a, **kw))[1]
+    try:
+        meta = ck.load_checkpoint_dir(url, model2, engine2)
+    finally:
+        type(fs).get_file = real_get
     with engine2.gathered_params():
         same = all(torch.equal(v, model2.state_dict()[k]) for k, v in first.items())
-    return {"error": error, "step": meta["global_step"], "same": same}
+    return {"error": error, "step": meta["global_step"], "same": same, "downloads": len(downloads)}
 
 
 def test_a_rank_failing_mid_upload_is_raised_on_every_rank_and_the_previous_copy_loads(tmp_path):
@@ -127,3 +132,5 @@ def test_a_rank_failing_mid_upload_is_raised_on_every_rank_and_the_previous_copy
     assert not (tmp_path / "x.ckpt" / ck.INFO_FILE).exists(), "nothing of the failed save is visible"
     assert ck.is_checkpoint_dir(tmp_path / "x.zero-old.ckpt")
     assert all(r["step"] == 2 and r["same"] for r in res), res
+    # one download per host: the first rank fetched every file, the other read the same local copy
+    assert res[0]["downloads"] == len(os.listdir(tmp_path / "x.zero-old.ckpt")) and res[1]["downloads"] == 0

@@ -323,7 +323,7 @@ def _download(path: _PathLike, collective: bool, group) -> tuple[Path, bool]:
     elif err is not None:
         raise err
     if me == leader:
-        _log.info("Checkpoint %s read from its local copy %s", url, local)
+        _log.debug("Checkpoint %s read from its local copy %s", url, local)
     return local, me == leader
 
 
