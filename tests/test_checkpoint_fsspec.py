@@ -161,7 +161,7 @@ def test_interrupted_remote_save_keeps_the_previous_copy_and_nothing_half_visibl
     with pytest.raises(OSError, match="mid-upload"):
         ck.save_engine_checkpoint(f"{url}/x.ckpt", model, engine, {"global_step": 3})
     monkeypatch.undo()
-    assert not fs.exists(f"{root}/x.ckpt/{ck.INFO_FILE}"), "nothing of the failed save is visible"
+    assert not fs.exists(f"{root}/x.ckpt"), "nothing of the failed save is visible or left behind"
     assert fs.isfile(f"{root}/x.zero-old.ckpt/{ck.INFO_FILE}"), "the previous copy stays complete"
     m2, e2 = tied_engine(1)
     with pytest.warns(UserWarning, match="interrupted"):
@@ -288,3 +288,17 @@ def test_export_hf_from_a_url_to_a_url(tmp_path, mem):
     weights = torch.load(tmp_path / "weights_step2.pt")
     for k, v in model.state_dict().items():
         assert torch.equal(v, weights[f"model.{k}"]), k
+
+
+def test_full_format_file_at_a_url_saves_and_resumes(tmp_path, mem):
+    """checkpoint_format="full": Lightning's single file at the URL, read back through a local copy."""
+    url, fs, root = mem
+    out = str(tmp_path)
+    kw = dict(default_root_dir=out, **trainer_kwargs(devices=1, **{**FIT, "max_steps": 3}))
+    trainer = Trainer(strategy=ZeroStrategy(stage=2, checkpoint_format="full"), **kw)
+    trainer.fit(TiedParityModule(out, tag="a_"))
+    trainer.save_checkpoint(f"{url}/full.ckpt")
+    assert fs.isfile(f"{root}/full.ckpt")
+    kw = dict(default_root_dir=out, **trainer_kwargs(devices=1, **FIT))
+    Trainer(strategy=ZeroStrategy(stage=2), **kw).fit(TiedParityModule(out, tag="b_"), ckpt_path=f"{url}/full.ckpt")
+    assert load_rank_files(out, "b_", "train", 1)[0]["global_step"] == 6

@@ -212,10 +212,15 @@ def remote_checkpoint_dir(path: _PathLike, group=None) -> Iterator[Path]:
             yield stage
         except BaseException as err:  # noqa: BLE001 - joins the agreement so no rank waits on this one
             failed = err
-        _agree(group, failed, "writing its part locally", url)
-        _agree(group, _attempt(lambda: _make_room(fs, root)) if me == 0 else None, "preparing the remote", url)
-        _agree(group, _attempt(lambda: _upload(fs, root, stage, commit=False)), "uploading its files", url)
-        _agree(group, _attempt(lambda: _upload(fs, root, stage, commit=True)), "committing", url)
+        _agree(group, failed, "writing its part locally", url)  # until here the remote is untouched
+        try:
+            _agree(group, _attempt(lambda: _make_room(fs, root)) if me == 0 else None, "preparing the remote", url)
+            _agree(group, _attempt(lambda: _upload(fs, root, stage, commit=False)), "uploading its files", url)
+            _agree(group, _attempt(lambda: _upload(fs, root, stage, commit=True)), "committing", url)
+        except BaseException:
+            if me == 0:  # the new files without their json: never read, but not left for the next save either
+                _attempt(lambda: _remove_tree(fs, root))
+            raise
         if me == 0:  # the new copy is complete: the previous one is redundant
             if (err := _attempt(lambda: _remove_tree(fs, _aside(root)))) is not None:
                 warnings.warn(f"Checkpoint {url!r} is complete, but removing its previous copy failed ({err}); "
@@ -288,13 +293,10 @@ def local_checkpoint_copy(path: _PathLike, collective: bool = False, group=None)
 
 def fetch_checkpoint(path: _PathLike, collective: bool = False, group=None) -> Any:
     """:func:`local_checkpoint_copy` for a caller that reads later (the Trainer reads it in several hooks): the
-    local copy is kept until process exit. A local path, or a URL that is a file, is returned unchanged."""
-    url = as_url(path)
-    if url is None:
+    local copy (of a directory, or of a single-file checkpoint) is kept until process exit. A local path is
+    returned unchanged."""
+    if as_url(path) is None:
         return path
-    fs, root = _fs(url)
-    if fs.isfile(root):  # a single-file checkpoint: fsspec-aware readers (Lightning's) take the URL
-        return url
     local, mine = _download(path, collective, group)
     if mine:
         _remove_at_exit(local)
@@ -305,7 +307,7 @@ def _download(path: _PathLike, collective: bool, group) -> tuple[Path, bool]:
     """(the local copy, whether this rank made it and removes it)."""
     url = as_url(path)
     fs, root = _fs(url)
-    src = _resolve(fs, root, url)
+    src = root if fs.isfile(root) else _resolve(fs, root, url)  # a single-file checkpoint: that file
     host = f"{socket.gethostname()}:{staging_root()}"
     every = [(host, uuid.uuid4().hex)]
     me = 0
@@ -342,6 +344,9 @@ def _resolve(fs, root: str, url: str) -> str:
 
 
 def _get_tree(fs, src: str, local: Path) -> None:
+    if fs.isfile(src):
+        local.parent.mkdir(parents=True, exist_ok=True)
+        return fs.get_file(src, str(local))
     for rel in _files(fs, src):
         (local / rel).parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(_join(src, rel), str(local / rel))
