@@ -11,14 +11,19 @@ holds for a URL (a remote name is confined to the copy, too).
 
 Object stores have no atomic rename of a directory, so the remote commit marker is ``zero_checkpoint.json``:
 a remote directory without it is incomplete and never read, and it is written last, by the first rank, only
-after an agreement that every rank's upload succeeded (any rank's failure is raised on every rank, and no json
-is written). Replacing a complete ``X`` keeps a complete copy findable at every instant:
+after an agreement that every rank's upload succeeded (any rank's failure is raised on every rank, no json is
+written and the new files are removed). Replacing a complete ``X`` keeps a complete copy findable at every instant:
 ``X`` is copied to ``X.zero-old`` (:func:`~.files.aside_path`; its json copied last), ``X``'s json deleted
 first and then the rest, the new files uploaded, the new json last, then ``X.zero-old`` deleted. A reader
 that finds no json in ``X`` falls back to a complete ``X.zero-old`` (as ``files.resolve_checkpoint_dir`` does
 locally), and the next save keeps that copy until its own json is written. The replace is done after the
-local write succeeded, so a failing write leaves ``X`` untouched. Plain local paths never come here: they keep
-the atomic renames of ``format.py``.
+local write succeeded, so a failing write leaves ``X`` untouched. Why not upload into ``X.zero-tmp`` and copy it
+into place, as the local save renames: every save would pay a server-side copy of the whole checkpoint, while
+copying the previous ``X`` aside costs only when a name is replaced (``last.ckpt``; ModelCheckpoint's top-k
+names are new each time). Plain local paths never come here: they keep the atomic renames of ``format.py``.
+
+Loading, the first rank of each host (by hostname and staging directory) downloads and the others wait for
+the agreement: N ranks of a node cost one download and one node's disk holds one copy.
 
 ``pathlib.Path`` collapses ``//``, so a URL that went through it (``Path("s3://b/k")`` is ``s3:/b/k``) is
 recognized too, for a protocol fsspec knows (a drive letter is one letter, never a protocol).
