@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_zero  # noqa: F401  (wraps pl_load)
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroCheckpointIO, ZeroStrategy
 from lightning_zero import checkpoint as ck
 from lightning_zero.checkpoint import location
 from lightning_zero.tools.cli import main as cli_main
@@ -85,6 +85,14 @@ def test_trainer_save_resume_consolidate_round_trip_through_memory(tmp_path, mem
     assert resumed["losses"] == reference["losses"] and resumed["losses"][0] == full["losses"][3]
     for k, v in reference["params"].items():
         assert torch.equal(resumed["params"][k], v), k
+
+    # another strategy (one device, no ZeRO) resumes through ZeroCheckpointIO: from the URL as from local disk
+    plain = {}
+    for tag, path in (("io_url_", f"{url}/ckpts/epoch=0.ckpt"), ("io_ref_", str(tmp_path / "local" / "epoch=0.ckpt"))):
+        Trainer(plugins=[ZeroCheckpointIO()], default_root_dir=out, **trainer_kwargs(
+            devices=1, **{**FIT, "enable_checkpointing": False})).fit(TiedParityModule(out, tag=tag), ckpt_path=path)
+        plain[tag] = load_rank_files(out, tag, "train", 1)[0]
+    assert plain["io_url_"]["global_step"] == 6 and plain["io_url_"]["losses"] == plain["io_ref_"]["losses"]
 
     # consolidated from the URL, to a local file and to a URL: the final weights
     assert cli_main(["consolidate", f"{url}/ckpts/epoch=1.ckpt", str(tmp_path / "w.pt"), "--quiet"]) == 0
@@ -259,7 +267,8 @@ def _fabric_job(rank, world_size, url):
     fabric, model, opt = setup(3)  # resumed at another stage from the URL
     state = {"model": model, "optimizer": opt, "step": 0}
     fabric.load(url, state)
-    return {"at_url": at_url, "step": state["step"], "uninterrupted": uninterrupted, "resumed": steps(fabric, model, opt, 2),
+    return {"at_url": at_url, "step": state["step"], "uninterrupted": uninterrupted,
+            "resumed": steps(fabric, model, opt, 2),
             "left": sorted(p.name for p in location.staging_root().glob("lightning_zero-save-*"))}
 
 

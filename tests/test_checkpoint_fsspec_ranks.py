@@ -134,3 +134,31 @@ def test_a_rank_failing_mid_upload_is_raised_on_every_rank_and_the_previous_copy
     assert all(r["step"] == 2 and r["same"] for r in res), res
     # one download per host: the first rank fetched every file, the other read the same local copy
     assert res[0]["downloads"] == len(os.listdir(tmp_path / "x.zero-old.ckpt")) and res[1]["downloads"] == 0
+
+
+def _gan_job(rank, world_size, url):
+    from lightning_zero import ZeroFabricStrategy
+    from tests.test_fabric_multi import SAVE_AT, _setup_gan, _state, gan_loop
+
+    fabric, g, d, opt_g, opt_d = _setup_gan("zero2")
+    gan_loop(fabric, g, d, opt_g, opt_d, rank, SAVE_AT)
+    fabric.save(url, {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": SAVE_AT})
+    after = gan_loop(fabric, g, d, opt_g, opt_d, rank, 2, start=SAVE_AT)
+    uninterrupted = _state(fabric, g, d)
+    fabric.strategy.teardown()
+    fabric, g, d, opt_g, opt_d = _setup_gan(ZeroFabricStrategy(stage=3))
+    state = {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": 0}
+    fabric.load(url, state)
+    resumed = gan_loop(fabric, g, d, opt_g, opt_d, rank, 2, start=state["step"])
+    same = all(torch.equal(v, uninterrupted[k]) for k, v in _state(fabric, g, d).items())
+    fabric.strategy.teardown()
+    return {"after": after, "resumed": resumed, "same": same}
+
+
+def test_fabric_two_models_in_one_directory_at_a_file_url(tmp_path):
+    """fabric.save of a GAN (one directory holding a sharded directory per model, checkpoint/models_dir.py)
+    at a file:// URL from 2 ranks, loaded at stage 3: the run continues as the uninterrupted one."""
+    res = run_forked(_gan_job, 2, f"file://{tmp_path}/gan.ckpt")
+    assert sorted(os.listdir(tmp_path / "gan.ckpt" / "models")) == ["d", "g"]
+    for r in res:
+        assert r["resumed"] == r["after"] and r["same"]
