@@ -107,6 +107,12 @@ def test_trainer_save_resume_consolidate_round_trip_through_memory(tmp_path, mem
     for k, v in lit.state_dict().items():
         assert torch.equal(v.float(), full["params"][k]), k
     assert not [n for n in _no_local_copies_left() if "save" in n or "out" in n], "staging removed after upload"
+    # the Trainer's copies (read across its restore hooks) are kept until the next fetch: one at most
+    Trainer(strategy=ZeroStrategy(stage=2), default_root_dir=out, **trainer_kwargs(devices=1, limit_val_batches=1)
+            ).validate(TiedParityModule(out, tag="val_"), ckpt_path=f"{url}/ckpts/epoch=1.ckpt")
+    for k, v in load_rank_files(out, "val_", "val", 1)[0]["params"].items():
+        assert torch.equal(v, full["params"][k]), k
+    assert len([n for n in _no_local_copies_left() if "load" in n]) <= 1
 
 
 def _trained(steps=2, seed=0):

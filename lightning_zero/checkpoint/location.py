@@ -270,7 +270,8 @@ def is_remote_checkpoint(path: _PathLike) -> bool:
     return remote_source(path) is not None
 
 
-_FETCHED: list[Path] = []
+_FETCHED: list[Path] = []  # this process's downloads still in use
+_AT_EXIT = False
 
 
 @contextlib.contextmanager
@@ -280,7 +281,7 @@ def local_checkpoint_copy(path: _PathLike, collective: bool = False, group=None)
     if as_url(path) is None:
         yield path
         return
-    local, mine = _download(path, collective, group)
+    local, mine = _download(path, collective, group, before=_release_fetched)
     try:
         yield local
     except BaseException as err:
@@ -298,18 +299,18 @@ def local_checkpoint_copy(path: _PathLike, collective: bool = False, group=None)
 
 def fetch_checkpoint(path: _PathLike, collective: bool = False, group=None) -> Any:
     """:func:`local_checkpoint_copy` for a caller that reads later (the Trainer reads it in several hooks): the
-    local copy (of a directory, or of a single-file checkpoint) is kept until process exit. A local path is
-    returned unchanged."""
+    local copy (of a directory, or of a single-file checkpoint) is kept until the next fetch (every rank has
+    finished reading it by then: a new restore started) or process exit. A local path is returned unchanged."""
     if as_url(path) is None:
         return path
-    local, mine = _download(path, collective, group)
+    local, mine = _download(path, collective, group, before=_release_fetched)
     if mine:
         _remove_at_exit(local)
     return local
 
 
-def _download(path: _PathLike, collective: bool, group) -> tuple[Path, bool]:
-    """(the local copy, whether this rank made it and removes it)."""
+def _download(path: _PathLike, collective: bool, group, before=lambda: None) -> tuple[Path, bool]:
+    """(the local copy, whether this rank made it and removes it); ``before`` runs once every rank is here."""
     url = as_url(path)
     fs, root = _fs(url)
     src = root if fs.isfile(root) else _resolve(fs, root, url)  # a single-file checkpoint: that file
@@ -320,6 +321,7 @@ def _download(path: _PathLike, collective: bool, group) -> tuple[Path, bool]:
         me = dist.get_rank(group)
         every = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, (host, uuid.uuid4().hex), group=group)
+    before()
     leader = min(r for r, (h, _) in enumerate(every) if h == host)  # the first rank on this host downloads
     local = staging_root() / f"lightning_zero-load-{every[leader][1]}" / src.rstrip("/").rpartition("/")[2]
     err = _attempt(lambda: _get_tree(fs, src, local)) if me == leader else None
@@ -357,9 +359,15 @@ def _get_tree(fs, src: str, local: Path) -> None:
         fs.get_file(_join(src, rel), str(local / rel))
 
 
+def _release_fetched() -> None:
+    while _FETCHED:
+        shutil.rmtree(_FETCHED.pop().parent, ignore_errors=True)
+
+
 def _remove_at_exit(local: Path) -> None:
-    if not _FETCHED:
-        atexit.register(lambda: [shutil.rmtree(p.parent, ignore_errors=True) for p in _FETCHED])
+    global _AT_EXIT
+    if not _AT_EXIT:
+        _AT_EXIT = bool(atexit.register(_release_fetched))
     _FETCHED.append(local)
 
 
