@@ -20,9 +20,9 @@ from ..engine.config import STATE_DTYPE_KNOBS
 from ..engine.optim.kinds import per_rank_state
 from . import tp_state as TS, trust as TR
 from .files import check_state_entries, read_info, read_meta, resolve_checkpoint_dir
+from .local_copies import local_checkpoint_copy
 from .names import META_FILE
 from .names import optim_key as _optim_key
-from .location import local_checkpoint_copy
 from .rank_local import error_buffer_keys, restore_rank_local
 from .sharded_state import _canonical, _flat, _managed, per_rank
 from .trust import ConfinedReader, UntrustedCheckpointError, read_dcp_metadata

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..checkpoint.format import INFO_FILE
-from ..checkpoint.location import local_checkpoint_copy
+from ..checkpoint.local_copies import local_checkpoint_copy
 from .lightning_io import is_zero_checkpoint, load_as_lightning_checkpoint
 
 

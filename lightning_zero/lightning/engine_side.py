@@ -22,7 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..checkpoint.format import resolve_checkpoint_dir
-from ..checkpoint.location import fetch_checkpoint
+from ..checkpoint.local_copies import fetch_checkpoint
 from ..engine import ZeroEngine
 from ..engine.engine_state import EngineMode
 from ..engine.stage3.pretrained import load_pretrained, outermost_hf_model

@@ -26,7 +26,8 @@ import torch
 from ..checkpoint.files import META_FILE
 from ..checkpoint.format import INFO_FILE, aside_path, _dcp_load, _optim_key, is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir
 from ..checkpoint.consolidate import full_model_state
-from ..checkpoint.location import is_remote, is_remote_checkpoint, local_checkpoint_copy
+from ..checkpoint.local_copies import is_remote_checkpoint, local_checkpoint_copy
+from ..checkpoint.location import is_remote
 from ..checkpoint.trust import read_dcp_metadata, trusted
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..checkpoint.files import read_meta, resolve_checkpoint_dir
-from ..checkpoint.location import fetch_checkpoint
+from ..checkpoint.local_copies import fetch_checkpoint
 from ..checkpoint.pipeline_dir import load_pipeline_checkpoint, read_manifest, save_pipeline_checkpoint
 from ..checkpoint.trust import trusted
 

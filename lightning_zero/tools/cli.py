@@ -72,9 +72,9 @@ def _consolidate_pipeline(args: argparse.Namespace, dtype) -> int:
 def _at_locations(command, out: str):
     """``command`` reading ``args.ckpt_dir`` and writing ``args.<out>``, either of them an fsspec URL (``s3://``,
     ``file://``, ...): the checkpoint read from a local copy, the output written locally and uploaded when
-    complete (checkpoint/location.py); ``args.shown_out`` is what the user named."""
+    complete (checkpoint/local_copies.py); ``args.shown_out`` is what the user named."""
     def run(args: argparse.Namespace) -> int:
-        from ..checkpoint.location import local_checkpoint_copy, local_output
+        from ..checkpoint.local_copies import local_checkpoint_copy, local_output
 
         args.shown_out = getattr(args, out)
         with local_checkpoint_copy(args.ckpt_dir) as src, local_output(args.shown_out) as dst:
