@@ -162,3 +162,25 @@ def test_fabric_two_models_in_one_directory_at_a_file_url(tmp_path):
     assert sorted(os.listdir(tmp_path / "gan.ckpt" / "models")) == ["d", "g"]
     for r in res:
         assert r["resumed"] == r["after"] and r["same"]
+
+
+def _pipeline_job(rank, world_size, url):
+    from lightning_zero.checkpoint.pipeline_dir import load_pipeline_checkpoint, save_pipeline_checkpoint
+    from tests.helpers.pipeline_gpt2 import CALLS, make_pipeline
+    from tests.test_pipeline_checkpoint import SAVED_AT, _run
+
+    pipe = make_pipeline(2, 1, "1f1b")  # ZeRO-1, P2 x DP1
+    _run(pipe, range(SAVED_AT))
+    save_pipeline_checkpoint(pipe, url)
+    uninterrupted = _run(pipe, range(SAVED_AT, CALLS))
+    resumed = make_pipeline(2, 2, "1f1b")  # the same shape at ZeRO-2, from the URL
+    load_pipeline_checkpoint(resumed, url)
+    return {"uninterrupted": uninterrupted, "resumed": _run(resumed, range(SAVED_AT, CALLS))}
+
+
+def test_pipeline_checkpoint_at_a_file_url_resumes(tmp_path):
+    """A pipeline checkpoint (a sharded directory per stage, each written by another rank) at a file:// URL."""
+    res = run_forked(_pipeline_job, 2, f"file://{tmp_path}/pipe")
+    assert ck.is_checkpoint_dir(tmp_path / "pipe")
+    for r in res:
+        assert r["resumed"] == r["uninterrupted"]
