@@ -34,9 +34,9 @@ from ..checkpoint.files import META_FILE
 from ..checkpoint.format import (load_model_state, load_optimizer_state, read_info, read_meta,
                                  resolve_checkpoint_dir, save_checkpoint_dir, sharded_model_state,
                                  sharded_optimizer_state)
+from ..checkpoint.local_copies import fetch_checkpoint
 from ..checkpoint.models_dir import (SavedModel, is_models_checkpoint, model_checkpoint, read_models_manifest,
                                      save_models_checkpoint)
-from ..checkpoint.local_copies import fetch_checkpoint
 from ..checkpoint.trust import trusted
 from .compat import Stateful
 from .lightning_io import load_as_lightning_checkpoint
