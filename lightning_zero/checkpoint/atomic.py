@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..engine.comm.collectives import barrier as _barrier, rank as _rank, world_size
 from .files import _TMP, _remove, aside_path, swap_dirs, tidy_checkpoint_dir
+from .location import is_remote, remote_checkpoint_dir
 
 _PathLike = Union[str, os.PathLike]
 
@@ -76,6 +77,10 @@ def atomic_checkpoint_dir(path: _PathLike, barrier: Optional[Callable[[], None]]
     """The temporary ``path.zero-tmp`` every rank of ``group`` (default: the world) writes into, renamed to
     ``path`` once all are done. ``barrier``: how those ranks wait for each other (default: a barrier over
     ``group``)."""
+    if is_remote(path):  # a URL: a local staging directory, uploaded ([Note: checkpoints at fsspec locations])
+        with remote_checkpoint_dir(path, group) as staged:
+            yield staged
+        return
     path = Path(path)
     tmp, old = path.with_name(path.name + _TMP), aside_path(path)
     wait = barrier if barrier is not None else (lambda: _barrier(group))
