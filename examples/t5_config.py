@@ -52,6 +52,8 @@ class StrategyConf:
     reshard_after_forward: bool = True  # stage 3: false keeps each unit gathered from its forward to its backward
     order_check: str = "strict"  # strict | always | off
     checkpoint_format: str = "sharded"  # sharded (DCP directory) | full (one file)
+    # sharded checkpoints written by a background thread: training stops only to copy the rank's share to host memory
+    async_save: bool = False
     # recompute these modules' forward in backward: null | auto (the unit policy's blocks: T5Block) | [T5Block, ...]
     activation_checkpointing: Any = None
     offload_activations: bool = False  # saved activations in (pinned) host memory between forward and backward

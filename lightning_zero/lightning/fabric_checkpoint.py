@@ -34,9 +34,11 @@ from ..checkpoint.files import META_FILE
 from ..checkpoint.format import (load_model_state, load_optimizer_state, read_info, read_meta,
                                  resolve_checkpoint_dir, save_checkpoint_dir, sharded_model_state,
                                  sharded_optimizer_state)
+from ..checkpoint.local_copies import fetch_checkpoint
 from ..checkpoint.models_dir import (SavedModel, is_models_checkpoint, model_checkpoint, read_models_manifest,
                                      save_models_checkpoint)
 from ..checkpoint.trust import trusted
+from .async_saves import async_saver, save_in_background
 from .compat import Stateful
 from .lightning_io import load_as_lightning_checkpoint
 from .precision import ZeroPrecision
@@ -50,9 +52,10 @@ class FabricCheckpoints:
     ``_model_of(module)`` (the set-up model holding a module), ``precision`` (its ``engine_for(optimizer)`` and
     state), ``broadcast`` / ``barrier`` and ``checkpoint_io`` (single files); nothing else is read from it."""
 
-    def __init__(self, host: Any, trust_checkpoint: bool) -> None:
+    def __init__(self, host: Any, trust_checkpoint: bool, async_save: bool = False) -> None:
         self.host = host
         self.trust_checkpoint = trust_checkpoint  # the strategy's knob (docs/security.md)
+        self.saver = async_saver(async_save)  # None: every save written before fabric.save returns
 
     def _split_state(self, state: dict) -> tuple[list[tuple[str, Module]], list[tuple[str, Optimizer]], dict]:
         modules = [(k, v) for k, v in state.items() if isinstance(v, Module)]
@@ -91,15 +94,22 @@ class FabricCheckpoints:
             meta[_PRECISION_KEY] = self.host.precision.state_dict()
             added.append(_PRECISION_KEY)
         path = Path(self.host.broadcast(str(path)))
+        saver = self.saver
+        if saver is not None and not any(m.engine is not None for m in saved):
+            saver.wait()  # nothing set up (no later step to report a failure at): written now, as a sync save
+            saver = None
         if len(saved) > 1:  # one directory per model inside one atomic directory (checkpoint/models_dir.py)
             meta[_FABRIC_KEY] = {"added": added}
-            save_models_checkpoint(path, saved, meta, barrier=self.host.barrier)
+            save_models_checkpoint(path, saved, meta, barrier=self.host.barrier, saver=saver)
             return
         (one,) = saved  # one model: the Trainer's own directory, as before
         meta[_FABRIC_KEY] = {"module": one.key, "optimizers": [k for k, _ in one.optimizers], "added": added}
         opt_states = [sharded_optimizer_state(one.engine, opt) for _, opt in one.optimizers] or None
-        save_checkpoint_dir(path, sharded_model_state(one.module, one.engine), one.module, one.engine,
-                            opt_states, meta, barrier=self.host.barrier)
+        model_state = sharded_model_state(one.module, one.engine)
+        if saver is not None:
+            save_in_background(saver, path, model_state, one.module, one.engine, opt_states, meta)
+        else:
+            save_checkpoint_dir(path, model_state, one.module, one.engine, opt_states, meta, barrier=self.host.barrier)
 
     def _saved_models(self, modules, optimizers) -> list[SavedModel]:
         """Each model of the state with its optimizers (all of them, in the engine's order, or none)."""
@@ -124,7 +134,8 @@ class FabricCheckpoints:
 
     # -- load -------------------------------------------------------------------------------------------
     def load(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None) -> dict:
-        path = resolve_checkpoint_dir(self.host.broadcast(str(path)))
+        # a URL: a local copy, one download per host ([Note: checkpoints at fsspec locations])
+        path = resolve_checkpoint_dir(fetch_checkpoint(self.host.broadcast(str(path)), collective=True))
         if not path.is_dir():
             return self._load_file(path, state, strict, weights_only)
         trust = trusted(self.trust_checkpoint, weights_only)
