@@ -183,13 +183,6 @@ def plain_steps(run: dict) -> list[float]:
     return [t for i, t in enumerate(run["steps_s"]) if i >= SKIP_STEPS and i not in marks]
 
 
-def residual(run: dict, steps: int) -> float:
-    """The run's loop time beyond ``steps`` steps at its own median plain step: its saves, the steps they slowed
-    and Lightning's per-step hooks. Against the same round's ``none`` residual it is the cost of the saves, even
-    when the machine's load differs between the two runs (which moves the loop times themselves)."""
-    return run["loop_s"] - steps * med(plain_steps(run))
-
-
 def summarize(runs: dict, args) -> dict:
     """Per method and mode: medians over all rounds (stalls and steps pooled; overheads paired per round)."""
     out: dict[str, dict] = {}
@@ -209,12 +202,11 @@ def summarize(runs: dict, args) -> dict:
             pairs = [(r, b) for r, b in zip(reps, runs[m].get("none", []))
                      if mode != "none" and "error" not in r and "error" not in b]
             overheads = [(r["loop_s"] - b["loop_s"]) / n_saves for r, b in pairs]
-            excess = [(residual(r, args.steps) - residual(b, args.steps)) / n_saves for r, b in pairs]
             stalls = [s for r in ok for s in r["stalls_s"]]
             out[m][mode] = {
                 "stall_s": med(stalls), "stall_max_s": max(stalls) if stalls else float("nan"),
                 "step_s": med(plain), "step_after_save_s": med(after), "loop_s": med([r["loop_s"] for r in ok]),
-                "overhead_per_save_s": med(overheads), "excess_per_save_s": med(excess), "ckpt_bytes": ok[-1].get("ckpt_bytes", 0),
+                "overhead_per_save_s": med(overheads), "ckpt_bytes": ok[-1].get("ckpt_bytes", 0),
                 "peak_rss": int(med([r["peak_rss"] for r in ok])), "rounds": len(ok), "saves": len(stalls),
             }
         s, a = out[m].get("sync", {}), out[m].get("async", {})
@@ -231,11 +223,10 @@ def fmt_row(m: str, mode: str, r: dict) -> str:
     saving = mode != "none"
     return (f"| {m} | {mode} | {ms(r['stall_s']) if saving else '-'} | {ms(r['stall_max_s']) if saving else '-'} "
             f"| {ms(r['step_s'])} | {ms(r['step_after_save_s'])} | {r['loop_s']:.1f} "
-            f"| {r['overhead_per_save_s']:.2f} | {r['excess_per_save_s']:.2f} | {mib(r['ckpt_bytes'])} "
-            f"| {mib(r['peak_rss'])} |"
+            f"| {r['overhead_per_save_s']:.2f} | {mib(r['ckpt_bytes'])} | {mib(r['peak_rss'])} |"
             if saving else
             f"| {m} | {mode} | - | - | {ms(r['step_s'])} | {ms(r['step_after_save_s'])} | {r['loop_s']:.1f} "
-            f"| - | - | - | {mib(r['peak_rss'])} |")
+            f"| - | - | {mib(r['peak_rss'])} |")
 
 
 def print_table(s: dict, args) -> list[str]:
@@ -247,12 +238,11 @@ def print_table(s: dict, args) -> list[str]:
         f"{args.every} steps ({n_saves} saves); {args.rounds} interleaved rounds, each run in fresh processes",
         "stall = trainer.save_checkpoint wall time on the training thread; step = a step away from saves | the step "
         "right after a save (none: same positions); loop = on_train_start -> fit returned; overhead = (loop - the "
-        "round's none loop) / saves; excess = the same on loop - steps x the run's own median step (robust to load "
-        "changing between runs); ckpt = one checkpoint directory; peak RSS = rank 0's VmHWM",
+        "round's none loop) / saves; ckpt = one checkpoint directory; peak RSS = rank 0's VmHWM",
         "",
         "| method | saves | stall ms median | stall ms max | step ms | step after save ms | loop s | overhead s/save "
-        "| excess s/save | ckpt MiB | peak RSS rank 0 MiB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ckpt MiB | peak RSS rank 0 MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in args.methods:
         lines += [fmt_row(m, mode, s[m][mode]) for mode in args.modes]

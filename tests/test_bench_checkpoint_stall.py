@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("zero1", "zero3_offload")
-MODES = ("none", "sync")
+MODES = ("none", "sync", "async")
 STEPS, EVERY, ROUNDS = 4, 2, 2
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 
@@ -56,7 +56,7 @@ def test_checkpoint_stall_bench_measures_every_row(tmp_path):
             # every save was a complete directory, measured (the runs' directories are removed afterwards)
             assert all(r["saves"] == [f"step{i}" for i in range(EVERY, STEPS + 1, EVERY)] for r in reps)
             assert row["ckpt_bytes"] > 0
-            assert math.isfinite(row["overhead_per_save_s"]) and math.isfinite(row["excess_per_save_s"])
+            assert math.isfinite(row["overhead_per_save_s"])
             assert all(r["loop_s"] > sum(r["stalls_s"]) for r in reps)  # the loop holds its saves' stalls
     assert not list(tmp_path.glob("stall-*"))  # no checkpoint left behind
 
