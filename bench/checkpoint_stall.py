@@ -114,6 +114,7 @@ def run_body(rank: int, args) -> dict:
             self.steps: list[float] = []
             self.stalls: list[float] = []
             self.after_save: list[int] = []  # indices (into steps) of the steps right after a save
+            self.records: list = []  # async: the saver's record of each save (kept: teardown clears its list)
             self.t_train = self.t_step = 0.0
 
         def on_train_start(self, trainer, pl_module) -> None:
@@ -131,11 +132,15 @@ def run_body(rank: int, args) -> dict:
                 trainer.save_checkpoint(os.path.join(args.ckpt_dir, f"step{trainer.global_step}"))
                 device_sync()
                 self.stalls.append(time.perf_counter() - t0)
+                saver = getattr(getattr(trainer.strategy, "checkpoints", None), "saver", None)
+                if saver is not None and saver.records:
+                    self.records.append(saver.records[-1])
             if trainer.global_step % args.every == 0:  # none: the same positions, the control
                 self.after_save.append(len(self.steps))
 
     world = dist.get_world_size()
-    data = [{k: v[0] for k, v in t5_batch(args, 0, i, 1, "cpu").items()} for i in range(args.steps * args.batch * world)]
+    data = [{k: v[0] for k, v in t5_batch(args, 0, i, 1, "cpu").items()}
+            for i in range(args.steps * args.batch * world)]
     timer = SaveTimer()
     trainer = Trainer(strategy=ZeroStrategy(**strategy_kwargs(args.method, args.mode)),
                       accelerator="gpu" if cuda else "cpu", devices=world, max_steps=args.steps, callbacks=[timer],
@@ -145,10 +150,18 @@ def run_body(rank: int, args) -> dict:
     loop_s = time.perf_counter() - timer.t_train  # teardown joined an async write still in flight
     if len(timer.steps) != args.steps:
         raise RuntimeError(f"{len(timer.steps)} steps timed, {args.steps} asked")
-    times = torch.tensor(timer.steps + timer.stalls + [loop_s], dtype=torch.float64)
+    if args.mode == "async" and len(timer.records) != len(timer.stalls):
+        raise RuntimeError(f"{len(timer.stalls)} async saves, {len(timer.records)} recorded by the strategy's saver")
+    if any(r.written_s is None for r in timer.records):
+        raise RuntimeError("fit returned with an async write not finished")
+    # async: of each stall, the wait for the previous save; and each write's time in the background
+    saver_times = [r.waited_s for r in timer.records] + [r.written_s for r in timer.records]
+    times = torch.tensor(timer.steps + timer.stalls + saver_times + [loop_s], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # a step or a save stands still until the slower rank is done
     times = times.tolist()
-    out = {"steps_s": times[:args.steps], "stalls_s": times[args.steps:-1], "loop_s": times[-1],
+    n, k = args.steps, len(timer.stalls)
+    out = {"steps_s": times[:n], "stalls_s": times[n:n + k], "loop_s": times[-1],
+           "waited_s": times[n + k:n + k + len(timer.records)], "written_s": times[n + k + len(timer.records):-1],
            "after_save": [i for i in timer.after_save if i < args.steps], "peak_rss": peak_rss_bytes()}
     saved = sorted(os.listdir(args.ckpt_dir)) if rank == 0 else []
     if rank == 0 and args.mode != "none":
@@ -206,7 +219,8 @@ def summarize(runs: dict, args) -> dict:
             out[m][mode] = {
                 "stall_s": med(stalls), "stall_max_s": max(stalls) if stalls else float("nan"),
                 "step_s": med(plain), "step_after_save_s": med(after), "loop_s": med([r["loop_s"] for r in ok]),
-                "overhead_per_save_s": med(overheads), "ckpt_bytes": ok[-1].get("ckpt_bytes", 0),
+                "overhead_per_save_s": med(overheads), "waited_s": med([w for r in ok for w in r["waited_s"]]),
+                "written_s": med([w for r in ok for w in r["written_s"]]), "ckpt_bytes": ok[-1].get("ckpt_bytes", 0),
                 "peak_rss": int(med([r["peak_rss"] for r in ok])), "rounds": len(ok), "saves": len(stalls),
             }
         s, a = out[m].get("sync", {}), out[m].get("async", {})
@@ -220,13 +234,13 @@ def fmt_row(m: str, mode: str, r: dict) -> str:
         return f"| {m} | {mode} | FAILED: {r['error']} |"
     ms = lambda s: f"{s * 1e3:.0f}"  # noqa: E731
     mib = lambda b: f"{b / 2**20:.0f}" if b else "-"  # noqa: E731
-    saving = mode != "none"
-    return (f"| {m} | {mode} | {ms(r['stall_s']) if saving else '-'} | {ms(r['stall_max_s']) if saving else '-'} "
-            f"| {ms(r['step_s'])} | {ms(r['step_after_save_s'])} | {r['loop_s']:.1f} "
-            f"| {r['overhead_per_save_s']:.2f} | {mib(r['ckpt_bytes'])} | {mib(r['peak_rss'])} |"
-            if saving else
-            f"| {m} | {mode} | - | - | {ms(r['step_s'])} | {ms(r['step_after_save_s'])} | {r['loop_s']:.1f} "
-            f"| - | - | {mib(r['peak_rss'])} |")
+    if mode == "none":
+        return (f"| {m} | {mode} | - | - | - | - | {ms(r['step_s'])} | {ms(r['step_after_save_s'])} "
+                f"| {r['loop_s']:.1f} | - | - | {mib(r['peak_rss'])} |")
+    bg = lambda key, f: f(r[key]) if mode == "async" else "-"  # noqa: E731 -- the saver's records: async only
+    return (f"| {m} | {mode} | {ms(r['stall_s'])} | {ms(r['stall_max_s'])} | {bg('waited_s', ms)} "
+            f"| {bg('written_s', lambda x: f'{x:.1f}')} | {ms(r['step_s'])} | {ms(r['step_after_save_s'])} "
+            f"| {r['loop_s']:.1f} | {r['overhead_per_save_s']:.2f} | {mib(r['ckpt_bytes'])} | {mib(r['peak_rss'])} |")
 
 
 def print_table(s: dict, args) -> list[str]:
@@ -236,13 +250,14 @@ def print_table(s: dict, args) -> list[str]:
         f"{'NCCL' if args.device == 'cuda' else 'gloo, 1 thread each'}; batch {args.batch}/rank, src {args.src_len} "
         f"/ tgt {args.tgt_len}; Trainer.fit of {args.steps} steps, trainer.save_checkpoint every "
         f"{args.every} steps ({n_saves} saves); {args.rounds} interleaved rounds, each run in fresh processes",
-        "stall = trainer.save_checkpoint wall time on the training thread; step = a step away from saves | the step "
-        "right after a save (none: same positions); loop = on_train_start -> fit returned; overhead = (loop - the "
+        "stall = trainer.save_checkpoint wall time on the training thread (async: of which waited for the previous "
+        "save; write = the background write's time, from the strategy's saver records); step = a step away from "
+        "saves | the step right after a save (none: same positions); loop = on_train_start -> fit returned; overhead = (loop - the "
         "round's none loop) / saves; ckpt = one checkpoint directory; peak RSS = rank 0's VmHWM",
         "",
-        "| method | saves | stall ms median | stall ms max | step ms | step after save ms | loop s | overhead s/save "
-        "| ckpt MiB | peak RSS rank 0 MiB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | saves | stall ms median | stall ms max | of which waited ms | write s (background) | step ms "
+        "| step after save ms | loop s | overhead s/save | ckpt MiB | peak RSS rank 0 MiB |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in args.methods:
         lines += [fmt_row(m, mode, s[m][mode]) for mode in args.modes]
