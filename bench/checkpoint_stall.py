@@ -32,7 +32,7 @@ stall <= 25% of sync.
 
 Run::
 
-    python bench/checkpoint_stall.py                      # T5-small, 3 rounds, ~40 minutes on 2 loaded cores
+    python bench/checkpoint_stall.py                      # T5-small, 3 rounds, ~15 minutes on 2 cores at load 3-6
     python bench/checkpoint_stall.py --model t5_tiny --steps 4 --every 2 --rounds 1 --methods zero1,zero3
     python bench/checkpoint_stall.py --device cuda        # pinned staging; bench/gpu_check.sh part 9
 """

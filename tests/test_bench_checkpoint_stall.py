@@ -1,7 +1,7 @@
 """bench/checkpoint_stall.py in its tiniest setting, run as a user types it: every (method, mode) row of the table
-is filled from measurements (the save stalls, steps, loops and peak RSS vary from save to save and run to run; no
-figure is a constant), the checkpoints were really written, and a wrong mode is one clear error before any rank
-starts."""
+is filled from measurements (the save stalls, steps, loops, background writes and peak RSS vary from save to save
+and run to run; no figure is a constant), the checkpoints were really written, and a wrong mode is one clear error
+before any rank starts."""
 
 import json
 import math
@@ -53,6 +53,13 @@ def test_checkpoint_stall_bench_measures_every_row(tmp_path):
             stalls = [x for r in reps for x in r["stalls_s"]]
             assert len(stalls) == row["saves"] == saves * ROUNDS and len(set(stalls)) == len(stalls), stalls
             assert 0 < row["stall_s"] <= row["stall_max_s"] == max(stalls)
+            # async: the strategy's saver recorded each save's wait and its write in the background; sync: none
+            for key in ("waited_s", "written_s"):
+                got = [x for r in reps for x in r[key]]
+                assert len(got) == (len(stalls) if mode == "async" else 0), (mode, key, got)
+            if mode == "async":
+                assert all(0 <= w <= s for r in reps for w, s in zip(r["waited_s"], r["stalls_s"]))
+                assert len(set(r["written_s"][0] for r in reps)) == ROUNDS and row["written_s"] > 0
             # every save was a complete directory, measured (the runs' directories are removed afterwards)
             assert all(r["saves"] == [f"step{i}" for i in range(EVERY, STEPS + 1, EVERY)] for r in reps)
             assert row["ckpt_bytes"] > 0
