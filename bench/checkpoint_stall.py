@@ -252,8 +252,8 @@ def print_table(s: dict, args) -> list[str]:
         f"{args.every} steps ({n_saves} saves); {args.rounds} interleaved rounds, each run in fresh processes",
         "stall = trainer.save_checkpoint wall time on the training thread (async: of which waited for the previous "
         "save; write = the background write's time, from the strategy's saver records); step = a step away from "
-        "saves | the step right after a save (none: same positions); loop = on_train_start -> fit returned; overhead = (loop - the "
-        "round's none loop) / saves; ckpt = one checkpoint directory; peak RSS = rank 0's VmHWM",
+        "saves | the step right after a save (none: same positions); loop = on_train_start -> fit returned; "
+        "overhead = (loop - the round's none loop) / saves; ckpt = one checkpoint directory; peak RSS = rank 0's VmHWM",
         "",
         "| method | saves | stall ms median | stall ms max | of which waited ms | write s (background) | step ms "
         "| step after save ms | loop s | overhead s/save | ckpt MiB | peak RSS rank 0 MiB |",
@@ -282,7 +282,8 @@ def check_modes(args) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="t5_small", help="preset of lightning_zero/tools/t5_dims.T5_PRESETS")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list from {','.join(METHODS)}")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
