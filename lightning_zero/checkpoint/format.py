@@ -46,7 +46,7 @@ from torch import nn
 
 from ..engine.comm.collectives import barrier as _barrier, rank as _rank
 from ..engine.config import STATE_DTYPE_KNOBS
-from . import integrity, tp_state as TS
+from . import integrity, tp_state as TS, trainable_only as TO
 from .rank_local import RANKS_KEY, rank_local_entries
 from .trust import UntrustedCheckpointError  # noqa: F401  (raised by every load; part of this module's API)
 from .sharded_state import _canonical, _flat, _managed, per_rank, sharded_model_state, sharded_optimizer_state  # noqa: F401
@@ -117,6 +117,7 @@ def write_checkpoint_files(directory: Path, model_state: Mapping[str, torch.Tens
     """The DCP tensors, ``meta.pt`` and ``zero_checkpoint.json`` of one checkpoint into ``directory`` (not
     atomic by itself: inside :func:`atomic_checkpoint_dir`). Collective over ``process_group`` (default:
     the world), whose ranks hold the shards of ``model_state``; its first rank writes the small files."""
+    metadata, reference = TO.split_reference(metadata)  # [Note: trainable-only checkpoints]
     opt_states = list(optimizer_state) if isinstance(optimizer_state, (list, tuple)) else (
         [optimizer_state] if optimizer_state is not None else [])
     state_kinds = _check_optimizer_keys(opt_states[0] if opt_states else None, process_group)
@@ -139,6 +140,7 @@ def write_checkpoint_files(directory: Path, model_state: Mapping[str, torch.Tens
     if _rank(process_group) == 0:
         info = _info(model_state, module, engine, state_kinds, process_group)
         info[integrity.FILES_KEY] = files
+        TO.record(info, reference)  # a trainable-only checkpoint's base reference
         if rank_listed:
             info["rank_local"] = rank_listed
         if more_kinds:
@@ -206,9 +208,14 @@ def _info(model_state, module, engine, state_kinds, group=None) -> dict:
 
 
 def save_engine_checkpoint(path: _PathLike, module: nn.Module, engine=None, metadata: Optional[dict] = None,
-                           optimizer: bool = True) -> Path:
-    """Engine-level save (no Lightning): model, optimizer state, loss-scaler state and ``metadata``."""
+                           optimizer: bool = True, trainable_only_base: Optional[str] = None) -> Path:
+    """Engine-level save (no Lightning): model, optimizer state, loss-scaler state and ``metadata``.
+    ``trainable_only_base``: the frozen parameters left out, recorded by reference to this source
+    ([Note: trainable-only checkpoints])."""
     model, opt, meta = engine_checkpoint_state(module, engine, metadata, optimizer)
+    if trainable_only_base is not None:
+        model, meta = TO.trainable_only_state(module, engine, model, TO.check_base_source(trainable_only_base,
+                                                                                           "trainable_only_base"), meta)
     return save_checkpoint_dir(path, model, module, engine, opt, meta)
 
 

@@ -37,6 +37,7 @@ from ..checkpoint.format import (load_model_state, load_optimizer_state, read_in
 from ..checkpoint.models_dir import (SavedModel, is_models_checkpoint, model_checkpoint, read_models_manifest,
                                      save_models_checkpoint)
 from ..checkpoint.trust import trusted
+from ..checkpoint.trainable_only import trainable_only_state
 from .compat import Stateful
 from .lightning_io import load_as_lightning_checkpoint
 from .precision import ZeroPrecision
@@ -50,9 +51,10 @@ class FabricCheckpoints:
     ``_model_of(module)`` (the set-up model holding a module), ``precision`` (its ``engine_for(optimizer)`` and
     state), ``broadcast`` / ``barrier`` and ``checkpoint_io`` (single files); nothing else is read from it."""
 
-    def __init__(self, host: Any, trust_checkpoint: bool) -> None:
+    def __init__(self, host: Any, trust_checkpoint: bool, trainable_only_base: Optional[str] = None) -> None:
         self.host = host
         self.trust_checkpoint = trust_checkpoint  # the strategy's knob (docs/security.md)
+        self.trainable_only_base = trainable_only_base  # [Note: trainable-only checkpoints]; None: all saved
 
     def _split_state(self, state: dict) -> tuple[list[tuple[str, Module]], list[tuple[str, Optimizer]], dict]:
         modules = [(k, v) for k, v in state.items() if isinstance(v, Module)]
@@ -91,6 +93,10 @@ class FabricCheckpoints:
             meta[_PRECISION_KEY] = self.host.precision.state_dict()
             added.append(_PRECISION_KEY)
         path = Path(self.host.broadcast(str(path)))
+        if len(saved) > 1 and self.trainable_only_base is not None:
+            raise ValueError(f"checkpoint_trainable_only=True saves one model per fabric.save; this state holds "
+                             f"{len(saved)} ({', '.join(m.key for m in saved)}). Allowed: one model (with its "
+                             "optimizers) per fabric.save, or checkpoint_trainable_only=False.")
         if len(saved) > 1:  # one directory per model inside one atomic directory (checkpoint/models_dir.py)
             meta[_FABRIC_KEY] = {"added": added}
             save_models_checkpoint(path, saved, meta, barrier=self.host.barrier)
@@ -98,8 +104,10 @@ class FabricCheckpoints:
         (one,) = saved  # one model: the Trainer's own directory, as before
         meta[_FABRIC_KEY] = {"module": one.key, "optimizers": [k for k, _ in one.optimizers], "added": added}
         opt_states = [sharded_optimizer_state(one.engine, opt) for _, opt in one.optimizers] or None
-        save_checkpoint_dir(path, sharded_model_state(one.module, one.engine), one.module, one.engine,
-                            opt_states, meta, barrier=self.host.barrier)
+        model_state = sharded_model_state(one.module, one.engine)
+        if self.trainable_only_base is not None:
+            model_state, meta = trainable_only_state(one.module, one.engine, model_state, self.trainable_only_base, meta)
+        save_checkpoint_dir(path, model_state, one.module, one.engine, opt_states, meta, barrier=self.host.barrier)
 
     def _saved_models(self, modules, optimizers) -> list[SavedModel]:
         """Each model of the state with its optimizers (all of them, in the engine's order, or none)."""

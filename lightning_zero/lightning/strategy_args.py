@@ -88,6 +88,16 @@ _TRUST = Arg("trust_checkpoint", False, bool,
              "read the pickles of the checkpoints this strategy loads unrestricted (a trusted checkpoint of an "
              "earlier build, or hparams holding other objects); default False: nothing in a checkpoint runs code "
              "when read (docs/security.md). ``weights_only=False`` opts in for one load.")
+_TRAINABLE_ONLY = (
+    Arg("checkpoint_trainable_only", False, bool,
+        "checkpoint_trainable_only, checkpoint_base: save only what is trained (a LoRA / peft fine-tune's adapter, "
+        "its optimizer state, buffers and loops) and record the frozen base by reference -- ``checkpoint_base`` (a "
+        "save_pretrained directory, a state-dict file or an earlier lightning_zero checkpoint directory; default: "
+        "``load_weights_from``) and a hash of the frozen weights, which a resume checks against the model it loads "
+        "into and ``load_from_checkpoint`` / ``lightning-zero consolidate`` / ``export`` against the base they read "
+        "(checkpoint/trainable_only.py)."),
+    Arg("checkpoint_base", None, Optional[str]),
+)
 _SHARD_GROUP = Arg("shard_group_size", None, Optional[int],
                    "hybrid sharding (stages 1-3): shard within groups of this many consecutive ranks (e.g. the GPUs "
                    "of one node) and replicate across the groups, so parameter all-gathers and reduce-scatters stay "
@@ -130,7 +140,7 @@ TRAINER: tuple[Arg, ...] = (
         '"sharded" (default: a torch.distributed.checkpoint directory per checkpoint, each rank writing its '
         'shards; reshards on load) or "full" (Lightning\'s single file with consolidated fp32 weights and '
         'optimizer state). Both load at any world size and stage.'),
-    _TRUST, _SHARD_GROUP,
+    _TRUST, *_TRAINABLE_ONLY, _SHARD_GROUP,
     Arg("memory_summary", True, bool, "after the first optimizer step, global rank 0 prints the per-rank "
                                       "model-state table (ZeRO beside DDP) and logs the numbers as ``zero/*`` "
                                       "metrics (``lightning/memory_summary.py``)."),
@@ -168,7 +178,7 @@ FABRIC: tuple[Arg, ...] = (
         "``parallelize_fn(module, device_mesh) -> module`` cuts the model in ``fabric.setup_module`` (e.g. torch's "
         "``parallelize_module`` over ``device_mesh[\"tensor_parallel\"]``), as Lightning's Fabric "
         "``ModelParallelStrategy`` does."),
-    _TRUST,
+    _TRUST, *_TRAINABLE_ONLY,
 )
 
 
