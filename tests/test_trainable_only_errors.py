@@ -112,7 +112,7 @@ def test_stage3_lora_in_eval_mode_trains_as_without_zero(tmp_path):
     losses = {}
     for name, strategy in (("zero3", ZeroStrategy(stage=3)), ("plain", "auto")):
         module = LoraModule(str(base))
-        assert not module.model.training
+        assert not module.model.base_model.model.training  # from_pretrained: eval mode
         Trainer(strategy=strategy, **trainer_kwargs(devices=1, max_steps=3)).fit(module)
         losses[name] = module.losses
     torch.testing.assert_close(losses["zero3"], losses["plain"], rtol=1e-5, atol=0)
