@@ -52,6 +52,10 @@ class StrategyConf:
     reshard_after_forward: bool = True  # stage 3: false keeps each unit gathered from its forward to its backward
     order_check: str = "strict"  # strict | always | off
     checkpoint_format: str = "sharded"  # sharded (DCP directory) | full (one file)
+    # LoRA / peft: save only what is trained, the frozen base recorded by reference (path + hash) to
+    # checkpoint_base (a save_pretrained dir or a lightning_zero checkpoint; needed with it, e.g. ${model.pretrained})
+    checkpoint_trainable_only: bool = False
+    checkpoint_base: Optional[str] = None
     # recompute these modules' forward in backward: null | auto (the unit policy's blocks: T5Block) | [T5Block, ...]
     activation_checkpointing: Any = None
     offload_activations: bool = False  # saved activations in (pinned) host memory between forward and backward

@@ -1,7 +1,7 @@
 """Trainable-only checkpoints under Fabric ([Note: trainable-only checkpoints]): a LoRA (peft) GPT-2 at stage 2
 on 2 forked gloo ranks; ``fabric.save`` at step 2 writes the adapter and a reference to the base, a fresh
 model built from the base (its LoRA drawn with another seed) ``fabric.load``s it and trains on to equal the
-uninterrupted run bit for bit; the engine-level save / load the same at stage 1."""
+uninterrupted run bit for bit; the engine-level save / load the same at stages 0, 1 and 3 with both offloads."""
 
 from __future__ import annotations
 
@@ -65,13 +65,13 @@ def test_fabric_stage2_resume_is_bit_exact(tmp_path):
     assert all("lora_" in n for n in info["tensors"])
 
 
-def _engine_job(rank: int, world: int, root: str, base: str) -> dict:
+def _engine_job(rank: int, world: int, root: str, base: str, knobs: dict) -> dict:
     torch.set_num_threads(1)
 
     def build(seed):
         model = lora_gpt2(base, seed)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        return model, ZeroEngine(model, opt, ZeroConfig(stage=1))
+        return model, ZeroEngine(model, opt, ZeroConfig(**knobs))
 
     def steps(model, engine, r):
         out = []
@@ -93,7 +93,11 @@ def _engine_job(rank: int, world: int, root: str, base: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_engine_level_save_and_load(tmp_path):
+@pytest.mark.parametrize("knobs", [dict(stage=0), dict(stage=1),
+                                   dict(stage=3, offload_optimizer=True, offload_params=True)], ids=str)
+def test_engine_level_save_and_load(tmp_path, knobs):
     base = write_base(tmp_path / "base")
-    for r in run_distributed(_engine_job, 2, str(tmp_path), str(base)):
+    for r in run_distributed(_engine_job, 2, str(tmp_path), str(base), knobs):
         assert r["resumed"] == r["losses"][2:], r
+    info = json.loads((tmp_path / "eng" / INFO_FILE).read_text())
+    assert info["stage"] == knobs["stage"] and all("lora_" in n for n in info["tensors"])
