@@ -116,3 +116,30 @@ def test_stage3_lora_in_eval_mode_trains_as_without_zero(tmp_path):
         Trainer(strategy=strategy, **trainer_kwargs(devices=1, max_steps=3)).fit(module)
         losses[name] = module.losses
     torch.testing.assert_close(losses["zero3"], losses["plain"], rtol=1e-5, atol=0)
+
+
+def test_base_hash_is_kept_until_a_frozen_weight_changes(monkeypatch):
+    """The hash of a large base is not recomputed at every save, but any in-place write to a frozen weight
+    (a new version of the tensor) recomputes it."""
+    from lightning_zero.checkpoint import trainable_only as TO
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    net[0].requires_grad_(False)
+    state = {n: t.detach() for n, t in net.state_dict(keep_vars=True).items()}
+    names = TO.frozen_names(net, state)
+    assert names == ["0.bias", "0.weight"]
+    calls = []
+    monkeypatch.setattr(TO, "digest", lambda pairs, real=TO.digest: calls.append(1) or real(pairs))
+    first = TO.live_digest(net, state, names)
+    assert TO.live_digest(net, state, names) == first and len(calls) == 1
+    with torch.no_grad():
+        net[1].weight.add_(1.0)  # trainable: not part of the base
+    assert TO.live_digest(net, state, names) == first and len(calls) == 1
+    before = net[0].weight[0, 0].item()
+    with torch.no_grad():
+        net[0].weight[0, 0] += 1.0
+    changed = TO.live_digest(net, state, names)
+    assert changed != first and len(calls) == 2
+    with torch.no_grad():
+        net[0].weight[0, 0] = before
+    assert TO.live_digest(net, state, names) == first and len(calls) == 3

@@ -19,6 +19,9 @@ frozen parameters (``requires_grad=False``) out of the DCP files and records ins
 - ``trainable``: the trained parameters, and ``lora``: each LoRA layer's scaling (what folding the adapter
   into its base weight needs; trainable_parts.py).
 
+The hash is computed at the first save and kept while no rank's part of the frozen tensors changed
+(``live_digest``): later saves cost a version check or a CRC-32 of each rank's own slice, not a gather.
+
 Buffers are always written: they are small, and some change while the parameters around them are frozen
 (BatchNorm's running statistics), which a reference to the base could not restore. The optimizer state is
 complete as before: frozen parameters have none. Resuming (Trainer, Fabric, ``load_checkpoint_dir``)
@@ -35,11 +38,14 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import weakref
+import zlib
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
+from ..engine.comm import collectives as C
 from ..engine.stage3.pretrained_source import PretrainedSource
 from .files import is_checkpoint_dir, resolve_checkpoint_dir
 from .names import TRAINABLE_ONLY, TRAINABLE_ONLY_VERSION
@@ -90,10 +96,44 @@ def digest(tensors: Iterator[tuple[str, torch.Tensor]]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def live_digest(module: nn.Module, model_state: Mapping[str, Any], names: list[str]) -> str:
+_DIGESTS: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _crc(t: torch.Tensor) -> int:
+    t = t.detach().contiguous().reshape(-1)
+    return zlib.crc32(t.view(torch.uint8).numpy().data) if t.numel() else 0
+
+
+def live_digest(module: nn.Module, model_state: Mapping[str, Any], names: list[str], group=None) -> str:
     """The hash of the module's frozen tensors as the save would write them (``model_state``). Collective at
-    stage 3 (each frozen shard gathered, one tensor at a time); every rank returns the same value."""
-    return digest((n, _whole(model_state[n]).view(-1)) for n in names)
+    stage 3 (each frozen shard gathered, one tensor at a time); every rank returns the same value.
+
+    Kept from the previous save while no rank's part of the frozen tensors changed (frozen weights do not
+    change, and gathering and hashing a large base at every save would stall training): each rank checks its
+    own part -- unchanged storage and version counters, else (stage 3's unit shards share one counter with
+    the trained parameters) the CRC-32 of its slice, 1/N of the base -- and one all-reduce of a flag decides."""
+    locals_ = [_local(model_state[n]) for n in names]
+    key = tuple((n, t.data_ptr(), t._version) for n, t in zip(names, locals_))
+    cached = _DIGESTS.get(module)
+    crcs = None
+    same = cached is not None and cached[0] == key
+    if cached is not None and not same:
+        crcs = [_crc(t) for t in locals_]
+        same = crcs == cached[1]
+    stale = torch.tensor([int(not same)])
+    C.all_reduce(stale, group=group)
+    if int(stale) == 0:
+        _DIGESTS[module] = (key, cached[1], cached[2])
+        return cached[2]
+    value = digest((n, _whole(model_state[n]).view(-1)) for n in names)
+    _DIGESTS[module] = (key, crcs if crcs is not None else [_crc(t) for t in locals_], value)
+    return value
 
 
 def lora_layers(module: nn.Module) -> dict[str, dict]:
