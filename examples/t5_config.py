@@ -52,6 +52,8 @@ class StrategyConf:
     reshard_after_forward: bool = True  # stage 3: false keeps each unit gathered from its forward to its backward
     order_check: str = "strict"  # strict | always | off
     checkpoint_format: str = "sharded"  # sharded (DCP directory) | full (one file)
+    # sharded checkpoints written by a background thread: training stops only to copy the rank's share to host memory
+    async_save: bool = False
     # LoRA / peft: save only what is trained, the frozen base recorded by reference (path + hash) to
     # checkpoint_base (a save_pretrained dir or a lightning_zero checkpoint; needed with it, e.g. ${model.pretrained})
     checkpoint_trainable_only: bool = False

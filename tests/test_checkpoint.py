@@ -85,7 +85,7 @@ def _crash_during_save(rank, world_size, model, engine, path):
 
     ck.dcp.save = dying_save
     try:
-        with pytest.raises(OSError, match="simulated crash"):
+        with pytest.raises(ck.CheckpointWriteError, match="simulated crash"):
             ck.save_engine_checkpoint(path, model, engine, {"global_step": 5})
     finally:
         ck.dcp.save = real

@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy
 import lightning_zero
 from lightning_zero import ZeroConfig, ZeroEngine, ZeroStrategy
 from lightning_zero import checkpoint as ck
-from lightning_zero.checkpoint import format as ck_format
+from lightning_zero.checkpoint import atomic as ck_atomic, format as ck_format
 from lightning_zero.tools.cli import main as cli_main
 from lightning_zero.checkpoint.consolidate import consolidate
 from tests.helpers.ckpt_files import copy_checkpoint, save_trained, tied_engine
@@ -38,7 +38,7 @@ def _weights(model) -> dict:
 def _without_exchange(monkeypatch) -> None:
     """A filesystem that cannot exchange names atomically (checkpoint/files.py ``swap_dirs``): the save
     falls back to two renames, the window these tests crash into."""
-    monkeypatch.setattr(ck_format, "swap_dirs", lambda new, final: False)
+    monkeypatch.setattr(ck_atomic, "swap_dirs", lambda new, final: False)
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_crash_between_renames_falls_back_and_never_loses_the_last_copy(tmp_path
     for step in (4, 6):  # twice in a row: the second save must not delete the copy the first one left
         train(model, engine, 0, 1, range(step - 2, step))
         crash_final_rename()
-        with pytest.raises(OSError, match="simulated crash"):
+        with pytest.raises(ck.CheckpointWriteError, match="simulated crash"):
             ck.save_engine_checkpoint(path, model, engine, {"global_step": step})
         assert not path.exists() and ck.is_checkpoint_dir(old)
         loads_step_two(f"after the crashed save of step {step}")
@@ -113,7 +113,7 @@ def test_crash_between_renames_falls_back_and_never_loses_the_last_copy(tmp_path
     # a save that dies while writing: the interrupted one's copy is back under its own name, still step 2
     real_save = ck.dcp.save
     monkeypatch.setattr(ck.dcp, "save", lambda *a, **kw: (_ for _ in ()).throw(OSError("disk full")))
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ck.CheckpointWriteError, match="OSError: disk full"):
         ck.save_engine_checkpoint(path, model, engine, {"global_step": 6})
     monkeypatch.setattr(ck.dcp, "save", real_save)
     assert ck.is_checkpoint_dir(path) and not old.exists()

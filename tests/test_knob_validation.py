@@ -182,6 +182,7 @@ _COMMON = {  # the strategy knobs both strategies have (zero_setup.check_strateg
     "timeout": Knob([None, timedelta(minutes=5)], [(60, TIMEOUT), (timedelta(0), TIMEOUT), ("30m", TIMEOUT)]),
     "start_method": Knob(["popen", "spawn", "fork", "forkserver"], [("thread", START), (None, START)]),
     "trust_checkpoint": Knob([True, False], [(v, r"trust_checkpoint must be True or False") for v in ("no", 1, None)]),
+    "async_save": Knob([True, False], [(v, r"async_save must be True or False") for v in ("no", 1, None)]),
     "checkpoint_trainable_only": Knob([False, (True, dict(checkpoint_base=str(Path(__file__).parent)))],
                                       [(v, r"checkpoint_trainable_only must be True or False") for v in ("no", 1)]
                                       + [(True, r"checkpoint_trainable_only=True needs the frozen base's source\. "

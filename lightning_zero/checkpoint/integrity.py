@@ -29,6 +29,7 @@ FILES_KEY, SEAL_KEY = "files", "info_crc32"
 _CHUNK = 8 * 2**20
 _PathLike = Union[str, os.PathLike]
 _VERIFIED: dict[tuple[str, str], tuple] = {}
+_FAILED = "\0failed"  # a key no file name has: a rank's listing that failed
 
 
 def file_crc32(file: _PathLike) -> str:
@@ -64,12 +65,18 @@ def describe_written(directory: _PathLike, exclude: str, group=None) -> Optional
 
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     me = dist.get_rank(group) if multi else 0
-    names = written_files(directory, exclude)
-    mine = describe_files(directory, [n for n in names if n.startswith(f"__{me}_") and n.endswith(".distcp")])
+    try:
+        names = written_files(directory, exclude)
+        mine = describe_files(directory, [n for n in names if n.startswith(f"__{me}_") and n.endswith(".distcp")])
+    except OSError as err:  # still join the gather: a rank that left it would leave its peers waiting
+        mine = {_FAILED: f"{type(err).__name__}: {err}"}
     every = [mine]
     if multi:
         every = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, mine, group=group)
+    failed = [f"rank {r}: {part[_FAILED]}" for r, part in enumerate(every) if _FAILED in part]
+    if failed:
+        raise OSError(f"Listing the files of {str(directory)!r} failed ({'; '.join(failed)}).")
     if me != 0:
         return None
     found = {n: d for part in every for n, d in part.items()}

@@ -32,7 +32,8 @@ import torch
 from ..engine.comm.collectives import barrier as _barrier, rank as _rank
 from .files import INFO_FILE, META_FILE, MODELS_FORMAT, is_checkpoint_dir, read_info
 from .trust import confined
-from .format import atomic_checkpoint_dir, write_checkpoint_files
+from .atomic import atomic_checkpoint_dir
+from .prepared import _map_tensors, prepare_checkpoint, release_saved_state, write_prepared
 from .sharded_state import sharded_model_state, sharded_optimizer_state
 
 MODELS_VERSION = 1
@@ -62,25 +63,47 @@ def model_dirs(keys: Sequence[str]) -> dict[str, str]:
 
 
 def save_models_checkpoint(path: _PathLike, models: Sequence[SavedModel], metadata: Optional[dict] = None,
-                           barrier: Callable[[], None] = _barrier) -> Path:
+                           barrier: Callable[[], None] = _barrier, saver=None) -> Path:
     """Write ``path`` for ``models`` (at least two): each model's directory, then the manifest and
-    ``metadata``. Collective over the world: every rank passes the same models in the same order."""
-    dirs = model_dirs([m.key for m in models])
-    with atomic_checkpoint_dir(path, barrier) as tmp:
+    ``metadata``. Collective over the world: every rank passes the same models in the same order.
+    ``saver``: an AsyncCheckpointer writing it in the background (async_save.py)."""
+    parts, finish = prepare_models_checkpoint(models, metadata)
+    if saver is not None:
+        saver.save(path, parts, engines=[m.engine for m in models], finish=finish)
+        return Path(path)
+    try:
+        with atomic_checkpoint_dir(path, barrier) as tmp:
+            for sub, prepared in parts:
+                write_prepared(tmp / sub, prepared)
+            if _rank() == 0:
+                finish(tmp)
+    finally:
         for m in models:
-            opt_states = [sharded_optimizer_state(m.engine, opt) for _, opt in m.optimizers] or None
-            write_checkpoint_files(tmp / dirs[m.key], sharded_model_state(m.module, m.engine), m.module, m.engine,
-                                   opt_states, {})
-        if _rank() == 0:
-            stages = {m.engine.config.stage for m in models if m.engine is not None}
-            manifest = {"format": MODELS_FORMAT, "version": MODELS_VERSION,
-                        "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
-                        "zero_stage": stages.pop() if len(stages) == 1 else None,
-                        "models": {m.key: {"dir": dirs[m.key], "optimizers": [k for k, _ in m.optimizers]}
-                                   for m in models}}
-            torch.save(dict(metadata or {}), tmp / META_FILE)
-            (tmp / INFO_FILE).write_text(json.dumps(manifest, indent=1))
+            release_saved_state(m.engine)
     return Path(path)
+
+
+def prepare_models_checkpoint(models: Sequence[SavedModel], metadata: Optional[dict] = None):
+    """Each model's prepared directory ([Note: a save in two halves], prepared.py) and ``finish(tmp)``, rank
+    0's manifest and ``meta.pt`` once they are written."""
+    dirs = model_dirs([m.key for m in models])
+    parts = []
+    for m in models:
+        opt_states = [sharded_optimizer_state(m.engine, opt) for _, opt in m.optimizers] or None
+        parts.append((dirs[m.key], prepare_checkpoint(sharded_model_state(m.module, m.engine), m.module, m.engine,
+                                                      opt_states, {})))
+    stages = {m.engine.config.stage for m in models if m.engine is not None}
+    manifest = {"format": MODELS_FORMAT, "version": MODELS_VERSION,
+                "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+                "zero_stage": stages.pop() if len(stages) == 1 else None,
+                "models": {m.key: {"dir": dirs[m.key], "optimizers": [k for k, _ in m.optimizers]} for m in models}}
+    meta = _map_tensors(dict(metadata or {}), lambda t: t.detach().cpu().clone())  # may be written later
+
+    def finish(tmp: Path) -> None:
+        torch.save(meta, tmp / META_FILE)
+        (tmp / INFO_FILE).write_text(json.dumps(manifest, indent=1))
+
+    return parts, finish
 
 
 def is_models_checkpoint(path: _PathLike) -> bool:

@@ -26,6 +26,7 @@ from ..checkpoint.format import (_IMPL_KEYS, _TMP, _remove, aside_path, check_op
                          sharded_model_state, sharded_optimizer_state)
 from ..checkpoint.trainable_only import trainable_only_state
 from ..checkpoint.trust import trusted
+from .async_saves import async_saver, save_in_background
 
 # -- Lightning glue ----------------------------------------------------------------------------------------------
 _LOADED_KEY = "lightning_zero_checkpoint_dir"
@@ -34,11 +35,13 @@ _LOADED_KEY = "lightning_zero_checkpoint_dir"
 class TrainerCheckpoints:
     """ZeroStrategy's checkpoint format, trust decision and directory reads and writes."""
 
-    def __init__(self, checkpoint_format: str, trust_checkpoint: bool, trainable_only_base=None) -> None:
+    def __init__(self, checkpoint_format: str, trust_checkpoint: bool, async_save: bool = False,
+                 trainable_only_base: Optional[str] = None) -> None:
         self.checkpoint_format = checkpoint_format
         self.trainable_only_base = trainable_only_base  # the frozen base's source; None: every tensor saved
         self.trust_checkpoint = trust_checkpoint  # read checkpoints' pickles unrestricted (docs/security.md)
         self._trust = False  # this load's decision: trust_checkpoint, or Lightning's weights_only=False
+        self.saver = async_saver(async_save, checkpoint_format)
 
     @property
     def checkpoint_format(self) -> str:
@@ -83,26 +86,40 @@ class TrainerCheckpoints:
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the engine's
         return sharded_optimizer_state(engine, optimizer) if self.sharded else engine.optimizer_state_dict(optimizer)
 
-    def save(self, path: Path, checkpoint: dict[str, Any], module, engine, optimizer_engine, barrier) -> None:
-        """A sharded directory at ``path`` (every rank calls it; ``path`` already agreed)."""
+    def save(self, path: Path, checkpoint: dict[str, Any], module, engine, optimizer_engine, barrier,
+             in_background: bool = False) -> None:
+        """A sharded directory at ``path`` (every rank calls it; ``path`` already agreed). ``in_background``:
+        written by the async saver ([Note: asynchronous checkpoint saves]); else now, after any save in flight."""
         checkpoint = dict(checkpoint)
         model_state = checkpoint.pop("state_dict")
         opt_states = checkpoint.pop("optimizer_states", None)
         opt = opt_states if opt_states and optimizer_engine is not None else None
         if opt_states is not None and opt is None:
             checkpoint["optimizer_states"] = opt_states  # evaluation: no optimizer, an empty list
-        if self.trainable_only_base is not None:  # [Note: trainable-only checkpoints]
+        if self.trainable_only_base is not None:  # [Note: trainable-only checkpoints]; collective: before any thread
             model_state, checkpoint = trainable_only_state(module, engine, model_state, self.trainable_only_base,
                                                            checkpoint)
-        save_checkpoint_dir(path, model_state, module, engine, opt, checkpoint, barrier=barrier)
+        if self.saver is None or not in_background:
+            if self.saver is not None:
+                self.saver.wait()
+            save_checkpoint_dir(path, model_state, module, engine, opt, checkpoint, barrier=barrier)
+            return
+        save_in_background(self.saver, path, model_state, module, engine, opt, checkpoint)
 
-    @staticmethod
-    def remove(filepath) -> None:
+    def remove(self, filepath) -> None:
         """A directory, a file, or save_last="link"'s symlink (never its target), with what an interrupted save
-        left of it (or the next save would rename those back)."""
+        left of it (or the next save would rename those back). With a save in flight, once it is complete:
+        ModelCheckpoint drops the checkpoint the new one replaces in its top-k as soon as it asked for the new one."""
         path = Path(filepath)
-        for p in (path, aside_path(path), path.with_name(path.name + _TMP)):
-            _remove(p)
+
+        def remove() -> None:
+            for p in (path, aside_path(path), path.with_name(path.name + _TMP)):
+                _remove(p)
+
+        if self.saver is None:
+            remove()
+        else:
+            self.saver.after_commit(remove)
 
     # -- restore ------------------------------------------------------------------------------------------------
     def read(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:

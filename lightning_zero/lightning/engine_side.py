@@ -186,7 +186,8 @@ class EngineSide:
                             "checkpoints (they do not go through CheckpointIO).")
         else:
             s.checkpoints.save(Path(s.broadcast(str(filepath))), checkpoint, s.lightning_module,
-                               self._engine_to_save(), self._optimizer_engine(), s.barrier)
+                               self._engine_to_save(), self._optimizer_engine(), s.barrier,
+                               in_background=self.engine is not None)  # in a run: a later step reports failure
         if self.engine is None and self.trained_engine is not None:  # no step will stream them out again
             self.trained_engine.spill_states()
 

@@ -38,6 +38,7 @@ from ..checkpoint.models_dir import (SavedModel, is_models_checkpoint, model_che
                                      save_models_checkpoint)
 from ..checkpoint.trust import trusted
 from ..checkpoint.trainable_only import trainable_only_state
+from .async_saves import async_saver, save_in_background
 from .compat import Stateful
 from .lightning_io import load_as_lightning_checkpoint
 from .precision import ZeroPrecision
@@ -51,9 +52,11 @@ class FabricCheckpoints:
     ``_model_of(module)`` (the set-up model holding a module), ``precision`` (its ``engine_for(optimizer)`` and
     state), ``broadcast`` / ``barrier`` and ``checkpoint_io`` (single files); nothing else is read from it."""
 
-    def __init__(self, host: Any, trust_checkpoint: bool, trainable_only_base: Optional[str] = None) -> None:
+    def __init__(self, host: Any, trust_checkpoint: bool, async_save: bool = False,
+                 trainable_only_base: Optional[str] = None) -> None:
         self.host = host
         self.trust_checkpoint = trust_checkpoint  # the strategy's knob (docs/security.md)
+        self.saver = async_saver(async_save)  # None: every save written before fabric.save returns
         self.trainable_only_base = trainable_only_base  # [Note: trainable-only checkpoints]; None: all saved
 
     def _split_state(self, state: dict) -> tuple[list[tuple[str, Module]], list[tuple[str, Optimizer]], dict]:
@@ -97,9 +100,13 @@ class FabricCheckpoints:
             raise ValueError(f"checkpoint_trainable_only=True saves one model per fabric.save; this state holds "
                              f"{len(saved)} ({', '.join(m.key for m in saved)}). Allowed: one model (with its "
                              "optimizers) per fabric.save, or checkpoint_trainable_only=False.")
+        saver = self.saver
+        if saver is not None and not any(m.engine is not None for m in saved):
+            saver.wait()  # nothing set up (no later step to report a failure at): written now, as a sync save
+            saver = None
         if len(saved) > 1:  # one directory per model inside one atomic directory (checkpoint/models_dir.py)
             meta[_FABRIC_KEY] = {"added": added}
-            save_models_checkpoint(path, saved, meta, barrier=self.host.barrier)
+            save_models_checkpoint(path, saved, meta, barrier=self.host.barrier, saver=saver)
             return
         (one,) = saved  # one model: the Trainer's own directory, as before
         meta[_FABRIC_KEY] = {"module": one.key, "optimizers": [k for k, _ in one.optimizers], "added": added}
@@ -107,7 +114,10 @@ class FabricCheckpoints:
         model_state = sharded_model_state(one.module, one.engine)
         if self.trainable_only_base is not None:
             model_state, meta = trainable_only_state(one.module, one.engine, model_state, self.trainable_only_base, meta)
-        save_checkpoint_dir(path, model_state, one.module, one.engine, opt_states, meta, barrier=self.host.barrier)
+        if saver is not None:
+            save_in_background(saver, path, model_state, one.module, one.engine, opt_states, meta)
+        else:
+            save_checkpoint_dir(path, model_state, one.module, one.engine, opt_states, meta, barrier=self.host.barrier)
 
     def _saved_models(self, modules, optimizers) -> list[SavedModel]:
         """Each model of the state with its optimizers (all of them, in the engine's order, or none)."""

@@ -55,6 +55,7 @@ from .fabric_checkpoint import FabricCheckpoints
 from .fabric_models import SetUpModel, ZeroBackwardSyncControl
 from .fabric_precision import ZeroFabricPrecision
 from .tensor_parallel import TensorParallelLayout
+from .async_saves import finish_saves
 from .strategy_args import FABRIC as FABRIC_ARGS, bind, declare
 from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, checkpoint_base_of,
                          external_launcher, setup_default_group, register_presets, zero_config)
@@ -77,7 +78,7 @@ class ZeroFabricStrategy(DDPStrategy):
             raise ValueError("parallelize_fn needs tensor_parallel_size=T (it is called with the 2-D device mesh). "
                              "Allowed: ZeroFabricStrategy(tensor_parallel_size=T, parallelize_fn=...).")
         self._parallelize_fn = parallelize_fn
-        self.checkpoints = FabricCheckpoints(self, bool(knobs["trust_checkpoint"]),  # docs/security.md
+        self.checkpoints = FabricCheckpoints(self, bool(knobs["trust_checkpoint"]), knobs["async_save"],
                                              checkpoint_base_of(knobs))
         super().__init__(**{k: knobs[k] for k in ("accelerator", "parallel_devices", "cluster_environment",
                                                   "checkpoint_io", "precision", "process_group_backend", "timeout",
@@ -317,6 +318,17 @@ class ZeroFabricStrategy(DDPStrategy):
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None) -> dict:
         return self.checkpoints.load(path, state, strict, weights_only)
 
+    def wait_for_checkpoint(self) -> None:
+        """``async_save=True``: wait for the save in flight and raise its failure (``fabric.backward`` raises a
+        failed one too, and teardown waits for the last)."""
+        if self.checkpoints.saver is not None:
+            self.checkpoints.saver.wait()
+
+    def backward(self, tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> Any:
+        if self.checkpoints.saver is not None:  # a background save that failed stops the run here, on every rank
+            self.checkpoints.saver.raise_if_failed()
+        return super().backward(tensor, module, *args, **kwargs)
+
     def get_optimizer_state(self, optimizer: Optimizer) -> dict:
         """``optimizer.state_dict()``: the full state, consolidated from the shards (collective)."""
         return self._training_engine("optimizer.state_dict()", None, optimizer).optimizer_state_dict(optimizer)
@@ -333,11 +345,14 @@ class ZeroFabricStrategy(DDPStrategy):
             yield
 
     def teardown(self) -> None:
-        for model in self._models:  # every model handed back whole (stage 3), in fp32
-            self._release(model)
-        self._models = []
-        self.precision.attach(None)
-        super().teardown()
+        try:
+            for model in self._models:  # every model handed back whole (stage 3), in fp32
+                self._release(model)
+            self._models = []
+            self.precision.attach(None)
+            super().teardown()
+        finally:
+            finish_saves(self.checkpoints.saver, failed=False)  # the last background save, its failure raised
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:

@@ -38,6 +38,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from .precision import ZeroPrecision
+from .async_saves import finish_saves
 from .strategy_args import TRAINER as TRAINER_ARGS, bind, declare
 from .zero_setup import (as_zero_precision, check_strategy_knobs, checkpoint_base_of, checked_weights_path,
                          external_launcher, is_whole, setup_default_group, register_presets, zero_config)
@@ -68,7 +69,7 @@ class ZeroStrategy(DDPStrategy):
         self.zero_config = zero_config(knobs)  # the arguments named like ZeroConfig fields
         check_strategy_knobs(type(self).__name__, knobs, _LIGHTNING_TYPES)  # and the strategy's own
         self.checkpoints = TrainerCheckpoints(checkpoint_format, bool(knobs["trust_checkpoint"]),  # the hooks use it
-                                              checkpoint_base_of(knobs))
+                                              knobs["async_save"], checkpoint_base_of(knobs))
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config,  # None without TP
                                                        checkpoint_format)
         super().__init__(**{k: knobs[k] for k in _DDP_ARGS})
@@ -175,6 +176,8 @@ class ZeroStrategy(DDPStrategy):
         return self.model_side.no_sync()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.checkpoints.saver is not None:  # a background save that failed stops the run here, on every rank
+            self.checkpoints.saver.raise_if_failed()
         return self.model_side.training_step(super().training_step, args, kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -273,6 +276,12 @@ class ZeroStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         failed, self._failed = self._failed, False
+        try:
+            self._teardown(failed)
+        finally:
+            finish_saves(self.checkpoints.saver, failed)  # the last background save: waited for, its failure raised
+
+    def _teardown(self, failed: bool) -> None:
         self.model_side.teardown(failed)
         self.precision_plugin.attach(None)
         module = self.lightning_module
@@ -306,7 +315,7 @@ class ZeroStrategy(DDPStrategy):
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            TrainerCheckpoints.remove(filepath)
+            self.checkpoints.remove(filepath)
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:

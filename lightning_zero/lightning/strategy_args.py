@@ -98,6 +98,12 @@ _TRAINABLE_ONLY = (
         "(checkpoint/trainable_only.py)."),
     Arg("checkpoint_base", None, Optional[str]),
 )
+_ASYNC = Arg("async_save", False, bool,
+             "sharded checkpoints written in the background: a save stops training only to copy this rank's share "
+             "into host memory, a thread writes it (at most one save in flight; the checkpoint appears, and "
+             "ModelCheckpoint's top-k removals happen, only once it is complete; a failed write is raised at the "
+             "next step or at teardown). Costs a host copy of the rank's checkpoint share while it is written "
+             "(docs/checkpoints.md, \"Asynchronous saves\").")
 _SHARD_GROUP = Arg("shard_group_size", None, Optional[int],
                    "hybrid sharding (stages 1-3): shard within groups of this many consecutive ranks (e.g. the GPUs "
                    "of one node) and replicate across the groups, so parameter all-gathers and reduce-scatters stay "
@@ -140,7 +146,7 @@ TRAINER: tuple[Arg, ...] = (
         '"sharded" (default: a torch.distributed.checkpoint directory per checkpoint, each rank writing its '
         'shards; reshards on load) or "full" (Lightning\'s single file with consolidated fp32 weights and '
         'optimizer state). Both load at any world size and stage.'),
-    _TRUST, *_TRAINABLE_ONLY, _SHARD_GROUP,
+    _TRUST, _ASYNC, *_TRAINABLE_ONLY, _SHARD_GROUP,
     Arg("memory_summary", True, bool, "after the first optimizer step, global rank 0 prints the per-rank "
                                       "model-state table (ZeRO beside DDP) and logs the numbers as ``zero/*`` "
                                       "metrics (``lightning/memory_summary.py``)."),
@@ -178,7 +184,7 @@ FABRIC: tuple[Arg, ...] = (
         "``parallelize_fn(module, device_mesh) -> module`` cuts the model in ``fabric.setup_module`` (e.g. torch's "
         "``parallelize_module`` over ``device_mesh[\"tensor_parallel\"]``), as Lightning's Fabric "
         "``ModelParallelStrategy`` does."),
-    _TRUST, *_TRAINABLE_ONLY,
+    _TRUST, _ASYNC, *_TRAINABLE_ONLY,
 )
 
 

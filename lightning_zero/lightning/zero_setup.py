@@ -85,7 +85,7 @@ def check_strategy_knobs(owner: str, knobs: dict, instance_of: dict) -> None:
     fmt = knobs.get("checkpoint_format", "sharded")
     if not isinstance(fmt, str) or fmt not in CHECKPOINT_FORMATS:
         raise ValueError(f"Unknown checkpoint_format {fmt!r}. Allowed: {', '.join(map(repr, CHECKPOINT_FORMATS))}.")
-    for flag in ("memory_summary", "trust_checkpoint"):
+    for flag in ("memory_summary", "trust_checkpoint", "async_save"):
         if not isinstance(knobs.get(flag, False), bool):
             raise ValueError(f"{flag} must be True or False; got {knobs[flag]!r}.")
     fn = knobs.get("parallelize_fn")

@@ -77,6 +77,21 @@ def reduce_scatter_group(group: Optional[Any] = None) -> Any:
     return _once("stage3_reduce", ranks, build, lambda g: (g,))
 
 
+def checkpoint_group() -> Any:
+    """A gloo group over the world for checkpoint writes that run beside training, in a background thread
+    ([Note: asynchronous checkpoint saves], checkpoint/async_save.py): collectives of two threads on one group
+    would interleave. gloo whatever the training backend, as DCP's own async save advises: it moves only small
+    objects (plans, file lists, agreement) between host buffers. Every rank of the world calls it."""
+    ranks = tuple(range(dist.get_world_size()))
+
+    def build() -> Any:
+        made = dist.new_group(list(ranks), backend="gloo")
+        name_group(made, "checkpoint")
+        return made
+
+    return _once("checkpoint", ranks, build, lambda g: (g,))
+
+
 def device_mesh(device_type: str, shape: tuple, names: Optional[tuple] = None) -> Any:
     """``init_device_mesh(device_type, shape, mesh_dim_names=names)`` (collective over the world the first
     time, as init_device_mesh is); a Trainer asks for its mesh in every ``setup_environment``."""

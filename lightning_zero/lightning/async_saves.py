@@ -1,0 +1,66 @@
+"""``async_save=True`` for the Trainer's and Fabric's strategies: the knob's check, and a sharded save handed to
+the background writer ([Note: asynchronous checkpoint saves], checkpoint/async_save.py).
+
+Where the Lightning layer calls the writer: each save (``trainer.save_checkpoint`` -- ModelCheckpoint's too --
+and ``fabric.save``) stages and returns; each training step (Trainer: ``training_step``; Fabric:
+``fabric.backward``) raises a failed write; ModelCheckpoint's removal of a checkpoint that left its top-k waits
+for the save in flight; teardown waits for the last write and raises its failure. Outside a run (after
+``fit`` returned, before ``setup``) a save is written at once -- there is no later step or teardown to report a
+failure at.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+from ..checkpoint.async_save import AsyncCheckpointer
+from ..checkpoint.format import prepare_checkpoint, release_saved_state
+
+# a failed run's teardown: a peer that died mid-write never joins the writer's collectives
+FAILED_RUN_WAIT_S = 120.0
+
+
+def async_saver(async_save: Any, checkpoint_format: str = "sharded") -> Optional[AsyncCheckpointer]:
+    """The writer of ``async_save=True`` (None: saves are synchronous)."""
+    if not isinstance(async_save, bool):
+        raise ValueError(f"async_save must be True or False; got {async_save!r}.")
+    if async_save and checkpoint_format != "sharded":
+        raise ValueError(f"async_save=True writes sharded checkpoint directories; checkpoint_format="
+                         f"{checkpoint_format!r} is a single file written by Lightning's CheckpointIO. Allowed: "
+                         "checkpoint_format='sharded' with async_save=True, or Lightning's AsyncCheckpointIO plugin "
+                         "for single files.")
+    return AsyncCheckpointer() if async_save else None
+
+
+def save_in_background(saver: AsyncCheckpointer, path: Path, model_state, module, engine, optimizer_state,
+                       metadata: dict) -> None:
+    """One model's sharded directory: prepared here (collective, on the training thread), written by ``saver``."""
+    try:
+        prepared = prepare_checkpoint(model_state, module, engine, optimizer_state, metadata)
+    except BaseException:
+        release_saved_state(engine)
+        raise
+    saver.save(path, [("", prepared)], engines=[engine])
+
+
+def finish_saves(saver: Optional[AsyncCheckpointer], failed: bool) -> None:
+    """Teardown: the last write waited for and its failure raised; after a failed run only logged (the error
+    that stopped the run stays the one the user sees) and waited for at most ``FAILED_RUN_WAIT_S``."""
+    if saver is None:
+        return
+    if not failed:
+        saver.close()
+        line = saver.summary()
+        if line is not None:
+            rank_zero_info(line)
+        saver.records.clear()  # the next run of this strategy counts its own
+        return
+    try:
+        saver.close(FAILED_RUN_WAIT_S)
+    except Exception as err:
+        import logging
+
+        logging.getLogger("lightning_zero.checkpoint").error("lightning_zero: %s", err)
