@@ -143,3 +143,19 @@ def test_base_hash_is_kept_until_a_frozen_weight_changes(monkeypatch):
     with torch.no_grad():
         net[0].weight[0, 0] = before
     assert TO.live_digest(net, state, names) == first and len(calls) == 3
+
+
+@pytest.mark.timeout(300)
+def test_async_save_writes_the_trainable_part_in_the_background(tmp_path):
+    """With async_save the reference and the hash are taken on the training thread, the write in the
+    background: the last checkpoint reads back as the trained module."""
+    import json
+
+    base = write_base(tmp_path / "base")
+    trainer = _fit(tmp_path, base, max_steps=2, async_save=True, checkpoint_trainable_only=True,
+                   checkpoint_base=str(base))
+    info = json.loads((tmp_path / "ckpt.ckpt" / "zero_checkpoint.json").read_text())
+    assert info["trainable_only"]["base"]["source"] == str(base) and info["version"] == 2
+    want = trainer.lightning_module.state_dict()
+    got = LoraModule.load_from_checkpoint(str(tmp_path / "ckpt.ckpt"), base=str(base)).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
