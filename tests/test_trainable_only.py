@@ -117,3 +117,21 @@ def test_export_adapter_alone_and_merged(runs, tmp_path):
     assert cli(["consolidate", str(lora), str(tmp_path / "m.pt"), "--merged", "--quiet"]) == 0
     m = torch.load(tmp_path / "m.pt")
     assert all(torch.equal(m["model." + k], merged[k]) for k in merged if "model." + k in m)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("source", ["full-step=2.ckpt", "lora-step=2.ckpt"])
+def test_base_may_be_an_earlier_checkpoint(runs, tmp_path, source):
+    """The base recorded as a lightning_zero checkpoint directory: a full one, or a trainable-only one whose own
+    base is then read first (a chain). Its frozen tensors are the pretrained base's, so the hash agrees."""
+    root, base = runs
+    trainer = Trainer(strategy=ZeroStrategy(stage=2, checkpoint_trainable_only=True, checkpoint_base=str(root / source)),
+                      callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="c", every_n_train_steps=1)],
+                      **trainer_kwargs(devices=1, max_steps=1, enable_checkpointing=True, default_root_dir=str(tmp_path)))
+    module = LoraModule(str(base))
+    trainer.fit(module)
+    info = json.loads((tmp_path / "c.ckpt" / INFO_FILE).read_text())
+    assert info["trainable_only"]["base"] == {"source": str(root / source), "kind": "lightning_zero"}
+    want = module.state_dict()
+    got = LoraModule.load_from_checkpoint(str(tmp_path / "c.ckpt"), base=str(base)).state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

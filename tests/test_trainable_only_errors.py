@@ -94,6 +94,11 @@ def test_trainer_takes_the_base_from_load_weights_from(tmp_path):
     assert s.checkpoints.trainable_only_base == str(tmp_path)
     with pytest.raises(ValueError, match=r"checkpoint_trainable_only=True writes sharded checkpoint directories"):
         ZeroStrategy(checkpoint_trainable_only=True, checkpoint_base=str(tmp_path), checkpoint_format="full")
+    from lightning_zero.lightning.pipeline_strategy import ZeroPipelineStrategy
+
+    with pytest.raises(ValueError, match=r"checkpoint_trainable_only=True is not available with "
+                                         r"pipeline_parallel_size.*Allowed: checkpoint_trainable_only=False"):
+        ZeroPipelineStrategy(pipeline_parallel_size=2, checkpoint_trainable_only=True, checkpoint_base=str(tmp_path))
 
 
 @pytest.mark.timeout(300)
