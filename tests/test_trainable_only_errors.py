@@ -164,3 +164,20 @@ def test_async_save_writes_the_trainable_part_in_the_background(tmp_path):
     want = trainer.lightning_module.state_dict()
     got = LoraModule.load_from_checkpoint(str(tmp_path / "ckpt.ckpt"), base=str(base)).state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.timeout(300)
+def test_malformed_reference_is_one_clear_error(saved):
+    """A reference edited (and the json resealed) is refused by name, not a KeyError deep in a reader."""
+    import json
+
+    from lightning_zero.checkpoint import integrity
+
+    ckpt, base = saved
+    info_file = ckpt / "zero_checkpoint.json"
+    info = json.loads(info_file.read_text())
+    del info["trainable_only"]["hash"]
+    info.pop(integrity.SEAL_KEY)
+    info_file.write_text(json.dumps(integrity.seal(info)))
+    with pytest.raises(ValueError, match=r"Corrupt checkpoint metadata: its 'trainable_only' entry has no valid hash"):
+        LoraModule.load_from_checkpoint(str(ckpt), base=str(base))

@@ -30,7 +30,10 @@ hashed as at save time and must give the recorded hash, else one error names the
 only the stored part is then read. Reading the checkpoint without a live model (``load_from_checkpoint``,
 ``lightning-zero consolidate`` / ``export``) reads the frozen part from the recorded source and checks
 its hash the same way. The json's version is 2: a build that cannot read the reference refuses the
-directory instead of consolidating the adapter alone as if it were the model.
+directory instead of consolidating the adapter alone as if it were the model. The base source is the one
+path a checkpoint names outside its own directory (trust.py confines the others): it is only ever read as
+tensors -- safetensors, ``torch.load(weights_only=True)``, or a lightning_zero directory verified as any load
+verifies one -- and its values must give the recorded hash.
 """
 
 from __future__ import annotations
@@ -209,8 +212,25 @@ def record(info: dict, reference: Optional[dict]) -> None:
 
 
 # -- read ---------------------------------------------------------------------------------------------------------
+_ENTRY_KEYS = {"base": dict, "hash": str, "frozen": dict, "aliases": dict, "order": list, "trainable": list,
+               "lora": dict}
+
+
 def entry_of(info: Mapping) -> Optional[dict]:
-    return info.get(KEY)
+    """The json's reference (None for a full checkpoint), its keys and types checked: one clear error."""
+    entry = info.get(KEY)
+    if entry is None:
+        return None
+    bad = [k for k, t in _ENTRY_KEYS.items() if not isinstance(entry, dict) or not isinstance(entry.get(k), t)]
+    if not bad and not (isinstance(entry["base"].get("source"), str)
+                        and all(isinstance(d, dict) and isinstance(d.get("shape"), list) and isinstance(d.get("dtype"), str)
+                                and isinstance(getattr(torch, d["dtype"], None), torch.dtype)
+                                for d in entry["frozen"].values())):
+        bad = ["base.source or frozen"]
+    if bad:
+        raise ValueError(f"Corrupt checkpoint metadata: its {KEY!r} entry has no valid {', '.join(bad)} (required: "
+                         f"{', '.join(_ENTRY_KEYS)}, written by lightning_zero's trainable-only saves).")
+    return entry
 
 
 def left_out(info: Mapping) -> dict[str, dict]:
