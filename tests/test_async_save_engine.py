@@ -149,3 +149,27 @@ def test_after_commit_runs_only_after_a_complete_save(tmp_path):
         saver.wait()
     assert ran == ["idle", True], "never after a failed save"
     assert saver.summary().startswith("lightning_zero: 2 background checkpoint save(s); training stood still ")
+
+
+def _to_url(rank, world_size, url, base):
+    model, engine = _engine(dict(stage=3, unit_classes=["fc1", "fc2"]))
+    saver = AsyncCheckpointer()
+    train(model, engine, rank, world_size, range(2))
+    ck.save_engine_checkpoint(f"{base}/sync", model, engine, {"global_step": 2})
+    ck.save_engine_checkpoint(f"{url}/async", model, engine, {"global_step": 2}, saver=saver)
+    train(model, engine, rank, world_size, range(2, 4))
+    saver.close()
+    fresh, fresh_engine = _engine(dict(stage=3, unit_classes=["fc1", "fc2"]), seed=5)
+    meta = ck.load_checkpoint_dir(f"{url}/async", fresh, fresh_engine)
+    train(fresh, fresh_engine, rank, world_size, range(2, 4))
+    with engine.gathered_params(), fresh_engine.gathered_params():
+        same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    return meta["global_step"], same
+
+
+def test_background_save_to_an_fsspec_url_resumes_exactly(tmp_path):
+    """The background thread uploads through the remote commit (location.py) over its own group."""
+    for step, same in run_forked(_to_url, 2, f"file://{tmp_path}/remote", str(tmp_path)):
+        assert step == 2 and same
+    assert sorted(os.listdir(tmp_path / "remote")) == ["async"]
+    _same_dirs(tmp_path / "remote" / "async", tmp_path / "sync")

@@ -153,3 +153,24 @@ def test_int8_blocks_on_the_device_match_the_host():
     bound = (s_host / 2).repeat_interleave(Q.BLOCK, dim=1)[:, :1000]
     assert ((y - x).abs() <= bound * (1 + 1e-5))[finite].all()
     assert torch.isnan(y[1, :Q.BLOCK]).all()  # the block holding inf
+
+
+@pytest.mark.parametrize("cfg", [dict(stage=2), dict(stage=3, unit_classes=["Sequential"], persist_numel=0)], ids=str)
+def test_background_save_stages_into_pinned_memory_and_equals_the_sync_save(tmp_path, cfg):
+    """async_save on a GPU: the copies are queued on the current stream into page-locked host memory, the writer
+    waits on their event; the directory is the synchronous one's, tensor for tensor."""
+    from lightning_zero import checkpoint as ck
+    from lightning_zero.checkpoint.async_save import AsyncCheckpointer
+    from lightning_zero.checkpoint.consolidate import full_model_state
+
+    model, engine, _ = _train("cuda", ZeroConfig(**cfg), dtype=torch.bfloat16)
+    saver = AsyncCheckpointer()
+    ck.save_engine_checkpoint(tmp_path / "sync", model, engine)
+    record = ck.save_engine_checkpoint(tmp_path / "async", model, engine, saver=saver) and saver.records[-1]
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)  # the step after the save moves the masters
+    model(x).float().pow(2).mean().backward()
+    engine.step()
+    saver.close()
+    assert record.bytes_staged > 0 and record.written_s is not None
+    a, b = (full_model_state(p, ck.read_info(p)) for p in (tmp_path / "async", tmp_path / "sync"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)

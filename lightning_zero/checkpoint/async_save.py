@@ -109,12 +109,12 @@ class AsyncCheckpointer:
         record = SaveRecord(str(path), waited, time.perf_counter() - start, bytes_staged=_bytes(staged))
         record._t0 = time.perf_counter()
         self.records.append(record)
-        self._thread = threading.Thread(target=self._write, args=(Path(path), staged, events, finish, group, record),
+        self._thread = threading.Thread(target=self._write, args=(path, staged, events, finish, group, record),
                                         name="lightning_zero-checkpoint-save", daemon=True)
         self._thread.start()
         return record
 
-    def _write(self, path: Path, staged, events, finish, group, record: SaveRecord) -> None:
+    def _write(self, path, staged, events, finish, group, record: SaveRecord) -> None:
         try:
             for done in events:
                 if done is not None:

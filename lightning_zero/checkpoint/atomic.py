@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..engine.comm.collectives import barrier as _barrier, rank as _rank, world_size
 from .files import _TMP, _remove, aside_path, swap_dirs, tidy_checkpoint_dir
+from .location import is_remote, remote_checkpoint_dir
 
 _PathLike = Union[str, os.PathLike]
 
@@ -37,13 +38,14 @@ class CheckpointWriteError(OSError):
 
 
 def agree_on_failure(error: Optional[BaseException], path: _PathLike, group=None) -> None:
-    """Collective over ``group``: raise :class:`CheckpointWriteError` on every rank if ``error`` is set on any."""
-    mine = None if error is None else _summary(error)
+    """Collective over ``group``: raise :class:`CheckpointWriteError` on every rank if ``error`` is set on any,
+    naming the ranks where it happened (a failure one rank heard of from another names that one)."""
+    mine = {} if error is None else _failures(error, _rank(group))
     every = [mine]
     if world_size(group) > 1:
         every = [None] * world_size(group)
         dist.all_gather_object(every, mine, group=group)
-    failed = {r: m for r, m in enumerate(every) if m is not None}
+    failed = {r: m for part in every for r, m in part.items()}
     if failed:
         detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failed.items()))
         raise CheckpointWriteError(
@@ -52,11 +54,20 @@ def agree_on_failure(error: Optional[BaseException], path: _PathLike, group=None
             "checkpoint under that name, if any, is untouched.") from error
 
 
-def _summary(error: BaseException) -> str:
-    """One line: DCP's CheckpointException carries each rank's whole traceback; its last line is the cause."""
+def _failures(error: BaseException, me: int) -> dict[int, str]:
+    """{rank: one line} of what failed where. DCP's CheckpointException already went round every rank and carries
+    each failed rank's exception; a file listing that failed says which rank's (integrity.py ``rank_failures``)."""
+    wrapped = getattr(error, "failures", None)
+    if isinstance(wrapped, dict) and wrapped:
+        return {int(r): _one_line(w[0] if isinstance(w, tuple) else w) for r, w in wrapped.items()}
+    known = getattr(error, "rank_failures", None)
+    if isinstance(known, dict) and known:
+        return dict(known)
+    return {me: _one_line(error)}
+
+
+def _one_line(error: BaseException) -> str:
     lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
-    if len(lines) > 1 and "Traceback" in str(error):
-        return lines[-1]
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
@@ -66,6 +77,10 @@ def atomic_checkpoint_dir(path: _PathLike, barrier: Optional[Callable[[], None]]
     """The temporary ``path.zero-tmp`` every rank of ``group`` (default: the world) writes into, renamed to
     ``path`` once all are done. ``barrier``: how those ranks wait for each other (default: a barrier over
     ``group``)."""
+    if is_remote(path):  # a URL: a local staging directory, uploaded ([Note: checkpoints at fsspec locations])
+        with remote_checkpoint_dir(path, group) as staged:
+            yield staged
+        return
     path = Path(path)
     tmp, old = path.with_name(path.name + _TMP), aside_path(path)
     wait = barrier if barrier is not None else (lambda: _barrier(group))
@@ -83,6 +98,8 @@ def atomic_checkpoint_dir(path: _PathLike, barrier: Optional[Callable[[], None]]
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         error = err
     try:
+        if isinstance(error, CheckpointWriteError):  # agreed inside already: raised on every rank alike
+            raise error
         agree_on_failure(error, path, group)
     except CheckpointWriteError:
         # its partial copy must not stay behind; the directory is shared, so whichever rank gets here removes it

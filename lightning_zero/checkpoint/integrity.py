@@ -74,9 +74,11 @@ def describe_written(directory: _PathLike, exclude: str, group=None) -> Optional
     if multi:
         every = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, mine, group=group)
-    failed = [f"rank {r}: {part[_FAILED]}" for r, part in enumerate(every) if _FAILED in part]
+    failed = {r: part[_FAILED] for r, part in enumerate(every) if _FAILED in part}
     if failed:
-        raise OSError(f"Listing the files of {str(directory)!r} failed ({'; '.join(failed)}).")
+        err = OSError(f"Listing the files of {str(directory)!r} failed on rank(s) {sorted(failed)}.")
+        err.rank_failures = failed  # which ranks failed, for the save's agreement (atomic.py)
+        raise err
     if me != 0:
         return None
     found = {n: d for part in every for n, d in part.items()}

@@ -20,6 +20,7 @@ from ..engine.config import STATE_DTYPE_KNOBS
 from ..engine.optim.kinds import per_rank_state
 from . import tp_state as TS, trainable_only as TO, trust as TR
 from .files import check_state_entries, read_info, read_meta, resolve_checkpoint_dir
+from .local_copies import local_checkpoint_copy
 from .names import META_FILE
 from .names import optim_key as _optim_key
 from .rank_local import error_buffer_keys, restore_rank_local
@@ -232,6 +233,13 @@ def load_checkpoint_dir(path: _PathLike, module: nn.Module, engine=None, load_op
     ``trust_checkpoint``: read its pickles unrestricted (a trusted checkpoint of an older build; trust.py).
 
     Returns the metadata dict (Lightning's loops/epoch/... plus whatever the saver passed)."""
+    with local_checkpoint_copy(path, collective=True, group=process_group) as local:  # a URL: downloaded once per host
+        return _load_checkpoint_dir(local, module, engine, load_optimizer, strict, weights_only, process_group,
+                                    trust_checkpoint)
+
+
+def _load_checkpoint_dir(path: _PathLike, module: nn.Module, engine, load_optimizer: bool, strict: bool,
+                         weights_only: Optional[bool], process_group, trust_checkpoint: bool) -> dict:
     path = resolve_checkpoint_dir(path)
     trust = TR.trusted(trust_checkpoint, weights_only)
     info = read_info(path, trust)

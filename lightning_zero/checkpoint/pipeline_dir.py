@@ -36,6 +36,7 @@ from . import integrity
 from .consolidate import atomic_output, full_model_state
 from .files import FORMAT, INFO_FILE, META_FILE, PIPELINE_FORMAT, read_info, resolve_checkpoint_dir
 from .format import atomic_checkpoint_dir, engine_checkpoint_state, load_checkpoint_dir, write_checkpoint_files
+from .local_copies import local_checkpoint_copy
 from .trust import confined
 
 PIPELINE_VERSION = 2
@@ -59,7 +60,10 @@ def save_pipeline_checkpoint(pipe: Any, path: _PathLike, metadata: Optional[dict
             mine[index] = {"dir": STAGE_DIR.format(index),
                            "params": sum(p.numel() for p in module.parameters()),
                            "source_names": source_names(module, index, module.state_dict())}
-        stages = _gather_over_pipeline(mine, lay.pp_group)
+        # each stage's json described by the rank that wrote it: at a URL every rank writes into its own
+        # staging directory ([Note: checkpoints at fsspec locations]), so rank 0 cannot read the others'
+        written = [f"{e['dir']}/{INFO_FILE}" for e in mine.values() if (tmp / e["dir"] / INFO_FILE).is_file()]
+        stages, described = _gather_over_pipeline((mine, integrity.describe_files(tmp, written)), lay.pp_group)
         if _rank() == 0:
             manifest = {"format": PIPELINE_FORMAT, "version": PIPELINE_VERSION,
                         "num_stages": len(stages), "pipeline_parallel_size": lay.num_stages,
@@ -68,38 +72,41 @@ def save_pipeline_checkpoint(pipe: Any, path: _PathLike, metadata: Optional[dict
                         "stages": {str(i): stages[i] for i in sorted(stages)}}
             torch.save(dict(metadata or {}), tmp / META_FILE)
             # the stages' json files are written (the gather above follows them); each lists its own files
-            listed = [META_FILE] + [f"{e['dir']}/{INFO_FILE}" for e in stages.values()]
-            manifest[integrity.FILES_KEY] = integrity.describe_files(tmp, listed)
+            files = {**integrity.describe_files(tmp, [META_FILE]), **described}
+            manifest[integrity.FILES_KEY] = dict(sorted(files.items()))
             (tmp / INFO_FILE).write_text(json.dumps(integrity.seal(manifest), indent=1))
     return path
 
 
-def _gather_over_pipeline(mine: dict, pp_group: Any) -> dict:
-    """Every stage's manifest entry on each rank (small: names and counts), from the ranks of one pipeline."""
+def _gather_over_pipeline(mine: tuple[dict, dict], pp_group: Any) -> tuple[dict, dict]:
+    """Every stage's manifest entry (small: names and counts) and the description of every stage's json, on
+    each rank, from the ranks of one pipeline."""
     if pp_group is None:
-        return dict(mine)
+        return dict(mine[0]), dict(mine[1])
     every: list = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(every, mine, group=pp_group)
-    return {i: entry for part in every for i, entry in part.items()}
+    return ({i: entry for part, _ in every for i, entry in part.items()},
+            {n: d for _, files in every for n, d in files.items()})
 
 
 def load_pipeline_checkpoint(pipe: Any, path: _PathLike, trust_checkpoint: bool = False) -> dict:
     """This rank's chunks from ``path`` (saved at any data-parallel size and ZeRO stage 0-2); an
     evaluation-only pipeline takes the weights only. Returns the manifest."""
-    path = resolve_checkpoint_dir(path)
-    manifest = read_manifest(path)
-    shape = (manifest["pipeline_parallel_size"], manifest["chunks"])
-    if shape != (pipe.layout.num_stages, len(pipe.modules)):
-        raise ValueError(f"checkpoint {str(path)!r} was saved with pipeline_parallel_size={shape[0]} and {shape[1]} "
-                         f"chunk(s) per rank; this run has {pipe.layout.num_stages} and {len(pipe.modules)}. Allowed: "
-                         f"resume with the same pipeline shape (the data-parallel size and ZeRO stage may change), "
-                         f"or consolidate it (`lightning-zero consolidate`) and load the uncut model's state dict.")
-    for module, engine, index in zip(pipe.modules, pipe.engines, pipe.stage_indices):
-        train = engine.mode is EngineMode.TRAIN
-        load_checkpoint_dir(stage_dir(path, manifest, index), module, engine, load_optimizer=train,
-                            process_group=pipe.layout.dp_group, trust_checkpoint=trust_checkpoint)
-    pipe.restart_accumulation()
-    return manifest
+    with local_checkpoint_copy(path, collective=True) as path:  # a URL: one download per host
+        path = resolve_checkpoint_dir(path)
+        manifest = read_manifest(path)
+        shape = (manifest["pipeline_parallel_size"], manifest["chunks"])
+        if shape != (pipe.layout.num_stages, len(pipe.modules)):
+            raise ValueError(f"checkpoint {str(path)!r} was saved with pipeline_parallel_size={shape[0]} and {shape[1]} "
+                             f"chunk(s) per rank; this run has {pipe.layout.num_stages} and {len(pipe.modules)}. Allowed: "
+                             f"resume with the same pipeline shape (the data-parallel size and ZeRO stage may change), "
+                             f"or consolidate it (`lightning-zero consolidate`) and load the uncut model's state dict.")
+        for module, engine, index in zip(pipe.modules, pipe.engines, pipe.stage_indices):
+            train = engine.mode is EngineMode.TRAIN
+            load_checkpoint_dir(stage_dir(path, manifest, index), module, engine, load_optimizer=train,
+                                process_group=pipe.layout.dp_group, trust_checkpoint=trust_checkpoint)
+        pipe.restart_accumulation()
+        return manifest
 
 
 def is_pipeline_checkpoint(path: _PathLike) -> bool:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..checkpoint.format import INFO_FILE
+from ..checkpoint.local_copies import local_checkpoint_copy
 from .lightning_io import is_zero_checkpoint, load_as_lightning_checkpoint
 
 
@@ -34,8 +35,9 @@ class ZeroCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
         if isinstance(path, (str, os.PathLike)) and is_zero_checkpoint(path):
-            return load_as_lightning_checkpoint(path, weights_only, map_location=map_location,
-                                                trust_checkpoint=self.trust_checkpoint)
+            with local_checkpoint_copy(path) as local:  # a URL: each rank its own copy, as it reads a file
+                return load_as_lightning_checkpoint(local, weights_only, map_location=map_location,
+                                                    trust_checkpoint=self.trust_checkpoint)
         if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
             raise IsADirectoryError(f"{os.fspath(path)!r} is a directory but not a complete lightning_zero checkpoint "
                                     f"({INFO_FILE} is missing). Allowed: a lightning_zero checkpoint directory or a "

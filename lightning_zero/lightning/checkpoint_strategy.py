@@ -24,6 +24,7 @@ from ..engine.optim.onebit import local_models as LM
 from ..checkpoint.format import (_IMPL_KEYS, _TMP, _remove, aside_path, check_optimizer_count, load_model_state,
                          load_optimizer_state, read_info, read_meta, save_checkpoint_dir,
                          sharded_model_state, sharded_optimizer_state)
+from ..checkpoint.location import is_remote, remove_remote_checkpoint
 from ..checkpoint.trainable_only import trainable_only_state
 from ..checkpoint.trust import trusted
 from .async_saves import async_saver, save_in_background
@@ -108,11 +109,14 @@ class TrainerCheckpoints:
 
     def remove(self, filepath) -> None:
         """A directory, a file, or save_last="link"'s symlink (never its target), with what an interrupted save
-        left of it (or the next save would rename those back). With a save in flight, once it is complete:
-        ModelCheckpoint drops the checkpoint the new one replaces in its top-k as soon as it asked for the new one."""
-        path = Path(filepath)
-
+        left of it (or the next save would rename those back); at an fsspec URL too. With a save in flight, once it
+        is complete: ModelCheckpoint drops the checkpoint the new one replaces in its top-k as soon as it asked for
+        the new one."""
         def remove() -> None:
+            if is_remote(filepath):
+                remove_remote_checkpoint(filepath)
+                return
+            path = Path(filepath)
             for p in (path, aside_path(path), path.with_name(path.name + _TMP)):
                 _remove(p)
 

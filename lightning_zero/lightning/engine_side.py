@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..checkpoint.format import resolve_checkpoint_dir
+from ..checkpoint.local_copies import fetch_checkpoint
 from ..engine import ZeroEngine
 from ..engine.engine_state import EngineMode
 from ..engine.stage3.pretrained import load_pretrained, outermost_hf_model
@@ -197,7 +198,8 @@ class EngineSide:
 
     def load_checkpoint(self, lightning: Callable, checkpoint_path, weights_only: Optional[bool]) -> dict[str, Any]:
         s = self.strategy
-        path = resolve_checkpoint_dir(s.broadcast(str(checkpoint_path)))
+        # a URL: a local copy, one download per host ([Note: checkpoints at fsspec locations])
+        path = resolve_checkpoint_dir(fetch_checkpoint(s.broadcast(str(checkpoint_path)), collective=True))
         if not path.is_dir():
             return lightning(path, weights_only=weights_only)
         return s.checkpoints.read(path, weights_only)

@@ -34,6 +34,7 @@ from ..checkpoint.files import META_FILE
 from ..checkpoint.format import (load_model_state, load_optimizer_state, read_info, read_meta,
                                  resolve_checkpoint_dir, save_checkpoint_dir, sharded_model_state,
                                  sharded_optimizer_state)
+from ..checkpoint.local_copies import fetch_checkpoint
 from ..checkpoint.models_dir import (SavedModel, is_models_checkpoint, model_checkpoint, read_models_manifest,
                                      save_models_checkpoint)
 from ..checkpoint.trust import trusted
@@ -142,7 +143,8 @@ class FabricCheckpoints:
 
     # -- load -------------------------------------------------------------------------------------------
     def load(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None) -> dict:
-        path = resolve_checkpoint_dir(self.host.broadcast(str(path)))
+        # a URL: a local copy, one download per host ([Note: checkpoints at fsspec locations])
+        path = resolve_checkpoint_dir(fetch_checkpoint(self.host.broadcast(str(path)), collective=True))
         if not path.is_dir():
             return self._load_file(path, state, strict, weights_only)
         trust = trusted(self.trust_checkpoint, weights_only)

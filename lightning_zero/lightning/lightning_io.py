@@ -26,6 +26,8 @@ import torch
 from ..checkpoint.files import META_FILE
 from ..checkpoint.format import INFO_FILE, aside_path, _dcp_load, _optim_key, is_checkpoint_dir, read_info, read_meta, resolve_checkpoint_dir
 from ..checkpoint.consolidate import full_model_state
+from ..checkpoint.local_copies import is_remote_checkpoint, local_checkpoint_copy
+from ..checkpoint.location import is_remote
 from ..checkpoint.trust import read_dcp_metadata, trusted
 
 
@@ -110,7 +112,9 @@ def _positional_optimizer_state(path: Path, info: dict, opt_meta: dict, index: i
 
 
 def is_zero_checkpoint(path) -> bool:
-    """A lightning_zero checkpoint directory (or the aside copy an interrupted save left of it)."""
+    """A lightning_zero checkpoint directory (or the aside copy an interrupted save left of it), local or at a URL."""
+    if is_remote(path):
+        return is_remote_checkpoint(path)
     path = Path(path)
     return is_checkpoint_dir(path) or (not os.path.lexists(path) and is_checkpoint_dir(aside_path(path)))
 
@@ -125,7 +129,8 @@ def _wrap_pl_load(saving) -> None:
     @functools.wraps(original)
     def pl_load(path_or_url, map_location=None, weights_only=None):
         if isinstance(path_or_url, (str, os.PathLike)) and is_zero_checkpoint(path_or_url):
-            return load_as_lightning_checkpoint(path_or_url, weights_only, optimizer=False, map_location=map_location)
+            with local_checkpoint_copy(path_or_url) as local:  # a URL: downloaded, read, removed
+                return load_as_lightning_checkpoint(local, weights_only, optimizer=False, map_location=map_location)
         if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
             raise IsADirectoryError(f"{str(path_or_url)!r} is a directory but not a complete lightning_zero "
                                     f"checkpoint ({INFO_FILE} is missing); a lightning_zero directory converts with "

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..checkpoint.files import read_meta, resolve_checkpoint_dir
+from ..checkpoint.local_copies import fetch_checkpoint
 from ..checkpoint.pipeline_dir import load_pipeline_checkpoint, read_manifest, save_pipeline_checkpoint
 from ..checkpoint.trust import trusted
 
@@ -41,7 +42,7 @@ class PipelineCheckpoints:
         save_pipeline_checkpoint(pipe, str(path), meta)
 
     def read(self, checkpoint_path, weights_only: Optional[bool]) -> dict[str, Any]:
-        path = resolve_checkpoint_dir(checkpoint_path)
+        path = resolve_checkpoint_dir(fetch_checkpoint(checkpoint_path, collective=True))  # a URL: a local copy
         read_manifest(path)  # one clear error for anything that is not a pipeline checkpoint
         self._trust = trusted(self.trust_checkpoint, weights_only)
         meta = read_meta(path, trust_checkpoint=self._trust)  # loops, callbacks: restricted unless trusted

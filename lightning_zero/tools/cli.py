@@ -45,7 +45,7 @@ def _consolidate(args: argparse.Namespace) -> int:
         from ..checkpoint.trainable_parts import write_part
 
         info = write_part(args.ckpt_dir, args.out, part, dtype, trust_checkpoint=args.trust_checkpoint)
-        print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.out} ({part})")
+        print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.shown_out} ({part})")
         return 0
     # the Trainer's checks (checksums, the json against DCP's metadata) before anything is written
     total = stored_nbytes(read_info(resolve_checkpoint_dir(args.ckpt_dir), args.trust_checkpoint), dtype)
@@ -60,7 +60,7 @@ def _consolidate(args: argparse.Namespace) -> int:
                                trust_checkpoint=args.trust_checkpoint)
     what = " (Lightning checkpoint" + (", with optimizer state)" if info.get("optimizer") else ", weights only)") \
         if args.lightning else ""
-    print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.out}{what}")
+    print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.shown_out}{what}")
     return 0
 
 
@@ -74,9 +74,25 @@ def _consolidate_pipeline(args: argparse.Namespace, dtype) -> int:
                          "the uncut model's names, not the LightningModule's stage modules. Allowed: a plain "
                          "state dict (OUT .pt or .safetensors) that loads into the uncut model with strict=True.")
     info = write_consolidated(resolve_checkpoint_dir(args.ckpt_dir), args.out, dtype, args.trust_checkpoint)
-    print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.out} (pipeline "
+    print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.shown_out} (pipeline "
           f"checkpoint: every stage's weights under the uncut model's names)")
     return 0
+
+
+def _at_locations(command, out: str):
+    """``command`` reading ``args.ckpt_dir`` and writing ``args.<out>``, either of them an fsspec URL (``s3://``,
+    ``file://``, ...): the checkpoint read from a local copy, the output written locally and uploaded when
+    complete (checkpoint/local_copies.py); ``args.shown_out`` is what the user named."""
+    def run(args: argparse.Namespace) -> int:
+        from ..checkpoint.local_copies import local_checkpoint_copy, local_output
+
+        args.shown_out = getattr(args, out)
+        with local_checkpoint_copy(args.ckpt_dir) as src, local_output(args.shown_out) as dst:
+            args.ckpt_dir = str(src)
+            setattr(args, out, str(dst))
+            return command(args)
+
+    return run
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -91,7 +107,7 @@ def _export(args: argparse.Namespace) -> int:
                     dtype=getattr(torch, _DTYPES[args.dtype]), quiet=args.quiet, trust_checkpoint=args.trust_checkpoint,
                     adapter=args.adapter)
     print(f"wrote {res['tensors']} tensors ({res['bytes'] / 2**20:.1f} MiB) of {res['class']} (prefix "
-          f"{res['prefix']!r}) to {res['out']}: {res['class']}.from_pretrained({res['out']!r})")
+          f"{res['prefix']!r}) to {args.shown_out}: {res['class']}.from_pretrained({args.shown_out!r})")
     return 0
 
 
@@ -113,7 +129,7 @@ def _add_export(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_parts(p)
     _add_trust(p)
-    p.set_defaults(func=_export)
+    p.set_defaults(func=_at_locations(_export, "out_dir"))
 
 
 def _add_parts(p) -> None:
@@ -154,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_parts(p)
     _add_trust(p)
-    p.set_defaults(func=_consolidate)
+    p.set_defaults(func=_at_locations(_consolidate, "out"))
     _add_export(sub)
     add_estimate(sub)
     add_tune(sub)
