@@ -181,3 +181,39 @@ def test_malformed_reference_is_one_clear_error(saved):
     info_file.write_text(json.dumps(integrity.seal(info)))
     with pytest.raises(ValueError, match=r"Corrupt checkpoint metadata: its 'trainable_only' entry has no valid hash"):
         LoraModule.load_from_checkpoint(str(ckpt), base=str(base))
+
+
+@pytest.mark.timeout(300)
+def test_trainable_only_checkpoint_at_an_fsspec_url(tmp_path, monkeypatch):
+    """Saved to ``memory://``, resumed and consolidated from there: the reference and the hash travel with
+    the directory, the base stays where it was recorded."""
+    import uuid
+
+    import fsspec
+
+    from lightning_zero.checkpoint import location
+
+    monkeypatch.setenv(location.STAGING_ENV, str(tmp_path / "staging"))
+    url = f"memory:///lz-{uuid.uuid4().hex[:8]}"
+    try:
+        base = write_base(tmp_path / "base")
+        knobs = dict(checkpoint_trainable_only=True, checkpoint_base=str(base))
+        trainer = Trainer(strategy=ZeroStrategy(stage=3, **knobs),
+                          callbacks=[ModelCheckpoint(dirpath=url, filename="ckpt", every_n_train_steps=1)],
+                          **trainer_kwargs(devices=1, max_steps=1, enable_checkpointing=True,
+                                           default_root_dir=str(tmp_path)))
+        module = LoraModule(str(base))
+        trainer.fit(module)
+        want = module.state_dict()
+        assert cli(["consolidate", f"{url}/ckpt.ckpt", str(tmp_path / "whole.pt"), "--quiet"]) == 0
+        whole = torch.load(tmp_path / "whole.pt")
+        assert whole.keys() == want.keys() and all(torch.equal(whole[k], want[k]) for k in want)
+        with pytest.raises(BaseMismatchError, match="The base model differs"):
+            _fit(tmp_path / "other", write_base(tmp_path / "other_base", seed=3), max_steps=2,
+                 ckpt_path=f"{url}/ckpt.ckpt", **knobs)
+        # last: Lightning's ModelCheckpoint removes a remote checkpoint it resumed from when it saves its own
+        _fit(tmp_path / "resume", base, max_steps=2, ckpt_path=f"{url}/ckpt.ckpt", **knobs)
+    finally:
+        fs = fsspec.filesystem("memory")
+        if fs.exists(url[len("memory://"):]):
+            fs.rm(url[len("memory://"):], recursive=True)
