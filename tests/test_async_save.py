@@ -120,7 +120,3 @@ def test_async_save_knob_is_checked():
         ZeroStrategy(stage=2, async_save=1)
     with pytest.raises(ValueError, match="checkpoint_format='full'.*AsyncCheckpointIO"):
         ZeroStrategy(stage=2, async_save=True, checkpoint_format="full")
-    from lightning_zero.lightning.pipeline_strategy import ZeroPipelineStrategy
-
-    with pytest.raises(ValueError, match="async_save=True is not available with pipeline_parallel_size"):
-        ZeroPipelineStrategy(stage=1, pipeline_parallel_size=2, async_save=True)
