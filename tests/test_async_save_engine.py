@@ -16,7 +16,7 @@ import torch
 from lightning_zero import ZeroConfig, ZeroEngine
 from lightning_zero import checkpoint as ck
 from lightning_zero.checkpoint.async_save import AsyncCheckpointer, SaveState
-from lightning_zero.checkpoint.consolidate import full_model_state
+from tests.helpers.ckpt_files import assert_same_checkpoint
 from tests.helpers.ckpt_models import make_tied, run_forked, train
 from tests.helpers.models import make_optimizer
 
@@ -62,21 +62,6 @@ def _background_equals_sync(rank, world_size, cfg, base):
     return {"states": states, "records": [(r.written_s is not None, r.error, r.bytes_staged) for r in saver.records]}
 
 
-def _same_dirs(a, b):
-    ia, ib = ck.read_info(a), ck.read_info(b)
-    sa, sb = full_model_state(a, ia), full_model_state(b, ib)
-    assert sa.keys() == sb.keys()
-    for k in sb:
-        assert torch.equal(sa[k], sb[k]), f"{a}: {k}"
-    from lightning_zero.lightning.lightning_io import load_as_lightning_checkpoint
-
-    oa, ob = (load_as_lightning_checkpoint(p)["optimizer_states"][0]["state"] for p in (a, b))
-    assert oa.keys() == ob.keys()
-    for i in ob:
-        for key in ob[i]:
-            assert torch.equal(oa[i][key], ob[i][key]), f"{a}: optimizer state {i}.{key}"
-
-
 @pytest.mark.parametrize("layout", list(_LAYOUTS))
 def test_background_save_is_the_state_of_its_step(tmp_path, layout):
     world_size, cfg = _LAYOUTS[layout]
@@ -85,9 +70,9 @@ def test_background_save_is_the_state_of_its_step(tmp_path, layout):
         assert r["states"][0] in (SaveState.WRITING, SaveState.IDLE) and r["states"][1] is SaveState.IDLE
         assert all(done and err is None and nbytes > 0 for done, err, nbytes in r["records"])
     assert sorted(os.listdir(tmp_path)) == ["async", "async6", "async6b", "sync", "sync6"]
-    _same_dirs(tmp_path / "async", tmp_path / "sync")
-    _same_dirs(tmp_path / "async6", tmp_path / "sync6")
-    _same_dirs(tmp_path / "async6b", tmp_path / "sync6")
+    assert_same_checkpoint(tmp_path / "async", tmp_path / "sync")
+    assert_same_checkpoint(tmp_path / "async6", tmp_path / "sync6")
+    assert_same_checkpoint(tmp_path / "async6b", tmp_path / "sync6")
 
 
 def _failing_rank(rank, world_size, base):
@@ -172,4 +157,4 @@ def test_background_save_to_an_fsspec_url_resumes_exactly(tmp_path):
     for step, same in run_forked(_to_url, 2, f"file://{tmp_path}/remote", str(tmp_path)):
         assert step == 2 and same
     assert sorted(os.listdir(tmp_path / "remote")) == ["async"]
-    _same_dirs(tmp_path / "remote" / "async", tmp_path / "sync")
+    assert_same_checkpoint(tmp_path / "remote" / "async", tmp_path / "sync")

@@ -106,13 +106,20 @@ def save_engine_checkpoint(path: _PathLike, module: nn.Module, engine=None, meta
                                                                                            "trainable_only_base"), meta)
     if saver is None:
         return save_checkpoint_dir(path, model, module, engine, opt, meta)
+    save_in_background(saver, path, model, module, engine, opt, meta)
+    return Path(path)
+
+
+def save_in_background(saver, path: _PathLike, model_state, module: nn.Module, engine, optimizer_state,
+                       metadata: dict) -> None:
+    """One model's directory: prepared here (collective, on the training thread), written by ``saver``
+    ([Note: asynchronous checkpoint saves])."""
     try:
-        prepared = prepare_checkpoint(model, module, engine, opt, meta)
+        prepared = prepare_checkpoint(model_state, module, engine, optimizer_state, metadata)
     except BaseException:
         release_saved_state(engine)
         raise
     saver.save(path, [("", prepared)], engines=[engine])
-    return Path(path)
 
 
 def engine_checkpoint_state(module: nn.Module, engine=None, metadata: Optional[dict] = None, optimizer: bool = True,
