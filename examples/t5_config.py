@@ -54,6 +54,10 @@ class StrategyConf:
     checkpoint_format: str = "sharded"  # sharded (DCP directory) | full (one file)
     # sharded checkpoints written by a background thread: training stops only to copy the rank's share to host memory
     async_save: bool = False
+    # LoRA / peft: save only what is trained, the frozen base recorded by reference (path + hash) to
+    # checkpoint_base (a save_pretrained dir or a lightning_zero checkpoint; needed with it, e.g. ${model.pretrained})
+    checkpoint_trainable_only: bool = False
+    checkpoint_base: Optional[str] = None
     # recompute these modules' forward in backward: null | auto (the unit policy's blocks: T5Block) | [T5Block, ...]
     activation_checkpointing: Any = None
     offload_activations: bool = False  # saved activations in (pinned) host memory between forward and backward

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroStrategy
 from lightning_zero import checkpoint as ck
-from lightning_zero.checkpoint.consolidate import full_model_state
+from tests.helpers.ckpt_files import assert_same_checkpoint
 from tests.helpers.ckpt_models import TiedParityModule
 from tests.helpers.lightning_models import load_rank_files, trainer_kwargs
 
@@ -44,24 +44,6 @@ def _same_run(got, want, what, resumed_at: int = 0):
                                        msg=lambda m: f"{what} rank {r} {k}: {m}")
 
 
-def _same_checkpoint(got, want):
-    """Every tensor, the optimizer state included, and the metadata Lightning resumes from."""
-    info_a, info_b = ck.read_info(got), ck.read_info(want)
-    a, b = full_model_state(got, info_a), full_model_state(want, info_b)
-    assert a.keys() == b.keys()
-    for k in b:
-        assert torch.equal(a[k], b[k]), f"{got.name}: {k}"
-    assert info_a["optimizer_state"] == info_b["optimizer_state"]
-    ma, mb = ck.read_meta(got, trust_checkpoint=True), ck.read_meta(want, trust_checkpoint=True)
-    assert ma["global_step"] == mb["global_step"] and ma["loops"] == mb["loops"]
-    from lightning_zero.lightning.lightning_io import load_as_lightning_checkpoint
-
-    oa, ob = (load_as_lightning_checkpoint(p, trust_checkpoint=True)["optimizer_states"][0] for p in (got, want))
-    for i, st in ob["state"].items():
-        for key, v in st.items():
-            assert torch.equal(oa["state"][i][key], v), f"{got.name}: optimizer state {i}.{key}"
-
-
 @pytest.mark.parametrize("stage", [1, 2, 3, "3_offload"])
 def test_async_saves_equal_sync_saves_and_resume_exactly(tmp_path, stage):
     out = str(tmp_path)
@@ -76,7 +58,7 @@ def test_async_saves_equal_sync_saves_and_resume_exactly(tmp_path, stage):
     assert names == [f"step={s}.ckpt" for s in range(1, 7)]
     assert sorted(os.listdir(tmp_path / "async")) == names, "every save complete, nothing else left"
     for n in names:  # saved while the next steps already ran: the state of the step it was taken at
-        _same_checkpoint(tmp_path / "async" / n, tmp_path / "sync" / n)
+        assert_same_checkpoint(tmp_path / "async" / n, tmp_path / "sync" / n)
     # step 3 is epoch 0's last batch: Lightning resumes exactly from there (inside an epoch it restarts the
     # epoch's data, under any strategy)
     resumed = _fit(out, "resumed_", _strategy(stage, True), ckpt_path=tmp_path / "async" / "step=3.ckpt")
@@ -120,7 +102,3 @@ def test_async_save_knob_is_checked():
         ZeroStrategy(stage=2, async_save=1)
     with pytest.raises(ValueError, match="checkpoint_format='full'.*AsyncCheckpointIO"):
         ZeroStrategy(stage=2, async_save=True, checkpoint_format="full")
-    from lightning_zero.lightning.pipeline_strategy import ZeroPipelineStrategy
-
-    with pytest.raises(ValueError, match="async_save=True is not available with pipeline_parallel_size"):
-        ZeroPipelineStrategy(stage=1, pipeline_parallel_size=2, async_save=True)

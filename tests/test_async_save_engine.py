@@ -16,7 +16,7 @@ import torch
 from lightning_zero import ZeroConfig, ZeroEngine
 from lightning_zero import checkpoint as ck
 from lightning_zero.checkpoint.async_save import AsyncCheckpointer, SaveState
-from lightning_zero.checkpoint.consolidate import full_model_state
+from tests.helpers.ckpt_files import assert_same_checkpoint
 from tests.helpers.ckpt_models import make_tied, run_forked, train
 from tests.helpers.models import make_optimizer
 
@@ -62,21 +62,6 @@ def _background_equals_sync(rank, world_size, cfg, base):
     return {"states": states, "records": [(r.written_s is not None, r.error, r.bytes_staged) for r in saver.records]}
 
 
-def _same_dirs(a, b):
-    ia, ib = ck.read_info(a), ck.read_info(b)
-    sa, sb = full_model_state(a, ia), full_model_state(b, ib)
-    assert sa.keys() == sb.keys()
-    for k in sb:
-        assert torch.equal(sa[k], sb[k]), f"{a}: {k}"
-    from lightning_zero.lightning.lightning_io import load_as_lightning_checkpoint
-
-    oa, ob = (load_as_lightning_checkpoint(p)["optimizer_states"][0]["state"] for p in (a, b))
-    assert oa.keys() == ob.keys()
-    for i in ob:
-        for key in ob[i]:
-            assert torch.equal(oa[i][key], ob[i][key]), f"{a}: optimizer state {i}.{key}"
-
-
 @pytest.mark.parametrize("layout", list(_LAYOUTS))
 def test_background_save_is_the_state_of_its_step(tmp_path, layout):
     world_size, cfg = _LAYOUTS[layout]
@@ -85,9 +70,9 @@ def test_background_save_is_the_state_of_its_step(tmp_path, layout):
         assert r["states"][0] in (SaveState.WRITING, SaveState.IDLE) and r["states"][1] is SaveState.IDLE
         assert all(done and err is None and nbytes > 0 for done, err, nbytes in r["records"])
     assert sorted(os.listdir(tmp_path)) == ["async", "async6", "async6b", "sync", "sync6"]
-    _same_dirs(tmp_path / "async", tmp_path / "sync")
-    _same_dirs(tmp_path / "async6", tmp_path / "sync6")
-    _same_dirs(tmp_path / "async6b", tmp_path / "sync6")
+    assert_same_checkpoint(tmp_path / "async", tmp_path / "sync")
+    assert_same_checkpoint(tmp_path / "async6", tmp_path / "sync6")
+    assert_same_checkpoint(tmp_path / "async6b", tmp_path / "sync6")
 
 
 def _failing_rank(rank, world_size, base):
@@ -149,3 +134,27 @@ def test_after_commit_runs_only_after_a_complete_save(tmp_path):
         saver.wait()
     assert ran == ["idle", True], "never after a failed save"
     assert saver.summary().startswith("lightning_zero: 2 background checkpoint save(s); training stood still ")
+
+
+def _to_url(rank, world_size, url, base):
+    model, engine = _engine(dict(stage=3, unit_classes=["fc1", "fc2"]))
+    saver = AsyncCheckpointer()
+    train(model, engine, rank, world_size, range(2))
+    ck.save_engine_checkpoint(f"{base}/sync", model, engine, {"global_step": 2})
+    ck.save_engine_checkpoint(f"{url}/async", model, engine, {"global_step": 2}, saver=saver)
+    train(model, engine, rank, world_size, range(2, 4))
+    saver.close()
+    fresh, fresh_engine = _engine(dict(stage=3, unit_classes=["fc1", "fc2"]), seed=5)
+    meta = ck.load_checkpoint_dir(f"{url}/async", fresh, fresh_engine)
+    train(fresh, fresh_engine, rank, world_size, range(2, 4))
+    with engine.gathered_params(), fresh_engine.gathered_params():
+        same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    return meta["global_step"], same
+
+
+def test_background_save_to_an_fsspec_url_resumes_exactly(tmp_path):
+    """The background thread uploads through the remote commit (location.py) over its own group."""
+    for step, same in run_forked(_to_url, 2, f"file://{tmp_path}/remote", str(tmp_path)):
+        assert step == 2 and same
+    assert sorted(os.listdir(tmp_path / "remote")) == ["async"]
+    assert_same_checkpoint(tmp_path / "remote" / "async", tmp_path / "sync")

@@ -183,6 +183,15 @@ _COMMON = {  # the strategy knobs both strategies have (zero_setup.check_strateg
     "start_method": Knob(["popen", "spawn", "fork", "forkserver"], [("thread", START), (None, START)]),
     "trust_checkpoint": Knob([True, False], [(v, r"trust_checkpoint must be True or False") for v in ("no", 1, None)]),
     "async_save": Knob([True, False], [(v, r"async_save must be True or False") for v in ("no", 1, None)]),
+    "checkpoint_trainable_only": Knob([False, (True, dict(checkpoint_base=str(Path(__file__).parent)))],
+                                      [(v, r"checkpoint_trainable_only must be True or False") for v in ("no", 1)]
+                                      + [(True, r"checkpoint_trainable_only=True needs the frozen base's source\. "
+                                                r"Allowed: checkpoint_base=DIR")]),
+    "checkpoint_base": Knob([None, (str(Path(__file__).parent), dict(checkpoint_trainable_only=True))],
+                            [(v, r"checkpoint_base=.*: no such directory or file\. Allowed: a save_pretrained "
+                                 r"directory", dict(checkpoint_trainable_only=True)) for v in ("/no/such/dir", 3)]
+                            + [(str(Path(__file__).parent), r"checkpoint_base=.* is only read by trainable-only "
+                                                            r"saves\. Allowed: checkpoint_trainable_only=True")]),
 }
 
 # -- ZeroStrategy's own knobs ----------------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -45,7 +44,7 @@ import torch.distributed as dist
 
 from ..engine.comm.collectives import rank as _rank
 from .atomic import CheckpointWriteError, atomic_checkpoint_dir
-from .prepared import PreparedCheckpoint, release_saved_state, write_prepared
+from .prepared import release_saved_state, write_prepared
 
 log = logging.getLogger("lightning_zero.checkpoint")
 
@@ -88,20 +87,23 @@ class AsyncCheckpointer:
             return SaveState.WRITING
         return SaveState.FAILED if self._error is not None else SaveState.IDLE
 
-    def save(self, path, parts: Sequence[tuple[str, PreparedCheckpoint]], engines: Sequence[Any] = (),
-             finish: Optional[Callable[[Path], None]] = None) -> SaveRecord:
-        """Stage ``parts`` (each: a directory relative to ``path`` -- "" for ``path`` itself -- and its prepared
-        content) and write them in the background; ``finish(tmp)`` runs on rank 0 after them, inside the same
-        atomic directory (a manifest). ``engines``: those whose bf16 masters were widened for the save."""
+    def save(self, path, parts: Sequence[tuple], engines: Sequence[Any] = (), finish: Optional[Callable] = None,
+             groups: Sequence[Any] = ()) -> SaveRecord:
+        """Stage ``parts`` and write them in the background. Each part: a directory relative to ``path`` ("" for
+        ``path`` itself), its prepared content and, optionally, the training group it was prepared over (a
+        pipeline stage's data-parallel group; default: the world). ``finish(tmp, group_of)`` runs on every
+        rank after them, inside the same atomic directory (a manifest); ``group_of(g)`` is the background group
+        standing for training group ``g``, for ``g`` among the parts' groups and ``groups``. ``engines``: those
+        whose bf16 masters were widened for the save."""
         waited = self.wait()
         start = time.perf_counter()
-        group = _group()
+        mirrors = {_key(g): _group(g) for g in [None, *(p[2] for p in parts if len(p) > 2), *groups]}
         pinned = torch.cuda.is_available()
         staged, events = [], []
         try:
-            for sub, prepared in parts:
-                copy, done = prepared.staged(pinned)
-                staged.append((sub, copy))
+            for part in parts:
+                copy, done = part[1].staged(pinned)
+                staged.append((part[0], copy, mirrors[_key(part[2] if len(part) > 2 else None)]))
                 events.append(done)
         finally:
             for engine in engines:
@@ -109,21 +111,22 @@ class AsyncCheckpointer:
         record = SaveRecord(str(path), waited, time.perf_counter() - start, bytes_staged=_bytes(staged))
         record._t0 = time.perf_counter()
         self.records.append(record)
-        self._thread = threading.Thread(target=self._write, args=(path, staged, events, finish, group, record),
+        self._thread = threading.Thread(target=self._write, args=(path, staged, events, finish,
+                                                                 lambda g: mirrors[_key(g)], record),
                                         name="lightning_zero-checkpoint-save", daemon=True)
         self._thread.start()
         return record
 
-    def _write(self, path, staged, events, finish, group, record: SaveRecord) -> None:
+    def _write(self, path, staged, events, finish, group_of, record: SaveRecord) -> None:
         try:
             for done in events:
                 if done is not None:
                     done.synchronize()
-            with atomic_checkpoint_dir(path, group=group) as tmp:
-                for sub, prepared in staged:
+            with atomic_checkpoint_dir(path, group=group_of(None)) as tmp:
+                for sub, prepared, group in staged:
                     write_prepared(tmp / sub if sub else tmp, prepared, group)
-                if finish is not None and _rank(group) == 0:
-                    finish(tmp)
+                if finish is not None:
+                    finish(tmp, group_of)
         except BaseException as err:  # raised on the training thread by raise_if_failed (the note above)
             record.error = str(err)
             with self._lock:
@@ -193,11 +196,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _group():
+def _key(group) -> Any:
+    return None if group is None else tuple(dist.get_process_group_ranks(group))
+
+
+def _group(group=None):
+    """The background writer's stand-in for training group ``group`` (None: the world); None without one."""
+    # a group of one rank is a group too: None would mean the world to DCP (a pipeline stage's lone replica)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         from ..engine.layout.groups import checkpoint_group
 
-        return checkpoint_group()
+        return checkpoint_group(group)
     return None
 
 
@@ -215,8 +224,8 @@ def _bytes(staged) -> int:
             for v in x:
                 walk(v)
 
-    for _, prepared in staged:
-        walk(prepared.tensors)
+    for part in staged:
+        walk(part[1].tensors)
     return sum(seen.values())
 
 

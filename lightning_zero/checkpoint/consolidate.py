@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
+from . import trainable_only as TO
 from .format import _dcp_load, read_info, resolve_checkpoint_dir
 
 _PathLike = Union[str, "os.PathLike[str]"]
@@ -45,14 +46,30 @@ def consolidate(ckpt_dir: _PathLike, out_path: _PathLike, dtype: torch.dtype = t
     """
     path, out = resolve_checkpoint_dir(ckpt_dir), Path(out_path)
     info = read_info(path, trust_checkpoint)
-    if out.suffix == ".safetensors":
+    if out.suffix == ".safetensors" and TO.entry_of(info) is None:  # trainable-only: the base is not in DCP
         order = [n for n in info["order"] if n in info["tensors"] or n in info["aliases"]]
         return write_safetensors(out, path, info, {n: n for n in order}, dtype, progress, trust_checkpoint)
     with atomic_output(out) as tmp:
         sd = full_model_state(path, info, dtype, progress, trust_checkpoint)
-        torch.save(sd, tmp)
+        save_state(sd, tmp, out.suffix == ".safetensors")
     return {"tensors": len(sd), "bytes": sum(t.numel() * t.element_size() for n, t in sd.items()
-                                             if n not in info["aliases"])}
+                                             if n not in TO.full_names(info)[1])}
+
+
+def save_state(sd: Mapping[str, torch.Tensor], out: Path, safetensors: bool) -> None:
+    """A state dict into ``out``: safetensors (tied tensors written once per name) or ``torch.save``."""
+    if not safetensors:
+        torch.save(dict(sd), out)
+        return
+    from safetensors.torch import save_file  # transformers' dependency, as in engine/stage3/pretrained_source.py
+
+    seen: set = set()
+    flat = {}
+    for n, t in sd.items():
+        key = (t.data_ptr(), t.numel())
+        flat[n] = t.contiguous().clone() if key in seen else t.contiguous()
+        seen.add(key)
+    save_file(flat, str(out), metadata={"format": "pt"})
 
 
 @contextlib.contextmanager
@@ -117,10 +134,15 @@ def full_model_state(path: Path, info: dict, dtype: Optional[torch.dtype] = torc
                      progress: _Progress = None, trust_checkpoint: bool = False) -> dict:
     """Every tensor of the checkpoint whole, under every name (aliases too), in module order; floating
     tensors in ``dtype`` (None: as saved). Reads in this process only (no collective)."""
-    spec, aliases = info["tensors"], info["aliases"]
+    spec = info["tensors"]
     loaded = dict(iter_stored_tensors(path, info, list(spec), dtype, progress, batch_bytes=2**62,
                                       trust_checkpoint=trust_checkpoint))
-    return {n: loaded[aliases.get(n, n)] for n in info["order"] if n in spec or n in aliases}
+    # a trainable-only checkpoint: the frozen base from its recorded source, hash-checked
+    loaded.update(TO.read_base(info, dtype, trust_checkpoint, lambda src: full_model_state(
+        resolve_checkpoint_dir(src), read_info(resolve_checkpoint_dir(src), trust_checkpoint), dtype,
+        trust_checkpoint=trust_checkpoint)))
+    order, aliases = TO.full_names(info)
+    return {n: loaded[aliases.get(n, n)] for n in order if aliases.get(n, n) in loaded}
 
 
 def write_safetensors(out: Path, path: Path, info: dict, names: Mapping[str, str], dtype: Optional[torch.dtype],

@@ -30,6 +30,7 @@ import torch
 
 from . import integrity
 from .names import DCP_METADATA, FORMAT, INFO_FILE, META_FILE, MODELS_FORMAT, PIPELINE_FORMAT, VERSION  # noqa: F401
+from .names import TRAINABLE_ONLY_VERSION
 from .trust import UntrustedCheckpointError, load_pickled, read_dcp_metadata, storage_files, trusted
 
 _TMP, _OLD = ".zero-tmp", ".zero-old"
@@ -155,9 +156,9 @@ def read_info(path: _PathLike, trust_checkpoint: bool = False) -> dict:
                          "ZeroPipelineStrategy(pipeline_parallel_size=P) / PipelineZero.save). Allowed: resume it "
                          "with ZeroPipelineStrategy(pipeline_parallel_size=P), or `lightning-zero consolidate DIR "
                          "OUT.pt` for the uncut model's state dict.")
-    if info.get("format") != FORMAT or not isinstance(info.get("version"), int) or info["version"] > VERSION:
+    if info.get("format") != FORMAT or not isinstance(info.get("version"), int) or info["version"] > TRAINABLE_ONLY_VERSION:
         raise ValueError(f"{str(path)!r}: unsupported checkpoint format {info.get('format')!r} "
-                         f"version {info.get('version')!r} (this release reads {FORMAT} <= {VERSION}).")
+                         f"version {info.get('version')!r} (this release reads {FORMAT} <= {TRAINABLE_ONLY_VERSION}).")
     integrity.verify(path, info, INFO_FILE)
     _check_info(info, path / INFO_FILE)
     for name in (DCP_METADATA, META_FILE):

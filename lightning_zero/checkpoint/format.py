@@ -46,6 +46,7 @@ from ..engine.comm.collectives import barrier as _barrier
 from .atomic import CheckpointWriteError, agree_on_failure, atomic_checkpoint_dir  # noqa: F401  (this module's API)
 from .prepared import PreparedCheckpoint, prepare_checkpoint, release_saved_state, write_prepared  # noqa: F401
 from .async_save import AsyncCheckpointer, SaveRecord, SaveState  # noqa: F401
+from . import trainable_only as TO
 from .trust import UntrustedCheckpointError  # noqa: F401  (raised by every load; part of this module's API)
 from .sharded_state import _canonical, _flat, _managed, per_rank, sharded_model_state, sharded_optimizer_state  # noqa: F401
 from .load_dir import (  # noqa: F401  (the load path, part of this module's API)
@@ -94,20 +95,31 @@ def write_checkpoint_files(directory: Path, model_state: Mapping[str, torch.Tens
 
 
 def save_engine_checkpoint(path: _PathLike, module: nn.Module, engine=None, metadata: Optional[dict] = None,
-                           optimizer: bool = True, saver=None) -> Path:
+                           optimizer: bool = True, saver=None, trainable_only_base: Optional[str] = None) -> Path:
     """Engine-level save (no Lightning): model, optimizer state, loss-scaler state and ``metadata``.
     ``saver``: an :class:`~lightning_zero.checkpoint.async_save.AsyncCheckpointer` to write it in the
-    background (returns once staged; ``saver.wait()`` for the write)."""
+    background (returns once staged; ``saver.wait()`` for the write). ``trainable_only_base``: the frozen
+    parameters left out, recorded by reference to this source ([Note: trainable-only checkpoints])."""
     model, opt, meta = engine_checkpoint_state(module, engine, metadata, optimizer)
+    if trainable_only_base is not None:
+        model, meta = TO.trainable_only_state(module, engine, model, TO.check_base_source(trainable_only_base,
+                                                                                           "trainable_only_base"), meta)
     if saver is None:
         return save_checkpoint_dir(path, model, module, engine, opt, meta)
+    save_in_background(saver, path, model, module, engine, opt, meta)
+    return Path(path)
+
+
+def save_in_background(saver, path: _PathLike, model_state, module: nn.Module, engine, optimizer_state,
+                       metadata: dict) -> None:
+    """One model's directory: prepared here (collective, on the training thread), written by ``saver``
+    ([Note: asynchronous checkpoint saves])."""
     try:
-        prepared = prepare_checkpoint(model, module, engine, opt, meta)
+        prepared = prepare_checkpoint(model_state, module, engine, optimizer_state, metadata)
     except BaseException:
         release_saved_state(engine)
         raise
     saver.save(path, [("", prepared)], engines=[engine])
-    return Path(path)
 
 
 def engine_checkpoint_state(module: nn.Module, engine=None, metadata: Optional[dict] = None, optimizer: bool = True,

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..engine.config import STATE_DTYPE_KNOBS
 from ..engine.optim.kinds import per_rank_state
-from . import tp_state as TS, trust as TR
+from . import tp_state as TS, trainable_only as TO, trust as TR
 from .files import check_state_entries, read_info, read_meta, resolve_checkpoint_dir
 from .local_copies import local_checkpoint_copy
 from .names import META_FILE
@@ -56,7 +56,8 @@ def check_compatible(info: dict, module: nn.Module, strict: bool = True, engine=
     canonical, _ = _canonical(module)
     canonical.update({n: torch.empty(shape, device="meta") for n, (_, _, shape) in _managed(engine).items()})
     saved = info["tensors"]
-    missing = [n for n in canonical if n not in saved]
+    left = TO.left_out(info)  # a trainable-only checkpoint's frozen base: checked by its hash, not read
+    missing = [n for n in canonical if n not in saved and n not in left]
     unexpected = [n for n in saved if n not in canonical]
     mismatched = [f"{n}: checkpoint {tuple(saved[n]['shape'])}, model {tuple(canonical[n].shape)}"
                   for n in canonical if n in saved and list(canonical[n].shape) != list(saved[n]["shape"])]
@@ -82,6 +83,7 @@ def load_model_state(path: _PathLike, module: nn.Module, engine=None, strict: bo
     path = Path(path) if info is not None else resolve_checkpoint_dir(path)
     info = info or read_info(path, trust_checkpoint)
     names = check_compatible(info, module, strict, engine)
+    TO.verify_live_base(info, module, engine, process_group)
     lowp = engine is not None and hasattr(engine, "master_form")  # bf16 masters filled as fp32, then split
     if lowp:
         engine.master_form(wide=True)

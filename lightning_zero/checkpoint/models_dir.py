@@ -75,8 +75,7 @@ def save_models_checkpoint(path: _PathLike, models: Sequence[SavedModel], metada
         with atomic_checkpoint_dir(path, barrier) as tmp:
             for sub, prepared in parts:
                 write_prepared(tmp / sub, prepared)
-            if _rank() == 0:
-                finish(tmp)
+            finish(tmp, lambda g: g)
     finally:
         for m in models:
             release_saved_state(m.engine)
@@ -84,8 +83,8 @@ def save_models_checkpoint(path: _PathLike, models: Sequence[SavedModel], metada
 
 
 def prepare_models_checkpoint(models: Sequence[SavedModel], metadata: Optional[dict] = None):
-    """Each model's prepared directory ([Note: a save in two halves], prepared.py) and ``finish(tmp)``, rank
-    0's manifest and ``meta.pt`` once they are written."""
+    """Each model's prepared directory ([Note: a save in two halves], prepared.py) and ``finish(tmp, group_of)``,
+    rank 0's manifest and ``meta.pt`` once they are written."""
     dirs = model_dirs([m.key for m in models])
     parts = []
     for m in models:
@@ -99,7 +98,9 @@ def prepare_models_checkpoint(models: Sequence[SavedModel], metadata: Optional[d
                 "models": {m.key: {"dir": dirs[m.key], "optimizers": [k for k, _ in m.optimizers]} for m in models}}
     meta = _map_tensors(dict(metadata or {}), lambda t: t.detach().cpu().clone())  # may be written later
 
-    def finish(tmp: Path) -> None:
+    def finish(tmp: Path, group_of) -> None:
+        if _rank() != 0:
+            return
         torch.save(meta, tmp / META_FILE)
         (tmp / INFO_FILE).write_text(json.dumps(manifest, indent=1))
 

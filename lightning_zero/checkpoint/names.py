@@ -11,3 +11,8 @@ INFO_FILE, META_FILE, DCP_METADATA = "zero_checkpoint.json", "meta.pt", ".metada
 def optim_key(index: int) -> str:
     """The DCP key of optimizer ``index``'s state ("optim", "optim_1", ...)."""
     return "optim" if index == 0 else f"optim_{index}"
+
+
+# [Note: trainable-only checkpoints] (trainable_only.py): the json's entry of the base reference; such a json
+# is version 2, which builds reading only version 1 refuse (a full checkpoint stays version 1)
+TRAINABLE_ONLY, TRAINABLE_ONLY_VERSION = "trainable_only", 2

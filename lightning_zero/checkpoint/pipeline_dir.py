@@ -35,7 +35,8 @@ from ..engine.pipeline.state import source_names
 from . import integrity
 from .consolidate import atomic_output, full_model_state
 from .files import FORMAT, INFO_FILE, META_FILE, PIPELINE_FORMAT, read_info, resolve_checkpoint_dir
-from .format import atomic_checkpoint_dir, engine_checkpoint_state, load_checkpoint_dir, write_checkpoint_files
+from .format import atomic_checkpoint_dir, engine_checkpoint_state, load_checkpoint_dir
+from .prepared import _map_tensors, prepare_checkpoint, release_saved_state, write_prepared
 from .local_copies import local_checkpoint_copy
 from .trust import confined
 
@@ -44,38 +45,60 @@ STAGE_DIR = "stage{}"
 _PathLike = Union[str, Path]
 
 
-def save_pipeline_checkpoint(pipe: Any, path: _PathLike, metadata: Optional[dict] = None) -> Path:
+def save_pipeline_checkpoint(pipe: Any, path: _PathLike, metadata: Optional[dict] = None, saver=None) -> Path:
     """Write ``path`` for ``pipe`` (a training PipelineZero): every chunk's stage directory over its
-    data-parallel group, then the manifest and ``metadata``. Collective over the world."""
+    data-parallel group, then the manifest and ``metadata``. Collective over the world. ``saver``: an
+    AsyncCheckpointer writing it in the background (async_save.py; its groups stand in for the pipeline's)."""
     if not pipe.trains:
         raise RuntimeError("an evaluation-only pipeline (optimizer=None) has no training state to checkpoint. "
                            "Allowed: save from the training PipelineZero.")
-    lay, path = pipe.layout, Path(path)
-    mine = {}
-    with atomic_checkpoint_dir(path) as tmp:
-        for module, engine, index in zip(pipe.modules, pipe.engines, pipe.stage_indices):
-            model, optim, meta = engine_checkpoint_state(module, engine, group=lay.dp_group)
-            write_checkpoint_files(tmp / STAGE_DIR.format(index), model, module, engine, optim, meta,
-                                   process_group=lay.dp_group)
-            mine[index] = {"dir": STAGE_DIR.format(index),
-                           "params": sum(p.numel() for p in module.parameters()),
-                           "source_names": source_names(module, index, module.state_dict())}
+    parts, finish = _prepare(pipe, metadata)
+    if saver is not None:
+        saver.save(path, parts, engines=pipe.engines, finish=finish, groups=[pipe.layout.pp_group])
+        return Path(path)
+    try:
+        with atomic_checkpoint_dir(path) as tmp:
+            for sub, prepared, group in parts:
+                write_prepared(tmp / sub, prepared, group)
+            finish(tmp, lambda g: g)
+    finally:
+        for engine in pipe.engines:
+            release_saved_state(engine)
+    return Path(path)
+
+
+def _prepare(pipe: Any, metadata: Optional[dict]):
+    """Each chunk's prepared stage directory over its data-parallel group ([Note: a save in two halves],
+    prepared.py), and ``finish(tmp, group_of)``: the manifest, after a gather over the pipeline."""
+    lay, mine, parts = pipe.layout, {}, []
+    for module, engine, index in zip(pipe.modules, pipe.engines, pipe.stage_indices):
+        model, optim, meta = engine_checkpoint_state(module, engine, group=lay.dp_group)
+        parts.append((STAGE_DIR.format(index),
+                      prepare_checkpoint(model, module, engine, optim, meta, process_group=lay.dp_group), lay.dp_group))
+        mine[index] = {"dir": STAGE_DIR.format(index), "params": sum(p.numel() for p in module.parameters()),
+                       "source_names": source_names(module, index, module.state_dict())}
+    meta = _map_tensors(dict(metadata or {}), lambda t: t.detach().cpu().clone())  # may be written later
+    zero_stage = pipe.engine.config.stage
+
+    def finish(tmp: Path, group_of) -> None:
         # each stage's json described by the rank that wrote it: at a URL every rank writes into its own
         # staging directory ([Note: checkpoints at fsspec locations]), so rank 0 cannot read the others'
         written = [f"{e['dir']}/{INFO_FILE}" for e in mine.values() if (tmp / e["dir"] / INFO_FILE).is_file()]
-        stages, described = _gather_over_pipeline((mine, integrity.describe_files(tmp, written)), lay.pp_group)
-        if _rank() == 0:
-            manifest = {"format": PIPELINE_FORMAT, "version": PIPELINE_VERSION,
-                        "num_stages": len(stages), "pipeline_parallel_size": lay.num_stages,
-                        "chunks": len(pipe.modules), "data_parallel_size": lay.dp_size,
-                        "zero_stage": pipe.engine.config.stage,
-                        "stages": {str(i): stages[i] for i in sorted(stages)}}
-            torch.save(dict(metadata or {}), tmp / META_FILE)
-            # the stages' json files are written (the gather above follows them); each lists its own files
-            files = {**integrity.describe_files(tmp, [META_FILE]), **described}
-            manifest[integrity.FILES_KEY] = dict(sorted(files.items()))
-            (tmp / INFO_FILE).write_text(json.dumps(integrity.seal(manifest), indent=1))
-    return path
+        stages, described = _gather_over_pipeline((mine, integrity.describe_files(tmp, written)),
+                                                  None if lay.pp_group is None else group_of(lay.pp_group))
+        if _rank() != 0:
+            return
+        manifest = {"format": PIPELINE_FORMAT, "version": PIPELINE_VERSION,
+                    "num_stages": len(stages), "pipeline_parallel_size": lay.num_stages,
+                    "chunks": len(pipe.modules), "data_parallel_size": lay.dp_size,
+                    "zero_stage": zero_stage, "stages": {str(i): stages[i] for i in sorted(stages)}}
+        torch.save(meta, tmp / META_FILE)
+        # the stages' json files are written (the gather above follows them); each lists its own files
+        files = {**integrity.describe_files(tmp, [META_FILE]), **described}
+        manifest[integrity.FILES_KEY] = dict(sorted(files.items()))
+        (tmp / INFO_FILE).write_text(json.dumps(integrity.seal(manifest), indent=1))
+
+    return parts, finish
 
 
 def _gather_over_pipeline(mine: tuple[dict, dict], pp_group: Any) -> tuple[dict, dict]:

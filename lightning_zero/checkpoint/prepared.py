@@ -26,7 +26,7 @@ from torch import nn
 
 from ..engine.comm.collectives import rank as _rank
 from ..engine.config import STATE_DTYPE_KNOBS
-from . import integrity, tp_state as TS
+from . import integrity, tp_state as TS, trainable_only as TO
 from .atomic import agree_on_failure
 from .names import FORMAT, INFO_FILE, META_FILE, VERSION, optim_key as _optim_key
 from .rank_local import RANKS_KEY, rank_local_entries
@@ -107,10 +107,11 @@ def prepare_checkpoint(model_state: Mapping[str, torch.Tensor], module: nn.Modul
         tensors[RANKS_KEY] = rank_tensors
     if _rank(process_group) != 0:
         return PreparedCheckpoint(tensors, None, None)
-    meta = dict(metadata or {})
+    meta, reference = TO.split_reference(dict(metadata or {}))  # [Note: trainable-only checkpoints]
     if opt_states:
         meta["optimizer_states"] = [{k: v for k, v in st.items() if k != "state"} for st in opt_states]
     info = _info(model_state, module, engine, state_kinds, process_group)
+    TO.record(info, reference)  # a trainable-only checkpoint's base reference
     if rank_listed:
         info["rank_local"] = rank_listed
     if more_kinds:

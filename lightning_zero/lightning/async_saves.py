@@ -11,13 +11,12 @@ failure at.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from ..checkpoint.async_save import AsyncCheckpointer
-from ..checkpoint.format import prepare_checkpoint, release_saved_state
+from ..checkpoint.format import save_in_background  # noqa: F401  (the Lightning hooks' entry)
 
 # a failed run's teardown: a peer that died mid-write never joins the writer's collectives
 FAILED_RUN_WAIT_S = 120.0
@@ -33,17 +32,6 @@ def async_saver(async_save: Any, checkpoint_format: str = "sharded") -> Optional
                          "checkpoint_format='sharded' with async_save=True, or Lightning's AsyncCheckpointIO plugin "
                          "for single files.")
     return AsyncCheckpointer() if async_save else None
-
-
-def save_in_background(saver: AsyncCheckpointer, path: Path, model_state, module, engine, optimizer_state,
-                       metadata: dict) -> None:
-    """One model's sharded directory: prepared here (collective, on the training thread), written by ``saver``."""
-    try:
-        prepared = prepare_checkpoint(model_state, module, engine, optimizer_state, metadata)
-    except BaseException:
-        release_saved_state(engine)
-        raise
-    saver.save(path, [("", prepared)], engines=[engine])
 
 
 def finish_saves(saver: Optional[AsyncCheckpointer], failed: bool) -> None:

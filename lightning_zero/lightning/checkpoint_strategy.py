@@ -25,6 +25,7 @@ from ..checkpoint.format import (_IMPL_KEYS, _TMP, _remove, aside_path, check_op
                          load_optimizer_state, read_info, read_meta, save_checkpoint_dir,
                          sharded_model_state, sharded_optimizer_state)
 from ..checkpoint.location import is_remote, remove_remote_checkpoint
+from ..checkpoint.trainable_only import trainable_only_state
 from ..checkpoint.trust import trusted
 from .async_saves import async_saver, save_in_background
 
@@ -35,8 +36,10 @@ _LOADED_KEY = "lightning_zero_checkpoint_dir"
 class TrainerCheckpoints:
     """ZeroStrategy's checkpoint format, trust decision and directory reads and writes."""
 
-    def __init__(self, checkpoint_format: str, trust_checkpoint: bool, async_save: bool = False) -> None:
+    def __init__(self, checkpoint_format: str, trust_checkpoint: bool, async_save: bool = False,
+                 trainable_only_base: Optional[str] = None) -> None:
         self.checkpoint_format = checkpoint_format
+        self.trainable_only_base = trainable_only_base  # the frozen base's source; None: every tensor saved
         self.trust_checkpoint = trust_checkpoint  # read checkpoints' pickles unrestricted (docs/security.md)
         self._trust = False  # this load's decision: trust_checkpoint, or Lightning's weights_only=False
         self.saver = async_saver(async_save, checkpoint_format)
@@ -94,6 +97,9 @@ class TrainerCheckpoints:
         opt = opt_states if opt_states and optimizer_engine is not None else None
         if opt_states is not None and opt is None:
             checkpoint["optimizer_states"] = opt_states  # evaluation: no optimizer, an empty list
+        if self.trainable_only_base is not None:  # [Note: trainable-only checkpoints]; collective: before any thread
+            model_state, checkpoint = trainable_only_state(module, engine, model_state, self.trainable_only_base,
+                                                           checkpoint)
         if self.saver is None or not in_background:
             if self.saver is not None:
                 self.saver.wait()

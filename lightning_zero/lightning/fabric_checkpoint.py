@@ -38,6 +38,7 @@ from ..checkpoint.local_copies import fetch_checkpoint
 from ..checkpoint.models_dir import (SavedModel, is_models_checkpoint, model_checkpoint, read_models_manifest,
                                      save_models_checkpoint)
 from ..checkpoint.trust import trusted
+from ..checkpoint.trainable_only import trainable_only_state
 from .async_saves import async_saver, save_in_background
 from .compat import Stateful
 from .lightning_io import load_as_lightning_checkpoint
@@ -52,10 +53,12 @@ class FabricCheckpoints:
     ``_model_of(module)`` (the set-up model holding a module), ``precision`` (its ``engine_for(optimizer)`` and
     state), ``broadcast`` / ``barrier`` and ``checkpoint_io`` (single files); nothing else is read from it."""
 
-    def __init__(self, host: Any, trust_checkpoint: bool, async_save: bool = False) -> None:
+    def __init__(self, host: Any, trust_checkpoint: bool, async_save: bool = False,
+                 trainable_only_base: Optional[str] = None) -> None:
         self.host = host
         self.trust_checkpoint = trust_checkpoint  # the strategy's knob (docs/security.md)
         self.saver = async_saver(async_save)  # None: every save written before fabric.save returns
+        self.trainable_only_base = trainable_only_base  # [Note: trainable-only checkpoints]; None: all saved
 
     def _split_state(self, state: dict) -> tuple[list[tuple[str, Module]], list[tuple[str, Optimizer]], dict]:
         modules = [(k, v) for k, v in state.items() if isinstance(v, Module)]
@@ -94,6 +97,10 @@ class FabricCheckpoints:
             meta[_PRECISION_KEY] = self.host.precision.state_dict()
             added.append(_PRECISION_KEY)
         path = Path(self.host.broadcast(str(path)))
+        if len(saved) > 1 and self.trainable_only_base is not None:
+            raise ValueError(f"checkpoint_trainable_only=True saves one model per fabric.save; this state holds "
+                             f"{len(saved)} ({', '.join(m.key for m in saved)}). Allowed: one model (with its "
+                             "optimizers) per fabric.save, or checkpoint_trainable_only=False.")
         saver = self.saver
         if saver is not None and not any(m.engine is not None for m in saved):
             saver.wait()  # nothing set up (no later step to report a failure at): written now, as a sync save
@@ -106,6 +113,8 @@ class FabricCheckpoints:
         meta[_FABRIC_KEY] = {"module": one.key, "optimizers": [k for k, _ in one.optimizers], "added": added}
         opt_states = [sharded_optimizer_state(one.engine, opt) for _, opt in one.optimizers] or None
         model_state = sharded_model_state(one.module, one.engine)
+        if self.trainable_only_base is not None:
+            model_state, meta = trainable_only_state(one.module, one.engine, model_state, self.trainable_only_base, meta)
         if saver is not None:
             save_in_background(saver, path, model_state, one.module, one.engine, opt_states, meta)
         else:

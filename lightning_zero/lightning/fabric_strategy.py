@@ -57,8 +57,8 @@ from .fabric_precision import ZeroFabricPrecision
 from .tensor_parallel import TensorParallelLayout
 from .async_saves import finish_saves
 from .strategy_args import FABRIC as FABRIC_ARGS, bind, declare
-from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, external_launcher,
-                         setup_default_group, register_presets, zero_config)
+from .zero_setup import (as_zero_precision, build_engine, check_strategy_knobs, checkpoint_base_of,
+                         external_launcher, setup_default_group, register_presets, zero_config)
 
 
 class ZeroFabricStrategy(DDPStrategy):
@@ -78,7 +78,8 @@ class ZeroFabricStrategy(DDPStrategy):
             raise ValueError("parallelize_fn needs tensor_parallel_size=T (it is called with the 2-D device mesh). "
                              "Allowed: ZeroFabricStrategy(tensor_parallel_size=T, parallelize_fn=...).")
         self._parallelize_fn = parallelize_fn
-        self.checkpoints = FabricCheckpoints(self, bool(knobs["trust_checkpoint"]), knobs["async_save"])
+        self.checkpoints = FabricCheckpoints(self, bool(knobs["trust_checkpoint"]), knobs["async_save"],
+                                             checkpoint_base_of(knobs))
         super().__init__(**{k: knobs[k] for k in ("accelerator", "parallel_devices", "cluster_environment",
                                                   "checkpoint_io", "precision", "process_group_backend", "timeout",
                                                   "start_method")})

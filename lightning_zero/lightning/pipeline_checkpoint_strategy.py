@@ -31,7 +31,8 @@ class PipelineCheckpoints:
         self._trust = False  # this load's decision: trust_checkpoint, or Lightning's weights_only=False
 
     @staticmethod
-    def save(pipe: Optional[Any], checkpoint: dict[str, Any], path: Path, storage_options: Optional[Any]) -> None:
+    def save(pipe: Optional[Any], checkpoint: dict[str, Any], path: Path, storage_options: Optional[Any],
+             saver=None) -> None:
         """Collective: each stage's group writes its own shards, Lightning's other entries go to ``meta.pt``."""
         if pipe is None:
             raise RuntimeError("save_checkpoint with pipeline_parallel_size needs a fit's pipeline (call it during "
@@ -39,7 +40,7 @@ class PipelineCheckpoints:
         if storage_options is not None:
             raise TypeError("storage_options are not supported for pipeline checkpoints (no CheckpointIO).")
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_pipeline_checkpoint(pipe, str(path), meta)
+        save_pipeline_checkpoint(pipe, str(path), meta, saver=saver)  # saver: in the background
 
     def read(self, checkpoint_path, weights_only: Optional[bool]) -> dict[str, Any]:
         path = resolve_checkpoint_dir(fetch_checkpoint(checkpoint_path, collective=True))  # a URL: a local copy

@@ -223,7 +223,12 @@ class PipelineSide:
 
     def save_checkpoint(self, lightning: Callable, checkpoint: dict[str, Any], filepath,
                         storage_options: Optional[Any]) -> None:
-        self.checkpoints.save(self.pipe, checkpoint, Path(self.strategy.broadcast(str(filepath))), storage_options)
+        saver = self.strategy.checkpoints.saver  # async_save=True: in a fit, written in the background
+        if saver is not None and (self.pipe is None or self.pipe not in self._live):
+            saver.wait()  # outside a fit: now, after any save in flight
+            saver = None
+        self.checkpoints.save(self.pipe, checkpoint, Path(self.strategy.broadcast(str(filepath))), storage_options,
+                              saver)
         if self.pipe is not None and self.pipe not in self._live:  # after fit: no step streams them out again
             for engine in self.pipe.engines:
                 engine.spill_states()

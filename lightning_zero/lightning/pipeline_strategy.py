@@ -91,10 +91,9 @@ def _check_inherited(knobs: dict) -> None:
         raise ValueError("memory_summary=True is not available with pipeline_parallel_size: the model-state table "
                          "covers one engine, a pipeline rank holds one per stage chunk. Allowed: "
                          "memory_summary=False (the default here).")
-    if knobs["async_save"]:
-        raise ValueError("async_save=True is not available with pipeline_parallel_size yet: a pipeline checkpoint "
-                         "is written over each stage's data-parallel group, which the background writer has no group "
-                         "of its own for. Allowed: async_save=False (the default).")
+    if knobs["checkpoint_trainable_only"]:
+        raise ValueError("checkpoint_trainable_only=True is not available with pipeline_parallel_size: the pipeline "
+                         "writes one directory per stage. Allowed: checkpoint_trainable_only=False.")
     if knobs["load_weights_from"] is not None:
         raise ValueError(f"load_weights_from={knobs['load_weights_from']!r} is not available with "
                          f"pipeline_parallel_size: each rank builds only its own stages in configure_model. Allowed: "

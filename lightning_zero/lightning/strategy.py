@@ -40,8 +40,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from .precision import ZeroPrecision
 from .async_saves import finish_saves
 from .strategy_args import TRAINER as TRAINER_ARGS, bind, declare
-from .zero_setup import (as_zero_precision, check_strategy_knobs, checked_weights_path, external_launcher,
-                         is_whole, setup_default_group, register_presets, zero_config)
+from .zero_setup import (as_zero_precision, check_strategy_knobs, checkpoint_base_of, checked_weights_path,
+                         external_launcher, is_whole, setup_default_group, register_presets, zero_config)
 
 if TYPE_CHECKING:
     from .pipeline_side import PipelineSide
@@ -69,7 +69,7 @@ class ZeroStrategy(DDPStrategy):
         self.zero_config = zero_config(knobs)  # the arguments named like ZeroConfig fields
         check_strategy_knobs(type(self).__name__, knobs, _LIGHTNING_TYPES)  # and the strategy's own
         self.checkpoints = TrainerCheckpoints(checkpoint_format, bool(knobs["trust_checkpoint"]),  # the hooks use it
-                                              knobs["async_save"])
+                                              knobs["async_save"], checkpoint_base_of(knobs))
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config,  # None without TP
                                                        checkpoint_format)
         super().__init__(**{k: knobs[k] for k in _DDP_ARGS})

@@ -88,6 +88,16 @@ _TRUST = Arg("trust_checkpoint", False, bool,
              "read the pickles of the checkpoints this strategy loads unrestricted (a trusted checkpoint of an "
              "earlier build, or hparams holding other objects); default False: nothing in a checkpoint runs code "
              "when read (docs/security.md). ``weights_only=False`` opts in for one load.")
+_TRAINABLE_ONLY = (
+    Arg("checkpoint_trainable_only", False, bool,
+        "checkpoint_trainable_only, checkpoint_base: save only what is trained (a LoRA / peft fine-tune's adapter, "
+        "its optimizer state, buffers and loops) and record the frozen base by reference -- ``checkpoint_base`` (a "
+        "save_pretrained directory, a state-dict file or an earlier lightning_zero checkpoint directory; default: "
+        "``load_weights_from``) and a hash of the frozen weights, which a resume checks against the model it loads "
+        "into and ``load_from_checkpoint`` / ``lightning-zero consolidate`` / ``export`` against the base they read "
+        "(checkpoint/trainable_only.py)."),
+    Arg("checkpoint_base", None, Optional[str]),
+)
 _ASYNC = Arg("async_save", False, bool,
              "sharded checkpoints written in the background: a save stops training only to copy this rank's share "
              "into host memory, a thread writes it (at most one save in flight; the checkpoint appears, and "
@@ -136,7 +146,7 @@ TRAINER: tuple[Arg, ...] = (
         '"sharded" (default: a torch.distributed.checkpoint directory per checkpoint, each rank writing its '
         'shards; reshards on load) or "full" (Lightning\'s single file with consolidated fp32 weights and '
         'optimizer state). Both load at any world size and stage.'),
-    _TRUST, _ASYNC, _SHARD_GROUP,
+    _TRUST, _ASYNC, *_TRAINABLE_ONLY, _SHARD_GROUP,
     Arg("memory_summary", True, bool, "after the first optimizer step, global rank 0 prints the per-rank "
                                       "model-state table (ZeRO beside DDP) and logs the numbers as ``zero/*`` "
                                       "metrics (``lightning/memory_summary.py``)."),
@@ -174,7 +184,7 @@ FABRIC: tuple[Arg, ...] = (
         "``parallelize_fn(module, device_mesh) -> module`` cuts the model in ``fabric.setup_module`` (e.g. torch's "
         "``parallelize_module`` over ``device_mesh[\"tensor_parallel\"]``), as Lightning's Fabric "
         "``ModelParallelStrategy`` does."),
-    _TRUST, _ASYNC,
+    _TRUST, _ASYNC, *_TRAINABLE_ONLY,
 )
 
 

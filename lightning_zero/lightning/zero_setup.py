@@ -21,6 +21,7 @@ from ..engine.config import PRESETS
 from ..engine.plan import ShardingPlan
 from ..engine.layout.elastic import destroy_groups_at_exit, init_attempt_default_group
 from ..engine.stage3.unit_policy import choose_unit_modules
+from ..checkpoint.trainable_only import check_base_source
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -184,6 +185,29 @@ def checked_weights_path(path: Any) -> Optional[str]:
         raise ValueError(f"load_weights_from={path!r}: no such directory or file. Allowed: None, a save_pretrained "
                          "directory (safetensors, sharded or not; pytorch_model.bin) or a state-dict file.")
     return os.fspath(path)
+
+
+def checkpoint_base_of(knobs: dict) -> Optional[str]:
+    """The frozen base a trainable-only save records ([Note: trainable-only checkpoints]): ``checkpoint_base``,
+    else ``load_weights_from``; None when ``checkpoint_trainable_only`` is off. One error for anything else."""
+    flag, base = knobs["checkpoint_trainable_only"], knobs["checkpoint_base"]
+    if not isinstance(flag, bool):
+        raise ValueError(f"checkpoint_trainable_only must be True or False; got {flag!r}.")
+    if not flag:
+        if base is not None:
+            raise ValueError(f"checkpoint_base={base!r} is only read by trainable-only saves. Allowed: "
+                             "checkpoint_trainable_only=True with it, or checkpoint_base=None.")
+        return None
+    if knobs.get("checkpoint_format", "sharded") != "sharded":
+        raise ValueError("checkpoint_trainable_only=True writes sharded checkpoint directories. Allowed: "
+                         "checkpoint_format='sharded' with it.")
+    base = base if base is not None else knobs.get("load_weights_from")
+    if base is None:
+        raise ValueError("checkpoint_trainable_only=True needs the frozen base's source. Allowed: "
+                         "checkpoint_base=DIR (a save_pretrained directory, a state-dict file or a lightning_zero "
+                         "checkpoint directory the model's frozen weights were built from)"
+                         + (" or load_weights_from=DIR." if "load_weights_from" in knobs else "."))
+    return check_base_source(base)
 
 
 def guard_scheduler(module, skipped: Callable[[], bool]) -> Callable[[], None]:

@@ -2,8 +2,9 @@
 ``from-deepspeed`` (the arguments of ``estimate`` and ``tune`` in ``cli_estimate.py`` / ``cli_tune.py``).
 
     lightning-zero consolidate CKPT_DIR OUT [--dtype fp32|bf16|fp16] [--lightning [--optimizer]] [--quiet]
-                               [--trust-checkpoint]
-    lightning-zero export CKPT_DIR OUTDIR --hf [--prefix model.] [--config DIR_or_config.json] [--trust-checkpoint]
+                               [--adapter | --merged] [--trust-checkpoint]
+    lightning-zero export CKPT_DIR OUTDIR --hf|--adapter [--prefix model.] [--config DIR_or_config.json]
+                          [--trust-checkpoint]
     lightning-zero estimate --model t5_large --ranks 8 --precision bf16-mixed --batch-size 8 --device-memory 24
     lightning-zero estimate --params 1.5e9 --ranks 16 --nodes 2 --optimizer sgd
     lightning-zero estimate --params 1.5e9 --ranks 8 --pipeline-parallel-size 2 --microbatches 8
@@ -37,6 +38,15 @@ def _consolidate(args: argparse.Namespace) -> int:
     dtype = getattr(torch, _DTYPES[args.dtype])
     if is_pipeline_checkpoint(resolve_checkpoint_dir(args.ckpt_dir)):
         return _consolidate_pipeline(args, dtype)
+    part = "adapter" if args.adapter else "merged" if args.merged else None
+    if part is not None:  # a trainable-only checkpoint's adapter alone, or folded into its base
+        if args.lightning:
+            raise ValueError(f"--{part} writes a plain state dict; --lightning writes the whole model. Allowed: one.")
+        from ..checkpoint.trainable_parts import write_part
+
+        info = write_part(args.ckpt_dir, args.out, part, dtype, trust_checkpoint=args.trust_checkpoint)
+        print(f"wrote {info['tensors']} tensors ({info['bytes'] / 2**20:.1f} MiB) to {args.shown_out} ({part})")
+        return 0
     # the Trainer's checks (checksums, the json against DCP's metadata) before anything is written
     total = stored_nbytes(read_info(resolve_checkpoint_dir(args.ckpt_dir), args.trust_checkpoint), dtype)
     with byte_progress(total, "consolidate", args.quiet) as progress:
@@ -90,10 +100,12 @@ def _export(args: argparse.Namespace) -> int:
 
     from .export_hf import export_hf
 
-    if not args.hf:
-        raise ValueError("export needs a target format; allowed: --hf (a transformers save_pretrained directory).")
+    if not args.hf and not args.adapter:
+        raise ValueError("export needs a target format; allowed: --hf (a transformers save_pretrained directory) "
+                         "or --adapter (a trainable-only checkpoint's peft adapter directory).")
     res = export_hf(args.ckpt_dir, args.out_dir, prefix=args.prefix, config=args.config,
-                    dtype=getattr(torch, _DTYPES[args.dtype]), quiet=args.quiet, trust_checkpoint=args.trust_checkpoint)
+                    dtype=getattr(torch, _DTYPES[args.dtype]), quiet=args.quiet, trust_checkpoint=args.trust_checkpoint,
+                    adapter=args.adapter)
     print(f"wrote {res['tensors']} tensors ({res['bytes'] / 2**20:.1f} MiB) of {res['class']} (prefix "
           f"{res['prefix']!r}) to {args.shown_out}: {res['class']}.from_pretrained({args.shown_out!r})")
     return 0
@@ -115,8 +127,20 @@ def _add_export(sub) -> None:
                    "config among the checkpoint's hyper-parameters")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="dtype of floating tensors")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_parts(p)
     _add_trust(p)
     p.set_defaults(func=_at_locations(_export, "out_dir"))
+
+
+def _add_parts(p) -> None:
+    """A trainable-only checkpoint's forms (checkpoint/trainable_parts.py); without a flag: the whole model."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--adapter", action="store_true", help="trainable-only checkpoint: the trained parameters alone "
+                   "(consolidate: under the module's names; export: peft's adapter_model.safetensors + "
+                   "adapter_config.json), no base read")
+    if p.prog.endswith("consolidate"):
+        g.add_argument("--merged", action="store_true", help="trainable-only checkpoint: each LoRA layer folded "
+                       "into its base weight (read from the recorded base), under the plain model's names")
 
 
 def _add_trust(p) -> None:
@@ -144,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", action="store_true", help="with --lightning: include the optimizer and LR "
                    "scheduler states, so Trainer(strategy='ddp').fit(ckpt_path=OUT) resumes the run")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_parts(p)
     _add_trust(p)
     p.set_defaults(func=_at_locations(_consolidate, "out"))
     _add_export(sub)

@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..checkpoint.consolidate import stored_nbytes, write_safetensors
+from ..checkpoint import trainable_only as TO, trainable_parts as TP
+from ..checkpoint.consolidate import save_state, stored_nbytes, write_safetensors
 from ..checkpoint.files import META_FILE, read_info, read_meta, resolve_checkpoint_dir
 from ..checkpoint.trust import UntrustedCheckpointError
 
@@ -129,15 +130,28 @@ def _match(cls, cfg, names: list[str], info: dict, prefix: Optional[str]) -> tup
 
 
 def export_hf(ckpt_dir: str, out_dir: str, prefix: Optional[str] = None, config: Optional[str] = None,
-              dtype: torch.dtype = torch.float32, quiet: bool = False, trust_checkpoint: bool = False) -> dict:
+              dtype: torch.dtype = torch.float32, quiet: bool = False, trust_checkpoint: bool = False,
+              adapter: bool = False) -> dict:
     """Write ``out_dir`` (model.safetensors + config.json); raise ValueError listing every missing or
     unexpected key (under the prefix) before anything is written. The checkpoint's ``meta.pt`` is read
-    only without ``config``, restricted unless ``trust_checkpoint`` (checkpoint/trust.py)."""
+    only without ``config``, restricted unless ``trust_checkpoint`` (checkpoint/trust.py). A trainable-only
+    checkpoint ([Note: trainable-only checkpoints]) exports merged (its LoRA folded into the base it
+    records), or with ``adapter`` as peft's adapter directory alone."""
     from .progress import byte_progress
 
     path = resolve_checkpoint_dir(ckpt_dir)
     info = read_info(path, trust_checkpoint)
+    if adapter:
+        return _export_adapter(path, info, out_dir, dtype, trust_checkpoint)
+    entry = TO.entry_of(info)
+    if config is None and entry and (Path(entry["base"]["source"]) / "config.json").is_file():
+        config = entry["base"]["source"]  # a trainable-only checkpoint's base: the config its model was built from
     cfg = load_config(config, {} if config is not None else _meta(path, trust_checkpoint))
+    # a trainable-only checkpoint: its LoRA folded into the base read from its source (in memory), else whole
+    whole = TP.part_state(path, info, "merged" if entry["lora"] else "full", dtype,
+                          trust_checkpoint=trust_checkpoint) if entry else None
+    if whole is not None:
+        info = {"tensors": {n: {"shape": list(t.shape)} for n, t in whole.items()}, "aliases": {}, "order": list(whole)}
     names = [n for n in info["order"] if n in info["tensors"] or n in info["aliases"]]
     tried = []
     for cls in _model_classes(cfg):
@@ -156,12 +170,29 @@ def export_hf(ckpt_dir: str, out_dir: str, prefix: Optional[str] = None, config:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sources = {info["aliases"].get(n, n) for n in written.values()}
-    total = sum(stored_nbytes({"tensors": {n: info["tensors"][n]}}, dtype) for n in sources)
-    with byte_progress(total, f"export {out.name}", quiet) as progress:
-        res = write_safetensors(out / _WEIGHTS, path, info, written, dtype, progress, trust_checkpoint)
+    total = 0 if whole is not None else sum(stored_nbytes({"tensors": {n: info["tensors"][n]}}, dtype) for n in sources)
+    if whole is not None:
+        save_state({k: whole[n] for k, n in written.items()}, out / _WEIGHTS, safetensors=True)
+        res = {"tensors": len(written), "bytes": sum(whole[n].numel() * whole[n].element_size() for n in sources)}
+    else:
+        with byte_progress(total, f"export {out.name}", quiet) as progress:
+            res = write_safetensors(out / _WEIGHTS, path, info, written, dtype, progress, trust_checkpoint)
     cfg.architectures = [cls.__name__]  # what AutoModel...from_pretrained and from_pretrained(OUTDIR) build
     if dtype != torch.float32:
         cfg.dtype = str(dtype).removeprefix("torch.")
     cfg.save_pretrained(str(out))
     return {**res, "prefix": found, "class": cls.__name__, "out": os.fspath(out)}
 
+
+
+def _export_adapter(path: Path, info: dict, out_dir: str, dtype: torch.dtype, trust_checkpoint: bool) -> dict:
+    """``--adapter``: peft's ``save_pretrained`` directory of the trained adapter (no base read, no peft needed)."""
+    entry = TP.check_part("adapter", info, path)
+    tensors, config = TP.peft_adapter(TP.part_state(path, info, "adapter", dtype, trust_checkpoint=trust_checkpoint),
+                                      entry)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_state(tensors, out / "adapter_model.safetensors", safetensors=True)
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "prefix": "base_model.model.", "class": "PeftModel", "out": os.fspath(out)}

@@ -8,6 +8,8 @@ import shutil
 import zlib
 from pathlib import Path
 
+import torch
+
 from lightning_zero import ZeroConfig, ZeroEngine
 from lightning_zero import checkpoint as ck
 from tests.helpers.ckpt_models import make_tied, train
@@ -51,3 +53,24 @@ def as_pipeline(stage: Path, dir_name: str = "stage0") -> Path:
                 "stages": {"0": {"dir": dir_name, "params": 0, "source_names": {n: n for n in names}}}}
     (path / ck.INFO_FILE).write_text(json.dumps(manifest))
     return path
+
+
+def assert_same_checkpoint(got: Path, want: Path) -> None:
+    """Two checkpoint directories hold the same tensors, optimizer state included (bit for bit), and the same
+    training progress (``global_step``, and Lightning's loops where saved)."""
+    from lightning_zero.checkpoint.consolidate import full_model_state
+    from lightning_zero.lightning.lightning_io import load_as_lightning_checkpoint
+
+    info_a, info_b = ck.read_info(got), ck.read_info(want)
+    a, b = full_model_state(got, info_a), full_model_state(want, info_b)
+    assert a.keys() == b.keys()
+    for k in b:
+        assert torch.equal(a[k], b[k]), f"{got}: {k}"
+    assert info_a["optimizer_state"] == info_b["optimizer_state"]
+    ma, mb = ck.read_meta(got, trust_checkpoint=True), ck.read_meta(want, trust_checkpoint=True)
+    assert ma.get("global_step") == mb.get("global_step") and ma.get("loops") == mb.get("loops")
+    oa, ob = (load_as_lightning_checkpoint(p, trust_checkpoint=True)["optimizer_states"][0]["state"] for p in (got, want))
+    assert oa.keys() == ob.keys()
+    for i in ob:
+        for key in ob[i]:
+            assert torch.equal(oa[i][key], ob[i][key]), f"{got}: optimizer state {i}.{key}"

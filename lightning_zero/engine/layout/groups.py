@@ -77,15 +77,17 @@ def reduce_scatter_group(group: Optional[Any] = None) -> Any:
     return _once("stage3_reduce", ranks, build, lambda g: (g,))
 
 
-def checkpoint_group() -> Any:
-    """A gloo group over the world for checkpoint writes that run beside training, in a background thread
-    ([Note: asynchronous checkpoint saves], checkpoint/async_save.py): collectives of two threads on one group
-    would interleave. gloo whatever the training backend, as DCP's own async save advises: it moves only small
-    objects (plans, file lists, agreement) between host buffers. Every rank of the world calls it."""
-    ranks = tuple(range(dist.get_world_size()))
+def checkpoint_group(group: Optional[Any] = None) -> Any:
+    """A gloo group over the ranks of ``group`` (default: the world) for checkpoint writes that run beside
+    training, in a background thread ([Note: asynchronous checkpoint saves], checkpoint/async_save.py):
+    collectives of two threads on one group would interleave. gloo whatever the training backend, as DCP's own
+    async save advises: it moves only small objects (plans, file lists, agreement) between host buffers. The
+    members of ``group`` call it (every rank, for the world)."""
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
 
     def build() -> Any:
-        made = dist.new_group(list(ranks), backend="gloo")
+        made = dist.new_group(list(ranks), backend="gloo",
+                              use_local_synchronization=len(ranks) != dist.get_world_size())
         name_group(made, "checkpoint")
         return made
 

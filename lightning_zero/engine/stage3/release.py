@@ -100,7 +100,10 @@ class BackwardReleaser:
         self._blind = [False] * n  # a forward had no input needing a gradient: wait for end of backward
 
     def _on_forward(self, i: int, module, args, kwargs) -> None:
-        if not (torch.is_grad_enabled() and module.training) or recomputing():  # a recompute's graph is discarded
+        # eval mode is no reason to skip: autograd differentiates an eval-mode forward all the same (HF's
+        # from_pretrained returns its model in eval mode, and Lightning keeps a submodule's mode), and a unit
+        # released before its frozen weights computed its input's gradient would be read empty
+        if not torch.is_grad_enabled() or recomputing():  # a recompute's graph is discarded
             return
         inputs = [t for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t) and t.requires_grad]
         if not inputs:
