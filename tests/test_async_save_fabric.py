@@ -9,61 +9,34 @@ import os
 import pytest
 import torch
 from lightning.fabric import Fabric
-from torch import nn
 
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroFabricStrategy
 from lightning_zero.checkpoint import CheckpointWriteError
 from tests.helpers.ckpt_models import run_forked
+from tests.helpers.fabric_pair import pair_state, pair_steps, setup_pair
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def _models():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)), nn.Linear(8, 1)
-
-
 def _setup(stage: int, async_save: bool):
-    fabric = Fabric(strategy=ZeroFabricStrategy(stage=stage, async_save=async_save), accelerator="cpu",
-                    devices=torch.distributed.get_world_size())
-    fabric.launch()
-    g, d = _models()
-    g, opt_g = fabric.setup(g, torch.optim.AdamW(g.parameters(), lr=0.01))
-    d, opt_d = fabric.setup(d, torch.optim.AdamW(d.parameters(), lr=0.01))
-    return fabric, g, d, opt_g, opt_d
-
-
-def _steps(fabric, g, d, opt_g, opt_d, rank, start, n):
-    losses = []
-    for it in range(start, start + n):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * it + rank))
-        loss = d(g(x)).pow(2).mean() + g(x).pow(2).mean()
-        fabric.backward(loss)
-        opt_g.step(), opt_d.step(), opt_g.zero_grad(), opt_d.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _state(fabric, *models):
-    with fabric.strategy.gathered_params():
-        return {f"{i}.{k}": v.detach().clone() for i, m in enumerate(models) for k, v in m.state_dict().items()}
+    return setup_pair(ZeroFabricStrategy(stage=stage, async_save=async_save))
 
 
 def _job(rank, world_size, root, stage):
     out = {}
     fabric, g, d, opt_g, opt_d = _setup(stage, async_save=True)
-    _steps(fabric, g, d, opt_g, opt_d, rank, 0, 2)
+    pair_steps(fabric, g, d, opt_g, opt_d, rank, 0, 2)
     fabric.save(os.path.join(root, "both"), {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": 2})
     fabric.save(os.path.join(root, "g_only"), {"g": g, "opt_g": opt_g, "step": 2})  # waits for the first
-    out["after"] = _steps(fabric, g, d, opt_g, opt_d, rank, 2, 2)  # while g_only is written
-    out["uninterrupted"] = _state(fabric, g, d)
+    out["after"] = pair_steps(fabric, g, d, opt_g, opt_d, rank, 2, 2)  # while g_only is written
+    out["uninterrupted"] = pair_state(fabric, g, d)
     with open(os.path.join(root, "blocker"), "w") as f:  # a file where the next checkpoint's directory must go
         f.write("x")
     fabric.save(os.path.join(root, "blocker", "c"), {"g": g, "opt_g": opt_g})
     fabric.strategy.checkpoints.saver._thread.join()  # the failed write is over; it surfaces at the next backward
     try:
-        _steps(fabric, g, d, opt_g, opt_d, rank, 4, 1)
+        pair_steps(fabric, g, d, opt_g, opt_d, rank, 4, 1)
         out["raised"] = None
     except CheckpointWriteError as err:
         out["raised"] = str(err)
@@ -72,8 +45,8 @@ def _job(rank, world_size, root, stage):
     fabric, g, d, opt_g, opt_d = _setup(stage, async_save=True)
     state = {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": 0}
     fabric.load(os.path.join(root, "both"), state)
-    out["resumed"] = _steps(fabric, g, d, opt_g, opt_d, rank, state["step"], 2)
-    out["resumed state"] = _state(fabric, g, d)
+    out["resumed"] = pair_steps(fabric, g, d, opt_g, opt_d, rank, state["step"], 2)
+    out["resumed state"] = pair_state(fabric, g, d)
     state = {"g": g, "opt_g": opt_g, "step": 0}
     fabric.load(os.path.join(root, "g_only"), state)
     out["g_only step"] = state["step"]

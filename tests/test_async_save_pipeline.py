@@ -12,15 +12,9 @@ import torch
 from lightning_zero.checkpoint.async_save import AsyncCheckpointer
 from lightning_zero.checkpoint.pipeline_dir import load_pipeline_checkpoint, read_manifest, save_pipeline_checkpoint
 from tests.helpers.dist_utils import run_distributed
-from tests.helpers.pipeline_gpt2 import BATCH, CALLS, global_batch, make_pipeline, named_state
+from tests.helpers.pipeline_gpt2 import BATCH, CALLS, make_pipeline, named_state, run_calls as _run
 
 SAVED_AT = 4
-
-
-def _run(pipe, calls):
-    lay, rows = pipe.layout, BATCH // pipe.layout.dp_size
-    return [pipe.step(ids, ids).item() for ids in
-            (global_batch(c)[lay.dp_rank * rows:(lay.dp_rank + 1) * rows] for c in calls)]
 
 
 def _job(rank, world_size, path):

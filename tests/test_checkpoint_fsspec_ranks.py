@@ -138,19 +138,19 @@ def test_a_rank_failing_mid_upload_is_raised_on_every_rank_and_the_previous_copy
 
 def _gan_job(rank, world_size, url):
     from lightning_zero import ZeroFabricStrategy
-    from tests.test_fabric_multi import SAVE_AT, _setup_gan, _state, gan_loop
+    from tests.helpers.fabric_pair import pair_state, pair_steps, setup_pair
 
-    fabric, g, d, opt_g, opt_d = _setup_gan("zero2")
-    gan_loop(fabric, g, d, opt_g, opt_d, rank, SAVE_AT)
-    fabric.save(url, {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": SAVE_AT})
-    after = gan_loop(fabric, g, d, opt_g, opt_d, rank, 2, start=SAVE_AT)
-    uninterrupted = _state(fabric, g, d)
+    fabric, g, d, opt_g, opt_d = setup_pair(2)
+    pair_steps(fabric, g, d, opt_g, opt_d, rank, 0, 2)
+    fabric.save(url, {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": 2})
+    after = pair_steps(fabric, g, d, opt_g, opt_d, rank, 2, 2)
+    uninterrupted = pair_state(fabric, g, d)
     fabric.strategy.teardown()
-    fabric, g, d, opt_g, opt_d = _setup_gan(ZeroFabricStrategy(stage=3))
+    fabric, g, d, opt_g, opt_d = setup_pair(ZeroFabricStrategy(stage=3))
     state = {"g": g, "d": d, "opt_g": opt_g, "opt_d": opt_d, "step": 0}
     fabric.load(url, state)
-    resumed = gan_loop(fabric, g, d, opt_g, opt_d, rank, 2, start=state["step"])
-    same = all(torch.equal(v, uninterrupted[k]) for k, v in _state(fabric, g, d).items())
+    resumed = pair_steps(fabric, g, d, opt_g, opt_d, rank, state["step"], 2)
+    same = all(torch.equal(v, uninterrupted[k]) for k, v in pair_state(fabric, g, d).items())
     fabric.strategy.teardown()
     return {"after": after, "resumed": resumed, "same": same}
 
@@ -159,15 +159,16 @@ def test_fabric_two_models_in_one_directory_at_a_file_url(tmp_path):
     """fabric.save of a GAN (one directory holding a sharded directory per model, checkpoint/models_dir.py)
     at a file:// URL from 2 ranks, loaded at stage 3: the run continues as the uninterrupted one."""
     res = run_forked(_gan_job, 2, f"file://{tmp_path}/gan.ckpt")
-    assert sorted(os.listdir(tmp_path / "gan.ckpt" / "models")) == ["d", "g"]
+    assert sorted(os.listdir(tmp_path / "gan.ckpt" / "models")) == ["d", "g"]  # the state's keys
     for r in res:
         assert r["resumed"] == r["after"] and r["same"]
 
 
 def _pipeline_job(rank, world_size, url):
     from lightning_zero.checkpoint.pipeline_dir import load_pipeline_checkpoint, save_pipeline_checkpoint
-    from tests.helpers.pipeline_gpt2 import CALLS, make_pipeline
-    from tests.test_pipeline_checkpoint import SAVED_AT, _run
+    from tests.helpers.pipeline_gpt2 import CALLS, make_pipeline, run_calls as _run
+
+    SAVED_AT = 4  # two optimizer steps
 
     pipe = make_pipeline(2, 1, "1f1b")  # ZeRO-1, P2 x DP1
     _run(pipe, range(SAVED_AT))

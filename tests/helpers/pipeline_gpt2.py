@@ -89,3 +89,11 @@ def train_pipeline(pipe, calls):
 
 def named_state(pipe):
     return {sd["source_names"][k]: v for sd in pipe.state_dicts() for k, v in sd["model"].items()}
+
+
+def run_calls(pipe, calls):
+    """Losses of ``pipe.step`` over the calls in ``calls`` (a range: a resumed run starts past the saved ones),
+    each data-parallel replica on its rows of the global batch."""
+    lay, rows = pipe.layout, BATCH // pipe.layout.dp_size
+    return [pipe.step(ids, ids).item() for ids in
+            (global_batch(c)[lay.dp_rank * rows:(lay.dp_rank + 1) * rows] for c in calls)]
