@@ -9,6 +9,7 @@ import os
 import resource
 import signal
 import time
+import warnings
 
 import pytest
 import torch
@@ -54,12 +55,19 @@ def _background_equals_sync(rank, world_size, cfg, base):
     train(model, engine, rank, world_size, range(3, 6))  # the live masters move on while the copy is written
     saver.wait()
     states.append(saver.state)
-    # the next save waits for none (the last is complete) and a second, while one is in flight, for the first
+    # the next save waits for none (the last is complete) and a second, while one is in flight, for the first:
+    # told once (any wait counts here), on rank 0
     ck.save_engine_checkpoint(f"{base}/async6", model, engine, {"global_step": 6}, saver=saver)
-    ck.save_engine_checkpoint(f"{base}/async6b", model, engine, {"global_step": 6}, saver=saver)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        saver.slow_wait_s = 0.0
+        ck.save_engine_checkpoint(f"{base}/async6b", model, engine, {"global_step": 6}, saver=saver)
+        ck.save_engine_checkpoint(f"{base}/async6c", model, engine, {"global_step": 6}, saver=saver)
+    told = [str(w.message) for w in seen if "waited" in str(w.message)]
     saver.close()
     ck.save_engine_checkpoint(f"{base}/sync6", model, engine, {"global_step": 6})
-    return {"states": states, "records": [(r.written_s is not None, r.error, r.bytes_staged) for r in saver.records]}
+    return {"states": states, "records": [(r.written_s is not None, r.error, r.bytes_staged) for r in saver.records],
+            "told": told}
 
 
 @pytest.mark.parametrize("layout", list(_LAYOUTS))
@@ -69,7 +77,9 @@ def test_background_save_is_the_state_of_its_step(tmp_path, layout):
     for r in res:
         assert r["states"][0] in (SaveState.WRITING, SaveState.IDLE) and r["states"][1] is SaveState.IDLE
         assert all(done and err is None and nbytes > 0 for done, err, nbytes in r["records"])
-    assert sorted(os.listdir(tmp_path)) == ["async", "async6", "async6b", "sync", "sync6"]
+    assert len(res[0]["told"]) == 1 and "saves are asked for faster than they are written" in res[0]["told"][0]
+    assert all(r["told"] == [] for r in res[1:])
+    assert sorted(os.listdir(tmp_path)) == ["async", "async6", "async6b", "async6c", "sync", "sync6"]
     assert_same_checkpoint(tmp_path / "async", tmp_path / "sync")
     assert_same_checkpoint(tmp_path / "async6", tmp_path / "sync6")
     assert_same_checkpoint(tmp_path / "async6b", tmp_path / "sync6")

@@ -35,6 +35,7 @@ import enum
 import logging
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -79,6 +80,8 @@ class AsyncCheckpointer:
         self._after: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.records: list[SaveRecord] = []
+        self.slow_wait_s = 1.0  # a save that waits longer for the previous one is warned about (once)
+        self._warned = False
         _LIVE.add(self)
 
     @property
@@ -96,6 +99,12 @@ class AsyncCheckpointer:
         standing for training group ``g``, for ``g`` among the parts' groups and ``groups``. ``engines``: those
         whose bf16 masters were widened for the save."""
         waited = self.wait()
+        if waited > self.slow_wait_s and not self._warned and _rank() == 0:
+            self._warned = True  # once per writer: the records and teardown's line keep the count
+            warnings.warn(f"lightning_zero: this checkpoint save waited {waited:.1f} s for the previous one to be "
+                          f"written ({self.records[-1].written_s or 0:.1f} s in the background): saves are asked "
+                          "for faster than they are written, and training stands still for the difference. Save "
+                          "less often, or to faster storage.", stacklevel=2)
         start = time.perf_counter()
         mirrors = {_key(g): _group(g) for g in [None, *(p[2] for p in parts if len(p) > 2), *groups]}
         pinned = torch.cuda.is_available()
