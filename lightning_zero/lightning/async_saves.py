@@ -11,11 +11,14 @@ failure at.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Optional
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from ..checkpoint.async_save import AsyncCheckpointer
+from ..checkpoint.files import _remove, is_checkpoint_dir
 from ..checkpoint.format import save_in_background  # noqa: F401  (the Lightning hooks' entry)
 
 # a failed run's teardown: a peer that died mid-write never joins the writer's collectives
@@ -52,3 +55,39 @@ def finish_saves(saver: Optional[AsyncCheckpointer], failed: bool) -> None:
         import logging
 
         logging.getLogger("lightning_zero.checkpoint").error("lightning_zero: %s", err)
+
+
+_PREV = ".zero-prev"  # last.ckpt -> last.zero-prev.ckpt: a name Lightning's ckpt_path="last" search still finds
+
+
+def keep_last_links(directory) -> list[Path]:
+    """Before a background save in ``directory`` (rank 0): each ``last*.ckpt`` link to a complete checkpoint
+    gets a twin, ``last*.zero-prev.ckpt``, to the same target, removed once the save is complete.
+
+    ``ModelCheckpoint(save_last="link")`` repoints ``last.ckpt`` at the new checkpoint as soon as the save is
+    asked for, and the new directory appears only when the background write completes: a process that dies in
+    between would leave ``last.ckpt`` naming nothing, and ``fit(ckpt_path="last")`` -- which skips a link to
+    nothing -- would find no last checkpoint at all. Its search takes any ``last*.ckpt``, so it finds the twin,
+    whose target (the previous last checkpoint) the save does not touch: top-k removals wait for the commit."""
+    directory = Path(directory)
+    made: list[Path] = []
+    if not directory.is_dir():
+        return made
+    for entry in os.scandir(directory):
+        link = Path(entry.path)
+        if (not entry.is_symlink() or not link.name.startswith("last") or link.suffix != ".ckpt"
+                or _PREV in link.name or not is_checkpoint_dir(link)):
+            continue
+        twin = link.with_name(link.stem + _PREV + link.suffix)
+        staging = twin.with_name(twin.name + ".new")
+        _remove(staging)
+        os.symlink(os.readlink(link), staging)
+        os.replace(staging, twin)  # an earlier save's twin (one that failed) replaced in one step
+        made.append(twin)
+    return made
+
+
+def drop_links(links: list[Path]) -> None:
+    for link in links:
+        if os.path.islink(link):
+            os.unlink(link)

@@ -27,7 +27,8 @@ from ..checkpoint.format import (_IMPL_KEYS, _TMP, _remove, aside_path, check_op
 from ..checkpoint.location import is_remote, remove_remote_checkpoint
 from ..checkpoint.trainable_only import trainable_only_state
 from ..checkpoint.trust import trusted
-from .async_saves import async_saver, save_in_background
+from ..engine.comm.collectives import rank as _rank
+from .async_saves import async_saver, drop_links, keep_last_links, save_in_background
 
 # -- Lightning glue ----------------------------------------------------------------------------------------------
 _LOADED_KEY = "lightning_zero_checkpoint_dir"
@@ -105,7 +106,11 @@ class TrainerCheckpoints:
                 self.saver.wait()
             save_checkpoint_dir(path, model_state, module, engine, opt, checkpoint, barrier=barrier)
             return
+        self.saver.wait()  # the save in flight commits (and drops its twins, below) before this one's are made
+        twins = keep_last_links(Path(path).parent) if _rank() == 0 and not is_remote(path) else []
         save_in_background(self.saver, path, model_state, module, engine, opt, checkpoint)
+        if twins:
+            self.saver.after_commit(lambda: drop_links(twins))
 
     def remove(self, filepath) -> None:
         """A directory, a file, or save_last="link"'s symlink (never its target), with what an interrupted save

@@ -2,7 +2,8 @@
 
 ``python -m tests.helpers.async_kill OUT MODE``; MODE is "reference" (synchronous saves, uninterrupted),
 "killed" (asynchronous saves; the write of the step-4 checkpoint announces itself in OUT/writing and then
-stalls until the test kills the process group) or "resume" (from OUT/ckpt/last.ckpt, asynchronous saves).
+stalls until the test kills the process group) or "resume" (from OUT/ckpt/last.ckpt, asynchronous saves);
+"killed_link" / "resume_link": the same with ``save_last="link"`` and ``fit(ckpt_path="last")``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from tests.helpers.lightning_models import trainer_kwargs
 
 def main(out: str, mode: str) -> None:
     torch.set_num_threads(1)
-    ckpt = Path(out) / ("ckpt_ref" if mode == "reference" else "ckpt")
-    if mode == "killed":
+    link = mode.endswith("_link")  # ModelCheckpoint(save_last="link"), resumed with ckpt_path="last"
+    ckpt = Path(out) / ("ckpt_ref" if mode == "reference" else "ckpt_link" if link else "ckpt")
+    if mode.startswith("killed"):
         real = async_save.write_prepared
 
         def stalled(directory, prepared, group=None):
@@ -36,11 +38,12 @@ def main(out: str, mode: str) -> None:
 
         async_save.write_prepared = stalled
     callbacks = [ModelCheckpoint(dirpath=ckpt, filename="{step}", save_top_k=-1, every_n_train_steps=2,
-                                 save_last=True)]
+                                 save_last="link" if link else True)]
     trainer = Trainer(strategy=ZeroStrategy(stage=3, start_method="fork", async_save=mode != "reference"),
                       callbacks=callbacks, **trainer_kwargs(devices=2, max_steps=6, limit_train_batches=2,
                                                             enable_checkpointing=True))
-    trainer.fit(TiedParityModule(out, tag=f"{mode}_"), ckpt_path=str(ckpt / "last.ckpt") if mode == "resume" else None)
+    resume = "last" if mode == "resume_link" else str(ckpt / "last.ckpt") if mode == "resume" else None
+    trainer.fit(TiedParityModule(out, tag=f"{mode}_"), ckpt_path=resume)
 
 
 if __name__ == "__main__":
