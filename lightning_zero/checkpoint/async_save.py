@@ -78,6 +78,7 @@ class AsyncCheckpointer:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._after: list[Callable[[], None]] = []
+        self._open = False  # a save is in flight whose after_commit queue is not yet taken
         self._lock = threading.Lock()
         self.records: list[SaveRecord] = []
         self.slow_wait_s = 1.0  # a save that waits longer for the previous one is warned about (once)
@@ -120,6 +121,7 @@ class AsyncCheckpointer:
         record = SaveRecord(str(path), waited, time.perf_counter() - start, bytes_staged=_bytes(staged))
         record._t0 = time.perf_counter()
         self.records.append(record)
+        self._open = True  # after_commit queues until the writer takes the queue (under the lock)
         self._thread = threading.Thread(target=self._write, args=(path, staged, events, finish,
                                                                  lambda g: mirrors[_key(g)], record),
                                         name="lightning_zero-checkpoint-save", daemon=True)
@@ -139,13 +141,13 @@ class AsyncCheckpointer:
         except BaseException as err:  # raised on the training thread by raise_if_failed (the note above)
             record.error = str(err)
             with self._lock:
-                self._error, self._after = err, []
+                self._error, self._after, self._open = err, [], False
             return
         finally:
             staged.clear()  # the host copy goes as soon as it is written
         record.written_s = time.perf_counter() - record._t0
         with self._lock:
-            after, self._after = self._after, []
+            after, self._after, self._open = self._after, [], False
         for fn in after:
             try:
                 fn()
@@ -156,7 +158,7 @@ class AsyncCheckpointer:
         """Run ``fn`` once the save in flight is complete (now if none is); never if it fails -- nor while the
         last save's failure is unreported (the save ``fn`` follows did not land)."""
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
+            if self._open:  # not "is the thread alive": it may have taken the queue already
                 self._after.append(fn)
                 return
             if self._error is not None:
