@@ -75,6 +75,9 @@ class StrategyConf:
     # tensor parallelism (stages 0-2): a (N // T, T) ("data_parallel", "tensor_parallel") mesh for a model cut with
     # parallelize_module in configure_model; null = none. The T5 recipe's model is not cut: the T ranks repeat it
     tensor_parallel_size: Optional[int] = None
+    # sequence parallelism (Ulysses, any stage): groups of S consecutive ranks split each source sequence (T5's
+    # encoder self-attention runs on S-th of the heads over the whole sequence); null = none
+    sequence_parallel_size: Optional[int] = None
 
 
 @dataclass

@@ -141,6 +141,13 @@ CONFIG = {
                                         r"with tensor parallelism: 0, 1, 2", dict(stage=3)),
                                     (2, r"shard_group_size=2 \(hybrid sharding\) cannot be combined with "
                                         r"tensor_parallel_size=2", dict(shard_group_size=2))]),
+    "sequence_parallel_size": Knob(
+        [None, 1, 2, (2, dict(stage=3)), (2, dict(stage=0)), (2, dict(stage=3, shard_group_size=2)),
+         (2, dict(stage=3, offload_optimizer=True, offload_params=True))],
+        [(v, "sequence_parallel_size must be an int >= 1") for v in (0, 2.0, True, "2")]
+        + [(2, r"tensor_parallel_size=2 \(tensor parallelism\) cannot be combined with sequence_parallel_size=2 "
+               r"\(sequence parallelism\): the tensor-parallel ranks already split every attention's heads",
+            dict(tensor_parallel_size=2))]),
     "activation_checkpointing": Knob(
         [None, "auto", ["GPT2Block"], "GPT2Block", nn.Linear, "AutoBlock", ListConfig(["GPT2Block"])],
         [(v, r"did you mean 'auto'.*Allowed: None, 'auto' or a non-empty list") for v in ("autoo", "Auto", ["auto"])]
@@ -229,6 +236,8 @@ PIPELINE = {
             dict(shard_group_size=2)),
            (2, r"tensor_parallel_size=2 \(tensor parallelism\) cannot be combined with pipeline_parallel_size",
             dict(tensor_parallel_size=2)),
+           (2, r"pipeline_parallel_size=2 \(pipeline parallelism\) cannot be combined with "
+               r"sequence_parallel_size=2 .*a sequence-sharded micro-batch", dict(sequence_parallel_size=2)),
            (2, r"checkpoint_format='full' is not available with pipeline_parallel_size",
             dict(checkpoint_format="full")),
            (2, r"memory_summary=True is not available with pipeline_parallel_size.*Allowed: memory_summary=False",

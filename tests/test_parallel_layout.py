@@ -1,7 +1,8 @@
 """The one parallel layout (engine/layout/dims.py, engine/layout/groups.py): one table refuses, one cache makes.
 
-* Every pair of dims the table refuses is refused the same way by ZeroConfig, both strategies and the pipeline,
-  and every stage a dim does not take; a pair missing from the table would compose (the table is the truth).
+* Every pair of dims is in one of two tables: the pairs refused (COMPOSE) are refused the same way by ZeroConfig,
+  both strategies and the pipeline, the pairs that combine (COMPOSED) are taken by each; so is every stage a dim
+  takes, and every other stage refused.
 * ``ZeroConfig(tensor_parallel_size=T)`` alone gives the engine the process's (N // T, T) mesh: training equals
   the engine handed that mesh explicitly and torch DDP of the whole model (TP=2 x DP=2, 4 gloo ranks).
 * The groups are made once per process in one cache: a second engine of every kind adds nothing to it.
@@ -16,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.engine.layout.dims import COMPOSE, DIMS, KNOBS, STAGES_WITH, ParallelDims
+from lightning_zero.engine.layout.dims import COMPOSE, COMPOSED, DIMS, KNOBS, STAGES_WITH, ParallelDims
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.parity import TP_FP32, close
 from tests.helpers.tp_models import dp_batch, full_state, lm_loss, make_gpt, parallelize
@@ -31,13 +32,23 @@ def _build(kwargs: dict):
 
 
 @pytest.mark.parametrize("a, b", list(itertools.combinations(DIMS, 2)))
-def test_each_pair_of_dims_is_refused_by_the_table_alone(a, b):
-    assert (a, b) in COMPOSE, f"{a} x {b} is missing from the table: it would compose untested"
+def test_each_pair_of_dims_is_in_one_table(a, b):
+    assert ((a, b) in COMPOSE) != ((a, b) in COMPOSED), f"{a} x {b} must be in exactly one of COMPOSE and COMPOSED"
+
+
+@pytest.mark.parametrize("a, b", sorted(COMPOSE))
+def test_each_refused_pair_is_refused_by_the_table_alone(a, b):
     kwargs = {KNOBS[a]: 2, KNOBS[b]: 2, "stage": 1}
     for make in _build(kwargs):
         with pytest.raises(ValueError, match=rf"{KNOBS[a]}=2 \(.*\) cannot be combined with {KNOBS[b]}=2 .*"
                                              rf"{COMPOSE[(a, b)]}\. Allowed: one of {KNOBS[a]} and {KNOBS[b]}"):
             make()
+
+
+@pytest.mark.parametrize("a, b", sorted(COMPOSED))
+def test_each_composed_pair_is_taken_by_every_entry_point(a, b):
+    for make in _build({KNOBS[a]: 2, KNOBS[b]: 2, "stage": 1}):
+        make()
 
 
 @pytest.mark.parametrize("dim", sorted(STAGES_WITH))

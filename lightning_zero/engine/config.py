@@ -128,6 +128,10 @@ class ZeroConfig:
         must divide the world size; None = the world size (one group). Stage 0 ignores it.
     tensor_parallel_size: T, the tensor dim of the one parallel layout (layout.py, which also says which
         dims and stages combine); the engine then takes the process's (N // T, T) mesh unless given one.
+    sequence_parallel_size: S, the sequence dim: groups of S consecutive ranks split each sequence along its
+        length (Ulysses, lightning_zero/sequence_parallel/); the engine itself is unchanged -- every rank of a
+        group returns the whole sequence's loss, so ZeRO shards and averages over all ranks as data-parallel
+        ones ([Note: sequence parallelism over ZeRO], layout/dims.py). Any stage, hybrid sharding, offload.
     """
 
     stage: int = 2
@@ -147,8 +151,10 @@ class ZeroConfig:
     #     replicate across the groups; None = the whole world (plain ZeRO)
     # tensor_parallel_size: T, a (N // T, T) ("data_parallel", "tensor_parallel") mesh (stages 0-2); None = none
     # (the pipeline dim, P, is ZeroPipelineStrategy's / PipelineZero's own argument, checked by the same table)
+    # sequence_parallel_size: S, groups of S consecutive ranks each splitting one batch's sequences (Ulysses)
     shard_group_size: Optional[int] = None
     tensor_parallel_size: Optional[int] = None
+    sequence_parallel_size: Optional[int] = None
 
     # -- activation memory (engine/memory/activations.py) ------------------------------------------------------
     # activation_checkpointing: None; "auto" (the modules the stage-3 unit policy picks: the units at stage 3,

@@ -54,6 +54,7 @@ from .compat import (FabricSubprocessScriptLauncher, fabric_forward_module,
 from .fabric_checkpoint import FabricCheckpoints
 from .fabric_models import SetUpModel, ZeroBackwardSyncControl
 from .fabric_precision import ZeroFabricPrecision
+from .sequence_parallel import SequenceParallelLayout, data_split, ShardedLoader
 from .tensor_parallel import TensorParallelLayout
 from .async_saves import finish_saves
 from .strategy_args import FABRIC as FABRIC_ARGS, bind, declare
@@ -74,6 +75,7 @@ class ZeroFabricStrategy(DDPStrategy):
         check_strategy_knobs("ZeroFabricStrategy", knobs, dict(  # and the strategy's own
             accelerator=Accelerator, cluster_environment=ClusterEnvironment, checkpoint_io=CheckpointIO))
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config)  # None without TP
+        self.sequence_parallel = SequenceParallelLayout.of(knobs["sequence_parallel_size"])  # None without SP
         if parallelize_fn is not None and self.tensor_parallel is None:
             raise ValueError("parallelize_fn needs tensor_parallel_size=T (it is called with the 2-D device mesh). "
                              "Allowed: ZeroFabricStrategy(tensor_parallel_size=T, parallelize_fn=...).")
@@ -119,6 +121,8 @@ class ZeroFabricStrategy(DDPStrategy):
         super().setup_environment()
         if self.tensor_parallel is not None:  # fabric.strategy.device_mesh from fabric.launch() on
             self.tensor_parallel.build(self.world_size, self.root_device)
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.build()
 
     # -- tensor parallelism: the layout is a collaborator (lightning/tensor_parallel.py) ---------------------------
     @property
@@ -128,9 +132,15 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self.tensor_parallel is not None:  # the TP ranks of one data-parallel rank see the same batches
-            return self.tensor_parallel.sampler_kwargs()
-        return super().distributed_sampler_kwargs
+        return data_split(self) or super().distributed_sampler_kwargs  # TP / SP ranks sharing a batch
+
+    # -- sequence parallelism: each batch cut to this rank's slice (lightning/sequence_parallel.py) ---------------
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return dataloader if self.sequence_parallel is None else ShardedLoader(dataloader, self.sequence_parallel)
+
+    def shard_batch(self, batch: Any) -> Any:
+        """This rank's slice of a batch a loop made itself (``sequence_parallel_size`` only)."""
+        return SequenceParallelLayout.shard_of(self.sequence_parallel, batch, type(self).__name__)
 
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
         """Stage 3 with ``empty_init=True``: the model is built on the meta device and materialized by the
@@ -222,9 +232,10 @@ class ZeroFabricStrategy(DDPStrategy):
                 raise ValueError(f"This {type(module).__name__} is already set up with its optimizer(s). Allowed: "
                                  "one fabric.setup(model, opt1, opt2, ...) per model.")
             return model
-        if self._models and self.tensor_parallel is not None:
-            raise ValueError("ZeroFabricStrategy(tensor_parallel_size=T) sets up one model. Allowed: several "
-                             "models without tensor parallelism, or one nn.Module holding them.")
+        if self._models and (self.tensor_parallel or self.sequence_parallel) is not None:
+            knob = "tensor_parallel_size=T" if self.tensor_parallel is not None else "sequence_parallel_size=S"
+            raise ValueError(f"ZeroFabricStrategy({knob}) sets up one model. Allowed: several models without "
+                             "tensor or sequence parallelism, or one nn.Module holding them.")
         new = {id(p): n for n, p in module.named_parameters()}
         for other in self._models:
             shared = [new[id(p)] for p in other.module.parameters() if id(p) in new]
@@ -237,6 +248,8 @@ class ZeroFabricStrategy(DDPStrategy):
             module = self._parallelize_fn(module, self.device_mesh)
             if not isinstance(module, Module):
                 raise TypeError(f"parallelize_fn must return the nn.Module it cut; got {type(module).__name__}.")
+        if self.sequence_parallel is not None:  # Ulysses attentions before the engine sees the model
+            self.sequence_parallel.apply(module)
         model = SetUpModel(module)
         self._models.append(model)
         return model

@@ -28,6 +28,7 @@ from .engine_side import EngineSide
 from .even_inputs import check_even_inputs
 from .checkpoint_strategy import TrainerCheckpoints
 from .memory_summary import report as memory_report
+from .sequence_parallel import SequenceParallelLayout, data_split
 from .tensor_parallel import TensorParallelLayout
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.environments import ClusterEnvironment
@@ -72,6 +73,7 @@ class ZeroStrategy(DDPStrategy):
                                               knobs["async_save"], checkpoint_base_of(knobs))
         self.tensor_parallel = TensorParallelLayout.of(tensor_parallel_size, self.zero_config,  # None without TP
                                                        checkpoint_format)
+        self.sequence_parallel = SequenceParallelLayout.of(knobs["sequence_parallel_size"])  # None without SP
         super().__init__(**{k: knobs[k] for k in _DDP_ARGS})
         # what is trained and how a step runs (engine_side.py; ZeroPipelineStrategy installs its own)
         self.model_side: Union[EngineSide, PipelineSide] = EngineSide(self)
@@ -133,6 +135,8 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self._memory_reported = not self.memory_summary  # the table is printed once per fit
+        if self.sequence_parallel is not None:  # Ulysses attentions before the engine sees the model
+            self.sequence_parallel.apply(self.lightning_module)
         self.model_side.setup(trainer)
 
     def setup_distributed(self) -> None:
@@ -146,9 +150,13 @@ class ZeroStrategy(DDPStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self.tensor_parallel is not None:  # the TP ranks of one data-parallel rank see the same batches
-            return self.tensor_parallel.sampler_kwargs()
-        return super().distributed_sampler_kwargs
+        return data_split(self) or super().distributed_sampler_kwargs  # TP / SP ranks sharing a batch
+
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.sequence_parallel is not None:  # every loop's batch comes through here: this rank's slice
+            batch = self.sequence_parallel.shard(batch)
+        return batch
 
     def setup_environment(self) -> None:
         trainer = module_trainer(self.lightning_module)
@@ -158,6 +166,8 @@ class ZeroStrategy(DDPStrategy):
         if self.tensor_parallel is not None:  # LightningModule.device_mesh in configure_model, as Lightning's
             set_module_device_mesh(self.lightning_module, self.tensor_parallel.build(self.world_size,
                                                                                     self.root_device))
+        if self.sequence_parallel is not None:
+            self.sequence_parallel.build()
 
     def _configure_launcher(self) -> None:
         if not external_launcher(self, SubprocessScriptLauncher, rank_zero_info):

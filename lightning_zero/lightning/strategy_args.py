@@ -137,6 +137,14 @@ _TENSOR_PARALLEL = Arg(
     '``LightningModule.configure_model``), where the model is cut with torch\'s ``parallelize_module`` over '
     '``device_mesh["tensor_parallel"]``; ZeRO shards each parameter\'s local piece over "data_parallel", the '
     'sampler splits the data by the data-parallel rank (lightning/tensor_parallel.py).')
+_SEQUENCE_PARALLEL = Arg(
+    "sequence_parallel_size", None, Optional[int],
+    'sequence parallelism (Ulysses; any stage, hybrid sharding, offload): groups of S consecutive ranks share each '
+    'batch and split its sequences along the length; every attention runs on S-th of its heads over the whole '
+    'sequence between two all-to-alls. The model\'s HF attentions (GPT-2, Llama, T5\'s encoder) are swapped at '
+    'setup, each batch is cut to the rank\'s slice (``input_ids``, ``attention_mask``, ``position_ids``, '
+    '``labels``), the sampler splits by ``rank // S``, and the model\'s loss is the whole sequence\'s on every rank '
+    '(lightning/sequence_parallel.py, docs/sequence_parallel.md).')
 
 TRAINER: tuple[Arg, ...] = (
     *SHARED,
@@ -150,7 +158,7 @@ TRAINER: tuple[Arg, ...] = (
     Arg("memory_summary", True, bool, "after the first optimizer step, global rank 0 prints the per-rank "
                                       "model-state table (ZeRO beside DDP) and logs the numbers as ``zero/*`` "
                                       "metrics (``lightning/memory_summary.py``)."),
-    *_ACTIVATIONS, *_COMMUNICATION, _TENSOR_PARALLEL,
+    *_ACTIVATIONS, *_COMMUNICATION, _TENSOR_PARALLEL, _SEQUENCE_PARALLEL,
     Arg("load_weights_from", None, Optional[str],
         "a ``save_pretrained`` directory (safetensors, sharded or not; ``pytorch_model.bin``) or a state-dict file "
         "whose weights the LightningModule's HF model gets at the first setup. At stage 3, with the model built in "
@@ -178,7 +186,7 @@ PIPELINE: tuple[Arg, ...] = tuple(
 FABRIC: tuple[Arg, ...] = (
     *SHARED,
     Arg("precision", None, _O, "a ZeroFabricPrecision (else Fabric's ``precision=`` flag is mapped)."),
-    *PROCESS, _SHARD_GROUP, *_ACTIVATIONS, _TENSOR_PARALLEL,
+    *PROCESS, _SHARD_GROUP, *_ACTIVATIONS, _TENSOR_PARALLEL, _SEQUENCE_PARALLEL,
     *_COMMUNICATION,
     Arg("parallelize_fn", None, Optional[Callable[[torch.nn.Module, Any], torch.nn.Module]],
         "``parallelize_fn(module, device_mesh) -> module`` cuts the model in ``fabric.setup_module`` (e.g. torch's "

@@ -1,8 +1,8 @@
 """The parallel layout: one job's parallel dims, checked once, and the groups one engine works over.
 
 [Note: one parallel layout]
-A job's world of N ranks is a grid ``(pipeline P) x (data parallel D) x (tensor T)``, row-major: the
-tensor dim varies fastest (a TP group is T consecutive ranks, as torch's ``init_device_mesh`` lays out
+A job's world of N ranks is a grid ``(pipeline P) x (data parallel D) x (sequence S) x (tensor T)``, row-major:
+the tensor dim varies fastest (a TP group is T consecutive ranks, as torch's ``init_device_mesh`` lays out
 ``(N // T, T)``), the pipeline dim slowest (rank ``r`` holds pipeline stage ``r // D``). Data parallelism
 is itself ``replicate x shard`` under hybrid sharding: ZeRO shards within groups of ``shard`` consecutive
 data-parallel ranks and replicates across them. :class:`ParallelDims` is that grid's sizes as the user
@@ -10,6 +10,17 @@ gives them (``shard_group_size`` and ``tensor_parallel_size``: fields of :class:
 Trainer strategy, the Fabric strategy, Hydra and the engine read one config; ``pipeline_parallel_size``:
 ZeroPipelineStrategy's and PipelineZero's own, with its schedule knobs), validated here and nowhere else: against :data:`COMPOSE` (which dims combine, and why not) and
 :data:`STAGES_WITH` (which ZeRO stages a dim takes), then against the world size once it is known.
+
+[Note: sequence parallelism over ZeRO]
+The sequence dim S (``sequence_parallel_size``) cuts the data-parallel ranks into groups of S consecutive ranks
+that share one batch and split each of its sequences along the length (Ulysses: lightning_zero/sequence_parallel/,
+an all-to-all around every attention). The engine does not know about it: every rank of a group returns the
+*whole* sequence's loss L, built from autograd-correct collectives (the partial losses' all-reduce, whose
+backward is an all-reduce), so each rank's gradient is S times its part of dL, and ZeRO's average over all
+D * S ranks gives (1 / D) * sum over the D batches -- DDP's gradient on whole sequences. Hence parameters,
+gradients and optimizer state are sharded over the D * S ranks together at every stage (as ALST does), hybrid
+sharding and offload need nothing more, and a checkpoint does not depend on S: it resumes at any other S. The
+sampler splits the data by the group's index (``rank // S``), not by rank.
 
 Every process group and device mesh the dims need is made once per process by engine/layout/groups.py (one cache,
 [Note: why a group is never re-created]); :class:`EngineGroups` is what one engine receives of them: the
@@ -24,19 +35,31 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Optional
 
-DIMS = ("shard", "tensor", "pipeline")
-KNOBS = {"shard": "shard_group_size", "tensor": "tensor_parallel_size", "pipeline": "pipeline_parallel_size"}
-WHAT = {"shard": "hybrid sharding", "tensor": "tensor parallelism", "pipeline": "pipeline parallelism"}
+DIMS = ("shard", "tensor", "pipeline", "sequence")
+KNOBS = {"shard": "shard_group_size", "tensor": "tensor_parallel_size", "pipeline": "pipeline_parallel_size",
+         "sequence": "sequence_parallel_size"}
+WHAT = {"shard": "hybrid sharding", "tensor": "tensor parallelism", "pipeline": "pipeline parallelism",
+        "sequence": "sequence parallelism"}
 _MEANING = {"shard": "ranks per shard group, e.g. the GPUs of a node", "tensor": "ranks per tensor-parallel group",
-            "pipeline": "the stages of one pipeline"}
+            "pipeline": "the stages of one pipeline", "sequence": "ranks splitting one sequence"}
 
-_SPLIT = {"shard": " into equal shard groups", "tensor": "", "pipeline": " into pipelines of equal length"}
+_SPLIT = {"shard": " into equal shard groups", "tensor": "", "pipeline": " into pipelines of equal length",
+          "sequence": " into equal sequence-parallel groups"}
 
-#: pairs of dims that do not combine (yet), each with the reason; a pair not listed composes
+#: pairs of dims that combine, each with how (every pair of DIMS is in exactly one of COMPOSED and COMPOSE)
+COMPOSED: dict[tuple[str, str], str] = {
+    ("shard", "sequence"): "ZeRO shards over the data-parallel x sequence-parallel ranks together; the shard "
+                           "groups need not line up with the sequence groups (the gradient sum is over all ranks)",
+}
+#: pairs of dims that do not combine (yet), each with the reason
 COMPOSE: dict[tuple[str, str], str] = {
     ("shard", "tensor"): "both would split the data-parallel ranks; ZeRO shards over the mesh's data-parallel dim",
     ("shard", "pipeline"): "each pipeline stage already shards over its own data-parallel group",
     ("tensor", "pipeline"): "a pipeline stage's engine runs on a 1-D data-parallel group",
+    ("tensor", "sequence"): "the tensor-parallel ranks already split every attention's heads; Ulysses would split "
+                            "those heads again over a second group of the same batch",
+    ("pipeline", "sequence"): "a pipeline's stages pass each micro-batch's whole activations between them; a "
+                              "sequence-sharded micro-batch would need every stage's groups cut again",
 }
 #: the ZeRO stages each dim takes, and why not the others
 STAGES_WITH: dict[str, tuple[tuple[int, ...], str]] = {
@@ -60,11 +83,12 @@ class ParallelDims:
     shard: Optional[int] = None
     tensor: Optional[int] = None
     pipeline: Optional[int] = None
+    sequence: Optional[int] = None
 
     @classmethod
     def of(cls, config: Any, pipeline: Optional[int] = None) -> "ParallelDims":
         """A :class:`~.config.ZeroConfig`'s dims, with ``pipeline`` (P: the pipeline's own argument)."""
-        return cls(config.shard_group_size, config.tensor_parallel_size, pipeline)
+        return cls(config.shard_group_size, config.tensor_parallel_size, pipeline, config.sequence_parallel_size)
 
     @property
     def used(self) -> tuple[str, ...]:

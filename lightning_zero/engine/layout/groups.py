@@ -177,6 +177,27 @@ def pipeline_layout(num_stages: int) -> PipelineLayout:
     return _once("pipeline", (num_stages,), build, lambda lay: (lay.pp_group, lay.dp_group))
 
 
+def sequence_group(size: int) -> Any:
+    """This rank's sequence-parallel group: ``size`` (S) consecutive ranks sharing one batch ([Note: sequence
+    parallelism over ZeRO], dims.py). Every rank creates every group, in one order, as counter-named groups (no
+    local synchronization, so no reused names); collective over the world the first time. None when S is 1."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    ParallelDims(sequence=size).check_world(world, ("sequence",))
+    if size == 1:
+        return None
+    me = dist.get_rank()
+
+    def build() -> Any:
+        mine = None
+        for start in range(0, world, size):
+            g = dist.new_group(list(range(start, start + size)))
+            mine = g if start <= me < start + size else mine
+        name_group(mine, "sequence")
+        return mine
+
+    return _once("sequence", (size,), build, lambda g: (g,))
+
+
 def check_pipeline_size(num_stages: Any, world: int) -> int:
     """``num_stages`` (P) must be an int dividing the world size; one clear error naming the allowed ones."""
     ParallelDims(pipeline=num_stages).check_world(world, ("pipeline",))
@@ -189,12 +210,13 @@ def engine_groups(config: Any, plan: Any, trains: bool, group: Optional[Any], me
     it was given: ``group`` (a subgroup to run on; None: the world), ``mesh`` (tensor parallelism's 2-D mesh).
     Hybrid groups apply where the plan shards optimizer state; a training engine that shards parameters gets
     stage 3's own reduce-scatter group."""
-    dims = ParallelDims(config.shard_group_size, tensor=_mesh_size(mesh, config))
+    dims = ParallelDims(config.shard_group_size, tensor=_mesh_size(mesh, config),
+                        sequence=config.sequence_parallel_size)
     dims.check(config.stage, knobs={"tensor": "device_mesh"} if mesh is not None else None)
     tensor = TP.tensor_parallel_view(mesh, group, module)
     if tensor is not None:  # ZeRO (shards, broadcasts) runs over the data-parallel dim only
         group = tensor.dp_group
-    dims.check_world(world_size(group), ("shard",))
+    dims.check_world(world_size(group), ("shard", "sequence"))
     shard, replicate, reduce = (hybrid_groups(config.shard_group_size, group) if plan.shards_optimizer_state
                                 else (group, None, None))
     if plan.shards_params and trains and world_size(shard) > 1 and reduce is None:
