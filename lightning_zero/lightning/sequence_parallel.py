@@ -33,8 +33,9 @@ class SequenceParallelLayout:
 
     @classmethod
     def of(cls, size: Optional[int]) -> Optional["SequenceParallelLayout"]:
-        """None without the dim (its type, stages and combinations: ZeroConfig, engine/layout/dims.py)."""
-        return None if size is None else cls(size)
+        """None without the dim, or with S = 1: nothing to cut (its type, stages and combinations: ZeroConfig,
+        engine/layout/dims.py)."""
+        return None if size is None or size == 1 else cls(size)
 
     def build(self) -> Any:
         """This rank's group (collective over the world the first time; made once per process)."""
