@@ -11,15 +11,15 @@ RTOL, ATOL = 1e-5, 1e-6
 VOCAB = 96
 
 
-def causal_lm(arch: str, impl: str = "sdpa", heads: int = 4, kv_heads: int = 2):
+def causal_lm(arch: str, impl: str = "sdpa", heads: int = 4, kv_heads: int = 2, hidden: int = 32):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     if arch == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=heads, n_positions=128,
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=2, n_head=heads, n_positions=128,
                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                           attn_implementation=impl))
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=heads, num_key_value_heads=kv_heads,
                                         max_position_embeddings=128, attn_implementation=impl))
 
