@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from lightning_zero import ZeroFabricStrategy
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.parity import FP32, close
-from tests.helpers.sp_models import SEQ, Tokens, make_lm
+from tests.helpers.sp_lightning import SEQ, Tokens, make_lm
 
 STEPS = 3
 

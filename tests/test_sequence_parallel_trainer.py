@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeroStrategy
 from tests.helpers.parity import FP32, close
-from tests.helpers.sp_models import SPModule, make_lm, rank_files, trainer_kwargs
+from tests.helpers.sp_lightning import SPModule, make_lm, rank_files, trainer_kwargs
 
 _RUN = itertools.count()
 STEPS = 4

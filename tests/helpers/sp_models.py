@@ -1,99 +1,95 @@
-"""HF causal LMs from their configs as a LightningModule for the sequence-parallel Trainer tests, its token data,
-and the per-rank result files (losses each step, final weights) compared with a plain-DDP reference."""
-
+"""Tiny HF models and one rank's run for the sequence-parallel tests: the reference is one process on the
+whole sequence (each rank computes it locally, no collective), the run is the same model split over the
+default group, both from the same seed."""
 from __future__ import annotations
 
-import os
-from typing import Optional
+import copy
 
-import lightning.pytorch as pl
-import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
 
-transformers = pytest.importorskip("transformers")
-VOCAB, SEQ = 97, 16
+RTOL, ATOL = 1e-5, 1e-6
+VOCAB = 96
 
 
-def make_lm(kind: str):
-    """A tiny GPT-2 or Llama (GQA: 4 query heads, 4 or 2 key/value heads) with no dropout: any S in 1, 2, 4 divides."""
+def causal_lm(arch: str, impl: str = "sdpa", heads: int = 4, kv_heads: int = 2, hidden: int = 32):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    if kind == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return transformers.GPT2LMHeadModel(cfg)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
-        return transformers.LlamaForCausalLM(cfg)
-    raise ValueError(kind)
+    if arch == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=hidden, n_layer=2, n_head=heads, n_positions=128,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                          attn_implementation=impl))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                        max_position_embeddings=128, attn_implementation=impl))
 
 
-class Tokens(Dataset):
-    """Token sequences; with ``padded``, odd items end in padding (attention_mask 0, label -100)."""
+def t5(impl: str = "sdpa", heads: int = 4):
+    from transformers import T5Config, T5ForConditionalGeneration
 
-    def __init__(self, n: int, padded: bool) -> None:
-        self.n, self.padded = n, padded
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict:
-        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(31 * i + 7))
-        mask = torch.ones(SEQ, dtype=torch.long)
-        labels = ids.clone()
-        if self.padded and i % 2:
-            mask[SEQ - 5:] = 0
-            labels[SEQ - 5:] = -100
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, num_heads=heads, d_ff=64, num_layers=2, num_decoder_layers=2,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, relative_attention_num_buckets=8,
+        relative_attention_max_distance=20, attn_implementation=impl))
 
 
-class SPModule(pl.LightningModule):
-    """``kind``'s model trained on dict batches; ``sparse``: its attention block-sparse first (a local window)."""
-
-    def __init__(self, kind: str, out: str, tag: str, sparse: bool = False, padded: bool = False, n_items: int = 12,
-                 lr: float = 1e-2) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.model = make_lm(kind)
-        if sparse:
-            from lightning_zero.sparse_attention import sparsify_causal_lm
-
-            sparsify_causal_lm(self.model, layout="local", block=4)
-        self.losses: list[float] = []
-
-    def setup(self, stage: str) -> None:
-        torch.set_num_threads(1)  # a forked rank must not use the parent's OpenMP pool
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(Tokens(self.hparams.n_items, self.hparams.padded), batch_size=2, shuffle=False)
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        loss = self.model(**batch).loss
-        self.losses.append(float(loss))
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-
-    def on_fit_end(self) -> None:  # after the strategy's teardown: the module is whole again
-        path = os.path.join(self.hparams.out, f"{self.hparams.tag}rank{self.global_rank}.pt")
-        torch.save({"losses": self.losses, "step": self.trainer.global_step,
-                    "params": {k: v.detach().float().clone() for k, v in self.state_dict().items()}}, path)
+def causal_batch(length: int, batch: int = 2, pad_last: int = 7, seed: int = 3) -> dict:
+    """Right-padded: the second row's last ``pad_last`` positions are padding (label -100)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    if pad_last:
+        mask[-1, length - pad_last :] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def rank_files(out: str, tag: str, world: int) -> list[dict]:
-    res = []
-    for r in range(world):
-        path = os.path.join(out, f"{tag}rank{r}.pt")
-        assert os.path.exists(path), f"rank {r} wrote no {path}"
-        res.append(torch.load(path, weights_only=False))
-    return res
+def t5_batch(length: int, target: int = 9, seed: int = 4) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (2, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, length - 5 :] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(2, VOCAB, (2, target), generator=g)}
 
 
-def trainer_kwargs(devices: int, max_steps: int, accum: int = 1, clip: Optional[float] = None, **kw) -> dict:
-    base = dict(accelerator="cpu", devices=devices, max_steps=max_steps, accumulate_grad_batches=accum,
-                gradient_clip_val=clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
-    base.update(kw)
-    return base
+def grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_pair(model, batch: dict, group=None) -> tuple:
+    """The whole-sequence reference and the sequence-parallel run of ``model`` on ``batch``, one backward each:
+    (what ``check_pair`` compares, the split model, its sharding)."""
+    from lightning_zero.sequence_parallel import apply_sequence_parallel
+
+    ref = copy.deepcopy(model)
+    out_ref = ref(**batch)
+    out_ref.loss.backward()
+    sharding = apply_sequence_parallel(model, group)
+    local = sharding.shard_batch(batch)
+    out = model(**local)
+    out.loss.backward()
+    return {"size": sharding.size, "rank": sharding.rank, "loss": out.loss.detach(), "ref_loss": out_ref.loss.detach(),
+            "logits": out.logits.detach(), "ref_logits": out_ref.logits.detach(), "grads": grads(model),
+            "ref_grads": grads(ref)}, model, sharding
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def close_grad(a, b):
+    """rtol 1e-5 with an absolute floor at 1e-6 of the tensor's largest entry (a gradient summed in another
+    order cancels to a few ulps of its scale where its true value is near zero)."""
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=max(ATOL, 1e-6 * float(b.abs().max())))
+
+
+def check_pair(results: list, length: int) -> None:
+    """Every rank: the whole loss, its slice of the logits; the ranks' gradients averaged: the reference's."""
+    size = len(results)
+    local = -(-length // size)
+    for r, res in enumerate(results):
+        close(res["loss"], res["ref_loss"])
+        ref = res["ref_logits"][:, r * local : (r + 1) * local]
+        close(res["logits"][:, : ref.shape[1]], ref)
+    for name, ref in results[0]["ref_grads"].items():
+        close_grad(sum(res["grads"][name] for res in results) / size, ref)

@@ -120,6 +120,14 @@ def rank(group: Optional[Any] = None) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
+def group_ranks(group: Optional[Any] = None) -> tuple[int, ...]:
+    """The global ranks of ``group`` in its rank order (``(0,)`` without an initialized process group): a
+    name for the group that survives pickling, where the group object itself does not."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return (0,)
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
 def _is_gloo(group: Optional[Any]) -> bool:
     return dist.get_backend(group) == "gloo"
 

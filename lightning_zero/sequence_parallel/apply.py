@@ -1,0 +1,107 @@
+"""``apply_sequence_parallel(model, group)``: an HF GPT-2, Llama or T5 model split along the sequence over
+``group``, in place; returns its ``SequenceSharding``.
+
+Every attention is checked before anything changes (one error naming the first module that cannot be
+split, its head counts, S and the sizes that work). Calling it again -- the same group, another one, or in
+a process where the model was unpickled -- re-binds the model to ``group``; nothing is wrapped twice.
+
+A causal LM gets a forward pre-hook on the model given ([Note: masks of the whole sequence]: the whole 2-D
+mask on as ``(B, 1, 1, s)``, a mask of the local slice refused) and its ``loss_function`` wrapped
+(``WholeSequenceLoss``); a T5 model its encoder's attentions and hooks (``hf_t5.py``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from lightning_zero.sequence_parallel.batch import SequenceSharding
+from lightning_zero.sequence_parallel.group_ref import SequenceGroup
+from lightning_zero.sequence_parallel.hf_attention import kernel_of, register, self_attention_modules, split_attention
+from lightning_zero.sequence_parallel.hf_t5 import GROUP_ATTR, encoder_attentions, split_t5_encoder, t5_encoder
+from lightning_zero.sequence_parallel.loss import WholeSequenceLoss
+from lightning_zero.sequence_parallel.split_attention import KERNELS
+
+
+def _sizes(*counts: int) -> list[int]:
+    g = math.gcd(*counts)
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def _check(found: list, size: int) -> None:
+    for path, mod, heads, kv_heads in found:
+        kernel = kernel_of(mod)
+        if kernel not in KERNELS:
+            raise ValueError(f"{path} ({type(mod).__name__}) runs attn_implementation={kernel!r}: sequence "
+                             f"parallelism runs the kernel on whole sequences of its heads for {list(KERNELS)} "
+                             "(set attn_implementation to one of them).")
+        if heads % size or kv_heads % size:
+            kv = f" and {kv_heads} key/value heads" if kv_heads != heads else ""
+            why = ("S must divide both (each rank attends with whole key/value heads: its query heads' groups)"
+                   if kv else "S must divide the head count")
+            raise ValueError(f"{path} ({type(mod).__name__}) has {heads} attention heads{kv}: sequence "
+                             f"parallelism of size {size} gives each rank {heads}/{size} whole heads, so {why}; "
+                             f"allowed sizes: {_sizes(heads, kv_heads)}.")
+
+
+def _causal_pre_hook(module, args, kwargs):
+    """The whole padding mask on as (B, 1, 1, s); a local one, positional arguments past input_ids, a cache
+    and unshifted labels refused."""
+    group: SequenceGroup = getattr(module, GROUP_ATTR)
+    if len(args) > 1:
+        raise ValueError("pass the model's arguments by keyword under sequence parallelism "
+                         "(model(**sharding.shard_batch(batch))).")
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise ValueError("sequence parallelism splits whole sequences: no KV cache (generate without it).")
+    lead = kwargs.get("input_ids", args[0] if args else None)
+    lead = kwargs.get("inputs_embeds") if lead is None else lead
+    mask = kwargs.get("attention_mask")
+    if mask is not None and lead is not None:
+        whole = group.size * lead.shape[1]
+        if mask.dim() != 2 or mask.shape[1] != whole:
+            raise ValueError(f"attention_mask of shape {tuple(mask.shape)} for {lead.shape[1]} local tokens on "
+                             f"{group.size} sequence-parallel ranks: it must be the whole sequence's (batch, "
+                             f"{whole}) padding mask, which SequenceSharding.shard_batch keeps.")
+        kwargs["attention_mask"] = mask.to(torch.bool)[:, None, None, :]
+    if group.size > 1 and kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ValueError("labels without shift_labels under sequence parallelism: pass the batch through "
+                         "SequenceSharding.shard_batch (the labels are shifted on the whole sequence).")
+    kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _pad_token_id(config: Any) -> int:
+    pad = getattr(config, "pad_token_id", None)
+    return int(pad) if isinstance(pad, int) and pad >= 0 else 0
+
+
+def apply_sequence_parallel(model: torch.nn.Module, group: Any = None) -> SequenceSharding:
+    """Split ``model`` (HF GPT-2 / Llama: causal LM or base model; T5 encoder-decoder or encoder) along the
+    sequence over ``group`` (a process group, None: the default one), in place; returns its sharding."""
+    seq = SequenceGroup(group)
+    encoder = t5_encoder(model)
+    found = self_attention_modules(model) if encoder is None else []
+    if encoder is not None:
+        if any(type(m).__name__.startswith("Sparse") for _, m in encoder_attentions(encoder)):
+            raise ValueError("sequence parallelism does not split a block-sparse T5 encoder (sparsify_t5_encoder); "
+                             "block-sparse GPT-2 and Llama split.")
+        heads = encoder.config.num_heads
+        _check([(p, m, heads, heads) for p, m in encoder_attentions(encoder)], seq.size)
+        split_t5_encoder(encoder, seq)
+        return SequenceSharding(seq, "t5", _pad_token_id(model.config))
+    if not found:
+        raise TypeError(f"apply_sequence_parallel splits HF GPT-2 and Llama models (GPT2Attention, LlamaAttention "
+                        f"self-attention) and T5 encoders; {type(model).__name__} has none of them.")
+    _check(found, seq.size)
+    register()
+    for _, mod, _, _ in found:
+        split_attention(mod, seq)
+    setattr(model, GROUP_ATTR, seq)
+    if _causal_pre_hook not in model._forward_pre_hooks.values():
+        model.register_forward_pre_hook(_causal_pre_hook, with_kwargs=True)
+    if hasattr(type(model), "loss_function"):
+        current = model.loss_function
+        model.loss_function = WholeSequenceLoss(current.inner if isinstance(current, WholeSequenceLoss) else current,
+                                                seq)
+    return SequenceSharding(seq, "causal_lm", _pad_token_id(model.config))

@@ -1,0 +1,101 @@
+"""Ulysses sequence parallelism (lightning_zero.sequence_parallel) on HF GPT-2 and Llama from tiny configs,
+exact against one process on the whole sequence (fp32, rtol 1e-5): every rank's loss is the whole
+sequence's, its logits the reference's slice, and the ranks' gradients averaged over the S ranks the
+reference's gradients -- what the ZeRO engine's average over data- and sequence-parallel ranks makes of
+them. Right-padded masks, a length that does not split, eager and SDPA kernels, GQA."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_zero.tools.launch import run_ranks
+from tests.helpers.sp_models import causal_batch, causal_lm, check_pair, close, run_pair
+
+# (arch, kernel, S, length, query heads, key/value heads): S=4 splits Llama's 8 query / 4 key-value heads;
+# 30 tokens on 4 ranks pad 2 at the end
+CASES = [("gpt2", "sdpa", 2, 24, 4, 4), ("gpt2", "eager", 4, 30, 4, 4), ("llama", "sdpa", 2, 24, 4, 2),
+         ("llama", "eager", 4, 30, 8, 4)]
+
+
+def _rank(rank, world, arch, impl, length, heads, kv_heads):
+    batch = causal_batch(length)
+    res, model, sharding = run_pair(causal_lm(arch, impl, heads, kv_heads), batch)
+    local = sharding.shard_batch(batch)
+    # a custom loss through the public function: the same whole loss from this rank's logits
+    logits = model(**{k: v for k, v in local.items() if k not in ("labels", "shift_labels")}).logits
+    local_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), local["shift_labels"].reshape(-1),
+                                ignore_index=-100, reduction="sum")
+    from lightning_zero.sequence_parallel import whole_sequence_loss
+
+    res["custom_loss"] = whole_sequence_loss(local_sum, local["num_items_in_batch"], sharding).detach()
+    # what the data path refuses: a mask of this rank's slice, labels not shifted on the whole sequence
+    errors = []
+    for bad in ({**local, "attention_mask": local["attention_mask"][:, : local["input_ids"].shape[1]]},
+                {k: v for k, v in local.items() if k != "shift_labels"}):
+        try:
+            model(**bad)
+        except ValueError as err:
+            errors.append(str(err))
+    res["errors"] = errors
+    return res
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch,impl,size,length,heads,kv_heads", CASES)
+def test_split_equals_one_process_on_the_whole_sequence(arch, impl, size, length, heads, kv_heads):
+    results = run_ranks(_rank, size, (arch, impl, length, heads, kv_heads), timeout_s=240)
+    check_pair(results, length)
+    for res in results:
+        close(res["custom_loss"], res["ref_loss"])
+        assert len(res["errors"]) == 2, res["errors"]
+        assert "whole sequence's (batch, " in res["errors"][0]
+        assert "shift_labels" in res["errors"][1]
+
+
+def _broken_backward_rank(rank, world):
+    """The exchange's backward without its collective (a reshape in place of the reverse exchange)."""
+    from lightning_zero.sequence_parallel import all_to_all
+
+    def backward(ctx, grad):
+        B, h, s, d = grad.shape
+        return grad.reshape(B, h * ctx.size, s // ctx.size, d), None, None
+
+    all_to_all._SeqToHeads.backward = staticmethod(backward)
+    return run_pair(causal_lm("gpt2"), causal_batch(24))[0]
+
+
+@pytest.mark.timeout(300)
+def test_the_gradient_check_catches_a_broken_exchange_backward():
+    """The mutation check: the forward is still exact, the gradient comparison fails."""
+    results = run_ranks(_broken_backward_rank, 2, timeout_s=240)
+    for res in results:
+        close(res["loss"], res["ref_loss"])
+    with pytest.raises(AssertionError):
+        check_pair(results, 24)
+
+
+def _exchange_rank(rank, world):
+    from lightning_zero.sequence_parallel import heads_to_seq, seq_to_heads
+
+    g = torch.Generator().manual_seed(1)
+    whole = torch.randn(2, 4, 12, 3, generator=g)  # (B, H, s, d), the same on every rank
+    x = whole[:, :, rank * 6 : (rank + 1) * 6].clone().requires_grad_()
+    y = seq_to_heads(x, None)
+    back = heads_to_seq(y, None)
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(10 + rank))
+    (y * w).sum().backward()
+    return {"y": y.detach(), "back": back.detach(), "x": x.detach(), "grad": x.grad, "w": w}
+
+
+@pytest.mark.timeout(200)
+def test_the_exchange_moves_heads_and_positions_and_its_backward_reverses_it():
+    res = run_ranks(_exchange_rank, 2, timeout_s=150)
+    whole = torch.cat([r["x"] for r in res], dim=2)
+    for rank, r in enumerate(res):
+        assert torch.equal(r["y"], whole[:, rank * 2 : (rank + 1) * 2])  # this rank's heads, every position
+        assert torch.equal(r["back"], r["x"])
+    # d/dx of sum_r <y_r, w_r>: each position's rows of every rank's weight, in head order
+    wgrad = torch.cat([r["w"] for r in res], dim=1)
+    for rank, r in enumerate(res):
+        assert torch.equal(r["grad"], wgrad[:, :, rank * 6 : (rank + 1) * 6])
