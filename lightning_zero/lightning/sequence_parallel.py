@@ -53,7 +53,7 @@ class SequenceParallelLayout:
             return
         from ..sequence_parallel import apply_sequence_parallel
 
-        self.sharding = apply_sequence_parallel(module, self.group)
+        self.sharding = apply_sequence_parallel(hf_model_in(module), self.group)
         self._applied_to = id(module)
 
     @staticmethod
@@ -69,6 +69,12 @@ class SequenceParallelLayout:
             raise RuntimeError("sequence_parallel_size: the batch is cut by the model's sequence sharding, which "
                                "exists once the model is set up (Trainer: setup; Fabric: fabric.setup(model)).")
         return self.sharding.shard_batch(batch)
+
+
+def hf_model_in(module: Any) -> Any:
+    """The outermost HF model in ``module`` (a LightningModule holding one as an attribute), else ``module``
+    itself, whose refusal then names what sequence parallelism splits."""
+    return next((m for m in module.modules() if hasattr(m, "config") and hasattr(m, "base_model_prefix")), module)
 
 
 def data_split(strategy: Any) -> Optional[dict]:

@@ -52,7 +52,7 @@ class SPModule(pl.LightningModule):
     """``kind``'s model trained on dict batches; ``sparse``: its attention block-sparse first (a local window)."""
 
     def __init__(self, kind: str, out: str, tag: str, sparse: bool = False, padded: bool = False, n_items: int = 12,
-                 lr: float = 1e-2) -> None:
+                 lr: float = 1e-3) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = make_lm(kind)
