@@ -13,30 +13,50 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.engine.comm import collectives
 from tests.helpers.dist_utils import clip_and_step, run_distributed
 from tests.helpers.parity import TP_FP32, close
-from tests.helpers.tp_models import CLIP, T, dp_batch, full_state, lm_loss, make_gpt, parallelize
+from tests.helpers.tp_models import CLIP, DIM, T, TinyGPT, dp_batch, full_state, lm_loss, make_gpt, parallelize
 from tests.helpers.tp_models import fit_tp, tp_mesh
 
 _close = functools.partial(close, tol=TP_FP32)
 
 WORLD, K, STEPS, ACCUM = 8, 2, 3, 2
 CASES = {  # name -> ZeroConfig keywords; tiny buckets: several per step
+    "zero0": dict(stage=0),  # shards nothing: K changes nothing
     "zero1": dict(stage=1, grad_reduce="reduce_scatter"),
     "zero2": dict(stage=2),
     "zero2_offload": dict(stage=2, offload_optimizer=True, offload_kernel="user"),
 }
 
 
+class BufferedGPT(TinyGPT):
+    """TinyGPT with a BatchNorm over the embeddings: running statistics that differ by data-parallel rank
+    until DDP's rule broadcasts the first data-parallel rank's over the whole data-parallel group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(DIM)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.emb(tokens).transpose(1, 2)).transpose(1, 2)
+        return self.head(self.ln_f(self.block(h)))
+
+
+def _make() -> BufferedGPT:
+    torch.manual_seed(0)  # TinyGPT's draws as make_gpt's; the BatchNorm draws none
+    return BufferedGPT()
+
+
 def _train(mesh, cfg):
     """ZeRO at TP x hybrid (``cfg``) or DDP of the whole model (``cfg=None``), ACCUM micro-batches, clipped:
     losses, pre-clip norms, full weights and (ZeRO) what went over which group."""
     dp_rank, dp_size = mesh.get_local_rank("data_parallel"), mesh.size(0)
-    model = make_gpt()
+    model = _make()
     if cfg is not None:
         parallelize(model, mesh["tensor_parallel"])
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
@@ -52,12 +72,14 @@ def _train(mesh, cfg):
         for micro in range(ACCUM):
             ctx = (engine.no_sync() if engine else runner.no_sync()) if micro < ACCUM - 1 else torch.enable_grad()
             with ctx:
+                if engine is not None:  # DDP's buffer broadcast rule (Trainer and Fabric call it themselves)
+                    engine.prepare_forward()
                 loss = lm_loss(runner, dp_batch(step, micro, dp_rank, dp_size)) / ACCUM
                 loss.backward()
             losses.append(loss.item())
         clip_and_step(engine, model, opt, CLIP, norms)
     extra = {}
-    if engine is not None:
+    if engine is not None and engine.replicate_group is not None:
         extra = {"calls": dict(collectives.stats.group_calls), "buckets": len(engine.buckets),
                  "spec_sizes": {s.world_size for b in engine.buckets for s in b.specs},
                  "shard": dist.get_process_group_ranks(engine.shard_group),
@@ -125,7 +147,10 @@ def test_tensor_hybrid_matches_ddp(name):
         assert len(rn) == STEPS and min(rn) > 4 * CLIP  # clipping bites every step
         _close(zl, rl)
         _close(zn, rn)
-        _close(zp, rp)
+        _close(zp, rp)  # the BatchNorm's running statistics too: broadcast over the whole DP group, as DDP's
+        assert "bn.running_mean" in zp
+        if name == "zero0":
+            continue
         d, t = divmod(rank, T)  # rank d * T + t of the (D, T) mesh
         first = d - d % K
         assert extra["shard"] == [t + T * e for e in range(first, first + K)]
