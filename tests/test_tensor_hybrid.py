@@ -224,6 +224,7 @@ def _save(rank, world_size, path):
     model2, engine2 = _engine(mesh, 1)
     load_checkpoint_dir(path, model2, engine2)
     loaded = full_state(model2)
+    save_engine_checkpoint(f"{path}.tp_only", model2, engine2)  # the same state, no replicas: the bytes to match
     _step(model2, engine2, 2, *_dp(mesh, rank, world_size))
     return saved, after, (loaded, full_state(model2))
 
@@ -253,6 +254,8 @@ def test_tensor_hybrid_checkpoint_resumes_at_other_layouts(tmp_path):
     for r in saved_runs:  # every rank gathers the same global values
         _close(r[0], saved)
         _close(r[1], after)
+    written = {p: sum(f.stat().st_size for f in p.glob("*.distcp")) for p in (path, tmp_path / "tp_hybrid.ckpt.tp_only")}
+    assert len(set(written.values())) == 1, written  # the replicas' copies are written once
     for what, per_rank in resumed.items():
         for rank, (loaded, stepped) in enumerate(per_rank):
             _close(loaded, saved, f"{what} rank {rank} loaded")
