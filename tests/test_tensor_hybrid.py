@@ -1,9 +1,12 @@
 """Tensor parallelism x hybrid sharding: T=2 and shard groups of K=2 inside D=4 data-parallel ranks (2 replicas).
 
 The smallest genuinely hybrid TP layout is 8 ranks: (D=4, T=2) with K=2 gives two shard groups and two
-replicas per data-parallel group. tests/tp_models' TinyGPT keeps 8 forked gloo ranks fast. The reference is
-torch DDP of the whole model over the mesh's data-parallel group (each DP rank on its rows of the same global
-batch), as in tests/test_tensor_parallel.py; checkpoints saved at TP x hybrid resume at another layout.
+replicas per data-parallel group; tests/tp_models' TinyGPT keeps 8 forked gloo ranks fast (a few seconds per
+run). The reference is torch DDP of the whole model over the mesh's data-parallel group (each DP rank on its
+rows of the same global batch), as in tests/test_tensor_parallel.py: stages 0-2 (and offload), clipping,
+accumulation, a BatchNorm's buffers, the groups each collective ran over, the estimator's bytes, an overflow on
+one rank; the Trainer and Fabric; checkpoints saved at TP x hybrid resumed at TP only, at 4 ranks and without
+TP; a K that does not divide N / T refused with the allowed ones, before any process starts.
 """
 
 from __future__ import annotations
@@ -121,6 +124,22 @@ def _estimate_vs_engine(mesh):
     return out
 
 
+def _overflow(rank, mesh):
+    """A non-finite loss on the last rank only (second shard group, second replica, TP position 1)."""
+    dp_rank, dp_size = mesh.get_local_rank("data_parallel"), mesh.size(0)
+    model = parallelize(make_gpt(), mesh["tensor_parallel"])
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=2, shard_group_size=K),
+                        device_mesh=mesh, check_finite=True)
+    stepped = []
+    for step in range(2):
+        loss = lm_loss(model, dp_batch(step, 0, dp_rank, dp_size))
+        (loss * float("inf") if step == 1 and rank == WORLD - 1 else loss).backward()
+        stepped.append(engine.step())
+    out = (stepped, full_state(model))
+    engine.remove()
+    return out
+
+
 def _matrix(rank, world_size):
     mesh = tp_mesh(world_size)
     out = {"ref": _train(mesh, None)}
@@ -128,6 +147,7 @@ def _matrix(rank, world_size):
         out[name] = _train(mesh, cfg)
     out["bad"] = {size: _bad_k(mesh, size) for size in (3, 8)}
     out["estimate"] = _estimate_vs_engine(mesh)
+    out["overflow"] = _overflow(rank, mesh)
     return out
 
 
@@ -159,6 +179,16 @@ def test_tensor_hybrid_matches_ddp(name):
         calls = extra["calls"]
         assert calls[("replicate", "all_reduce")] == extra["buckets"] * STEPS, calls
         assert calls[("shard", "all_gather")] > 0, calls  # the publish stays inside the shard group
+
+
+@pytest.mark.timeout(240)
+def test_overflow_on_one_rank_skips_the_step_everywhere():
+    """The replicate all-reduce carries it across shard groups, the norm's TP sum across the TP group."""
+    first = results()[0]["overflow"][1]
+    for res in results():
+        stepped, params = res["overflow"]
+        assert stepped == [True, False]
+        torch.testing.assert_close(params, first, rtol=0, atol=0)
 
 
 @pytest.mark.timeout(240)
@@ -314,3 +344,43 @@ def test_hydra_keys_reach_the_strategy():
                                              "strategy.shard_group_size=2"))
     assert strategy.tensor_parallel.size == 2 and strategy.zero_config.shard_group_size == 2
     assert strategy.tensor_parallel.shard_group_size == 2
+
+
+def _fabric_job(rank, world_size, tensor_parallel):
+    """3 steps of 2 micro-batches, clipped, SGD with momentum, through Fabric: ZeroFabricStrategy(stage=1, T=2,
+    K=2) when ``tensor_parallel``, else Fabric's DDP (the reference, on the data-parallel ranks)."""
+    from lightning.fabric import Fabric
+    from torch.utils.data import DataLoader
+
+    from lightning_zero import ZeroFabricStrategy
+    from tests.helpers.tp_models import TokenRows
+
+    strategy = (ZeroFabricStrategy(stage=1, tensor_parallel_size=T, shard_group_size=K,
+                                   parallelize_fn=lambda m, mesh: parallelize(m, mesh["tensor_parallel"]))
+                if tensor_parallel else "ddp")
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+    fabric.launch()
+    model = fabric.setup_module(make_gpt())
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+    it = iter(fabric.setup_dataloaders(DataLoader(TokenRows(), batch_size=2, shuffle=False)))
+    losses = []
+    for _ in range(STEPS):
+        for micro in range(2):
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                loss = lm_loss(model, next(it)) / 2
+                fabric.backward(loss)
+            losses.append(loss.item())
+        fabric.clip_gradients(model, opt, max_norm=CLIP)
+        opt.step()
+        opt.zero_grad()
+    return losses, full_state(model)
+
+
+@pytest.mark.timeout(240)
+def test_fabric_tensor_hybrid_matches_ddp():
+    """ZeroFabricStrategy(stage=1, tensor_parallel_size=2, shard_group_size=2) on 8 ranks equals Fabric's DDP
+    on the 4 data-parallel ranks (DP rank d = DDP rank d): losses and weights."""
+    ref = run_distributed(_fabric_job, WORLD // T, False)
+    for rank, (losses, params) in enumerate(run_distributed(_fabric_job, WORLD, True)):
+        _close(losses, ref[rank // T][0])
+        _close(params, ref[rank // T][1])
