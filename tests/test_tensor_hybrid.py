@@ -284,7 +284,7 @@ def test_tensor_hybrid_checkpoint_resumes_at_other_layouts(tmp_path):
     for r in saved_runs:  # every rank gathers the same global values
         _close(r[0], saved)
         _close(r[1], after)
-    written = {p: sum(f.stat().st_size for f in p.glob("*.distcp")) for p in (path, tmp_path / "tp_hybrid.ckpt.tp_only")}
+    written = {p: sum(f.stat().st_size for f in p.glob("*.distcp")) for p in (path, tmp_path / f"{path.name}.tp_only")}
     assert len(set(written.values())) == 1, written  # the replicas' copies are written once
     for what, per_rank in resumed.items():
         for rank, (loaded, stepped) in enumerate(per_rank):
