@@ -86,7 +86,8 @@ def _train(mesh, cfg):
         extra = {"calls": dict(collectives.stats.group_calls), "buckets": len(engine.buckets),
                  "spec_sizes": {s.world_size for b in engine.buckets for s in b.specs},
                  "shard": dist.get_process_group_ranks(engine.shard_group),
-                 "replicate": dist.get_process_group_ranks(engine.replicate_group)}
+                 "replicate": dist.get_process_group_ranks(engine.replicate_group),
+                 "process_groups": len(dist.distributed_c10d._world.pg_names)}
     return losses, norms, full_state(model), extra
 
 
@@ -176,6 +177,8 @@ def test_tensor_hybrid_matches_ddp(name):
         assert extra["shard"] == [t + T * e for e in range(first, first + K)]
         assert extra["replicate"] == [t + T * e for e in range(d % K, WORLD // T, K)]
         assert extra["spec_sizes"] == {K}
+        # made by the first hybrid engine only ([Note: why a group is never re-created])
+        assert extra["process_groups"] == res["zero1"][3]["process_groups"]
         calls = extra["calls"]
         assert calls[("replicate", "all_reduce")] == extra["buckets"] * STEPS, calls
         assert calls[("shard", "all_gather")] > 0, calls  # the publish stays inside the shard group
