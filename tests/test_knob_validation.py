@@ -138,9 +138,7 @@ CONFIG = {
                              dict(stage=3)),
     "tensor_parallel_size": Knob([None, 1, 2], [(v, "tensor_parallel_size must be an int >= 1") for v in (0, 2.0, True)]
                                  + [(2, r"ZeRO stage 3 cannot be combined with tensor parallelism .*Allowed stages "
-                                        r"with tensor parallelism: 0, 1, 2", dict(stage=3)),
-                                    (2, r"shard_group_size=2 \(hybrid sharding\) cannot be combined with "
-                                        r"tensor_parallel_size=2", dict(shard_group_size=2))]),
+                                        r"with tensor parallelism: 0, 1, 2", dict(stage=3))]),
     "sequence_parallel_size": Knob(
         [None, 1, 2, (2, dict(stage=3)), (2, dict(stage=0)), (2, dict(stage=3, shard_group_size=2)),
          (2, dict(stage=3, offload_optimizer=True, offload_params=True))],
@@ -217,8 +215,6 @@ TRAINER = {
                                for v in ("/no/such/dir", 3, ["a"])]),
     "tensor_parallel_size": Knob([None, 1, 2], [(0, TP), (2.0, TP), (True, TP),
                                                 (2, r"Allowed stages with tensor parallelism: 0, 1, 2", dict(stage=3)),
-                                                (2, r"shard_group_size=2 \(hybrid sharding\) cannot be combined with "
-                                                    r"tensor_parallel_size=2", dict(shard_group_size=2)),
                                                 (2, r"checkpoint_format='full' is not available with "
                                                     r"tensor_parallel_size", dict(checkpoint_format="full"))]),
 }
@@ -262,9 +258,7 @@ FABRIC = {
     **_COMMON,
     "precision": Knob([None, ZeroFabricPrecision("bf16-mixed"), FabricMixed("bf16-mixed", "cpu")],
                       [("bf16-mixed", r"precision must be None or a precision plugin.*Allowed: precision='32-true'")]),
-    "tensor_parallel_size": Knob([None, 2], [(0, TP), (2, r"Allowed stages with tensor parallelism", dict(stage=3)),
-                                             (2, "shard_group_size=2 .hybrid sharding. cannot be combined with tensor_parallel_size",
-                                              dict(shard_group_size=2))]),
+    "tensor_parallel_size": Knob([None, 2], [(0, TP), (2, r"Allowed stages with tensor parallelism", dict(stage=3))]),
     "parallelize_fn": Knob([None, (lambda m, mesh: m, dict(tensor_parallel_size=2))],
                            [(3, r"parallelize_fn must be None or a callable"),
                             (lambda m, mesh: m, r"parallelize_fn needs tensor_parallel_size=T")]),

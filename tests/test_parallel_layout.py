@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,10 @@ def _build(kwargs: dict):
     return [lambda: ZeroConfig(**kwargs), lambda: ZeroStrategy(**kwargs), lambda: ZeroFabricStrategy(**kwargs)]
 
 
+#: the pairs the table lets compose, each with the test file that runs them together against DDP
+RUN_BY = {("shard", "tensor"): "test_tensor_hybrid.py", ("shard", "sequence"): "test_sequence_parallel_trainer.py"}
+
+
 @pytest.mark.parametrize("a, b", list(itertools.combinations(DIMS, 2)))
 def test_each_pair_of_dims_is_in_one_table(a, b):
     assert ((a, b) in COMPOSE) != ((a, b) in COMPOSED), f"{a} x {b} must be in exactly one of COMPOSE and COMPOSED"
@@ -46,7 +51,8 @@ def test_each_refused_pair_is_refused_by_the_table_alone(a, b):
 
 
 @pytest.mark.parametrize("a, b", sorted(COMPOSED))
-def test_each_composed_pair_is_taken_by_every_entry_point(a, b):
+def test_each_composed_pair_is_taken_by_every_entry_point_and_run_by_a_test(a, b):
+    assert (Path(__file__).parent / RUN_BY[(a, b)]).is_file()
     for make in _build({KNOBS[a]: 2, KNOBS[b]: 2, "stage": 1}):
         make()
 

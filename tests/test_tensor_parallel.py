@@ -20,7 +20,7 @@ from lightning_zero.engine.layout import tensor_parallel as TPM
 from tests.helpers.dist_utils import clip_and_step, run_distributed
 from tests.helpers.parity import TP_FP32, close
 from tests.helpers.tp_models import CLIP, T, dp_batch, full_state, lm_loss, make_gpt, parallelize
-from tests.helpers.tp_models import tp_lightning_module as _lightning_module
+from tests.helpers.tp_models import fit_tp as _fit_tp
 from tests.helpers.tp_models import tp_mesh as _mesh
 
 _close = functools.partial(close, tol=TP_FP32)
@@ -88,7 +88,7 @@ def _engine_errors(mesh):
         "stage3": error(lambda: engine(ZeroConfig(stage=3), device_mesh=mesh)),
         "no_mesh": error(lambda: engine(ZeroConfig(stage=2))),
         "group": error(lambda: engine(ZeroConfig(stage=2), device_mesh=mesh, group=mesh.get_group(0))),
-        "hybrid": error(lambda: engine(ZeroConfig(stage=2, shard_group_size=2), device_mesh=mesh)),
+        "hybrid": error(lambda: engine(ZeroConfig(stage=2, shard_group_size=4), device_mesh=mesh)),
         "flat_mesh": error(lambda: engine(ZeroConfig(stage=2), parallel=False, device_mesh=flat)),
         "wrong_dim": error(lambda: ZeroEngine(parallelize(make_gpt(), mesh["data_parallel"]), None,
                                               ZeroConfig(stage=2), device_mesh=mesh)),
@@ -160,23 +160,6 @@ def test_tp_memory_report_counts_local_pieces():
 
 
 # -- Lightning --------------------------------------------------------------------------------------------
-def _fit_tp(out, tag, strategy, devices, tensor_parallel):
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
-    from tests.helpers.lightning_models import trainer_kwargs
-
-    saves = ModelCheckpoint(dirpath=f"{out}/{tag}_ckpts", save_last=True, every_n_train_steps=3)
-    trainer = Trainer(strategy=strategy, **trainer_kwargs(devices=devices, max_steps=3, accum=2, clip=CLIP,
-                                                          enable_checkpointing=True, callbacks=[saves],
-                                                          limit_val_batches=2))
-    module = _lightning_module(str(out), tag, tensor_parallel)
-    trainer.fit(module)
-    # the trained weights came back whole; an evaluation-only run cuts the module again (configure_model)
-    val = trainer.validate(module, verbose=False)[0]["val_loss"]
-    return [torch.load(f"{out}/{tag}_rank{r}.pt", weights_only=False) for r in range(devices)], val
-
-
 @pytest.mark.timeout(180)
 def test_lightning_tensor_parallel_matches_ddp(tmp_path):
     """ZeroStrategy(stage=2, tensor_parallel_size=2) on 4 ranks equals ddp_fork on 2 (the DP ranks' data)."""
@@ -206,14 +189,14 @@ def test_engine_refuses_what_it_cannot_do():
     assert "Allowed stages with tensor parallelism: 0, 1, 2" in errors["stage3"]
     assert "pass device_mesh=" in errors["no_mesh"]
     assert "device_mesh and group are exclusive" in errors["group"]
-    assert "shard_group_size=2 (hybrid sharding) cannot be combined with device_mesh" in errors["hybrid"]
+    assert ("shard_group_size=4 does not divide the 2 data-parallel rank(s) (world 4 / tensor_parallel_size 2) into "
+            "equal shard groups. Allowed: 1, 2 or None (all 2 data-parallel ranks).") == errors["hybrid"]
     assert "2-D DeviceMesh with mesh_dim_names ('data_parallel', 'tensor_parallel')" in errors["flat_mesh"]
     assert "Parameter 'block.q.weight' is a DTensor on mesh ('data_parallel',)" in errors["wrong_dim"]
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(stage=3, tensor_parallel_size=2), "Allowed stages with tensor parallelism: 0, 1, 2"),
-    (dict(stage=2, tensor_parallel_size=2, shard_group_size=2), "cannot be combined with tensor_parallel_size=2"),
     (dict(stage=1, tensor_parallel_size=2, pipeline_parallel_size=2), "cannot be combined with pipeline_parallel_size"),
     (dict(stage=2, tensor_parallel_size=0), "tensor_parallel_size must be an int >= 1"),
     (dict(stage=2, tensor_parallel_size="2"), "tensor_parallel_size must be an int >= 1"),

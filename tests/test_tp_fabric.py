@@ -159,7 +159,6 @@ def test_fabric_tp_checkpoint_loads_without_tp(results):
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(stage=3, tensor_parallel_size=2), ValueError, "Allowed stages with tensor parallelism: 0, 1, 2"),
-    (dict(stage=2, tensor_parallel_size=2, shard_group_size=2), ValueError, "cannot be combined with tensor_parallel_size=2"),
     (dict(stage=2, tensor_parallel_size=0), ValueError, "tensor_parallel_size must be an int >= 1"),
     (dict(stage=2, parallelize_fn=lambda m, mesh: m), ValueError, "parallelize_fn needs tensor_parallel_size=T"),
 ])

@@ -208,8 +208,8 @@ def test_cli_estimate_tensor_parallel(capsys):
     (1_000_000, dict(world_size=4, tensor_parallel_size=2), "needs the model's structure"),
     ("t5_tiny", dict(world_size=4, tensor_parallel_size=3), r"tensor_parallel_size=3 does not divide the world of 4"),
     ("t5_tiny", dict(world_size=8, tensor_parallel_size=8), "must divide the T5 heads"),
-    ("t5_tiny", dict(world_size=4, tensor_parallel_size=2, shard_group_size=2), 
-     r"shard_group_size=2 \(hybrid sharding\) cannot be combined with tensor_parallel_size"),
+    ("t5_tiny", dict(world_size=4, tensor_parallel_size=2, shard_group_size=4),
+     r"shard_group_size=4 does not divide the 2 data-parallel rank\(s\) \(world 4 / tensor_parallel_size 2\)"),
     ("module", dict(world_size=4, tensor_parallel_size=2), "Allowed: tensor_parallel_plan="),
     ("module", dict(world_size=4, tensor_parallel_size=2, tensor_parallel_plan={"nope": None}), "no submodule"),
 ])

@@ -6,7 +6,7 @@ Without tensor parallelism a master is a slice of the flattened *global* paramet
 ``Shard(0)`` of :mod:`.sharded_state` is a global tensor DCP can reshard. With tensor parallelism a master
 is a slice of the flattened *local piece*, and the concatenation of the pieces' slices is no global
 tensor. So a TP engine writes each managed parameter (and each per-element optimizer state) in its natural
-shape: the master gathered over the data-parallel group one parameter at a time -- the local piece whole --
+shape: the master gathered over its shard group one parameter at a time -- the local piece whole --
 wrapped as a DTensor on the 2-D mesh with ``Replicate()`` on "data_parallel" (DCP writes one copy) and the
 parameter's own placement on "tensor_parallel". The json marks such a checkpoint ``"layout": "natural"``.
 
@@ -69,8 +69,10 @@ def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def natural_entry_fn(engine, module: nn.Module) -> Callable[[torch.Tensor, str, Any], torch.Tensor]:
     """``entry(t, name, spec)``: the checkpoint entry of a master-shaped ``t`` of parameter ``name``.
-    Collective over the data-parallel group (every rank calls it for the same names, in the same order)."""
-    params, group = params_of(module), engine.tensor_parallel.dp_group
+    Collective over the shard group (every rank calls it for the same names, in the same order): the group the
+    masters are sliced over -- the data-parallel group, or under hybrid sharding one of its shard groups, whose
+    replicas gather the same values (DCP writes the ``Replicate()`` entry once)."""
+    params, group = params_of(module), engine.shard_group
 
     def entry(t: torch.Tensor, name: str, spec) -> torch.Tensor:
         p = params[name]

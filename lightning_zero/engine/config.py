@@ -125,7 +125,8 @@ class ZeroConfig:
         check before every gather: any consistent control flow, no prefetch) or "off".
     shard_group_size: hybrid sharding: stages 1-3 shard within groups of this many consecutive ranks and
         replicate across the groups (gradients: reduce-scatter inside, one all-reduce of the shard across);
-        must divide the world size; None = the world size (one group). Stage 0 ignores it.
+        must divide the world size (with tensor parallelism: the N // T data-parallel ranks, whose groups it
+        cuts); None = all of them (one group). Stage 0 ignores it.
     tensor_parallel_size: T, the tensor dim of the one parallel layout (layout.py, which also says which
         dims and stages combine); the engine then takes the process's (N // T, T) mesh unless given one.
     sequence_parallel_size: S, the sequence dim: groups of S consecutive ranks split each sequence along its

@@ -111,6 +111,8 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # -- model construction ---------------------------------------------------------------------------
     def _configure_launcher(self) -> None:  # torchrun / SLURM made the processes: start none (zero_setup.py)
+        if self.tensor_parallel is not None:  # the layout's sizes refused before any process starts
+            self.tensor_parallel.check_world(self.num_nodes * self.num_processes)
         if not external_launcher(self, FabricSubprocessScriptLauncher, rank_zero_info):
             super()._configure_launcher()
 

@@ -170,6 +170,8 @@ class ZeroStrategy(DDPStrategy):
             self.sequence_parallel.build()
 
     def _configure_launcher(self) -> None:
+        if self.tensor_parallel is not None:  # the layout's sizes refused before any process starts
+            self.tensor_parallel.check_world(self.num_nodes * self.num_processes)
         if not external_launcher(self, SubprocessScriptLauncher, rank_zero_info):
             super()._configure_launcher()
         if self.tensor_parallel is not None:  # fork/spawn: the weights sent back to the parent are whole

@@ -108,7 +108,8 @@ _SHARD_GROUP = Arg("shard_group_size", None, Optional[int],
                    "hybrid sharding (stages 1-3): shard within groups of this many consecutive ranks (e.g. the GPUs "
                    "of one node) and replicate across the groups, so parameter all-gathers and reduce-scatters stay "
                    "inside a node and only one all-reduce per gradient bucket and step crosses nodes; must divide "
-                   "the world size. None = the world size (plain ZeRO).")
+                   "the world size (with tensor_parallel_size=T: the N / T data-parallel ranks). None = all of them "
+                   "(plain ZeRO).")
 _ACTIVATIONS = (
     Arg("activation_checkpointing", None, _O, 'None, "auto" (the stage-3 unit policy\'s blocks) or module classes / '
                                               'class names, e.g. ``["T5Block"]``: their forward is recomputed in '

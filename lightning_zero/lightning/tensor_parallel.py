@@ -16,14 +16,16 @@ from typing import Any, Optional
 import torch
 
 from ..engine.layout import tensor_parallel as TP
+from ..engine.layout.dims import ParallelDims
 from ..engine.layout.groups import tensor_parallel_mesh
 
 
 class TensorParallelLayout:
     """The (N // T, T) layout of a strategy with ``tensor_parallel_size=T``; the mesh once built."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, shard_group_size: Optional[int] = None) -> None:
         self.size = size
+        self.shard_group_size = shard_group_size  # hybrid sharding's K: it splits the N // T data-parallel ranks
         self.mesh: Optional[Any] = None
 
     @classmethod
@@ -34,10 +36,16 @@ class TensorParallelLayout:
             raise ValueError(f"checkpoint_format={checkpoint_format!r} is not available with tensor_parallel_size: "
                              "Allowed: checkpoint_format='sharded' (then `lightning-zero consolidate` for one "
                              "full state dict).")
-        return cls(size)
+        return cls(size, config.shard_group_size)
+
+    def check_world(self, world_size: int) -> None:
+        """T divides the world and K (``shard_group_size``) the N // T data-parallel ranks: one clear error naming
+        the allowed sizes, asked before any process starts (the launcher knows N) and again in ``build``."""
+        ParallelDims(shard=self.shard_group_size, tensor=self.size).check_world(world_size, ("tensor", "shard"))
 
     def build(self, world_size: int, device: torch.device) -> Any:
         """The 2-D mesh (collective: every rank calls it, after the process group exists)."""
+        self.check_world(world_size)  # before the mesh's collective: every rank raises the same error
         # made once per process (engine/layout/groups.py): a mesh per setup_environment leaked its groups' fds
         self.mesh = tensor_parallel_mesh(device.type, self.size, world_size)
         return self.mesh

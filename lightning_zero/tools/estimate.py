@@ -194,14 +194,14 @@ def estimate_model_states(
     dims = ParallelDims(shard_group_size, tensor_parallel_size)
     dims.check(0)  # types and combinations (the table's stages are per row)
     dims.check_world(world_size)
-    shards = shard_group_size or world_size  # the ranks one parameter is cut over
+    dp = world_size // (tensor_parallel_size or 1)  # the data-parallel ranks ZeRO shards over (K of them: hybrid)
+    shards = shard_group_size or dp  # the ranks one parameter (TP: its local piece) is cut over
     split = None
     if tensor_parallel_size is not None:  # the local pieces, sharded over the data-parallel ranks
         from .estimate_tp import tensor_parallel_info
 
         split, info = tensor_parallel_info(model, info, tensor_parallel_size, world_size, shard_group_size,
                                            tensor_parallel_plan)
-        shards = world_size // tensor_parallel_size
     whole = None
     if optimizer in WHOLE_TENSOR:  # [Note: whole-tensor state in the estimate]
         if split is not None:
@@ -235,8 +235,8 @@ def estimate_model_states(
         row = Row(name, stage, offload, st, buf, act, peak, host, host * ranks_per_node, nvme_per_rank=st["nvme"],
                   nvme_moved_per_step=nvme_step_bytes(info, st, plan, shards, mixed), nvme_ring=ring,
                   nvme_optimizer=nvme_optimizer_bytes(info, plan, shards, k), plan=plan)
-        if shards != world_size and plan.shards_optimizer_state:  # hybrid: the same row sharded over the world
-            row.states_world = plan_state_bytes(info, plan, world_size, mixed, k, accumulating)
+        if shards != dp and plan.shards_optimizer_state:  # hybrid: the same row sharded over every DP rank
+            row.states_world = plan_state_bytes(info, plan, dp, mixed, k, accumulating)
         if device_memory_gb is not None:
             row.fits = peak <= device_memory_gb * GiB and (cpu_memory_gb is None or row.cpu_ram_per_node <= cpu_memory_gb * GiB)
         rows.append(row)
@@ -247,7 +247,7 @@ def estimate_model_states(
                     (batch_size, src_len, tgt_len) if batch_size is not None else None, act,
                     device_memory_gb * GiB if device_memory_gb is not None else None,
                     cpu_memory_gb * GiB if cpu_memory_gb is not None else None,
-                    shard_group_size if shards != world_size else None,
+                    shard_group_size if shards != dp else None,
                     activation_checkpointing, offload_activations, parts, split, activation_probe, nvme_step_time,
                     whole, state_dtype_rows=compare, **dtypes)
 
@@ -304,10 +304,11 @@ def format_estimate(est: Estimate) -> str:
         from .estimate_tp import tensor_parallel_line
 
         lines.append(tensor_parallel_line(est))
-    if est.shard_group_size is not None:
+    if est.shard_group_size is not None:  # K splits the data-parallel ranks (N / T under tensor parallelism)
+        dp = est.world_size // (est.tensor_parallel.size if est.tensor_parallel is not None else 1)
         lines.append(f"hybrid sharding: shard_group_size={est.shard_group_size} (states sharded over "
-                     f"{est.shard_group_size} ranks, replicated {est.world_size // est.shard_group_size}x); "
-                     f"device states per rank at K={est.world_size} vs K={est.shard_group_size}: " + ", ".join(
+                     f"{est.shard_group_size} ranks, replicated {dp // est.shard_group_size}x); "
+                     f"device states per rank at K={dp} vs K={est.shard_group_size}: " + ", ".join(
                          f"{r.setting} {gib(r.states_world['device'])} vs {gib(r.states['device'])}"
                          for r in est.rows if r.states_world is not None))
     lines.append(f"host/rank: offloaded states + fp32 gradient copies for the CPU step; CPU RAM/node = host/rank x "

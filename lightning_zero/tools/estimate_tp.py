@@ -135,7 +135,9 @@ def tensor_parallel_info(model: Any, info, size: int, world_size: int, shard_gro
 
 def tensor_parallel_line(est) -> str:
     tp = est.tensor_parallel
-    return (f"tensor parallelism: T={tp.size} x data parallel {est.world_size // tp.size}; {tp.split:,} of "
+    dp = est.world_size // tp.size
+    over = f"{est.shard_group_size} of the {dp}" if est.shard_group_size is not None else f"the {dp}"
+    return (f"tensor parallelism: T={tp.size} x data parallel {dp}; {tp.split:,} of "
             f"{tp.full:,} params ({tp.split / max(tp.full, 1):.0%}) cut {tp.size} ways, the rest replicated: "
-            f"{tp.local:,} local params per rank, whose states ZeRO shards over the {est.world_size // tp.size} "
+            f"{tp.local:,} local params per rank, whose states ZeRO shards over {over} "
             "data-parallel rank(s); stage 3 is not available with TP; activations counted as without TP.")

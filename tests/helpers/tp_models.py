@@ -143,8 +143,30 @@ def tp_lightning_module(out: str, tag: str, tensor_parallel: bool):
             self.losses = []
 
         def on_train_end(self):
+            engine = getattr(getattr(self.trainer.strategy, "model_side", None), "engine", None)  # ZeRO's only
+            groups = {k: torch.distributed.get_process_group_ranks(getattr(engine, f"{k}_group"))
+                      for k in ("shard", "replicate") if engine is not None and getattr(engine, f"{k}_group")}
             torch.save({"losses": self.losses, "params": full_state(self.net),
-                        "sampler": self.trainer.strategy.distributed_sampler_kwargs},
+                        "sampler": self.trainer.strategy.distributed_sampler_kwargs, "groups": groups},
                        f"{out}/{tag}_rank{self.global_rank}.pt")
 
     return TPModule()
+
+
+def fit_tp(out, tag: str, strategy, devices: int, tensor_parallel: bool):
+    """Fit tp_lightning_module (3 steps, accumulation 2, clipped, a checkpoint at the end), then validate it:
+    every rank's saved file, and the validation loss."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.helpers.lightning_models import trainer_kwargs
+
+    saves = ModelCheckpoint(dirpath=f"{out}/{tag}_ckpts", save_last=True, every_n_train_steps=3)
+    trainer = Trainer(strategy=strategy, **trainer_kwargs(devices=devices, max_steps=3, accum=2, clip=CLIP,
+                                                          enable_checkpointing=True, callbacks=[saves],
+                                                          limit_val_batches=2))
+    module = tp_lightning_module(str(out), tag, tensor_parallel)
+    trainer.fit(module)
+    # the trained weights came back whole; an evaluation-only run cuts the module again (configure_model)
+    val = trainer.validate(module, verbose=False)[0]["val_loss"]
+    return [torch.load(f"{out}/{tag}_rank{r}.pt", weights_only=False) for r in range(devices)], val

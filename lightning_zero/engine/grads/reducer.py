@@ -134,6 +134,12 @@ class GradReducer:
         return [r.shard for r in self.rows]
 
     @property
+    def unreplicated_shards(self) -> list[torch.Tensor]:
+        """Hybrid sharding's sums of un-synced micro-batches, not yet all-reduced across the replicas (their
+        gradient slices, without the counts): held beside (or instead of) the shard until the boundary."""
+        return [r.unreplicated[: -len(r.bucket.params)] for r in self.rows if r.unreplicated is not None]
+
+    @property
     def host_shards(self) -> list[Optional[torch.Tensor]]:
         return [r.host for r in self.rows]
 

@@ -5,7 +5,11 @@ A job's world of N ranks is a grid ``(pipeline P) x (data parallel D) x (sequenc
 the tensor dim varies fastest (a TP group is T consecutive ranks, as torch's ``init_device_mesh`` lays out
 ``(N // T, T)``), the pipeline dim slowest (rank ``r`` holds pipeline stage ``r // D``). Data parallelism
 is itself ``replicate x shard`` under hybrid sharding: ZeRO shards within groups of ``shard`` consecutive
-data-parallel ranks and replicates across them. :class:`ParallelDims` is that grid's sizes as the user
+data-parallel ranks and replicates across them. With T > 1 the data-parallel ranks of one tensor position
+``t`` are T apart in the world (rank ``d * T + t``), so the hybrid groups are cut inside each of the mesh's
+data-parallel groups (shard group: data-parallel ranks ``[s, s + K)``, world ranks ``t + T * [s, s + K)``)
+and K must divide ``N / T``, not N; the ranks of one TP group hold different pieces at the same place of
+the same shard layout. :class:`ParallelDims` is that grid's sizes as the user
 gives them (``shard_group_size`` and ``tensor_parallel_size``: fields of :class:`~.config.ZeroConfig`, so the
 Trainer strategy, the Fabric strategy, Hydra and the engine read one config; ``pipeline_parallel_size``:
 ZeroPipelineStrategy's and PipelineZero's own, with its schedule knobs), validated here and nowhere else: against :data:`COMPOSE` (which dims combine, and why not) and
@@ -46,14 +50,20 @@ _MEANING = {"shard": "ranks per shard group, e.g. the GPUs of a node", "tensor":
 _SPLIT = {"shard": " into equal shard groups", "tensor": "", "pipeline": " into pipelines of equal length",
           "sequence": " into equal sequence-parallel groups"}
 
+
+def _all_of(ranks: int, world: int) -> str:
+    return " or None (the whole world)." if ranks == world else f" or None (all {ranks} data-parallel ranks)."
+
+
 #: pairs of dims that combine, each with how (every pair of DIMS is in exactly one of COMPOSED and COMPOSE)
 COMPOSED: dict[tuple[str, str], str] = {
+    ("shard", "tensor"): "hybrid sharding's shard and replicate groups are cut inside each data-parallel group of "
+                         "the tensor-parallel mesh; K divides the N / T data-parallel ranks",
     ("shard", "sequence"): "ZeRO shards over the data-parallel x sequence-parallel ranks together; the shard "
                            "groups need not line up with the sequence groups (the gradient sum is over all ranks)",
 }
 #: pairs of dims that do not combine (yet), each with the reason
 COMPOSE: dict[tuple[str, str], str] = {
-    ("shard", "tensor"): "both would split the data-parallel ranks; ZeRO shards over the mesh's data-parallel dim",
     ("shard", "pipeline"): "each pipeline stage already shards over its own data-parallel group",
     ("tensor", "pipeline"): "a pipeline stage's engine runs on a 1-D data-parallel group",
     ("tensor", "sequence"): "the tensor-parallel ranks already split every attention's heads; Ulysses would split "
@@ -118,13 +128,17 @@ class ParallelDims:
         return f"{knobs[dim]}={value!r}" if knobs[dim] == KNOBS[dim] else knobs[dim]  # a mesh: by its name
 
     def check_world(self, world: int, dims: tuple[str, ...] = DIMS) -> None:
-        """Each used dim (of ``dims``) divides the world of ``world`` ranks; one error naming the allowed sizes."""
-        for dim in dims:
+        """Each used dim (of ``dims``) divides the world of ``world`` ranks; one error naming the allowed sizes.
+        With tensor parallelism the shard dim splits the data-parallel ranks (``world // T``), not the world."""
+        for dim in sorted(dims, key=lambda d: d != "tensor"):  # T first: the shard dim's ranks depend on it
             value = getattr(self, dim)
-            if value is not None and (not _is_size(value) or value > world or world % value):
-                raise ValueError(f"{KNOBS[dim]}={value!r} does not divide the world of {world} rank(s){_SPLIT[dim]}. "
-                                 f"Allowed: {divisors(world)}" + (" or None (the whole world)." if dim == "shard"
-                                                                  else "."))
+            ranks, where = world, f"the world of {world} rank(s)"
+            if dim == "shard" and _is_size(self.tensor) and self.tensor > 1 and world % self.tensor == 0:
+                ranks = world // self.tensor
+                where = f"the {ranks} data-parallel rank(s) (world {world} / tensor_parallel_size {self.tensor})"
+            if value is not None and (not _is_size(value) or value > ranks or ranks % value):
+                raise ValueError(f"{KNOBS[dim]}={value!r} does not divide {where}{_SPLIT[dim]}. "
+                                 f"Allowed: {divisors(ranks)}" + (_all_of(ranks, world) if dim == "shard" else "."))
 
 
 class PipelineLayout:

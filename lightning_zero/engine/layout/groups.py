@@ -122,15 +122,17 @@ def tensor_parallel_mesh(device_type: str, size: int, world: Optional[int] = Non
     return device_mesh(device_type, (world // size, size), (TP.DP_DIM, TP.TP_DIM))
 
 
-def _hybrid(size: int, world: int) -> tuple:
+def _hybrid(size: int, dp_sets: tuple) -> tuple:
     """Every rank creates every group, in one order, as counter-named groups (no local synchronization,
-    so no reused names): shard groups (K consecutive ranks), replicate groups (the same position in every
-    shard group), then the shard groups' own reduce-scatter groups. Collective over the world."""
+    so no reused names): shard groups (K consecutive data-parallel ranks), replicate groups (the same position
+    in every shard group), then the shard groups' own reduce-scatter groups; each kind inside every
+    data-parallel rank set of ``dp_sets`` (the world; with tensor parallelism the mesh's T data-parallel
+    groups, [Note: one parallel layout]). Collective over the world."""
     me = dist.get_rank()
     mine: list = [None, None, None]
-    blocks = [list(range(s, s + size)) for s in range(0, world, size)]
-    for slot, rank_sets in ((0, blocks), (1, [list(range(pos, world, size)) for pos in range(size)]),
-                            (2, blocks if size > 1 else [])):
+    blocks = [list(dp[s : s + size]) for dp in dp_sets for s in range(0, len(dp), size)]
+    across = [list(dp[pos::size]) for dp in dp_sets for pos in range(size)]
+    for slot, rank_sets in ((0, blocks), (1, across), (2, blocks if size > 1 else [])):
         for ranks in rank_sets:
             g = dist.new_group(ranks)
             mine[slot] = g if me in ranks else mine[slot]
@@ -140,17 +142,20 @@ def _hybrid(size: int, world: int) -> tuple:
     return tuple(mine)
 
 
-def hybrid_groups(size: Optional[int], group: Optional[Any] = None) -> tuple:
+def hybrid_groups(size: Optional[int], group: Optional[Any] = None, tensor: Optional[Any] = None) -> tuple:
     """(shard, replicate, reduce-scatter) groups of hybrid sharding with shard groups of ``size`` consecutive
-    ranks; ``(group, None, None)`` when one shard group spans the world."""
+    data-parallel ranks; ``(group, None, None)`` when one shard group spans the data-parallel ranks.
+    ``tensor``: the engine's TP view (``group`` is then its data-parallel group): the groups are cut inside
+    each of the mesh's data-parallel groups."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    ParallelDims(shard=size).check_world(world, ("shard",))
-    if size is None or size == world:
+    ParallelDims(shard=size, tensor=tensor.tp_size if tensor is not None else None).check_world(world, ("shard",))
+    dp_sets = tensor.dp_rank_sets if tensor is not None else (tuple(range(world)),)
+    if size is None or size == len(dp_sets[0]):
         return group, None, None
-    if group is not None and dist.get_process_group_ranks(group) != list(range(world)):
+    if tensor is None and group is not None and dist.get_process_group_ranks(group) != list(range(world)):
         raise ValueError("shard_group_size needs the engine to run on the default (world) process group; "
                          "got a subgroup. Allowed: group=None with shard_group_size, or no shard_group_size.")
-    return _once("hybrid", (size,), lambda: _hybrid(size, world), lambda gs: gs)
+    return _once("hybrid", (size, dp_sets), lambda: _hybrid(size, dp_sets), lambda gs: gs)
 
 
 def pipeline_layout(num_stages: int) -> PipelineLayout:
@@ -216,8 +221,8 @@ def engine_groups(config: Any, plan: Any, trains: bool, group: Optional[Any], me
     tensor = TP.tensor_parallel_view(mesh, group, module)
     if tensor is not None:  # ZeRO (shards, broadcasts) runs over the data-parallel dim only
         group = tensor.dp_group
-    dims.check_world(world_size(group), ("shard", "sequence"))
-    shard, replicate, reduce = (hybrid_groups(config.shard_group_size, group) if plan.shards_optimizer_state
+    dims.check_world(world_size(group) * (tensor.tp_size if tensor is not None else 1), ("shard", "sequence"))
+    shard, replicate, reduce = (hybrid_groups(config.shard_group_size, group, tensor) if plan.shards_optimizer_state
                                 else (group, None, None))
     if plan.shards_params and trains and world_size(shard) > 1 and reduce is None:
         reduce = reduce_scatter_group(group)  # apart from the unit gathers: they interleave differently per rank

@@ -5,7 +5,8 @@ Design note
 The user applies torch's ``parallelize_module`` (``ColwiseParallel`` / ``RowwiseParallel``) over the
 mesh's "tensor_parallel" dim, so some parameters become DTensors whose *local* tensor is one TP rank's
 piece. ZeRO then treats every parameter by its local tensor and shards that over the "data_parallel" dim
-only: buckets, masters, reduce-scatters, the publish and the used-parameter mask never see a DTensor.
+only (under hybrid sharding over a shard group of K of its ranks, replicated across the others: [Note: one
+parallel layout]): buckets, masters, reduce-scatters, the publish and the used-parameter mask never see a DTensor.
 The ranks of one TP group hold different pieces and see the same data, so nothing of ZeRO crosses the TP
 group except the gradient norm: a piece sharded over TP adds its squares to the other pieces', a
 parameter replicated over TP (a LayerNorm, a row-parallel bias) holds the same gradient on every TP rank
@@ -133,6 +134,10 @@ class TensorParallelMesh:
         self.tp_group = mesh.get_group(TP_DIM)
         self.tp_size = mesh.size(names.index(TP_DIM))
         self.dp_size = mesh.size(names.index(DP_DIM))
+        # every data-parallel group of the mesh (one per tensor position), as world ranks: hybrid sharding cuts
+        # its groups inside each, and every rank must create all of them (engine/layout/groups.py)
+        grid = mesh.mesh if names.index(DP_DIM) == 0 else mesh.mesh.T
+        self.dp_rank_sets = tuple(tuple(grid[:, t].tolist()) for t in range(self.tp_size))
 
     def check_params(self, module: nn.Module) -> None:
         """Every DTensor parameter lives on this mesh's tensor-parallel dim (one clear error otherwise)."""

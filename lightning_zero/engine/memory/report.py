@@ -22,7 +22,8 @@ def measure_model_states(params, shardeds, reducer=None, partitioner=None, froze
     r = MemoryReport(
         params=part.shard_bytes() + part.gathered_bytes() if part is not None else nbytes(params) + nbytes(frozen),
         grads=nbytes(p.grad for p in params),
-        grad_shards=nbytes(reducer.grad_shards) if reducer is not None else 0,
+        # hybrid sharding under accumulation: the replicas' un-synced sums are gradient shards too
+        grad_shards=nbytes(reducer.grad_shards) + nbytes(reducer.unreplicated_shards) if reducer is not None else 0,
         master=sum(s.master_bytes() for s in shardeds),
         optimizer_state=sum(s.state_bytes() for s in shardeds),
         owner_step=sum(s.owner.step_bytes() for s in shardeds if s.owner is not None),
