@@ -99,3 +99,42 @@ def test_the_exchange_moves_heads_and_positions_and_its_backward_reverses_it():
     wgrad = torch.cat([r["w"] for r in res], dim=1)
     for rank, r in enumerate(res):
         assert torch.equal(r["grad"], wgrad[:, :, rank * 6 : (rank + 1) * 6])
+
+
+def _counted_rank(rank, world, checkpointing):
+    """One forward and backward of the split GPT-2 (2 layers), its collectives counted; HF's activation
+    checkpointing re-runs each layer's forward, exchanges included, in backward."""
+    from lightning_zero.engine.comm import collectives
+    from lightning_zero.sequence_parallel import apply_sequence_parallel
+
+    model = causal_lm("gpt2")
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    batch = causal_batch(24)
+    res, split, sharding = run_pair(model, batch)
+    local = sharding.shard_batch(batch)
+    split.zero_grad()
+    collectives.stats.reset()
+    out = split(**local)
+    forward = dict(collectives.stats.by_group)
+    collectives.stats.reset()
+    out.loss.backward()
+    res["forward"], res["backward"] = forward, dict(collectives.stats.by_group)
+    return res
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_exchanges_per_layer_and_their_wire_bytes_with_and_without_activation_checkpointing(checkpointing):
+    results = run_ranks(_counted_rank, 2, (checkpointing,), timeout_s=240)
+    check_pair(results, 24)
+    # per layer: q, k, v and the output, each B x H x s/S x d fp32 = 2 x 4 x 12 x 8 x 4 bytes, half of it sent
+    payload = 2 * 4 * 12 * 8 * 4
+    for res in results:
+        assert res["forward"] == {("all_to_all", "world"): [8, 8 * payload, 8 * payload // 2],
+                                  ("all_reduce", "world"): [1, 4, 4]}  # the loss: one fp32 scalar
+        exchanges = 16 if checkpointing else 8  # the re-run forward's exchanges, then backward's
+        assert res["backward"] == {("all_to_all", "world"): [exchanges, exchanges * payload,
+                                                             exchanges * payload // 2],
+                                   ("all_reduce", "world"): [1, 4, 4]}
