@@ -138,3 +138,28 @@ def test_exchanges_per_layer_and_their_wire_bytes_with_and_without_activation_ch
         assert res["backward"] == {("all_to_all", "world"): [exchanges, exchanges * payload,
                                                              exchanges * payload // 2],
                                    ("all_reduce", "world"): [1, 4, 4]}
+
+
+def test_a_padded_mask_is_built_once_per_forward_and_not_kept_after_it(monkeypatch):
+    """One process (S=1, the identity exchange): the layers share the whole mask HF's builder made once, and
+    the mask does not outlive its batch."""
+    import gc
+
+    from transformers import masking_utils
+
+    from lightning_zero.sequence_parallel import apply_sequence_parallel, split_attention
+
+    model = causal_lm("llama")
+    batch = causal_batch(20)
+    ref = model(**batch)
+    sharding = apply_sequence_parallel(model)
+    assert sharding.size == 1
+    built = []
+    real = masking_utils.create_causal_mask
+    monkeypatch.setattr(masking_utils, "create_causal_mask", lambda **kw: built.append(1) or real(**kw))
+    out = model(**sharding.shard_batch(batch))
+    close(out.loss, ref.loss)
+    close(out.logits, ref.logits)
+    assert len(built) == 1  # two layers, one mask
+    gc.collect()
+    assert split_attention._LAST[0] is None

@@ -9,14 +9,16 @@ untouched (a 4-D mask is taken as prepared), and each split attention builds the
 expects with HF's own builders (``create_causal_mask`` / ``create_bidirectional_mask``) at the whole length:
 the same mask, bit for bit, that one process on the whole sequence builds (SDPA's boolean mask or none for a
 plain causal one, eager's additive 0 / min). A mask of another shape reaching a layer is one HF built from
-no mask (eager builds one, SDPA none): no padding. Built once per forward: the layers of one forward share
-the mask object, and the last one built is kept while the same one comes back.
+no mask (eager builds one, SDPA none): no padding. A padded mask is built once per forward: the layers of
+one forward (and checkpointing's re-runs) get the same padding tensor, and the mask built from it is kept
+only while that tensor lives (a weak reference), so no (B, 1, s, s) mask outlives its batch.
 
 transformers is imported inside the functions only.
 """
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -24,7 +26,12 @@ import torch
 from lightning_zero.sequence_parallel.group_ref import SequenceGroup
 
 KERNELS = ("eager", "sdpa", "lz_block_sparse")  # the kernels a split attention can run on its heads
-_LAST: list = [None]  # (key, mask): the whole mask of the last forward ([Note: masks of the whole sequence])
+_LAST: list = [None]  # (weak padding, key, mask): the last padded mask ([Note: masks of the whole sequence])
+
+
+def _forget(ref: weakref.ref) -> None:
+    if _LAST[0] is not None and _LAST[0][0] is ref:
+        _LAST[0] = None
 
 
 class UlyssesAttention(torch.nn.Module):
@@ -63,7 +70,7 @@ class UlyssesAttention(torch.nn.Module):
         key = (self.mask_config._attn_implementation, getattr(self.mask_config, "is_causal", True), causal, batch,
                length, dtype, device)
         last = _LAST[0]
-        if last is not None and last[0] is padding and last[1] == key:
+        if padding is not None and last is not None and last[0]() is padding and last[1] == key:
             return last[2]
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
@@ -73,7 +80,8 @@ class UlyssesAttention(torch.nn.Module):
             mask = create_causal_mask(config=self.mask_config, inputs_embeds=embeds, attention_mask=two_d, cache=None)
         else:
             mask = create_bidirectional_mask(config=self.mask_config, inputs_embeds=embeds, attention_mask=two_d)
-        _LAST[0] = (padding, key, mask)
+        if padding is not None:
+            _LAST[0] = (weakref.ref(padding, _forget), key, mask)
         return mask
 
 
