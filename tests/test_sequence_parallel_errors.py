@@ -110,3 +110,25 @@ def test_a_split_model_unpickles_in_a_fresh_process_and_runs_after_apply_again(t
     assert lines[0].startswith("refused: this model was split for sequence parallelism over ranks [0, 1] in another "
                                "process: call apply_sequence_parallel(model, group) in this one")
     assert lines[1:] == ["size 1", "same"]
+
+
+def test_applying_again_wraps_nothing_twice():
+    from lightning_zero.sequence_parallel import apply_sequence_parallel
+    from lightning_zero.sequence_parallel.loss import WholeSequenceLoss
+    from lightning_zero.sparse_attention import sparsify_causal_lm
+
+    model = sparsify_causal_lm(causal_lm("gpt2"), layout="fixed", block=4, num_local_blocks=2)
+    batch = causal_batch(16)
+    ref = model(**batch)
+    full = model.transformer.h[0].attn.sparse.sparsity_config
+    for _ in range(2):
+        sharding = apply_sequence_parallel(model)
+    attn = model.transformer.h[0].attn
+    assert attn.config._attn_implementation == "lz_ulysses" and attn.ulysses.kernel == "lz_block_sparse"
+    assert attn.ulysses.sparse_config is full and attn.sparse.sparsity_config.full is full
+    assert len(model._forward_pre_hooks) == 1
+    assert isinstance(model.loss_function, WholeSequenceLoss) and not isinstance(model.loss_function.inner,
+                                                                                 WholeSequenceLoss)
+    out = model(**sharding.shard_batch(batch))
+    close(out.loss, ref.loss)
+    close(out.logits, ref.logits)
