@@ -29,6 +29,11 @@ def _rank(rank, world, arch, impl, length, heads, kv_heads):
     from lightning_zero.sequence_parallel import whole_sequence_loss
 
     res["custom_loss"] = whole_sequence_loss(local_sum, local["num_items_in_batch"], sharding).detach()
+    # the same batch as embeddings: cut along the same positions
+    embeds = model.get_input_embeddings()(batch["input_ids"]).detach()
+    by_embeds = sharding.shard_batch({**{k: v for k, v in batch.items() if k != "input_ids"}, "inputs_embeds": embeds})
+    real = length - rank * local["input_ids"].shape[1]  # the padded positions' logits are junk
+    res["embeds_logits"] = model(**by_embeds).logits.detach()[:, :real]
     # what the data path refuses: a mask of this rank's slice, labels not shifted on the whole sequence
     errors = []
     for bad in ({**local, "attention_mask": local["attention_mask"][:, : local["input_ids"].shape[1]]},
@@ -48,6 +53,7 @@ def test_split_equals_one_process_on_the_whole_sequence(arch, impl, size, length
     check_pair(results, length)
     for res in results:
         close(res["custom_loss"], res["ref_loss"])
+        close(res["embeds_logits"], res["logits"][:, : res["embeds_logits"].shape[1]])
         assert len(res["errors"]) == 2, res["errors"]
         assert "whole sequence's (batch, " in res["errors"][0]
         assert "shift_labels" in res["errors"][1]
