@@ -36,7 +36,7 @@ def _check(found: list, size: int) -> None:
             raise ValueError(f"{path} ({type(mod).__name__}) runs attn_implementation={kernel!r}: sequence "
                              f"parallelism runs the kernel on whole sequences of its heads for {list(KERNELS)} "
                              "(set attn_implementation to one of them).")
-        if heads % size or kv_heads % size:
+        if heads % size or kv_heads % size:  # [Note: grouped-query attention under Ulysses]
             kv = f" and {kv_heads} key/value heads" if kv_heads != heads else ""
             why = ("S must divide both (each rank attends with whole key/value heads: its query heads' groups)"
                    if kv else "S must divide the head count")
@@ -83,7 +83,9 @@ def apply_sequence_parallel(model: torch.nn.Module, group: Any = None) -> Sequen
     encoder = t5_encoder(model)
     found = self_attention_modules(model) if encoder is None else []
     if encoder is not None:
-        if any(type(m).__name__.startswith("Sparse") for _, m in encoder_attentions(encoder)):
+        from lightning_zero.sparse_attention.hf_t5 import SparseT5Attention
+
+        if any(isinstance(m, SparseT5Attention) for _, m in encoder_attentions(encoder)):
             raise ValueError("sequence parallelism does not split a block-sparse T5 encoder (sparsify_t5_encoder); "
                              "block-sparse GPT-2 and Llama split.")
         heads = encoder.config.num_heads

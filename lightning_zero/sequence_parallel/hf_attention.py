@@ -53,7 +53,8 @@ def register() -> None:
 
 class CausalUlyssesAttention(UlyssesAttention):
     """The ``ulysses`` child of a split GPT-2 / Llama attention: unpickled (a spawned worker), it registers the
-    attention function its parent's config names before any forward needs it."""
+    attention function its parent's config names before any forward needs it; its group:
+    [Note: a group that survives pickling]."""
 
     def __setstate__(self, state):
         super().__setstate__(state)
