@@ -15,7 +15,7 @@ import torch
 from lightning_zero.engine import ZeroConfig, ZeroEngine
 from lightning_zero.tools.launch import run_ranks
 from tests.helpers.parity import close
-from tests.helpers.sp_models import causal_batch, causal_lm
+from tests.helpers.sp_models import causal_batch, causal_lm, t5, t5_batch
 
 STEPS, ACCUM, CLIP, LENGTH = 3, 2, 0.5, 22
 
@@ -104,3 +104,41 @@ def test_zero3_over_data_parallel_times_sequence_parallel_ranks_trains_as_ddp_on
         close(losses, ref_losses, "losses")
         close(norms, ref_norms, "pre-clip norms")
         close(state, ref_state, "weights")
+
+
+def _t5_run(split: bool):
+    from lightning_zero.sequence_parallel import apply_sequence_parallel
+
+    model = t5()
+    opt = _optimizer(model)
+    sharding = apply_sequence_parallel(model) if split else None
+    engine = ZeroEngine(model, opt, ZeroConfig(stage=3)) if split else None
+    losses = []
+    for step in range(STEPS):
+        batch = t5_batch(19, seed=step)
+        loss = model(**(sharding.shard_batch(batch) if split else batch)).loss
+        loss.backward()
+        losses.append(loss.item())
+        if split:
+            engine.clip_grad_norm_(CLIP)
+            engine.step()
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            opt.step()
+            opt.zero_grad()
+    if split:
+        engine.restore_fp32_module()
+    return losses, _state(model)
+
+
+def _t5_rank(rank, world):
+    return {"ref": _t5_run(False), "split": _t5_run(True)}
+
+
+@pytest.mark.timeout(400)
+def test_zero3_trains_a_split_t5_as_one_process_on_whole_sequences():
+    """T5's encoder split at S=2 under stage 3 (its units the T5Blocks: the relative bias's rows of each rank's
+    heads read from the gathered unit)."""
+    for res in run_ranks(_t5_rank, 2, timeout_s=360):
+        close(res["split"][0], res["ref"][0], "losses")
+        close(res["split"][1], res["ref"][1], "weights")
