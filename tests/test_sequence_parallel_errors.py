@@ -24,8 +24,9 @@ def _refusals(rank, world):
     from lightning_zero.sequence_parallel import apply_sequence_parallel
 
     out = {}
-    for name, model in (("gpt2", causal_lm("gpt2", heads=4)), ("llama", causal_lm("llama", heads=6, kv_heads=2, hidden=48)),
-                        ("t5", t5(heads=4))):
+    models = (("gpt2", causal_lm("gpt2", heads=4)), ("llama", causal_lm("llama", heads=6, kv_heads=2, hidden=48)),
+              ("t5", t5(heads=4)))
+    for name, model in models:
         before = copy.deepcopy(model.state_dict())
         try:
             apply_sequence_parallel(model, None)

@@ -2,9 +2,9 @@
 stages 1-3, gradient accumulation over 2 micro-batches and clipping, 3 SGD-with-momentum steps of HF Llama,
 against one process training on the whole sequences (fp32, rtol 1e-5). SGD, not Adam: the split sums each
 gradient over positions in another order, and Adam's normalization turns those ulps into weight changes of
-~1e-6 where a gradient is near zero (TP's case, tests/helpers/parity.py); SGD keeps them ulps. The engine averages the ranks' gradients as if
-they were data-parallel; every rank ending with the whole loss makes that average the whole sequence's
-gradient ([Note: every rank computes the whole loss])."""
+~1e-6 where a gradient is near zero (TP's case, tests/helpers/parity.py); SGD keeps them ulps. The engine
+averages the ranks' gradients as if they were data-parallel; every rank ending with the whole loss makes that
+average the whole sequence's gradient ([Note: every rank computes the whole loss])."""
 from __future__ import annotations
 
 import contextlib
