@@ -133,3 +133,13 @@ def test_applying_again_wraps_nothing_twice():
     out = model(**sharding.shard_batch(batch))
     close(out.loss, ref.loss)
     close(out.logits, ref.logits)
+
+
+@pytest.mark.timeout(200)
+def test_importing_the_package_loads_neither_transformers_nor_lightning():
+    code = ("import json, sys; import lightning_zero.sequence_parallel; print(json.dumps(sorted({m.split('.')[0] "
+            "for m in sys.modules} & {'transformers', 'lightning', 'lightning_fabric', 'pytorch_lightning'})))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -22,6 +22,7 @@ from lightning_zero.sequence_parallel.hf_attention import kernel_of, register, s
 from lightning_zero.sequence_parallel.hf_t5 import GROUP_ATTR, encoder_attentions, split_t5_encoder, t5_encoder
 from lightning_zero.sequence_parallel.loss import WholeSequenceLoss
 from lightning_zero.sequence_parallel.split_attention import KERNELS
+from lightning_zero.sparse_attention.hf_t5 import SparseT5Attention
 
 
 def _sizes(*counts: int) -> list[int]:
@@ -83,8 +84,6 @@ def apply_sequence_parallel(model: torch.nn.Module, group: Any = None) -> Sequen
     encoder = t5_encoder(model)
     found = self_attention_modules(model) if encoder is None else []
     if encoder is not None:
-        from lightning_zero.sparse_attention.hf_t5 import SparseT5Attention
-
         if any(isinstance(m, SparseT5Attention) for _, m in encoder_attentions(encoder)):
             raise ValueError("sequence parallelism does not split a block-sparse T5 encoder (sparsify_t5_encoder); "
                              "block-sparse GPT-2 and Llama split.")

@@ -25,7 +25,9 @@ from typing import Any
 
 from lightning_zero.sequence_parallel.all_to_all import heads_to_seq, seq_to_heads
 from lightning_zero.sequence_parallel.group_ref import SequenceGroup
+from lightning_zero.sequence_parallel.sparse_heads import HeadShardLayout
 from lightning_zero.sequence_parallel.split_attention import UlyssesAttention, eager_module_of
+from lightning_zero.sparse_attention.hf_causal import CausalSparseAttention
 
 IMPLEMENTATION = "lz_ulysses"
 
@@ -85,9 +87,6 @@ def kernel_of(module: Any) -> str:
 
 def split_attention(module: Any, group: SequenceGroup) -> None:
     """Make one GPT-2 / Llama self-attention a Ulysses one over ``group``, in place; again: a new group."""
-    from lightning_zero.sequence_parallel.sparse_heads import HeadShardLayout
-    from lightning_zero.sparse_attention.hf_causal import CausalSparseAttention
-
     kernel = kernel_of(module)
     old = getattr(module, "ulysses", None)
     sparse_config = None
