@@ -13,9 +13,10 @@ from lightning_zero.tools.launch import run_ranks
 from tests.helpers.sp_models import causal_batch, causal_lm, check_pair, close, run_pair
 
 # (arch, kernel, S, length, query heads, key/value heads): S=4 splits Llama's 8 query / 4 key-value heads;
-# 30 tokens on 4 ranks pad 2 at the end
+# S=4 over 4 query / 2 key-value heads repeats each key/value head twice ([Note: grouped-query attention
+# under Ulysses]); 30 tokens on 4 ranks pad 2 at the end
 CASES = [("gpt2", "sdpa", 2, 24, 4, 4), ("gpt2", "eager", 4, 30, 4, 4), ("llama", "sdpa", 2, 24, 4, 2),
-         ("llama", "eager", 4, 30, 8, 4)]
+         ("llama", "eager", 4, 30, 8, 4), ("llama", "sdpa", 4, 24, 4, 2), ("llama", "eager", 4, 24, 8, 2)]
 
 
 def _rank(rank, world, arch, impl, length, heads, kv_heads):

@@ -1,5 +1,5 @@
 """What sequence parallelism refuses, each with one error naming what is allowed, raised before the model is
-changed: heads that do not split over S (GPT-2, Llama's key/value heads, T5), a model without a supported
+changed: heads that do not split over S (GPT-2, Llama, T5), a model without a supported
 attention, a kernel it cannot run on head shards, a block-sparse T5 encoder, batches it cannot cut. And the
 split model survives pickling: in a fresh process it says to apply again, then runs at another size."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _refusals(rank, world):
     from lightning_zero.sequence_parallel import apply_sequence_parallel
 
     out = {}
-    models = (("gpt2", causal_lm("gpt2", heads=4)), ("llama", causal_lm("llama", heads=6, kv_heads=2, hidden=48)),
+    models = (("gpt2", causal_lm("gpt2", heads=4)), ("llama", causal_lm("llama", heads=4, kv_heads=2)),
               ("t5", t5(heads=4)))
     for name, model in models:
         before = copy.deepcopy(model.state_dict())
@@ -43,8 +43,8 @@ def test_heads_that_do_not_split_over_three_ranks_are_refused_naming_the_module(
     res = run_ranks(_refusals, 3, timeout_s=240)[0]
     assert res["gpt2"].startswith("transformer.h.0.attn (GPT2Attention) has 4 attention heads: sequence parallelism "
                                   "of size 3") and res["gpt2"].endswith("allowed sizes: [1, 2, 4].")
-    assert res["llama"].startswith("model.layers.0.self_attn (LlamaAttention) has 6 attention heads and 2 key/value "
-                                   "heads") and res["llama"].endswith("allowed sizes: [1, 2].")
+    assert res["llama"].startswith("model.layers.0.self_attn (LlamaAttention) has 4 attention heads: sequence "
+                                   "parallelism of size 3") and res["llama"].endswith("allowed sizes: [1, 2, 4].")
     assert res["t5"].startswith("encoder.block.0.layer.0.SelfAttention (T5Attention) has 4 attention heads")
     assert res["gpt2_untouched"] and res["llama_untouched"] and res["t5_untouched"]
 

@@ -11,7 +11,6 @@ mask on as ``(B, 1, 1, s)``, a mask of the local slice refused) and its ``loss_f
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -25,25 +24,21 @@ from lightning_zero.sequence_parallel.split_attention import KERNELS
 from lightning_zero.sparse_attention.hf_t5 import SparseT5Attention
 
 
-def _sizes(*counts: int) -> list[int]:
-    g = math.gcd(*counts)
-    return [d for d in range(1, g + 1) if g % d == 0]
+def _sizes(heads: int) -> list[int]:
+    return [d for d in range(1, heads + 1) if heads % d == 0]
 
 
 def _check(found: list, size: int) -> None:
-    for path, mod, heads, kv_heads in found:
+    for path, mod, heads in found:
         kernel = kernel_of(mod)
         if kernel not in KERNELS:
             raise ValueError(f"{path} ({type(mod).__name__}) runs attn_implementation={kernel!r}: sequence "
                              f"parallelism runs the kernel on whole sequences of its heads for {list(KERNELS)} "
                              "(set attn_implementation to one of them).")
-        if heads % size or kv_heads % size:  # [Note: grouped-query attention under Ulysses]
-            kv = f" and {kv_heads} key/value heads" if kv_heads != heads else ""
-            why = ("S must divide both (each rank attends with whole key/value heads: its query heads' groups)"
-                   if kv else "S must divide the head count")
-            raise ValueError(f"{path} ({type(mod).__name__}) has {heads} attention heads{kv}: sequence "
-                             f"parallelism of size {size} gives each rank {heads}/{size} whole heads, so {why}; "
-                             f"allowed sizes: {_sizes(heads, kv_heads)}.")
+        if heads % size:  # key/value heads need not split: [Note: grouped-query attention under Ulysses]
+            raise ValueError(f"{path} ({type(mod).__name__}) has {heads} attention heads: sequence parallelism "
+                             f"of size {size} gives each rank {heads}/{size} whole heads, so S must divide the "
+                             f"head count; allowed sizes: {_sizes(heads)}.")
 
 
 def _causal_pre_hook(module, args, kwargs):
@@ -88,7 +83,7 @@ def apply_sequence_parallel(model: torch.nn.Module, group: Any = None) -> Sequen
             raise ValueError("sequence parallelism does not split a block-sparse T5 encoder (sparsify_t5_encoder); "
                              "block-sparse GPT-2 and Llama split.")
         heads = encoder.config.num_heads
-        _check([(p, m, heads, heads) for p, m in encoder_attentions(encoder)], seq.size)
+        _check([(p, m, heads) for p, m in encoder_attentions(encoder)], seq.size)
         split_t5_encoder(encoder, seq)
         return SequenceSharding(seq, "t5", _pad_token_id(model.config))
     if not found:
@@ -96,7 +91,7 @@ def apply_sequence_parallel(model: torch.nn.Module, group: Any = None) -> Sequen
                         f"self-attention) and T5 encoders; {type(model).__name__} has none of them.")
     _check(found, seq.size)
     register()
-    for _, mod, _, _ in found:
+    for _, mod, _ in found:
         split_attention(mod, seq)
     setattr(model, GROUP_ATTR, seq)
     if _causal_pre_hook not in model._forward_pre_hooks.values():

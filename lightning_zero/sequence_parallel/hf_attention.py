@@ -13,14 +13,20 @@ exchanges the output back to this rank's positions.
 
 [Note: grouped-query attention under Ulysses] Llama's key/value heads are exchanged like its query heads:
 rank r receives query heads ``r*H/S ..`` and key/value heads ``r*KV/S ..``, and query head h's key/value head
-h // (H/KV) is among them exactly when S divides KV. The kernel's ``num_key_value_groups`` (H/KV) stays
-right, so S must divide both head counts (``apply.py`` says so before a forward).
+h // (H/KV) is among them exactly when S divides KV; the kernel's ``num_key_value_groups`` (H/KV) stays right.
+When S does not divide KV, each key/value head is first repeated ``x = S / gcd(KV, S)`` times (the fewest
+copies whose count S divides; x divides H/KV because S and KV both divide H): query head h's head among the
+KV*x is h // (H/(KV*x)), a copy of its own, and the kernel is handed the module with
+``num_key_value_groups = H/(KV*x)``. The copies' gradients sum back into the head (repeat_interleave's
+backward). So only the query heads must split: S divides H (``apply.py`` says so before a forward); k and v
+then cost x times their bytes on the wire.
 
 transformers is imported inside the functions only.
 """
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from lightning_zero.sequence_parallel.all_to_all import heads_to_seq, seq_to_heads
@@ -36,15 +42,32 @@ def ulysses_attention_forward(module, query, key, value, attention_mask, **kwarg
     """transformers' attention-function signature: (B, H, s/S, d) in, (B, s/S, H, d) and no weights out."""
     sp: UlyssesAttention = module.ulysses
     group = sp.group.group
+    kernel_module = module
+    heads, kv_heads, size = query.shape[1], key.shape[1], sp.group.size
+    if kv_heads % size:  # [Note: grouped-query attention under Ulysses]
+        copies = size // math.gcd(kv_heads, size)
+        key, value = key.repeat_interleave(copies, dim=1), value.repeat_interleave(copies, dim=1)
+        kernel_module = _KeyValueGroups(module, heads // (kv_heads * copies))
     q, k, v = (seq_to_heads(t, group) for t in (query, key, value))
     B, _, s, _ = q.shape
     mask = sp.whole_mask(attention_mask, B, s, q.dtype, q.device, causal=True)
     if sp.kernel == "eager" and getattr(module, "reorder_and_upcast_attn", False):
         out, _ = module._upcast_and_reordered_attn(q, k, v, mask)  # GPT-2's own eager variant
     else:
-        out, _ = sp.kernel_function()(module, q, k, v, mask, **kwargs)
+        out, _ = sp.kernel_function()(kernel_module, q, k, v, mask, **kwargs)
     out = heads_to_seq(out.transpose(1, 2), group)  # the kernels return (B, s, H/S, d)
     return out.transpose(1, 2).contiguous(), None
+
+
+class _KeyValueGroups:
+    """``module`` as a kernel reads it, with ``num_key_value_groups`` of the repeated key/value heads."""
+
+    def __init__(self, module: Any, groups: int):
+        self._module = module
+        self.num_key_value_groups = groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
 
 
 def register() -> None:
@@ -64,17 +87,16 @@ class CausalUlyssesAttention(UlyssesAttention):
 
 
 def self_attention_modules(model: Any) -> list:
-    """(path, module, query heads, key/value heads) of every GPT-2 / Llama self-attention in ``model``."""
+    """(path, module, query heads) of every GPT-2 / Llama self-attention in ``model``."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     found = []
     for name, mod in model.named_modules():
         if isinstance(mod, GPT2Attention) and not mod.is_cross_attention:
-            found.append((name, mod, mod.num_heads, mod.num_heads))
+            found.append((name, mod, mod.num_heads))
         elif isinstance(mod, LlamaAttention):
-            heads = mod.config.num_attention_heads
-            found.append((name, mod, heads, heads // mod.num_key_value_groups))
+            found.append((name, mod, mod.config.num_attention_heads))
     return found
 
 
