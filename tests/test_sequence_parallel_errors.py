@@ -143,3 +143,17 @@ def test_importing_the_package_loads_neither_transformers_nor_lightning():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_checks_run_before_any_rank_starts():
+    """``check_sequence_parallel``: the refusals of ``apply_sequence_parallel`` without a process group."""
+    from lightning_zero.sequence_parallel import check_sequence_parallel
+
+    assert check_sequence_parallel(causal_lm("llama", heads=8, kv_heads=2), 8) == "causal_lm"
+    assert check_sequence_parallel(t5(heads=4), 4) == "t5"
+    with pytest.raises(ValueError, match=r"transformer.h.0.attn \(GPT2Attention\) has 4 attention heads: sequence "
+                                         r"parallelism of size 8 .* allowed sizes: \[1, 2, 4\]"):
+        check_sequence_parallel(causal_lm("gpt2"), 8)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="sequence-parallel size must be an integer >= 1"):
+            check_sequence_parallel(causal_lm("gpt2"), bad)

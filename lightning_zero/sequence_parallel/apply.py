@@ -1,5 +1,6 @@
 """``apply_sequence_parallel(model, group)``: an HF GPT-2, Llama or T5 model split along the sequence over
-``group``, in place; returns its ``SequenceSharding``.
+``group``, in place; returns its ``SequenceSharding``. ``check_sequence_parallel(model, size)``: the same
+checks without a group, before any rank starts.
 
 Every attention is checked before anything changes (one error naming the first module that cannot be
 split, its head counts, S and the sizes that work). Calling it again -- the same group, another one, or in
@@ -72,24 +73,36 @@ def _pad_token_id(config: Any) -> int:
     return int(pad) if isinstance(pad, int) and pad >= 0 else 0
 
 
-def apply_sequence_parallel(model: torch.nn.Module, group: Any = None) -> SequenceSharding:
-    """Split ``model`` (HF GPT-2 / Llama: causal LM or base model; T5 encoder-decoder or encoder) along the
-    sequence over ``group`` (a process group, None: the default one), in place; returns its sharding."""
-    seq = SequenceGroup(group)
+def check_sequence_parallel(model: torch.nn.Module, size: int) -> str:
+    """Whether ``model`` splits over ``size`` ranks, without a process group and without changing it (a
+    launcher asks before the ranks start): its kind ("causal_lm" or "t5"), or the one error
+    ``apply_sequence_parallel`` would raise."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"the sequence-parallel size must be an integer >= 1, got {size!r}.")
     encoder = t5_encoder(model)
-    found = self_attention_modules(model) if encoder is None else []
     if encoder is not None:
         if any(isinstance(m, SparseT5Attention) for _, m in encoder_attentions(encoder)):
             raise ValueError("sequence parallelism does not split a block-sparse T5 encoder (sparsify_t5_encoder); "
                              "block-sparse GPT-2 and Llama split.")
         heads = encoder.config.num_heads
-        _check([(p, m, heads) for p, m in encoder_attentions(encoder)], seq.size)
-        split_t5_encoder(encoder, seq)
-        return SequenceSharding(seq, "t5", _pad_token_id(model.config))
+        _check([(p, m, heads) for p, m in encoder_attentions(encoder)], size)
+        return "t5"
+    found = self_attention_modules(model)
     if not found:
         raise TypeError(f"apply_sequence_parallel splits HF GPT-2 and Llama models (GPT2Attention, LlamaAttention "
                         f"self-attention) and T5 encoders; {type(model).__name__} has none of them.")
-    _check(found, seq.size)
+    _check(found, size)
+    return "causal_lm"
+
+
+def apply_sequence_parallel(model: torch.nn.Module, group: Any = None) -> SequenceSharding:
+    """Split ``model`` (HF GPT-2 / Llama: causal LM or base model; T5 encoder-decoder or encoder) along the
+    sequence over ``group`` (a process group, None: the default one), in place; returns its sharding."""
+    seq = SequenceGroup(group)
+    if check_sequence_parallel(model, seq.size) == "t5":
+        split_t5_encoder(t5_encoder(model), seq)
+        return SequenceSharding(seq, "t5", _pad_token_id(model.config))
+    found = self_attention_modules(model)
     register()
     for _, mod, _ in found:
         split_attention(mod, seq)
