@@ -170,3 +170,20 @@ def test_a_padded_mask_is_built_once_per_forward_and_not_kept_after_it(monkeypat
     assert len(built) == 1  # two layers, one mask
     gc.collect()
     assert split_attention._LAST[0] is None
+
+
+def _packed_rank(rank, world, arch, length):
+    """Rows of several sequences each (position ids restarting, no attention mask): HF masks each sequence off
+    the others on one process; the split model must too."""
+    batch = causal_batch(length, pad_last=0)
+    cuts = [(0, 9, length), (0, 4, 13, length)]
+    batch["position_ids"] = torch.stack([torch.cat([torch.arange(b - a) for a, b in zip(c, c[1:])]) for c in cuts])
+    del batch["attention_mask"]
+    batch["use_cache"] = False  # HF detects packing without a cache only (a training forward; the split never has one)
+    return run_pair(causal_lm(arch), batch)[0]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch,size,length", [("llama", 2, 24), ("gpt2", 4, 22)])
+def test_packed_sequences_are_masked_off_each_other_as_on_one_process(arch, size, length):
+    check_pair(run_ranks(_packed_rank, size, (arch, length), timeout_s=240), length)

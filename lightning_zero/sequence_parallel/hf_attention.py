@@ -50,7 +50,8 @@ def ulysses_attention_forward(module, query, key, value, attention_mask, **kwarg
         kernel_module = _KeyValueGroups(module, heads // (kv_heads * copies))
     q, k, v = (seq_to_heads(t, group) for t in (query, key, value))
     B, _, s, _ = q.shape
-    mask = sp.whole_mask(attention_mask, B, s, q.dtype, q.device, causal=True)
+    mask = sp.whole_mask(attention_mask, B, s, q.dtype, q.device, causal=True,
+                         packed_position_ids=kwargs.pop("packed_position_ids", None))
     if sp.kernel == "eager" and getattr(module, "reorder_and_upcast_attn", False):
         out, _ = module._upcast_and_reordered_attn(q, k, v, mask)  # GPT-2's own eager variant
     else:
