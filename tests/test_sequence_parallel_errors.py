@@ -1,6 +1,6 @@
 """What sequence parallelism refuses, each with one error naming what is allowed, raised before the model is
 changed: heads that do not split over S (GPT-2, Llama, T5), a model without a supported
-attention, a kernel it cannot run on head shards, a block-sparse T5 encoder, batches it cannot cut. And the
+attention, a kernel it cannot run on head shards, batches it cannot cut. And the
 split model survives pickling: in a fresh process it says to apply again, then runs at another size."""
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ def test_heads_that_do_not_split_over_three_ranks_are_refused_naming_the_module(
 
 def test_models_and_kernels_it_cannot_split():
     from lightning_zero.sequence_parallel import apply_sequence_parallel
-    from lightning_zero.sparse_attention import sparsify_t5_encoder
 
     with pytest.raises(TypeError, match="splits HF GPT-2 and Llama models .* and T5 encoders; Linear has none"):
         apply_sequence_parallel(torch.nn.Linear(2, 2))
@@ -60,8 +59,6 @@ def test_models_and_kernels_it_cannot_split():
     with pytest.raises(ValueError, match=r"transformer.h.0.attn \(GPT2Attention\) runs attn_implementation="
                                          r"'flash_attention_2'.*\['eager', 'sdpa', 'lz_block_sparse'\]"):
         apply_sequence_parallel(model)
-    with pytest.raises(ValueError, match="does not split a block-sparse T5 encoder"):
-        apply_sequence_parallel(sparsify_t5_encoder(t5(), layout="bslongformer", block=4))
 
 
 def test_batches_it_cannot_cut():

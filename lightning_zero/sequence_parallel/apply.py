@@ -22,7 +22,6 @@ from lightning_zero.sequence_parallel.hf_attention import kernel_of, register, s
 from lightning_zero.sequence_parallel.hf_t5 import GROUP_ATTR, encoder_attentions, split_t5_encoder, t5_encoder
 from lightning_zero.sequence_parallel.loss import WholeSequenceLoss
 from lightning_zero.sequence_parallel.split_attention import KERNELS
-from lightning_zero.sparse_attention.hf_t5 import SparseT5Attention
 
 
 def _sizes(heads: int) -> list[int]:
@@ -81,9 +80,6 @@ def check_sequence_parallel(model: torch.nn.Module, size: int) -> str:
         raise ValueError(f"the sequence-parallel size must be an integer >= 1, got {size!r}.")
     encoder = t5_encoder(model)
     if encoder is not None:
-        if any(isinstance(m, SparseT5Attention) for _, m in encoder_attentions(encoder)):
-            raise ValueError("sequence parallelism does not split a block-sparse T5 encoder (sparsify_t5_encoder); "
-                             "block-sparse GPT-2 and Llama split.")
         heads = encoder.config.num_heads
         _check([(p, m, heads) for p, m in encoder_attentions(encoder)], size)
         return "t5"
