@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_zero.tools.launch import run_ranks
-from tests.helpers.sp_models import causal_batch, causal_lm, close, t5
+from tests.helpers.sp_models import causal_batch, causal_lm, close, t5, t5_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,20 +86,32 @@ def _pickled(rank, world):
     local = sharding.shard_batch(batch)
     twin = copy.deepcopy(model)  # a deep copy in the same process keeps working (callbacks copy models)
     close(twin(**local).logits, model(**local).logits)
-    return {"model": pickle.dumps(model), "batch": batch, "ref": ref}
+    from lightning_zero.sparse_attention import sparsify_t5_encoder
+
+    sparse_t5 = sparsify_t5_encoder(t5(), layout="bslongformer", block=4)
+    t5_in = {k: v for k, v in t5_batch(16).items() if k != "attention_mask"}
+    t5_ref = sparse_t5(**t5_in).logits.detach()
+    apply_sequence_parallel(sparse_t5)
+    return {"model": pickle.dumps(model), "batch": batch, "ref": ref, "t5": pickle.dumps(sparse_t5),
+            "t5_batch": t5_in, "t5_ref": t5_ref}
 
 
 @pytest.mark.timeout(300)
 def test_a_split_model_unpickles_in_a_fresh_process_and_runs_after_apply_again(tmp_path):
+    """Llama, and a block-sparse T5 (its swapped class found by name in the fresh process)."""
     res = run_ranks(_pickled, 2, timeout_s=240)[0]
-    (tmp_path / "model.pkl").write_bytes(res["model"])
-    torch.save({"batch": res["batch"], "ref": res["ref"]}, tmp_path / "io.pt")
+    for name in ("model", "t5"):
+        (tmp_path / f"{name}.pkl").write_bytes(res[name])
+    torch.save({k: res[k] for k in ("batch", "ref", "t5_batch", "t5_ref")}, tmp_path / "io.pt")
     code = ("import pickle, sys, torch; d = sys.argv[1]; m = pickle.load(open(d + '/model.pkl', 'rb')); "
-            "io = torch.load(d + '/io.pt'); b = io['batch']\n"
+            "t = pickle.load(open(d + '/t5.pkl', 'rb')); io = torch.load(d + '/io.pt'); b = io['batch']\n"
             "try:\n    m(**b)\nexcept RuntimeError as e:\n    print('refused:', e)\n"
             "from lightning_zero.sequence_parallel import apply_sequence_parallel\n"
             "s = apply_sequence_parallel(m); print('size', s.size)\n"
-            "torch.testing.assert_close(m(**s.shard_batch(b)).logits, io['ref'], rtol=1e-5, atol=1e-6); print('same')")
+            "torch.testing.assert_close(m(**s.shard_batch(b)).logits, io['ref'], rtol=1e-5, atol=1e-6); print('same')\n"
+            "s = apply_sequence_parallel(t); print(type(t.encoder.block[0].layer[0].SelfAttention).__name__)\n"
+            "out = t(**s.shard_batch(io['t5_batch'])).logits\n"
+            "torch.testing.assert_close(out, io['t5_ref'], rtol=1e-5, atol=1e-6); print('same')")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
                          timeout=240)
@@ -107,7 +119,7 @@ def test_a_split_model_unpickles_in_a_fresh_process_and_runs_after_apply_again(t
     lines = out.stdout.strip().splitlines()
     assert lines[0].startswith("refused: this model was split for sequence parallelism over ranks [0, 1] in another "
                                "process: call apply_sequence_parallel(model, group) in this one")
-    assert lines[1:] == ["size 1", "same"]
+    assert lines[1:] == ["size 1", "same", "UlyssesT5AttentionForSparseT5Attention", "same"]
 
 
 def test_applying_again_wraps_nothing_twice():
