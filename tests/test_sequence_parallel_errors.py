@@ -123,6 +123,7 @@ def test_a_split_model_unpickles_in_a_fresh_process_and_runs_after_apply_again(t
 
 
 def test_applying_again_wraps_nothing_twice():
+    """Block-sparse GPT-2 and T5 applied twice: one of each wrapper, the whole layout kept."""
     from lightning_zero.sequence_parallel import apply_sequence_parallel
     from lightning_zero.sequence_parallel.loss import WholeSequenceLoss
     from lightning_zero.sparse_attention import sparsify_causal_lm
@@ -142,6 +143,18 @@ def test_applying_again_wraps_nothing_twice():
     out = model(**sharding.shard_batch(batch))
     close(out.loss, ref.loss)
     close(out.logits, ref.logits)
+    from lightning_zero.sparse_attention import sparsify_t5_encoder
+
+    model = sparsify_t5_encoder(t5(), layout="bslongformer", block=4)
+    batch = t5_batch(12)
+    ref = model(**batch)
+    for _ in range(2):
+        sharding = apply_sequence_parallel(model)
+    attn = model.encoder.block[0].layer[0].SelfAttention
+    assert type(attn).__name__ == "UlyssesT5AttentionForSparseT5Attention"
+    assert attn.sparse.sparsity_config.full is attn.ulysses.sparse_config
+    assert len(model.encoder._forward_pre_hooks) == 2 and len(model.encoder._forward_hooks) == 1  # sparse's + ours
+    close(model(**sharding.shard_batch(batch)).logits, ref.logits)
 
 
 @pytest.mark.timeout(200)
