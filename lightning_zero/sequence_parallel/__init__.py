@@ -9,11 +9,12 @@ A layer beside the engine: imports no Lightning, no tools, no checkpoint format;
 only, and transformers only inside functions.
 """
 from lightning_zero.sequence_parallel.all_to_all import heads_to_seq, seq_to_heads
-from lightning_zero.sequence_parallel.apply import apply_sequence_parallel
+from lightning_zero.sequence_parallel.apply import (apply_sequence_parallel,
+                                                    check_sequence_parallel)
 from lightning_zero.sequence_parallel.batch import SequenceSharding
 from lightning_zero.sequence_parallel.gather_reduce import all_gather_along, all_reduce_sum
 from lightning_zero.sequence_parallel.group_ref import SequenceGroup
 from lightning_zero.sequence_parallel.loss import whole_sequence_loss
 
-__all__ = ["apply_sequence_parallel", "SequenceSharding", "SequenceGroup", "whole_sequence_loss", "seq_to_heads",
-           "heads_to_seq", "all_reduce_sum", "all_gather_along"]
+__all__ = ["apply_sequence_parallel", "check_sequence_parallel", "SequenceSharding", "SequenceGroup",
+           "whole_sequence_loss", "seq_to_heads", "heads_to_seq", "all_reduce_sum", "all_gather_along"]

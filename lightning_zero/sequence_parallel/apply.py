@@ -1,5 +1,6 @@
 """``apply_sequence_parallel(model, group)``: an HF GPT-2, Llama or T5 model split along the sequence over
-``group``, in place; returns its ``SequenceSharding``.
+``group``, in place; returns its ``SequenceSharding``. ``check_sequence_parallel(model, size)``: the same
+checks without a group, before any rank starts.
 
 Every attention is checked before anything changes (one error naming the first module that cannot be
 split, its head counts, S and the sizes that work). Calling it again -- the same group, another one, or in
@@ -11,7 +12,6 @@ mask on as ``(B, 1, 1, s)``, a mask of the local slice refused) and its ``loss_f
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -24,25 +24,21 @@ from lightning_zero.sequence_parallel.loss import WholeSequenceLoss
 from lightning_zero.sequence_parallel.split_attention import KERNELS
 
 
-def _sizes(*counts: int) -> list[int]:
-    g = math.gcd(*counts)
-    return [d for d in range(1, g + 1) if g % d == 0]
+def _sizes(heads: int) -> list[int]:
+    return [d for d in range(1, heads + 1) if heads % d == 0]
 
 
 def _check(found: list, size: int) -> None:
-    for path, mod, heads, kv_heads in found:
+    for path, mod, heads in found:
         kernel = kernel_of(mod)
         if kernel not in KERNELS:
             raise ValueError(f"{path} ({type(mod).__name__}) runs attn_implementation={kernel!r}: sequence "
                              f"parallelism runs the kernel on whole sequences of its heads for {list(KERNELS)} "
                              "(set attn_implementation to one of them).")
-        if heads % size or kv_heads % size:
-            kv = f" and {kv_heads} key/value heads" if kv_heads != heads else ""
-            why = ("S must divide both (each rank attends with whole key/value heads: its query heads' groups)"
-                   if kv else "S must divide the head count")
-            raise ValueError(f"{path} ({type(mod).__name__}) has {heads} attention heads{kv}: sequence "
-                             f"parallelism of size {size} gives each rank {heads}/{size} whole heads, so {why}; "
-                             f"allowed sizes: {_sizes(heads, kv_heads)}.")
+        if heads % size:  # key/value heads need not split: [Note: grouped-query attention under Ulysses]
+            raise ValueError(f"{path} ({type(mod).__name__}) has {heads} attention heads: sequence parallelism "
+                             f"of size {size} gives each rank {heads}/{size} whole heads, so S must divide the "
+                             f"head count; allowed sizes: {_sizes(heads)}.")
 
 
 def _causal_pre_hook(module, args, kwargs):
@@ -76,26 +72,35 @@ def _pad_token_id(config: Any) -> int:
     return int(pad) if isinstance(pad, int) and pad >= 0 else 0
 
 
+def check_sequence_parallel(model: torch.nn.Module, size: int) -> str:
+    """Whether ``model`` splits over ``size`` ranks, without a process group and without changing it (a
+    launcher asks before the ranks start): its kind ("causal_lm" or "t5"), or the one error
+    ``apply_sequence_parallel`` would raise."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"the sequence-parallel size must be an integer >= 1, got {size!r}.")
+    encoder = t5_encoder(model)
+    if encoder is not None:
+        heads = encoder.config.num_heads
+        _check([(p, m, heads) for p, m in encoder_attentions(encoder)], size)
+        return "t5"
+    found = self_attention_modules(model)
+    if not found:
+        raise TypeError(f"apply_sequence_parallel splits HF GPT-2 and Llama models (GPT2Attention, LlamaAttention "
+                        f"self-attention) and T5 encoders; {type(model).__name__} has none of them.")
+    _check(found, size)
+    return "causal_lm"
+
+
 def apply_sequence_parallel(model: torch.nn.Module, group: Any = None) -> SequenceSharding:
     """Split ``model`` (HF GPT-2 / Llama: causal LM or base model; T5 encoder-decoder or encoder) along the
     sequence over ``group`` (a process group, None: the default one), in place; returns its sharding."""
     seq = SequenceGroup(group)
-    encoder = t5_encoder(model)
-    found = self_attention_modules(model) if encoder is None else []
-    if encoder is not None:
-        if any(type(m).__name__.startswith("Sparse") for _, m in encoder_attentions(encoder)):
-            raise ValueError("sequence parallelism does not split a block-sparse T5 encoder (sparsify_t5_encoder); "
-                             "block-sparse GPT-2 and Llama split.")
-        heads = encoder.config.num_heads
-        _check([(p, m, heads, heads) for p, m in encoder_attentions(encoder)], seq.size)
-        split_t5_encoder(encoder, seq)
+    if check_sequence_parallel(model, seq.size) == "t5":
+        split_t5_encoder(t5_encoder(model), seq)
         return SequenceSharding(seq, "t5", _pad_token_id(model.config))
-    if not found:
-        raise TypeError(f"apply_sequence_parallel splits HF GPT-2 and Llama models (GPT2Attention, LlamaAttention "
-                        f"self-attention) and T5 encoders; {type(model).__name__} has none of them.")
-    _check(found, seq.size)
+    found = self_attention_modules(model)
     register()
-    for _, mod, _, _ in found:
+    for _, mod, _ in found:
         split_attention(mod, seq)
     setattr(model, GROUP_ATTR, seq)
     if _causal_pre_hook not in model._forward_pre_hooks.values():

@@ -7,8 +7,8 @@ sequence (the last position of one rank predicts the first token of the next: a 
 lose S - 1 targets) and passed as HF's ``shift_labels``, with ``num_items_in_batch`` the whole batch's valid
 targets ([Note: every rank computes the whole loss]); the position ids are made (``arange``, HF's default)
 before the cut so that each rank embeds / rotates its global positions; ``attention_mask`` stays whole
-([Note: masks of the whole sequence]). A T5 batch: only the encoder's inputs are cut; the mask, the decoder's
-inputs and the labels stay whole.
+([Note: masks of the whole sequence]), and so do a packed batch's position ids ([Note: packed sequences]).
+A T5 batch: only the encoder's inputs are cut; the mask, the decoder's inputs and the labels stay whole.
 
 [Note: lengths that do not split] A length that is not a multiple of S is padded at the end up to one: the
 pad token (the model's ``pad_token_id``, else 0), label -100, attention mask 0 (a T5 batch without a mask
@@ -90,6 +90,8 @@ class SequenceSharding:
                 mask = torch.ones(B, s, dtype=torch.long, device=lead.device)
             if mask is not None:
                 out["attention_mask"] = F.pad(mask, (0, pad), value=0)
+            if out.get("packed_position_ids") is not None:  # the padding: a sequence of its own
+                out["packed_position_ids"] = _pad_end(out["packed_position_ids"], pad, "position_ids", 0)
         local = (s + pad) // self.size
         lo = self.rank * local
         for k in cut:
@@ -108,6 +110,13 @@ class SequenceSharding:
             out["num_items_in_batch"] = (shift != -100).sum()
         if out.get("position_ids") is None:
             out["position_ids"] = torch.arange(s, device=device).unsqueeze(0)
+        elif out.get("attention_mask") is None and _restarts(out["position_ids"]):  # [Note: packed sequences]
+            out["packed_position_ids"] = out["position_ids"].expand(B, s)
+
+
+def _restarts(position_ids: torch.Tensor) -> bool:
+    """Whether a row's position ids restart (HF's test for a packed batch: a step other than 1)."""
+    return bool((position_ids.diff(dim=-1) != 1).any())
 
 
 def _pad_end(t: torch.Tensor, pad: int, key: str, pad_token_id: int) -> torch.Tensor:

@@ -3,8 +3,9 @@
 Each encoder ``T5Attention`` becomes a ``UlyssesT5Attention`` (a subclass, ``__class__`` swapped in place,
 weights, hooks and state-dict keys unchanged) with a parameterless ``ulysses`` child. Its forward projects
 this rank's positions, exchanges q, k, v to head-sharded whole sequences, runs T5's own kernel (eager or
-SDPA, as the config says) with the relative position bias of the whole sequence for this rank's heads and
-the whole padding mask, and exchanges the output back.
+SDPA, as the config says; a block-sparse encoder's kernel with its layout cut to this rank's heads) with the
+relative position bias of the whole sequence for this rank's heads and the whole padding mask, and exchanges
+the output back.
 
 [Note: T5's bias on this rank's heads] The first layer computes the bias, ``(1, H/S, s, s)``, from the rows
 of ``relative_attention_bias.weight`` of this rank's heads only, and hands it to the later layers as stock T5
@@ -28,20 +29,27 @@ import torch.nn.functional as F
 from lightning_zero.sequence_parallel.all_to_all import heads_to_seq, seq_to_heads
 from lightning_zero.sequence_parallel.gather_reduce import all_gather_along
 from lightning_zero.sequence_parallel.group_ref import SequenceGroup
+from lightning_zero.sequence_parallel.sparse_heads import HeadShardLayout
 from lightning_zero.sequence_parallel.split_attention import UlyssesAttention, eager_module_of
+from lightning_zero.sparse_attention import hf_t5 as sparse_t5
+from lightning_zero.sparse_attention.attention import SparseSelfAttention
+from lightning_zero.sparse_attention.block_sparse import RelativeBias
 
 GROUP_ATTR = "lz_sequence_group"
 
 
-def _head_bias(attn: Any, length: int, group: SequenceGroup) -> torch.Tensor:
-    """[Note: T5's bias on this rank's heads]: (1, H/S, length, length)."""
+def _head_bias(attn: Any, length: int, group: SequenceGroup, per_distance: bool = False) -> torch.Tensor:
+    """[Note: T5's bias on this rank's heads]: (1, H/S, length, length), or with ``per_distance`` the block-sparse
+    kernel's table (H/S, 2 length - 1) at every distance -(length-1) .. length-1."""
     pos = torch.arange(length, dtype=torch.long, device=attn.relative_attention_bias.weight.device)
-    buckets = attn._relative_position_bucket(pos[None, :] - pos[:, None], bidirectional=not attn.is_decoder,
+    rel = torch.arange(-(length - 1), length, device=pos.device) if per_distance else pos[None, :] - pos[:, None]
+    buckets = attn._relative_position_bucket(rel, bidirectional=not attn.is_decoder,
                                              num_buckets=attn.relative_attention_num_buckets,
                                              max_distance=attn.relative_attention_max_distance)
     per = attn.n_heads // group.size
     weight = attn.relative_attention_bias.weight[:, group.rank * per : (group.rank + 1) * per]
-    return F.embedding(buckets, weight).permute(2, 0, 1).unsqueeze(0)
+    values = F.embedding(buckets, weight)
+    return values.t() if per_distance else values.permute(2, 0, 1).unsqueeze(0)
 
 
 class UlyssesT5Attention(torch.nn.Module):
@@ -59,42 +67,61 @@ class UlyssesT5Attention(torch.nn.Module):
         q, k, v = (seq_to_heads(lin(hidden_states).view(shape).transpose(1, 2), group)
                    for lin in (self.q, self.k, self.v))
         s = q.shape[2]
-        if position_bias is None:
-            position_bias = _head_bias(self, s, sp.group) if self.has_relative_attention_bias else \
-                q.new_zeros(1, q.shape[1], s, s)
-        whole = sp.whole_mask(mask, B, s, q.dtype, q.device, causal=False)
-        out, _ = sp.kernel_function()(self, q, k, v, whole, dropout=self.dropout if self.training else 0.0,
-                                      scaling=self.scaling, position_bias=position_bias, **kwargs)
-        out = heads_to_seq(out.transpose(1, 2), group)
+        dropout = self.dropout if self.training else 0.0
+        sparse = getattr(self, "sparse", None)
+        if isinstance(sparse, SparseSelfAttention):  # a block-sparse encoder: [Note: T5's bias on this rank's heads]
+            if position_bias is None and self.has_relative_attention_bias:
+                position_bias = _head_bias(self, sparse.padded_length(s), sp.group, per_distance=True)
+            bias = position_bias
+            if isinstance(bias, torch.Tensor) and bias.dim() == 2:  # the first layer's table
+                bias = RelativeBias(bias, (bias.shape[1] - 1) // 2)
+            padding = mask[:, 0, 0, :].to(torch.bool) if isinstance(mask, torch.Tensor) and mask.dim() == 4 and \
+                tuple(mask.shape[1:]) == (1, 1, s) else None
+            out = sparse(q, k, v, bias=bias, key_padding_mask=padding, scale=1.0, dropout_p=dropout)
+        else:
+            if position_bias is None:
+                position_bias = _head_bias(self, s, sp.group) if self.has_relative_attention_bias else \
+                    q.new_zeros(1, q.shape[1], s, s)
+            whole = sp.whole_mask(mask, B, s, q.dtype, q.device, causal=False)
+            out, _ = sp.kernel_function()(self, q, k, v, whole, dropout=dropout, scaling=self.scaling,
+                                          position_bias=position_bias, **kwargs)
+            out = out.transpose(1, 2)
+        out = heads_to_seq(out, group)
         return self.o(out.transpose(1, 2).reshape(B, local, -1)), position_bias, None
 
 
 _CLASSES: dict[type, type] = {}
-# The class for transformers' own T5Attention has this module-level name, found by pickle (a spawned worker
-# unpickles the model before anything here ran: the module's __getattr__ builds it then).
+# The classes for transformers' own T5Attention and for sparse_attention's class made from it have these
+# module-level names, found by pickle (a spawned worker unpickles the model before anything here ran: the
+# module's __getattr__ builds them then).
 _T5_CLASS_NAME = "UlyssesT5AttentionForT5Attention"
+_SPARSE_CLASS_NAME = "UlyssesT5AttentionForSparseT5Attention"
+
+
+def _stock_bases() -> dict:
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    return {T5Attention: _T5_CLASS_NAME, getattr(sparse_t5, "SparseT5AttentionForT5Attention"): _SPARSE_CLASS_NAME}
 
 
 def _ulysses_class(base: type) -> type:
     if issubclass(base, UlyssesT5Attention):
         return base
     if base not in _CLASSES:
-        from transformers.models.t5.modeling_t5 import T5Attention
-
-        name = _T5_CLASS_NAME if base is T5Attention else f"Ulysses{base.__name__}"
+        stock = _stock_bases()
+        name = stock.get(base, f"Ulysses{base.__name__}")
         cls = type(name, (UlyssesT5Attention, base), {"__module__": __name__, "__doc__": UlyssesT5Attention.__doc__})
         cls.__qualname__ = name
         _CLASSES[base] = cls
-        if base is T5Attention:
+        if base in stock:
             globals()[name] = cls
     return _CLASSES[base]
 
 
 def __getattr__(name: str):
-    if name == _T5_CLASS_NAME:
-        from transformers.models.t5.modeling_t5 import T5Attention
-
-        return _ulysses_class(T5Attention)
+    for base, stock_name in (_stock_bases().items() if name in (_T5_CLASS_NAME, _SPARSE_CLASS_NAME) else ()):
+        if stock_name == name:
+            return _ulysses_class(base)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -106,13 +133,15 @@ def _encoder_pre_hook(module, args, kwargs):
     lead = kwargs.get("input_ids", args[0] if args else None)
     lead = kwargs.get("inputs_embeds") if lead is None else lead
     mask = kwargs.get("attention_mask")
-    if mask is not None and lead is not None and mask.dim() == 2:
+    if mask is not None and lead is not None:
         whole = group.size * lead.shape[1]
-        if mask.shape[1] != whole:
-            raise ValueError(f"the T5 encoder got an attention_mask of {mask.shape[1]} positions for "
+        # 2-D, or (B, 1, 1, s) from a block-sparse encoder's own pre-hook (it runs first)
+        if mask.shape[-1] != whole or (mask.dim() != 2 and tuple(mask.shape[1:3]) != (1, 1)):
+            raise ValueError(f"the T5 encoder got an attention_mask of shape {tuple(mask.shape)} for "
                              f"{lead.shape[1]} local tokens on {group.size} sequence-parallel ranks: it needs the "
                              f"whole sequence's mask ({whole} positions), which SequenceSharding.shard_batch keeps.")
-        kwargs["attention_mask"] = mask.to(torch.bool)[:, None, None, :]
+        if mask.dim() == 2:
+            kwargs["attention_mask"] = mask.to(torch.bool)[:, None, None, :]
     return args, kwargs
 
 
@@ -144,8 +173,13 @@ def split_t5_encoder(encoder: Any, group: SequenceGroup) -> None:
     for _, attn in encoder_attentions(encoder):
         old = getattr(attn, "ulysses", None)
         kernel = old.kernel if isinstance(old, UlyssesAttention) else (attn.config._attn_implementation or "eager")
+        sparse_config = None
+        if isinstance(getattr(attn, "sparse", None), SparseSelfAttention):  # its layout cut to this rank's heads
+            sparse_config = old.sparse_config if isinstance(old, UlyssesAttention) else attn.sparse.sparsity_config
+            attn.sparse = SparseSelfAttention(HeadShardLayout(sparse_config, group.rank, group.size), causal=False,
+                                              pad_to_block=attn.sparse.pad_to_block)
         attn.__class__ = _ulysses_class(type(attn))
-        attn.ulysses = UlyssesAttention(group, kernel, eager_module_of(attn), attn.config)
+        attn.ulysses = UlyssesAttention(group, kernel, eager_module_of(attn), attn.config, sparse_config)
     setattr(encoder, GROUP_ATTR, group)
     if _encoder_pre_hook not in encoder._forward_pre_hooks.values():
         encoder.register_forward_pre_hook(_encoder_pre_hook, with_kwargs=True)

@@ -34,7 +34,8 @@ def whole_sequence_loss(local_sum: torch.Tensor, n_total: torch.Tensor | int, gr
 class WholeSequenceLoss:
     """An HF model's ``loss_function`` under sequence parallelism: the model's own loss over this rank's
     positions, divided by the whole batch's target count (``num_items_in_batch``, from
-    ``SequenceSharding.shard_batch``), summed over the group. Picklable (the group travels as a reference)."""
+    ``SequenceSharding.shard_batch``), summed over the group. Picklable: the group travels as a reference
+    ([Note: a group that survives pickling])."""
 
     def __init__(self, inner: Callable, group: SequenceGroup):
         self.inner = inner

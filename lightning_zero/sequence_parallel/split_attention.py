@@ -9,14 +9,22 @@ untouched (a 4-D mask is taken as prepared), and each split attention builds the
 expects with HF's own builders (``create_causal_mask`` / ``create_bidirectional_mask``) at the whole length:
 the same mask, bit for bit, that one process on the whole sequence builds (SDPA's boolean mask or none for a
 plain causal one, eager's additive 0 / min). A mask of another shape reaching a layer is one HF built from
-no mask (eager builds one, SDPA none): no padding. Built once per forward: the layers of one forward share
-the mask object, and the last one built is kept while the same one comes back.
+no mask (eager builds one, SDPA none): no padding.
+
+[Note: packed sequences] One process detects a packed batch (several sequences in a row, the position ids
+restarting) from its position ids when no attention mask is given, and masks each sequence off the others.
+A rank sees only its slice of them, so ``shard_batch`` passes a packed batch's whole position ids on as
+``packed_position_ids`` (a keyword HF hands through to every attention) and the mask is built from them, the
+single process's. A padded or packed mask is built once per forward: the layers of
+one forward (and checkpointing's re-runs) get the same padding tensor, and the mask built from it is kept
+only while that tensor lives (a weak reference), so no (B, 1, s, s) mask outlives its batch.
 
 transformers is imported inside the functions only.
 """
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -24,7 +32,12 @@ import torch
 from lightning_zero.sequence_parallel.group_ref import SequenceGroup
 
 KERNELS = ("eager", "sdpa", "lz_block_sparse")  # the kernels a split attention can run on its heads
-_LAST: list = [None]  # (key, mask): the whole mask of the last forward ([Note: masks of the whole sequence])
+_LAST: list = [None]  # (weak padding, key, mask): the last padded mask ([Note: masks of the whole sequence])
+
+
+def _forget(ref: weakref.ref) -> None:
+    if _LAST[0] is not None and _LAST[0][0] is ref:
+        _LAST[0] = None
 
 
 class UlyssesAttention(torch.nn.Module):
@@ -54,26 +67,30 @@ class UlyssesAttention(torch.nn.Module):
         return ALL_ATTENTION_FUNCTIONS[self.kernel]
 
     def whole_mask(self, attention_mask: Any, batch: int, length: int, dtype: torch.dtype, device: torch.device,
-                   causal: bool):
-        """The mask the kernel takes for ``length`` positions ([Note: masks of the whole sequence])."""
+                   causal: bool, packed_position_ids: torch.Tensor | None = None):
+        """The mask the kernel takes for ``length`` positions ([Note: masks of the whole sequence]);
+        ``packed_position_ids``: the whole sequence's position ids of a packed batch ([Note: packed sequences])."""
         padding = None
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and \
                 attention_mask.shape[-1] == length and attention_mask.shape[1:3] == (1, 1):
             padding = attention_mask
+        source = padding if padding is not None else packed_position_ids  # what the mask is made from
         key = (self.mask_config._attn_implementation, getattr(self.mask_config, "is_causal", True), causal, batch,
                length, dtype, device)
         last = _LAST[0]
-        if last is not None and last[0] is padding and last[1] == key:
+        if source is not None and last is not None and last[0]() is source and last[1] == key:
             return last[2]
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
         embeds = torch.empty(batch, length, 0, dtype=dtype, device=device)  # only its shape, dtype and device
         two_d = None if padding is None else padding[:, 0, 0, :].to(torch.bool)
         if causal:
-            mask = create_causal_mask(config=self.mask_config, inputs_embeds=embeds, attention_mask=two_d, cache=None)
+            mask = create_causal_mask(config=self.mask_config, inputs_embeds=embeds, attention_mask=two_d, cache=None,
+                                      position_ids=packed_position_ids if padding is None else None)
         else:
             mask = create_bidirectional_mask(config=self.mask_config, inputs_embeds=embeds, attention_mask=two_d)
-        _LAST[0] = (padding, key, mask)
+        if source is not None:
+            _LAST[0] = (weakref.ref(source, _forget), key, mask)
         return mask
 
 
