@@ -115,3 +115,25 @@ def test_checkpoint_resumes_at_another_sequence_parallel_size(tmp_path):
         for rank, g in enumerate(got):
             close(g["losses"], ref[0]["losses"][3:], f"S={size} rank {rank} losses after the resume", FP32)
             close(g["params"], ref[0]["params"], f"S={size} rank {rank} weights", SP_FP32)
+
+
+def test_a_size_that_does_not_divide_the_world_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=4 does not divide the world of 2 rank\(s\) into "
+                                         r"equal sequence-parallel groups\. Allowed: 1, 2\."):
+        Trainer(strategy=_zero(2, 4), accelerator="cpu", devices=2)
+
+
+class _TwoHeads(SPModule):
+    def configure_model(self) -> None:  # a GPT-2 of 2 heads: four ranks cannot split it
+        import transformers
+
+        self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=97, n_positions=64, n_embd=32,
+                                                                          n_layer=1, n_head=2))
+
+
+@pytest.mark.timeout(120)
+def test_heads_the_group_cannot_split_are_refused_naming_the_module(tmp_path):
+    trainer = Trainer(strategy=_zero(2, 4), **trainer_kwargs(4, 1))
+    with pytest.raises(Exception, match=r"transformer\.h\.0\.attn \(GPT2Attention\) has 2 attention heads.*"
+                                        r"allowed sizes: \[1, 2\]"):
+        trainer.fit(_TwoHeads("gpt2", str(tmp_path), "heads_"))

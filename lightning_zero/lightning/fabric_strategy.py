@@ -54,7 +54,7 @@ from .compat import (FabricSubprocessScriptLauncher, fabric_forward_module,
 from .fabric_checkpoint import FabricCheckpoints
 from .fabric_models import SetUpModel, ZeroBackwardSyncControl
 from .fabric_precision import ZeroFabricPrecision
-from .sequence_parallel import SequenceParallelLayout, data_split, ShardedLoader
+from .sequence_parallel import SequenceParallelLayout, check_layout_world, data_split, ShardedLoader
 from .tensor_parallel import TensorParallelLayout
 from .async_saves import finish_saves
 from .strategy_args import FABRIC as FABRIC_ARGS, bind, declare
@@ -111,8 +111,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # -- model construction ---------------------------------------------------------------------------
     def _configure_launcher(self) -> None:  # torchrun / SLURM made the processes: start none (zero_setup.py)
-        if self.tensor_parallel is not None:  # the layout's sizes refused before any process starts
-            self.tensor_parallel.check_world(self.num_nodes * self.num_processes)
+        check_layout_world(self)  # the layout's sizes refused before any process starts
         if not external_launcher(self, FabricSubprocessScriptLauncher, rank_zero_info):
             super()._configure_launcher()
 
@@ -140,8 +139,7 @@ class ZeroFabricStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         return dataloader if self.sequence_parallel is None else ShardedLoader(dataloader, self.sequence_parallel)
 
-    def shard_batch(self, batch: Any) -> Any:
-        """This rank's slice of a batch a loop made itself (``sequence_parallel_size`` only)."""
+    def shard_batch(self, batch: Any) -> Any:  # this rank's slice of a batch a loop made itself
         return SequenceParallelLayout.shard_of(self.sequence_parallel, batch, type(self).__name__)
 
     def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Optional
 
+from ..engine.layout.dims import ParallelDims
 from ..engine.layout.groups import sequence_group
 
 
@@ -75,6 +76,16 @@ def hf_model_in(module: Any) -> Any:
     """The outermost HF model in ``module`` (a LightningModule holding one as an attribute), else ``module``
     itself, whose refusal then names what sequence parallelism splits."""
     return next((m for m in module.modules() if hasattr(m, "config") and hasattr(m, "base_model_prefix")), module)
+
+
+def check_layout_world(strategy: Any) -> None:
+    """The tensor and sequence dims against the world the launcher will start (N = nodes x processes): one clear
+    error naming the allowed sizes before any process starts (each is asked again once the groups are made)."""
+    world = strategy.num_nodes * strategy.num_processes
+    if strategy.tensor_parallel is not None:
+        strategy.tensor_parallel.check_world(world)
+    if strategy.sequence_parallel is not None:
+        ParallelDims(sequence=strategy.sequence_parallel.size).check_world(world, ("sequence",))
 
 
 def data_split(strategy: Any) -> Optional[dict]:

@@ -28,7 +28,7 @@ from .engine_side import EngineSide
 from .even_inputs import check_even_inputs
 from .checkpoint_strategy import TrainerCheckpoints
 from .memory_summary import report as memory_report
-from .sequence_parallel import SequenceParallelLayout, data_split
+from .sequence_parallel import SequenceParallelLayout, check_layout_world, data_split
 from .tensor_parallel import TensorParallelLayout
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.environments import ClusterEnvironment
@@ -170,8 +170,7 @@ class ZeroStrategy(DDPStrategy):
             self.sequence_parallel.build()
 
     def _configure_launcher(self) -> None:
-        if self.tensor_parallel is not None:  # the layout's sizes refused before any process starts
-            self.tensor_parallel.check_world(self.num_nodes * self.num_processes)
+        check_layout_world(self)  # the layout's sizes refused before any process starts
         if not external_launcher(self, SubprocessScriptLauncher, rank_zero_info):
             super()._configure_launcher()
         if self.tensor_parallel is not None:  # fork/spawn: the weights sent back to the parent are whole
