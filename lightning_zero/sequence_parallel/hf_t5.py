@@ -34,6 +34,7 @@ from lightning_zero.sequence_parallel.split_attention import UlyssesAttention, e
 from lightning_zero.sparse_attention import hf_t5 as sparse_t5
 from lightning_zero.sparse_attention.attention import SparseSelfAttention
 from lightning_zero.sparse_attention.block_sparse import RelativeBias
+from lightning_zero.sparse_attention.mixed_classes import MixedClasses
 
 GROUP_ATTR = "lz_sequence_group"
 
@@ -90,10 +91,8 @@ class UlyssesT5Attention(torch.nn.Module):
         return self.o(out.transpose(1, 2).reshape(B, local, -1)), position_bias, None
 
 
-_CLASSES: dict[type, type] = {}
-# The classes for transformers' own T5Attention and for sparse_attention's class made from it have these
-# module-level names, found by pickle (a spawned worker unpickles the model before anything here ran: the
-# module's __getattr__ builds them then).
+# The classes for transformers' own T5Attention and for sparse_attention's class made from it are found by pickle
+# under these names ([Note: mixed classes that pickle], sparse_attention/mixed_classes.py)
 _T5_CLASS_NAME = "UlyssesT5AttentionForT5Attention"
 _SPARSE_CLASS_NAME = "UlyssesT5AttentionForSparseT5Attention"
 
@@ -104,25 +103,15 @@ def _stock_bases() -> dict:
     return {T5Attention: _T5_CLASS_NAME, getattr(sparse_t5, "SparseT5AttentionForT5Attention"): _SPARSE_CLASS_NAME}
 
 
-def _ulysses_class(base: type) -> type:
-    if issubclass(base, UlyssesT5Attention):
-        return base
-    if base not in _CLASSES:
-        stock = _stock_bases()
-        name = stock.get(base, f"Ulysses{base.__name__}")
-        cls = type(name, (UlyssesT5Attention, base), {"__module__": __name__, "__doc__": UlyssesT5Attention.__doc__})
-        cls.__qualname__ = name
-        _CLASSES[base] = cls
-        if base in stock:
-            globals()[name] = cls
-    return _CLASSES[base]
+_CLASSES = MixedClasses(UlyssesT5Attention, globals(), "Ulysses", _stock_bases)
+_ulysses_class = _CLASSES.of
 
 
 def __getattr__(name: str):
-    for base, stock_name in (_stock_bases().items() if name in (_T5_CLASS_NAME, _SPARSE_CLASS_NAME) else ()):
-        if stock_name == name:
-            return _ulysses_class(base)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    found = _CLASSES.by_name(name) if name in (_T5_CLASS_NAME, _SPARSE_CLASS_NAME) else None
+    if found is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return found
 
 
 def _encoder_pre_hook(module, args, kwargs):

@@ -23,6 +23,7 @@ from lightning_zero.sparse_attention.attention import SparseSelfAttention
 from lightning_zero.sparse_attention.block_sparse import RelativeBias
 from lightning_zero.sparse_attention.layout_checks import check_options
 from lightning_zero.sparse_attention.layouts import SparsityConfig, make_sparsity_config
+from lightning_zero.sparse_attention.mixed_classes import MixedClasses
 
 _HOOK_ATTR = "_lz_sparse_mask_hook"
 
@@ -76,32 +77,23 @@ class SparseT5Attention(torch.nn.Module):
         return out, position_bias, None
 
 
-_CLASSES: dict[type, type] = {}
-# The class for transformers' own T5Attention has this module-level name, found by pickle (a spawned worker
-# unpickles the model before anything here ran: the module's __getattr__ builds it then).
+# transformers' own T5Attention's class is found by pickle under this name ([Note: mixed classes that pickle])
 _T5_CLASS_NAME = "SparseT5AttentionForT5Attention"
 
 
-def _sparse_class(base: type) -> type:
-    if issubclass(base, SparseT5Attention):
-        return base
-    if base not in _CLASSES:
-        from transformers.models.t5.modeling_t5 import T5Attention
+def _stock_bases() -> dict:
+    from transformers.models.t5.modeling_t5 import T5Attention
 
-        name = _T5_CLASS_NAME if base is T5Attention else f"Sparse{base.__name__}"
-        cls = type(name, (SparseT5Attention, base), {"__module__": __name__, "__doc__": SparseT5Attention.__doc__})
-        cls.__qualname__ = name
-        _CLASSES[base] = cls
-        if base is T5Attention:
-            globals()[name] = cls
-    return _CLASSES[base]
+    return {T5Attention: _T5_CLASS_NAME}
+
+
+_CLASSES = MixedClasses(SparseT5Attention, globals(), "Sparse", _stock_bases)
+_sparse_class = _CLASSES.of
 
 
 def __getattr__(name: str):
     if name == _T5_CLASS_NAME:
-        from transformers.models.t5.modeling_t5 import T5Attention
-
-        return _sparse_class(T5Attention)
+        return _CLASSES.by_name(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
