@@ -127,11 +127,42 @@ def test_tiling_again_sets_the_tile_and_the_model_pickles():
     copied = pickle.loads(pickle.dumps(tiled))
     assert isinstance(copied.transformer.h[1].mlp.forward, TiledMLPForward)
     assert copied.transformer.h[1].mlp.forward.module is copied.transformer.h[1].mlp
-    assert copied.forward.model is copied
+    assert copied.forward.model is copied and type(copied.loss_function).__name__ == "TiledCausalLMLoss"
     torch.testing.assert_close(lm_loss(copied, b, "labels"), before, rtol=1e-5, atol=0)
     assert lm_loss(copied, b, "labels") is not None and copied(input_ids=b["input_ids"], labels=b["labels"]).logits \
         is None
     assert set(copied.state_dict()) == set(_plain.state_dict())  # HF's keys: checkpoints and export unchanged
+
+
+class Scaled:
+    """A loss wrapper as sequence parallelism's whole-sequence loss is one: the wrapped loss as ``inner``, its
+    value changed (here tripled) on the way out."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, logits, labels, vocab_size, **kwargs):
+        return 3 * self.inner(logits, labels, vocab_size, **kwargs)
+
+
+@pytest.mark.parametrize("wrapped", ["before", "after"])
+def test_a_loss_wrapper_around_the_model_loss_composes_in_either_order(wrapped):
+    """The tiled loss sits at the bottom of the model's loss chain: a wrapper installed before or after
+    ``tile_lm_loss`` gets the tiled loss as its inner one and still applies."""
+    plain, tiled = _pair("gpt2", 0, 0)
+    if wrapped == "before":
+        tiled.loss_function = Scaled(tiled.loss_function)
+    tile_lm_loss(tiled, LOSS_TILE)
+    if wrapped == "after":
+        tiled.loss_function = Scaled(tiled.loss_function)
+    b = batch()
+    ref_loss, ref_grads = _loss_and_grads(plain, b, "shift_labels")
+    loss, grads = _loss_and_grads(tiled, b, "shift_labels")
+    assert type(tiled.loss_function.inner).__name__ == "TiledCausalLMLoss"
+    assert tiled(input_ids=b["input_ids"], labels=b["labels"]).logits is None
+    torch.testing.assert_close(loss, 3 * ref_loss, rtol=1e-5, atol=0)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], 3 * g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_bad_input_gets_one_clear_error():
@@ -147,6 +178,14 @@ def test_bad_input_gets_one_clear_error():
     with pytest.raises(ValueError, match=r"tile_lm_loss: GPT2Model holds no causal LM.*GPT2LMHeadModel, "
                                          r"LlamaForCausalLM"):
         tile_lm_loss(model.transformer, 8)
-    model.loss_function = lambda *a, **k: torch.zeros(())
+    tile_lm_loss(model, 8)
+    ids = batch()["input_ids"]
+    model.loss_function = lambda *a, **k: torch.zeros(())  # replaced after tiling: the tiled logits reach no reader
+    with pytest.raises(RuntimeError, match=r"GPT2LMHeadModel's loss_function was replaced after tile_lm_loss.*call "
+                                           r"tile_lm_loss\(model, tile_tokens\) again"):
+        model(input_ids=ids, labels=ids)
+    with pytest.raises(ValueError, match=r"tile_lm_loss: GPT2LMHeadModel's loss is .* not HF's ForCausalLMLoss"):
+        tile_lm_loss(model, 8)
+    model.loss_function = Scaled(lambda *a, **k: torch.zeros(()))  # a wrapper around another loss: refused too
     with pytest.raises(ValueError, match=r"tile_lm_loss: GPT2LMHeadModel's loss is .* not HF's ForCausalLMLoss"):
         tile_lm_loss(model, 8)

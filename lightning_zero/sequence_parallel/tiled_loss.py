@@ -12,7 +12,15 @@ tiles' sums added up and divided as HF's ``ForCausalLMLoss`` divides are its los
 ``num_items_in_batch`` when given (sum / N), else by the number of labels that are not ``ignore_index``
 (the mean); labels are shifted on the whole sequence first, or taken as already shifted from
 ``shift_labels``. The output's ``logits`` is ``None`` then (they never existed); without labels, with
-``logits_to_keep`` other than 0, or in a model whose loss is not ``ForCausalLMLoss``, the forward is HF's own.
+``logits_to_keep`` other than 0, the forward is HF's own (the logits whole).
+
+[Note: the loss chain] The patched forward still hands its loss to the model's ``loss_function``, with
+HF's arguments, only with a :class:`TiledLogits` (the head and the hidden states) where the logits would be.
+:func:`tile_lm_loss` puts :class:`TiledCausalLMLoss` (``ForCausalLMLoss``'s signature; it reads tiled logits
+tile by tile and real ones with HF's function) where ``ForCausalLMLoss`` was: as the ``loss_function``, or
+as the ``inner`` of a wrapper around it -- sequence parallelism's whole-sequence loss wraps the model's loss
+function that way and all-reduces what its inner one returns, so tiling composes with it in either order.
+A model whose innermost loss is not ``ForCausalLMLoss`` is refused.
 """
 from __future__ import annotations
 
@@ -69,6 +77,44 @@ def _keeps_every_position(logits_to_keep: Any) -> bool:
     return not torch.is_tensor(logits_to_keep) and logits_to_keep == 0
 
 
+@dataclasses.dataclass
+class TiledLogits:
+    """The logits ``head(hidden)`` of a tiled forward, not computed: what it hands the model's loss function in
+    their place. Only :class:`TiledCausalLMLoss` reads them (tile by tile)."""
+
+    head: nn.Module
+    hidden: torch.Tensor
+    tile_tokens: int
+
+
+class TiledCausalLMLoss:
+    """HF's ``ForCausalLMLoss`` (same signature) that takes :class:`TiledLogits` too: the loss function
+    :func:`tile_lm_loss` installs at the bottom of the model's loss chain ([Note: the loss chain])."""
+
+    def __call__(self, logits: Any, labels: Optional[torch.Tensor], vocab_size: int,
+                 num_items_in_batch: Any = None, ignore_index: int = -100,
+                 shift_labels: Optional[torch.Tensor] = None, **kwargs: Any) -> torch.Tensor:
+        if not isinstance(logits, TiledLogits):  # real logits (a forward HF ran itself): HF's own loss
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
+            return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                   ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        return tiled_causal_lm_loss(logits.head, logits.hidden, labels, logits.tile_tokens,
+                                    num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+                                    shift_labels=shift_labels)
+
+    def __repr__(self) -> str:
+        return "TiledCausalLMLoss()"
+
+
+def _loss_chain(lm: nn.Module) -> tuple[Any, Any]:
+    """(the innermost loss function of ``lm``'s chain, the wrapper holding it as ``inner`` or None)."""
+    holder, fn = None, lm.loss_function
+    while hasattr(fn, "inner"):
+        holder, fn = fn, fn.inner
+    return fn, holder
+
+
 class TiledLossForward:
     """The ``forward`` of one causal LM whose loss is tiled ([Note: tiled logits])."""
 
@@ -76,24 +122,30 @@ class TiledLossForward:
         self.model = model
         self.tile_tokens = tile_tokens
 
-    def _arguments(self, args: tuple, kwargs: dict) -> dict:
+    def _arguments(self, args: tuple, kwargs: dict) -> tuple[dict, list[str]]:
+        """Every argument by name, and the names the signature declares (the rest is HF's ``**kwargs``)."""
         params = list(inspect.signature(type(self.model).forward).parameters.values())[1:]  # without self
-        names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(args) > len(names):
-            raise TypeError(f"{type(self.model).__name__}.forward takes at most {len(names)} positional "
+        declared = [p.name for p in params if p.kind is not p.VAR_KEYWORD]
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(args) > len(positional):
+            raise TypeError(f"{type(self.model).__name__}.forward takes at most {len(positional)} positional "
                             f"arguments ({len(args)} given)")
-        named = dict(zip(names, args))
+        named = dict(zip(positional, args))
         twice = sorted(set(named) & set(kwargs))
         if twice:
             raise TypeError(f"{type(self.model).__name__}.forward got multiple values for {twice}")
         named.update(kwargs)
-        return named
+        return named, declared
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         lm = self.model
-        named = self._arguments(args, kwargs)
+        named, declared = self._arguments(args, kwargs)
         if named.get("labels") is None or not _keeps_every_position(named.get("logits_to_keep", 0)):
             return type(lm).forward(lm, *args, **kwargs)
+        if not isinstance(_loss_chain(lm)[0], TiledCausalLMLoss):
+            raise RuntimeError(f"{type(lm).__name__}'s loss_function was replaced after tile_lm_loss "
+                               f"({lm.loss_function!r}): call tile_lm_loss(model, tile_tokens) again after "
+                               "replacing it, so the tiled logits reach a loss that reads them.")
         labels = named.pop("labels")
         named.pop("logits_to_keep", None)
         return_dict = named.pop("return_dict", None)
@@ -101,13 +153,12 @@ class TiledLossForward:
             return_dict = getattr(lm.config, "return_dict", True)
         # the rest goes to the base model as HF's forward sends it (its **kwargs too: num_items_in_batch, ...)
         outputs = lm.base_model(**named, return_dict=True)
-        loss = tiled_causal_lm_loss(lm.lm_head, outputs.last_hidden_state, labels, self.tile_tokens,
-                                    num_items_in_batch=named.get("num_items_in_batch"),
-                                    ignore_index=named.get("ignore_index", -100),
-                                    shift_labels=named.get("shift_labels"))
-        out = _output_class(outputs)(loss=loss, logits=None, **{
-            f.name: getattr(outputs, f.name, None) for f in dataclasses.fields(_output_class(outputs))
-            if f.name not in ("loss", "logits")})
+        extra = {k: v for k, v in named.items() if k not in declared}  # what HF hands its loss function
+        loss = lm.loss_function(TiledLogits(lm.lm_head, outputs.last_hidden_state, self.tile_tokens), labels,
+                                vocab_size=lm.config.vocab_size, **extra)
+        cls = _output_class(outputs)
+        out = cls(loss=loss, logits=None, **{f.name: getattr(outputs, f.name, None)
+                                             for f in dataclasses.fields(cls) if f.name not in ("loss", "logits")})
         return out if return_dict else out.to_tuple()
 
     def __repr__(self) -> str:
@@ -143,10 +194,18 @@ def tile_lm_loss(model: nn.Module, tile_tokens: int) -> list[nn.Module]:
         raise ValueError(f"tile_lm_loss: {type(model).__name__} holds no causal LM whose loss it can tile; it "
                          f"patches {', '.join(LM_CLASSES)} (found by class).")
     for lm in lms:
-        if lm.loss_function is not ForCausalLMLoss:
-            raise ValueError(f"tile_lm_loss: {type(lm).__name__}'s loss is {lm.loss_function!r}, not HF's "
-                             f"ForCausalLMLoss; only that loss is tiled (unset the model's loss_function / "
-                             f"loss_type, or leave its loss untiled).")
+        inner, holder = _loss_chain(lm)
+        if inner is not ForCausalLMLoss and not isinstance(inner, TiledCausalLMLoss):
+            raise ValueError(f"tile_lm_loss: {type(lm).__name__}'s loss is {inner!r}, not HF's ForCausalLMLoss; "
+                             f"only that loss is tiled (unset the model's loss_function / loss_type, or leave "
+                             f"its loss untiled).")
+    for lm in lms:
+        inner, holder = _loss_chain(lm)
+        if inner is ForCausalLMLoss:  # [Note: the loss chain]
+            if holder is None:
+                lm.loss_function = TiledCausalLMLoss()
+            else:
+                holder.inner = TiledCausalLMLoss()
         current = lm.__dict__.get("forward")
         if isinstance(current, TiledLossForward):
             current.tile_tokens = tile_tokens
