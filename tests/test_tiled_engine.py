@@ -3,7 +3,8 @@
 fp32, SGD with momentum (linear in the gradients, so the final weights compare the reduced gradients of every
 step): HF GPT-2 and Llama (tiny, from configs) at 2 ranks, and GPT-2 at 1 rank, with stage 3 alone and with the
 engine's activation checkpointing ("auto": the blocks, whose recompute re-runs the tiles under nested
-checkpoints) and activation offload. Losses and final weights equal the untiled run at rtol 1e-5; the LM head
+checkpoints; or the MLPs themselves, the tiled forward inside the engine's checkpoint, and tiled again once the
+engine lets go) and activation offload. Losses and final weights equal the untiled run at rtol 1e-5; the LM head
 (called as a module, so stage 3 gathers it) never outputs more than one tile of logits; the recorded unit
 order and the peak of gathered bytes are the untiled run's (the tiles' recomputes gather nothing more).
 """
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from lightning_zero.engine import ZeroConfig, ZeroEngine
-from lightning_zero.sequence_parallel import tile_lm_loss, tile_mlp
+from lightning_zero.sequence_parallel import is_tiled, tile_lm_loss, tile_mlp
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.tiled_models import BATCH, MODELS, VOCAB, batch, lm_loss
 
@@ -24,6 +25,8 @@ STEPS, MLP_TILE, LOSS_TILE = 2, 5, 7
 CASES = {
     "zero3": dict(stage=3),
     "zero3 + checkpointing + offload": dict(stage=3, activation_checkpointing="auto", offload_activations=True),
+    # the engine wraps the tiled MLPs' forward in its own checkpoint, and gives the tiled one back at the end
+    "zero3 + MLP checkpointing": dict(stage=3, activation_checkpointing="MLP"),
 }
 
 
@@ -47,6 +50,7 @@ def _train(rank, kind, cfg, tiled, variant):
     out = {"losses": losses, "head_max": max(head_out), "order": list(engine.partitioner._order),
            "peak_gathered": engine.partitioner.peak_gathered_bytes}
     engine.remove()
+    out["tiled_after"] = [is_tiled(m) for m in model.modules() if type(m).__name__ in ("GPT2MLP", "LlamaMLP")]
     out["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return out
 
@@ -55,7 +59,10 @@ def _runs(rank, world_size, cases):
     results = {}
     for kind, label, variant in cases:
         try:
-            results[(kind, label)] = tuple(_train(rank, kind, ZeroConfig(**CASES[label]), tiled, variant)
+            options = dict(CASES[label])
+            if options.get("activation_checkpointing") == "MLP":
+                options["activation_checkpointing"] = [{"gpt2": "GPT2MLP", "llama": "LlamaMLP"}[kind]]
+            results[(kind, label)] = tuple(_train(rank, kind, ZeroConfig(**options), tiled, variant)
                                            for tiled in (False, True))
         except Exception:  # noqa: BLE001 -- reported by the test, with the case
             results[(kind, label)] = traceback.format_exc()
@@ -75,6 +82,7 @@ def _check(results, cases):
                 torch.testing.assert_close(tiled["state"][k], v, rtol=1e-5, atol=1e-7, msg=f"{where}: {k}")
             assert plain["head_max"] == BATCH * 23 * VOCAB and tiled["head_max"] == BATCH * LOSS_TILE * VOCAB, where
             assert tiled["order"] == plain["order"], where
+            assert tiled["tiled_after"] == [True] * 2 and plain["tiled_after"] == [False] * 2, where
             assert tiled["peak_gathered"] <= plain["peak_gathered"], where
 
 
@@ -88,5 +96,6 @@ def test_tiled_stage3_at_two_ranks_equals_the_untiled_run():
 
 @pytest.mark.timeout(180)
 def test_tiled_stage3_at_one_rank_equals_the_untiled_run():
-    cases = [("gpt2", "zero3 + checkpointing + offload", "shift_labels")]
+    cases = [("gpt2", "zero3 + checkpointing + offload", "shift_labels"), ("gpt2", "zero3 + MLP checkpointing", "labels"),
+             ("llama", "zero3 + MLP checkpointing", "shift_labels")]
     _check(run_distributed(_runs, 1, cases), cases)
