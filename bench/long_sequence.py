@@ -63,18 +63,22 @@ def build(kind: str, n_positions: int, args):
     return model
 
 
-def sequence_parallel(model, args):
-    """This rank's sequence sharding (S > 1), or None."""
-    if args.sp == 1:
-        return None
+def apply_sp():
+    """``apply_sequence_parallel`` (the Ulysses attention and data path), or None where this checkout lacks it."""
     try:
         from lightning_zero.sequence_parallel import apply_sequence_parallel
-    except ImportError as e:
-        raise SystemExit(f"--sp {args.sp} needs lightning_zero.sequence_parallel.apply_sequence_parallel (Ulysses "
-                         f"attention), not in this checkout ({e}); --sp 1 runs without it") from e
+    except ImportError:
+        return None
+    return apply_sequence_parallel
+
+
+def sequence_parallel(model, args):
+    """This rank's sequence sharding over the one group of S ranks (S > 1), or None."""
+    if args.sp == 1:
+        return None
     import torch.distributed as dist
 
-    return apply_sequence_parallel(model, dist.group.WORLD)
+    return apply_sp()(model, dist.group.WORLD)
 
 
 def rank_step(rank: int, world_size: int, args) -> dict:
@@ -199,6 +203,9 @@ def main(argv=None):
     kinds = args.kinds.split(",")
     if any(k not in KINDS for k in kinds) or args.sp < 1 or args.multiple % args.sp or args.warmup % args.sp:
         p.error(f"--kinds takes {', '.join(KINDS)}; --sp a positive int dividing --multiple and --warmup")
+    if args.sp > 1 and apply_sp() is None:
+        p.error(f"--sp {args.sp} needs lightning_zero.sequence_parallel.apply_sequence_parallel (Ulysses attention), "
+                "which this checkout lacks; --sp 1 runs without it")
     if args.child:
         args.kind, args.n = args.child[0], int(args.child[1])
         print(json.dumps(child(args)), flush=True)

@@ -39,6 +39,9 @@ def test_bad_arguments_are_one_error_and_the_package_imports_no_transformers():
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "long_sequence.py"), "--kinds", "tiled,fast"],
                        capture_output=True, text=True, env=ENV, timeout=60)
     assert p.returncode == 2 and "--kinds takes plain, tiled, tiled_ckpt" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "long_sequence.py"), "--sp", "3"],
+                       capture_output=True, text=True, env=ENV, timeout=60)
+    assert p.returncode == 2 and "--sp a positive int dividing --multiple" in p.stderr, p.stderr
     code = ("import sys, lightning_zero.sequence_parallel; "
             "print(sorted(m for m in ('transformers', 'lightning') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60)
