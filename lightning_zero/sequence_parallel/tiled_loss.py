@@ -11,7 +11,7 @@ each tile's logits are recomputed when backward reaches it, so one tile's logits
 tiles' sums added up and divided as HF's ``ForCausalLMLoss`` divides are its loss: by
 ``num_items_in_batch`` when given (sum / N), else by the number of labels that are not ``ignore_index``
 (the mean); labels are shifted on the whole sequence first, or taken as already shifted from
-``shift_labels``. The output's ``logits`` is ``None`` then (they never existed); without labels, with
+``shift_labels``. The output's ``logits`` is ``None`` then (they never existed); without labels, or with
 ``logits_to_keep`` other than 0, the forward is HF's own (the logits whole).
 
 [Note: the loss chain] The patched forward still hands its loss to the model's ``loss_function``, with
