@@ -6,7 +6,8 @@ engine's activation checkpointing ("auto": the blocks, whose recompute re-runs t
 checkpoints; or the MLPs themselves, the tiled forward inside the engine's checkpoint, and tiled again once the
 engine lets go) and activation offload. Losses and final weights equal the untiled run at rtol 1e-5; the LM head
 (called as a module, so stage 3 gathers it) never outputs more than one tile of logits; the recorded unit
-order and the peak of gathered bytes are the untiled run's (the tiles' recomputes gather nothing more).
+order and the peak of gathered bytes are the untiled run's (the tiles' recomputes gather nothing more), except
+where the projections are units themselves (Llama's lm_head too): those run per tile and in the recomputes.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from lightning_zero.sequence_parallel import is_tiled, tile_lm_loss, tile_mlp
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.tiled_models import BATCH, MODELS, VOCAB, batch, lm_loss
 
-STEPS, MLP_TILE, LOSS_TILE = 2, 5, 7
+STEPS, MLP_TILE, LOSS_TILE = 3, 5, 7
+PROJ = "zero3, the projections as units"
 CASES = {
     "zero3": dict(stage=3),
     "zero3 + checkpointing + offload": dict(stage=3, activation_checkpointing="auto", offload_activations=True),
     # the engine wraps the tiled MLPs' forward in its own checkpoint, and gives the tiled one back at the end
     "zero3 + MLP checkpointing": dict(stage=3, activation_checkpointing="MLP"),
+    # units inside the tiles: the tile recomputes in backward call them (Llama's lm_head is a Linear unit too)
+    "zero3, the projections as units": dict(stage=3, unit_classes="PROJECTIONS"),
 }
 
 
@@ -48,6 +52,7 @@ def _train(rank, kind, cfg, tiled, variant):
         losses.append(loss.item())
         engine.step()
     out = {"losses": losses, "head_max": max(head_out), "order": list(engine.partitioner._order),
+           "lm_head_unit": any(u.module is model.lm_head for u in engine.partitioner.units[:-1]),
            "peak_gathered": engine.partitioner.peak_gathered_bytes}
     engine.remove()
     out["tiled_after"] = [is_tiled(m) for m in model.modules() if type(m).__name__ in ("GPT2MLP", "LlamaMLP")]
@@ -62,6 +67,8 @@ def _runs(rank, world_size, cases):
             options = dict(CASES[label])
             if options.get("activation_checkpointing") == "MLP":
                 options["activation_checkpointing"] = [{"gpt2": "GPT2MLP", "llama": "LlamaMLP"}[kind]]
+            if options.get("unit_classes") == "PROJECTIONS":
+                options["unit_classes"] = [{"gpt2": "Conv1D", "llama": "Linear"}[kind]]
             results[(kind, label)] = tuple(_train(rank, kind, ZeroConfig(**options), tiled, variant)
                                            for tiled in (False, True))
         except Exception:  # noqa: BLE001 -- reported by the test, with the case
@@ -81,14 +88,19 @@ def _check(results, cases):
             for k, v in plain["state"].items():
                 torch.testing.assert_close(tiled["state"][k], v, rtol=1e-5, atol=1e-7, msg=f"{where}: {k}")
             assert plain["head_max"] == BATCH * 23 * VOCAB and tiled["head_max"] == BATCH * LOSS_TILE * VOCAB, where
-            assert tiled["order"] == plain["order"], where
+            assert (tiled["lm_head_unit"], plain["lm_head_unit"]) == ((kind, label) == ("llama", PROJ),) * 2, where
             assert tiled["tiled_after"] == [True] * 2 and plain["tiled_after"] == [False] * 2, where
-            assert tiled["peak_gathered"] <= plain["peak_gathered"], where
+            if label != PROJ:
+                assert tiled["order"] == plain["order"], where
+                assert tiled["peak_gathered"] <= plain["peak_gathered"], where
+            else:  # a unit inside a tile runs once per tile, and again in the tile's recompute in backward
+                assert len(tiled["order"]) > len(plain["order"]), where
 
 
 @pytest.mark.timeout(300)
 def test_tiled_stage3_at_two_ranks_equals_the_untiled_run():
-    cases = [("gpt2", "zero3", "shift_labels"), ("llama", "zero3", "labels"),
+    cases = [("gpt2", "zero3", "shift_labels"), ("llama", "zero3", "labels"), ("gpt2", PROJ, "labels"),
+             ("llama", PROJ, "shift_labels"),
              ("gpt2", "zero3 + checkpointing + offload", "labels"),
              ("llama", "zero3 + checkpointing + offload", "shift_labels")]
     _check(run_distributed(_runs, 2, cases), cases)

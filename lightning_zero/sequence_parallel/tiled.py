@@ -17,9 +17,9 @@ around it is a unit) run once around the whole call as before. Composes with the
 checkpointing (a checkpointed block recomputes its tiles, each again under its own checkpoint: nested
 non-reentrant checkpoints) and activation offload (only the tiles' inputs are saved).
 
-The modules the tiles recompute must not hold a stage-3 unit of their own (a unit inside an MLP would be
-gathered by the recompute in backward outside the recorded order): the default unit policies (the
-transformer block) leave them inside one.
+A stage-3 unit inside a tile (``unit_classes=["Linear"]``) is gathered for every tile and again by each
+tile's recompute in backward: the recorded unit order holds those repeats, the same every step, and is
+verified as usual (the default policies' units, the transformer blocks, hold the tiles instead).
 """
 from __future__ import annotations
 
