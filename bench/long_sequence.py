@@ -228,8 +228,8 @@ def main(argv=None):
     print(head + f"; {cap} after the warm-up + {args.cap_gib:g} GiB per rank")
     found = {kind: longest(lambda n, kind=kind: run_child(kind, n, args, args.cap_gib), kind, args.start,
                            args.max_tokens, args.resolution, args.multiple, _describe) for kind in kinds}
-    print(f"\n| kind | SP | longest that trained | peak MiB there | s | tokens/s | wire MiB / step | "
-          f"first that failed |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| kind | SP | longest that trained | peak MiB there | s | tokens/s | wire MiB / step | "
+          "first that failed |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for kind, (ok, bad, _) in found.items():
         cells = ([f"{ok['n']}", f"{ok['peak_bytes'] / 2 ** 20:.0f}", f"{ok['seconds']:.1f}",
                   f"{ok['n'] / ok['seconds']:.0f}", f"{ok['wire_bytes'] / 2 ** 20:.1f}"] if ok else ["none"] + ["-"] * 4)
