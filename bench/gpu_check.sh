@@ -14,9 +14,11 @@
 #   9. checkpoint stalls (issue 46): how long training stands still per trainer.save_checkpoint, sync vs async_save
 #      (the state staged into pinned host memory, then written by a background thread), zero1/2/3/zero3_offload,
 #      t5-base from its config, Lightning Trainer on 1-2 GPUs (bench/checkpoint_stall.py --device cuda)
+#  10. long sequences (issue 47): the longest GPT-2 sequence under 8 GiB per rank, plain vs tiled MLP + loss vs tiled +
+#      activation checkpointing, SP 1 (and 2 / 4 with that many GPUs) (bench/long_sequence.py --device cuda)
 # A timeout per part; parts 1-3 fit in 8 minutes, part 4 adds 3.5, part 5 ~1 on one GPU: ONLY=activations runs 1 and 4 alone,
-# ONLY=whole_tensor runs 1 and 7 alone, ONLY=low_precision 1 and 8, ONLY=checkpoint_stall 1 and 9 (one call of a 10-minute
-# device budget each). Results -> "${OUT:-bench_out}/gpu_results.txt".
+# ONLY=whole_tensor runs 1 and 7 alone, ONLY=low_precision 1 and 8, ONLY=checkpoint_stall 1 and 9, ONLY=long_sequence 1
+# and 10 (one call of a 10-minute device budget each). Results -> "${OUT:-bench_out}/gpu_results.txt".
 # Models are built from T5Config (examples/t5_module.py presets): nothing is downloaded.
 # Usage (repo root):  bash bench/gpu_check.sh
 set -u
@@ -31,9 +33,10 @@ START=$(date +%s)
 log() { echo "$*" | tee -a "$RES"; }
 
 ONLY="${ONLY:-all}"   # all | activations (skips parts 2-3) | whole_tensor (skips parts 2-6) | low_precision (skips 2-7)
-                      # | checkpoint_stall (skips 2-8)
-case "$ONLY" in all|activations|whole_tensor|low_precision|checkpoint_stall) ;;
-  *) log "!!! ONLY=$ONLY: allowed all, activations, whole_tensor, low_precision, checkpoint_stall"; exit 2 ;; esac
+                      # | checkpoint_stall (skips 2-8) | long_sequence (skips 2-9)
+case "$ONLY" in all|activations|whole_tensor|low_precision|checkpoint_stall|long_sequence) ;;
+  *) log "!!! ONLY=$ONLY: allowed all, activations, whole_tensor, low_precision, checkpoint_stall, long_sequence"
+     exit 2 ;; esac
 
 # part <name> <timeout s> <command...>: run, tee stdout+stderr (warnings filtered) into the results file
 part() {
@@ -91,7 +94,8 @@ part "t5_3b dims, zero3_offload / zero2_offload (bf16), cap 24 GB" 180 \
     --train-samples 32 --eval-samples 32 --json "$OUTDIR/seed_table_t5_3b_offload.json"
 fi
 
-if [ "$ONLY" != whole_tensor ] && [ "$ONLY" != low_precision ] && [ "$ONLY" != checkpoint_stall ]; then
+if [ "$ONLY" != whole_tensor ] && [ "$ONLY" != low_precision ] && [ "$ONLY" != checkpoint_stall ] \
+   && [ "$ONLY" != long_sequence ]; then
 # 4. t5-3b dims, checkpointing + activation offload on the offload presets: activations were what bounded
 #    the batch at the ZeRO floors (reference: DeepSpeed offload trains at 20, OOM at 30; target >= 2x of 3b).
 part "t5_3b dims, zero3_offload / zero2_offload + activation checkpointing + offload (bf16), cap 24 GB" 210 \
@@ -149,6 +153,22 @@ if [ "${CHECKPOINT_STALL:-0}" = 1 ] || [ "$ONLY" = checkpoint_stall ]; then
 part "checkpoint stalls: t5_base, sync vs async_save, zero1/2/3/zero3_offload (bench/checkpoint_stall.py)" 360 \
   python bench/checkpoint_stall.py --device cuda --model t5_base --steps 8 --every 4 --rounds 1 \
     --batch 8 --src-len 128 --tgt-len 128 --json "$OUTDIR/checkpoint_stall_gpu.json"
+fi
+
+# 10. long sequences (issue 47) on the GPU: the longest GPT-2 sequence (n_embd 256, 4 layers, vocab 50257, batch 1,
+#    fp32, zero3) whose training step fits under 8 GiB per rank (torch's memory fraction over what the rank holds after
+#    a warm-up step; the peak is max_memory_allocated): plain vs tiled MLP + tiled loss vs tiled + activation
+#    checkpointing, tokens/s, bytes on the wire; SP 1, then SP 2 / 4 when that many GPUs are there (needs
+#    apply_sequence_parallel). NOT RUN YET (no GPU was lent to the session that wrote it): off unless LONG_SEQUENCE=1
+#    or ONLY=long_sequence.
+if [ "${LONG_SEQUENCE:-0}" = 1 ] || [ "$ONLY" = long_sequence ]; then
+NGPU=$(python -c 'import torch; print(torch.cuda.device_count())')
+for SP in 1 2 4; do
+  [ "$SP" -gt "$NGPU" ] && break
+  part "long sequences: GPT-2, SP $SP, 8 GiB per rank (bench/long_sequence.py)" 240 \
+    python bench/long_sequence.py --device cuda --sp "$SP" --cap-gib 8 --start 8192 --resolution 4096 --threads 4 \
+      --json "$OUTDIR/long_sequence_sp$SP.json"
+done
 fi
 
 log ""

@@ -34,20 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 
+from cap_ladder import cap_address_space, cuda_cap, longest as ladder, reset_peak, step_peak  # noqa: E402
+
 KINDS = ("dense", "sparse")
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _saved_bytes(fn):
@@ -101,11 +94,7 @@ def cuda_child(args, step) -> dict:
     the peak ``max_memory_allocated`` (run by bench/gpu_check.sh part 6)."""
     import torch
 
-    base = torch.cuda.memory_allocated()
-    if args.cap_gib:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (base + args.cap_gib * 2 ** 30) / total))
-    torch.cuda.reset_peak_memory_stats()
+    base = cuda_cap(args.cap_gib)
     t0 = time.perf_counter()
     try:
         saved = step(count_saved=True)
@@ -125,20 +114,15 @@ def child(args) -> dict:
     step = make_step(args.kind, args.n, args)
     if args.device == "cuda":
         return cuda_child(args, step)
-    mapped = _status("VmSize")
-    if args.cap_gib:
-        limit = mapped + int(args.cap_gib * 2 ** 30)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    rss0 = _status("VmRSS")
+    mapped = cap_address_space(args.cap_gib)
+    rss0 = reset_peak()
     t0 = time.perf_counter()
     try:
         saved = step(count_saved=True)
     except (RuntimeError, MemoryError) as e:
         return {"ok": False, "n": args.n, "kind": args.kind, "error": str(e).splitlines()[0][:160]}
     return {"ok": True, "n": args.n, "kind": args.kind, "seconds": time.perf_counter() - t0,
-            "peak_bytes": _status("VmHWM") - rss0, "saved_bytes": saved, "mapped_before": mapped}
+            "peak_bytes": step_peak(rss0), "saved_bytes": saved, "mapped_before": mapped}
 
 
 def run_child(kind: str, n: int, args, cap_gib: float) -> dict:
@@ -156,30 +140,10 @@ def run_child(kind: str, n: int, args, cap_gib: float) -> dict:
 
 
 def longest(kind: str, args) -> tuple[dict | None, dict | None, list]:
-    """The ladder then the bisection: (longest run that trained, shortest that failed, every run)."""
-    runs, ok, bad = [], None, None
-    n = args.start
-    while bad is None and n <= args.max_tokens:
-        r = run_child(kind, n, args, args.cap_gib)
-        runs.append(r)
-        print(f"  {kind:>6} {n:>7} tokens: " + (f"ok, peak {r['peak_bytes'] / 2 ** 20:.0f} MiB, "
-              f"{r['seconds']:.1f} s" if r["ok"] else f"failed ({r['error']})"), flush=True)
-        ok, bad, n = (r, bad, n * 2) if r["ok"] else (ok, r, n)
-    if bad is None or ok is None:
-        return ok, bad, runs
-    lo, hi = ok["n"], bad["n"]
-    while hi - lo > args.resolution:
-        mid = (lo + hi) // 2 // args.block * args.block
-        if mid in (lo, hi):
-            break
-        r = run_child(kind, mid, args, args.cap_gib)
-        runs.append(r)
-        print(f"  {kind:>6} {mid:>7} tokens: " + ("ok" if r["ok"] else f"failed ({r['error']})"), flush=True)
-        if r["ok"]:
-            lo, ok = mid, r
-        else:
-            hi, bad = mid, r
-    return ok, bad, runs
+    """The ladder then the bisection (cap_ladder.py): (longest run that trained, shortest that failed, every run)."""
+    return ladder(lambda n: run_child(kind, n, args, args.cap_gib), kind, args.start, args.max_tokens,
+                  args.resolution, args.block,
+                  lambda r: f"ok, peak {r['peak_bytes'] / 2 ** 20:.0f} MiB, {r['seconds']:.1f} s")
 
 
 def main(argv=None):

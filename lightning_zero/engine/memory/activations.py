@@ -167,6 +167,8 @@ class ActivationCheckpointing:
 
             return undo
         original = m.forward
+        # a forward the module already had on the instance (a tiled MLP's) is what the engine hands back
+        own = m.__dict__.get("forward")
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not (m.training and torch.is_grad_enabled()):
@@ -174,7 +176,13 @@ class ActivationCheckpointing:
             return checkpointed_call(original, *args, **kwargs)
 
         m.forward = forward
-        return lambda: m.__dict__.pop("forward", None)
+
+        def undo() -> None:
+            m.__dict__.pop("forward", None)
+            if own is not None:
+                m.forward = own
+
+        return undo
 
     def remove(self) -> None:
         for undo in self._undo:
