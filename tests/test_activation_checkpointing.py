@@ -249,3 +249,29 @@ def test_activation_bytes_match_the_estimator(preset, batch, src, tgt, dropout):
             assert recompute.count == d.num_layers + d.dec_layers
         if offload:
             assert counter.bytes == 0 and act.offloaded_bytes >= est["host"] * 0.97, where
+
+
+def _gpt2_cache_under_checkpointing(rank, world_size):
+    model = ZOO["gpt2"][0]()
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                        ZeroConfig(stage=3, activation_checkpointing="auto"))
+    engine.prepare_forward()
+    ids = torch.randint(0, 100, (2, 8))
+    out = model(input_ids=ids, labels=ids)  # the config's use_cache=True, as a user's training step leaves it
+    cached = lambda: 0 if out.cache is None else out.cache.get_seq_length()  # noqa: E731
+    lengths = [cached()]
+    out.loss.backward()
+    lengths.append(cached())
+    flags = [model.transformer.gradient_checkpointing]
+    engine.step()
+    engine.remove()
+    return lengths, flags + [model.transformer.gradient_checkpointing]
+
+
+@pytest.mark.timeout(120)
+def test_checkpointed_gpt2_blocks_keep_no_kv_cache():
+    """GPT2Model passes its KV cache to the blocks positionally unless its own ``gradient_checkpointing`` is set
+    (HF's ``gradient_checkpointing_enable`` sets it): the engine sets it too while it checkpoints the blocks, so
+    no K / V of the whole sequence is kept through backward, nor extended again by the recompute."""
+    (lengths, flags), = run_distributed(_gpt2_cache_under_checkpointing, 1)
+    assert lengths == [0, 0] and flags == [True, False]

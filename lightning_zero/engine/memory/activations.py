@@ -144,13 +144,35 @@ def checkpoint_modules(root: nn.Module, spec: Union[None, str, Sequence[Union[ty
 
 
 class ActivationCheckpointing:
-    """Checkpoints the forward of ``modules`` until :meth:`remove`."""
+    """Checkpoints the forward of ``modules`` (inside ``root``) until :meth:`remove`."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
+    def __init__(self, modules: list[nn.Module], root: Optional[nn.Module] = None) -> None:
         self.modules = modules
         self._undo: list[Callable[[], None]] = []
         for m in modules:
             self._undo.append(self._install(m))
+        if root is not None:
+            self._undo.extend(self._flag_hf_models(root, modules))
+
+    @staticmethod
+    def _flag_hf_models(root: nn.Module, modules: list[nn.Module]) -> list[Callable[[], None]]:
+        """[Note: HF's model-level checkpointing flag] An HF model holding checkpointed layers reads its own
+        ``gradient_checkpointing`` too: GPT2Model hands its KV cache to the blocks positionally unless it is
+        set, past the layer's own cache check, so a training step with the config's ``use_cache=True`` keeps
+        every layer's K and V of the whole sequence through backward, and the recompute extends the cache a
+        second time. HF's ``gradient_checkpointing_enable`` sets the flag on the models; so does the engine,
+        on every module above a checkpointed layer that has one, restored by :meth:`remove`."""
+        layers = {id(m) for m in modules if _is_hf_checkpointing_layer(m)}
+        undo: list[Callable[[], None]] = []
+        if not layers:
+            return undo
+        for p in root.modules():
+            if id(p) not in layers and "gradient_checkpointing" in p.__dict__ \
+                    and any(id(c) in layers for c in p.modules()):
+                undo.append(lambda p=p, before=p.__dict__["gradient_checkpointing"]:
+                            setattr(p, "gradient_checkpointing", before))
+                p.gradient_checkpointing = True
+        return undo
 
     @staticmethod
     def _install(m: nn.Module) -> Callable[[], None]:
@@ -197,7 +219,7 @@ class ActivationMemory:
         """``where``: the saved activations' location (the plan's ``placement.activations``)."""
         self.root = root
         self.store = activation_store(where)
-        self.checkpointing = ActivationCheckpointing(checkpointing)
+        self.checkpointing = ActivationCheckpointing(checkpointing, root)
         self.offloaded_bytes = 0  # bytes the store moved off the device
         self._open: list[Any] = []
         self._handles = []
