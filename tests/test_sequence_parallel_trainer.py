@@ -64,9 +64,10 @@ def test_gpt2_two_way_equals_one_process_on_the_whole_sequence(tmp_path, stage):
 
 
 @pytest.mark.timeout(300)
-def test_llama_four_way_equals_one_process(tmp_path):
-    ref = _reference(tmp_path, 1, kind="llama")
-    _compare(_fit(tmp_path, _zero(2, 4), 4, kind="llama"), ref, 4, "llama")
+@pytest.mark.parametrize("kind, stage", [("llama", 2), ("gpt2", 3)])
+def test_four_way_equals_one_process(tmp_path, kind, stage):
+    ref = _reference(tmp_path, 1, kind=kind)
+    _compare(_fit(tmp_path, _zero(stage, 4), 4, kind=kind), ref, 4, kind)
 
 
 @pytest.mark.timeout(300)
