@@ -112,7 +112,6 @@ def _counted_rank(rank, world, checkpointing):
     """One forward and backward of the split GPT-2 (2 layers), its collectives counted; HF's activation
     checkpointing re-runs each layer's forward, exchanges included, in backward."""
     from lightning_zero.engine.comm import collectives
-    from lightning_zero.sequence_parallel import apply_sequence_parallel
 
     model = causal_lm("gpt2")
     if checkpointing:

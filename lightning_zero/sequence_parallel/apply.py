@@ -21,7 +21,7 @@ from lightning_zero.sequence_parallel.group_ref import SequenceGroup
 from lightning_zero.sequence_parallel.hf_attention import kernel_of, register, self_attention_modules, split_attention
 from lightning_zero.sequence_parallel.hf_t5 import GROUP_ATTR, encoder_attentions, split_t5_encoder, t5_encoder
 from lightning_zero.sequence_parallel.loss import WholeSequenceLoss
-from lightning_zero.sequence_parallel.split_attention import KERNELS
+from lightning_zero.sequence_parallel.split_attention import KERNELS, take_whole_mask
 
 
 def _sizes(heads: int) -> list[int]:
@@ -50,16 +50,7 @@ def _causal_pre_hook(module, args, kwargs):
                          "(model(**sharding.shard_batch(batch))).")
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         raise ValueError("sequence parallelism splits whole sequences: no KV cache (generate without it).")
-    lead = kwargs.get("input_ids", args[0] if args else None)
-    lead = kwargs.get("inputs_embeds") if lead is None else lead
-    mask = kwargs.get("attention_mask")
-    if mask is not None and lead is not None:
-        whole = group.size * lead.shape[1]
-        if mask.dim() != 2 or mask.shape[1] != whole:
-            raise ValueError(f"attention_mask of shape {tuple(mask.shape)} for {lead.shape[1]} local tokens on "
-                             f"{group.size} sequence-parallel ranks: it must be the whole sequence's (batch, "
-                             f"{whole}) padding mask, which SequenceSharding.shard_batch keeps.")
-        kwargs["attention_mask"] = mask.to(torch.bool)[:, None, None, :]
+    take_whole_mask(args, kwargs, group, f"the {type(module).__name__}")
     if group.size > 1 and kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise ValueError("labels without shift_labels under sequence parallelism: pass the batch through "
                          "SequenceSharding.shard_batch (the labels are shifted on the whole sequence).")

@@ -30,7 +30,7 @@ from lightning_zero.sequence_parallel.all_to_all import heads_to_seq, seq_to_hea
 from lightning_zero.sequence_parallel.gather_reduce import all_gather_along
 from lightning_zero.sequence_parallel.group_ref import SequenceGroup
 from lightning_zero.sequence_parallel.sparse_heads import HeadShardLayout
-from lightning_zero.sequence_parallel.split_attention import UlyssesAttention, eager_module_of
+from lightning_zero.sequence_parallel.split_attention import UlyssesAttention, eager_module_of, take_whole_mask
 from lightning_zero.sparse_attention import hf_t5 as sparse_t5
 from lightning_zero.sparse_attention.attention import SparseSelfAttention
 from lightning_zero.sparse_attention.block_sparse import RelativeBias
@@ -119,18 +119,7 @@ def _encoder_pre_hook(module, args, kwargs):
     group: SequenceGroup = getattr(module, GROUP_ATTR)
     if len(args) > 1:
         raise ValueError("pass the T5 encoder's arguments by keyword under sequence parallelism (HF's models do).")
-    lead = kwargs.get("input_ids", args[0] if args else None)
-    lead = kwargs.get("inputs_embeds") if lead is None else lead
-    mask = kwargs.get("attention_mask")
-    if mask is not None and lead is not None:
-        whole = group.size * lead.shape[1]
-        # 2-D, or (B, 1, 1, s) from a block-sparse encoder's own pre-hook (it runs first)
-        if mask.shape[-1] != whole or (mask.dim() != 2 and tuple(mask.shape[1:3]) != (1, 1)):
-            raise ValueError(f"the T5 encoder got an attention_mask of shape {tuple(mask.shape)} for "
-                             f"{lead.shape[1]} local tokens on {group.size} sequence-parallel ranks: it needs the "
-                             f"whole sequence's mask ({whole} positions), which SequenceSharding.shard_batch keeps.")
-        if mask.dim() == 2:
-            kwargs["attention_mask"] = mask.to(torch.bool)[:, None, None, :]
+    take_whole_mask(args, kwargs, group, "the T5 encoder", prepared_ok=True)
     return args, kwargs
 
 

@@ -94,6 +94,25 @@ class UlyssesAttention(torch.nn.Module):
         return mask
 
 
+def take_whole_mask(args: tuple, kwargs: dict, group: SequenceGroup, owner: str, prepared_ok: bool = False) -> None:
+    """A model's forward pre-hook: its ``attention_mask`` checked to be the whole sequence's and handed on as
+    ``(B, 1, 1, s)`` ([Note: masks of the whole sequence]); a mask of this rank's slice refused. ``prepared_ok``:
+    a ``(B, 1, 1, s)`` mask is taken as it is (a block-sparse T5 encoder's own pre-hook runs first)."""
+    lead = kwargs.get("input_ids", args[0] if args else None)
+    lead = kwargs.get("inputs_embeds") if lead is None else lead
+    mask = kwargs.get("attention_mask")
+    if mask is None or lead is None:
+        return
+    whole = group.size * lead.shape[1]
+    prepared = prepared_ok and mask.dim() == 4 and tuple(mask.shape[1:3]) == (1, 1)
+    if mask.shape[-1] != whole or (mask.dim() != 2 and not prepared):
+        raise ValueError(f"{owner} got an attention_mask of shape {tuple(mask.shape)} for {lead.shape[1]} local "
+                         f"tokens on {group.size} sequence-parallel ranks: it must be the whole sequence's (batch, "
+                         f"{whole}) padding mask, which SequenceSharding.shard_batch keeps.")
+    if mask.dim() == 2:
+        kwargs["attention_mask"] = mask.to(torch.bool)[:, None, None, :]
+
+
 def eager_module_of(module: torch.nn.Module) -> str:
     """The transformers module defining ``module``'s class and its ``eager_attention_forward`` (the engine's
     routed subclasses keep the name but live elsewhere: the MRO is searched)."""
