@@ -10,9 +10,10 @@ data-parallel ranks and replicates across them. With T > 1 the data-parallel ran
 data-parallel groups (shard group: data-parallel ranks ``[s, s + K)``, world ranks ``t + T * [s, s + K)``)
 and K must divide ``N / T``, not N; the ranks of one TP group hold different pieces at the same place of
 the same shard layout. :class:`ParallelDims` is that grid's sizes as the user
-gives them (``shard_group_size`` and ``tensor_parallel_size``: fields of :class:`~.config.ZeroConfig`, so the
+gives them (``shard_group_size``, ``tensor_parallel_size``, ``sequence_parallel_size``: fields of :class:`~.config.ZeroConfig`, so the
 Trainer strategy, the Fabric strategy, Hydra and the engine read one config; ``pipeline_parallel_size``:
-ZeroPipelineStrategy's and PipelineZero's own, with its schedule knobs), validated here and nowhere else: against :data:`COMPOSE` (which dims combine, and why not) and
+ZeroPipelineStrategy's and PipelineZero's own, with its schedule knobs), validated here and nowhere else: against
+:data:`COMPOSED` / :data:`COMPOSE` (which pairs of dims combine and how, which do not and why) and
 :data:`STAGES_WITH` (which ZeRO stages a dim takes), then against the world size once it is known.
 
 [Note: sequence parallelism over ZeRO]
