@@ -64,6 +64,7 @@ BAD = {
     "strategy.prefetch=-1": r"prefetch must be True .*, False .* or an int >= 0 .*; got -1",
     "strategy.shard_group_size=0": r"shard_group_size must be an int >= 1 .*; got 0",
     "strategy.tensor_parallel_size=0": r"tensor_parallel_size must be an int >= 1 .*; got 0",
+    "strategy.sequence_parallel_size=0": r"sequence_parallel_size must be an int >= 1 .*; got 0",
 }
 PRETRAIN_BAD = {
     "pretrain.chunk_len=1": r"pretrain.chunk_len=1 \(allowed: an int >= 2\)",
