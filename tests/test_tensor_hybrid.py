@@ -24,7 +24,7 @@ from lightning_zero.engine.comm import collectives
 from tests.helpers.dist_utils import clip_and_step, run_distributed
 from tests.helpers.parity import TP_FP32, close
 from tests.helpers.tp_models import CLIP, DIM, T, TinyGPT, dp_batch, full_state, lm_loss, make_gpt, parallelize
-from tests.helpers.tp_models import fit_tp, tp_mesh
+from tests.helpers.tp_models import engine_step, fabric_step, fit_tp, tp_mesh
 
 _close = functools.partial(close, tol=TP_FP32)
 
@@ -229,14 +229,6 @@ def _engine(mesh, stage, shard_group_size=None, seed=1):
     return model, ZeroEngine(model, opt, cfg, **(dict(device_mesh=mesh) if mesh is not None else {}))
 
 
-def _step(model, engine, step, dp_rank, dp_size):
-    loss = lm_loss(model, dp_batch(step, 0, dp_rank, dp_size))
-    loss.backward()
-    engine.clip_grad_norm_(CLIP)
-    engine.step()
-    return loss.item()
-
-
 def _dp(mesh, rank, world_size):
     return (mesh.get_local_rank("data_parallel"), mesh.size(0)) if mesh is not None else (rank, world_size)
 
@@ -249,16 +241,16 @@ def _save(rank, world_size, path):
     mesh = tp_mesh(world_size)
     model, engine = _engine(mesh, 2, K, seed=0)
     for step in range(2):
-        _step(model, engine, step, *_dp(mesh, rank, world_size))
+        engine_step(model, engine, step, *_dp(mesh, rank, world_size))
     save_engine_checkpoint(path, model, engine)
     saved = full_state(model)
-    _step(model, engine, 2, *_dp(mesh, rank, world_size))
+    engine_step(model, engine, 2, *_dp(mesh, rank, world_size))
     after = full_state(model)
     model2, engine2 = _engine(mesh, 1)
     load_checkpoint_dir(path, model2, engine2)
     loaded = full_state(model2)
     save_engine_checkpoint(f"{path}.tp_only", model2, engine2)  # the same state, no replicas: the bytes to match
-    _step(model2, engine2, 2, *_dp(mesh, rank, world_size))
+    engine_step(model2, engine2, 2, *_dp(mesh, rank, world_size))
     return saved, after, (loaded, full_state(model2))
 
 
@@ -270,7 +262,7 @@ def _resume(rank, world_size, path, tensor_parallel, stage, shard_group_size):
     model, engine = _engine(mesh, stage, shard_group_size)
     load_checkpoint_dir(path, model, engine)
     loaded = full_state(model)
-    _step(model, engine, 2, *_dp(mesh, rank, world_size))
+    engine_step(model, engine, 2, *_dp(mesh, rank, world_size))
     return loaded, full_state(model)
 
 
@@ -366,16 +358,7 @@ def _fabric_job(rank, world_size, tensor_parallel):
     model = fabric.setup_module(make_gpt())
     opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
     it = iter(fabric.setup_dataloaders(DataLoader(TokenRows(), batch_size=2, shuffle=False)))
-    losses = []
-    for _ in range(STEPS):
-        for micro in range(2):
-            with fabric.no_backward_sync(model, enabled=micro == 0):
-                loss = lm_loss(model, next(it)) / 2
-                fabric.backward(loss)
-            losses.append(loss.item())
-        fabric.clip_gradients(model, opt, max_norm=CLIP)
-        opt.step()
-        opt.zero_grad()
+    losses = [loss for _ in range(STEPS) for loss in fabric_step(fabric, model, opt, it)]
     return losses, full_state(model)
 
 

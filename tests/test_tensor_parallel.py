@@ -20,6 +20,7 @@ from lightning_zero.engine.layout import tensor_parallel as TPM
 from tests.helpers.dist_utils import clip_and_step, run_distributed
 from tests.helpers.parity import TP_FP32, close
 from tests.helpers.tp_models import CLIP, T, dp_batch, full_state, lm_loss, make_gpt, parallelize
+from tests.helpers.tp_models import engine_step
 from tests.helpers.tp_models import fit_tp as _fit_tp
 from tests.helpers.tp_models import tp_mesh as _mesh
 
@@ -239,14 +240,6 @@ def _ckpt_engine(mesh, stage, tensor_parallel, seed=1):
     return model, ZeroEngine(model, opt, ZeroConfig(stage=stage), **kw)
 
 
-def _step(model, engine, step, dp_rank, dp_size):
-    loss = lm_loss(model, dp_batch(step, 0, dp_rank, dp_size))
-    loss.backward()
-    engine.clip_grad_norm_(CLIP)
-    engine.step()
-    return loss.item()
-
-
 def _save_tp(rank, world_size, path):
     """Train 2 steps at TP2 x DP2, save, then step 3; reload the checkpoint at TP2 x DP2 (stage 1) and step 3;
     load it at DP4 without TP, save that as a flat checkpoint and load the flat one at TP2 x DP2 again."""
@@ -256,15 +249,15 @@ def _save_tp(rank, world_size, path):
     dp = mesh.get_local_rank("data_parallel"), mesh.size(0)
     model, engine = _ckpt_engine(mesh, 2, True, seed=0)
     for step in range(2):
-        _step(model, engine, step, *dp)
+        engine_step(model, engine, step, *dp)
     save_engine_checkpoint(path, model, engine)
     saved = full_state(model)
-    loss3 = _step(model, engine, 2, *dp)
+    loss3 = engine_step(model, engine, 2, *dp)
     after = full_state(model)
     model2, engine2 = _ckpt_engine(mesh, 1, True)
     load_checkpoint_dir(path, model2, engine2)
     loaded = full_state(model2)
-    reloss3 = _step(model2, engine2, 2, *dp)
+    reloss3 = engine_step(model2, engine2, 2, *dp)
     model3, engine3 = _ckpt_engine(mesh, 2, True)  # a full state dict (global tensors) into a TP engine
     engine3.load_full_state_dict(saved)
     with pytest.raises(NotImplementedError, match="Allowed: sharded checkpoints"):
@@ -275,7 +268,7 @@ def _save_tp(rank, world_size, path):
     model4, engine4 = _ckpt_engine(mesh, 2, True)
     load_checkpoint_dir(f"{path}.flat", model4, engine4)
     loaded4 = full_state(model4)
-    _step(model4, engine4, 2, *dp)
+    engine_step(model4, engine4, 2, *dp)
     return (saved, after, loss3, loaded, full_state(model2), reloss3, full_state(model3),
             {k: v.clone() for k, v in plain.state_dict().items()}, loaded4, full_state(model4))
 
@@ -287,7 +280,7 @@ def _resume_plain(rank, world_size, path, stage):
     model, engine = _ckpt_engine(None, stage, False)
     load_checkpoint_dir(path, model, engine)
     loaded = {k: v.clone() for k, v in model.state_dict().items()}
-    loss3 = _step(model, engine, 2, rank, world_size)
+    loss3 = engine_step(model, engine, 2, rank, world_size)
     return loaded, {k: v.clone() for k, v in model.state_dict().items()}, loss3
 
 

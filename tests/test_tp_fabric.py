@@ -20,9 +20,8 @@ from lightning_zero import ZeroFabricStrategy
 from lightning_zero.engine.layout import tensor_parallel as TPM
 from tests.helpers.dist_utils import run_distributed
 from tests.helpers.parity import TP_FP32, close
-from tests.helpers.tp_models import CLIP
 from tests.helpers.tp_models import TokenRows as _Rows
-from tests.helpers.tp_models import full_state, lm_loss, make_gpt, parallelize
+from tests.helpers.tp_models import fabric_step, full_state, make_gpt, parallelize
 
 _close = functools.partial(close, tol=TP_FP32)
 
@@ -44,14 +43,7 @@ def _loop(fabric, model, opt, loader, steps, save=None):
     """``steps`` optimizer steps of 2 micro-batches with clipping; ``save``: fabric.save after SAVE_AT steps."""
     losses, it, at_save = [], iter(loader), None
     for step in range(steps):
-        for micro in range(2):
-            with fabric.no_backward_sync(model, enabled=micro == 0):
-                loss = lm_loss(model, next(it)) / 2
-                fabric.backward(loss)
-            losses.append(loss.item())
-        fabric.clip_gradients(model, opt, max_norm=CLIP)
-        opt.step()
-        opt.zero_grad()
+        losses += fabric_step(fabric, model, opt, it)
         if save is not None and step + 1 == SAVE_AT:
             fabric.save(save, {"model": model, "optimizer": opt, "step": SAVE_AT})
             at_save = full_state(model)

@@ -78,6 +78,30 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
+def engine_step(model: nn.Module, engine, step: int, dp_rank: int, dp_size: int) -> float:
+    """One ZeroEngine step on data-parallel rank ``dp_rank``'s batch of ``step``, clipped at CLIP."""
+    loss = lm_loss(model, dp_batch(step, 0, dp_rank, dp_size))
+    loss.backward()
+    engine.clip_grad_norm_(CLIP)
+    engine.step()
+    return loss.item()
+
+
+def fabric_step(fabric, model: nn.Module, opt, it) -> list[float]:
+    """One Fabric optimizer step of 2 micro-batches from ``it`` (no sync on the first), clipped at CLIP: the
+    micro-batches' losses."""
+    losses = []
+    for micro in range(2):
+        with fabric.no_backward_sync(model, enabled=micro == 0):
+            loss = lm_loss(model, next(it)) / 2
+            fabric.backward(loss)
+        losses.append(loss.item())
+    fabric.clip_gradients(model, opt, max_norm=CLIP)
+    opt.step()
+    opt.zero_grad()
+    return losses
+
+
 def full_state(model: nn.Module) -> dict:
     """Every parameter's global value (DTensors gathered over their TP group: a collective)."""
     out = {}
