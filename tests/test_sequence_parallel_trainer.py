@@ -138,3 +138,37 @@ def test_heads_the_group_cannot_split_are_refused_naming_the_module(tmp_path):
     with pytest.raises(Exception, match=r"transformer\.h\.0\.attn \(GPT2Attention\) has 2 attention heads.*"
                                         r"allowed sizes: \[1, 2\]"):
         trainer.fit(_TwoHeads("gpt2", str(tmp_path), "heads_"))
+
+
+def _two_modules(rank, world):
+    """A strategy's layout over two LightningModules in one process, as a second fit (torchrun) builds it."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_zero.lightning.sequence_parallel import SequenceParallelLayout
+    from tests.helpers.sp_lightning import Tokens
+
+    torch.set_num_threads(1)
+    layout = SequenceParallelLayout(world)
+    layout.build()
+    batch = next(iter(DataLoader(Tokens(4, False), batch_size=2)))
+    losses = []
+    for _ in range(2):
+        module = SPModule("gpt2", "", "")
+        layout.apply(module)
+        layout.apply(module)  # every entry point of the Trainer applies it again
+        losses.append(float(module.model(**layout.shard(batch)).loss))
+    return losses
+
+
+@pytest.mark.timeout(120)
+def test_a_second_module_in_the_same_process_is_split_too():
+    import torch
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.dist_utils import run_distributed
+    from tests.helpers.sp_lightning import Tokens
+
+    want = float(make_lm("gpt2")(**next(iter(DataLoader(Tokens(4, False), batch_size=2)))).loss)
+    for rank, losses in enumerate(run_distributed(_two_modules, 2)):
+        close(torch.tensor(losses), torch.tensor([want, want]), f"rank {rank} losses", FP32)

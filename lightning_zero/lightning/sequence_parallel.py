@@ -30,7 +30,6 @@ class SequenceParallelLayout:
         self.size = size
         self.group: Optional[Any] = None
         self.sharding: Optional[Any] = None  # the model's SequenceSharding once applied
-        self._applied_to: Optional[int] = None  # id of the module whose attentions were swapped
 
     @classmethod
     def of(cls, size: Optional[int]) -> Optional["SequenceParallelLayout"]:
@@ -48,14 +47,12 @@ class SequenceParallelLayout:
         return {"num_replicas": world_size // self.size, "rank": rank // self.size}
 
     def apply(self, module: Any) -> None:
-        """Ulysses attentions over the group in ``module`` (each entry point of a Trainer calls it: once per
-        module; a new module -- a later fit's -- gets its own)."""
-        if self._applied_to == id(module) and self.sharding is not None:
-            return
+        """Ulysses attentions over the group in ``module``. Each entry point of a Trainer calls it: applying again
+        re-binds the model to the group and wraps nothing twice, so a later fit's module -- new, or the same one --
+        is always the one split (no identity kept: a freed module's id can be a new one's)."""
         from ..sequence_parallel import apply_sequence_parallel
 
         self.sharding = apply_sequence_parallel(hf_model_in(module), self.group)
-        self._applied_to = id(module)
 
     @staticmethod
     def shard_of(layout: Optional["SequenceParallelLayout"], batch: Any, owner: str) -> Any:
